@@ -1,0 +1,18 @@
+"""Attention layers with one interface: ``layer(query, key=None, value=None, *, masks..., cache...)``
+returns an :class:`AttentionOutput` (``output``, ``aux_loss``, ``cache``, ``routing``)."""
+
+from .base import AttentionLayer, AttentionOutput, KVCache
+from .mha import MultiHeadAttention
+from .moa import MixtureOfAttentionHeads
+from .moh import MixtureOfHeadsAttention
+from .talking_heads import TalkingHeadsAttention
+
+__all__ = [
+    "AttentionLayer",
+    "AttentionOutput",
+    "KVCache",
+    "MultiHeadAttention",
+    "MixtureOfAttentionHeads",
+    "MixtureOfHeadsAttention",
+    "TalkingHeadsAttention",
+]

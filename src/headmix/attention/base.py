@@ -1,0 +1,271 @@
+"""What every headmix attention layer shares: the output type, the key/value cache, mask handling
+and the input checks.
+
+Conventions (the same as ``torch.nn.MultiheadAttention`` with ``batch_first=True``):
+
+- tensors are batch-first, ``(batch, time, embed_dim)``;
+- ``key_padding_mask`` is ``(batch, source_len)``; boolean ``True`` marks padding, a float mask is added
+  to the scores;
+- ``attn_mask`` is ``(target_len, source_len)``, ``(batch, target_len, source_len)``,
+  ``(batch * heads, target_len, source_len)`` or ``(batch, heads, target_len, source_len)``;
+  boolean ``True`` marks a forbidden position, a float mask is added to the scores;
+- a query row with no allowed key returns zeros (never NaN), in the output and in the gradients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_layer_ids = itertools.count()
+
+
+@dataclass
+class KVCache:
+    """Keys and values a layer has seen, for incremental decoding.
+
+    ``key`` and ``value`` are ``(batch, kv_heads, length, size)``: MHA keeps one head per attention
+    head, MoA keeps a single shared head (eq. 10-11 share ``W_k`` and ``W_v`` across experts), so its
+    cache is ``top_k`` times smaller than MHA's at equal ``top_k * head_dim``.
+
+    ``static`` caches hold the projected memory of a cross-attention layer: later steps reuse them and
+    do not append. ``layer_id`` ties the cache to the layer that made it.
+    """
+
+    key: Tensor
+    value: Tensor
+    layer_id: int
+    static: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cached keys and values."""
+        return self.key.numel() * self.key.element_size() + self.value.numel() * self.value.element_size()
+
+    def reorder(self, index: Tensor) -> KVCache:
+        """Select batch rows (beam search): ``index`` is a ``(new_batch,)`` long tensor."""
+        return KVCache(self.key.index_select(0, index), self.value.index_select(0, index), self.layer_id, self.static)
+
+
+@dataclass
+class AttentionOutput:
+    """What an attention layer returns.
+
+    ``output`` is ``(batch, time, embed_dim)``; ``aux_loss`` is this layer's weighted auxiliary loss
+    (a zero scalar for layers without one); ``cache`` is set when ``use_cache=True``; ``routing`` holds
+    the per-token routing decisions of routed layers (``None`` otherwise).
+    """
+
+    output: Tensor
+    aux_loss: Tensor
+    cache: KVCache | None = None
+    routing: Any = None
+    losses: dict[str, Tensor] = field(default_factory=dict)
+
+
+class AttentionLayer(nn.Module):
+    """Base of the headmix attention layers: argument checks and cache plumbing.
+
+    Subclasses implement ``_project_kv(key, value) -> (k, v)`` giving ``(batch, kv_heads, S, size)``
+    tensors, and ``forward``.
+    """
+
+    def __init__(self, embed_dim: int):
+        super().__init__()
+        check_positive("embed_dim", embed_dim)
+        self.embed_dim = embed_dim
+        self.layer_id = next(_layer_ids)
+
+    def _check_inputs(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        check_embed_input("query", query, self.embed_dim)
+        if key is None and value is not None:
+            raise ValueError("value was given without key: pass key too (key=None means self-attention)")
+        if key is not None:
+            check_embed_input("key", key, self.embed_dim)
+            if value is None:
+                value = key
+            check_embed_input("value", value, self.embed_dim)
+            if key.shape[:2] != value.shape[:2]:
+                raise ValueError(f"key and value must have the same (batch, source_len), got {tuple(key.shape[:2])} and {tuple(value.shape[:2])}")
+            if key.shape[0] != query.shape[0]:
+                raise ValueError(f"key must have the batch size of query ({query.shape[0]}), got {key.shape[0]}")
+        return query, key, value
+
+    def _keys_values(
+        self, query: Tensor, key: Tensor | None, value: Tensor | None, use_cache: bool, cache: KVCache | None
+    ) -> tuple[Tensor, Tensor, KVCache | None, int]:
+        """Project (or fetch from the cache) the keys and values this call attends to.
+
+        Returns ``k, v, new_cache, past_len``, where ``past_len`` is the number of positions that precede
+        the queries of this call (for causal masks in incremental decoding).
+        """
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise ValueError(f"cache must be a KVCache returned by this layer, got {type(cache).__name__}")
+            if cache.layer_id != self.layer_id:
+                raise ValueError(
+                    f"cache belongs to another layer (layer_id {cache.layer_id}); this layer's layer_id is {self.layer_id}"
+                )
+            if cache.key.shape[0] != query.shape[0]:
+                raise ValueError(f"cache has batch size {cache.key.shape[0]}, query has {query.shape[0]}")
+        if cache is not None and cache.static:
+            return cache.key, cache.value, (cache if use_cache else None), 0
+        self_attention = key is None
+        k, v = self._project_kv(query if self_attention else key, query if self_attention else value)
+        past_len = 0
+        if cache is not None:
+            if not self_attention:
+                raise ValueError("a growing cache is for self-attention; cross-attention caches are static")
+            past_len = cache.length
+            k = torch.cat([cache.key, k], dim=2)
+            v = torch.cat([cache.value, v], dim=2)
+        new_cache = KVCache(k, v, self.layer_id, static=not self_attention) if use_cache else None
+        return k, v, new_cache, past_len
+
+    def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_embed_input(name: str, x: Tensor, embed_dim: int) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a tensor of shape (batch, time, {embed_dim}), got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != embed_dim:
+        raise ValueError(f"{name} must have shape (batch, time, {embed_dim}), got {tuple(x.shape)}")
+
+
+def attention_bias(
+    batch: int,
+    heads: int,
+    target_len: int,
+    source_len: int,
+    *,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    past_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Tensor | None, Tensor | None, bool]:
+    """Combine the masks into one additive bias broadcastable to ``(batch, heads, target_len, source_len)``.
+
+    Returns ``(bias, empty_rows, causal)``. ``causal`` is True when the only mask is a plain causal one
+    (no cache, square): then ``bias`` is None and the attention kernel applies the causal mask itself,
+    which lets flash attention run. ``empty_rows`` is ``None`` or a boolean tensor broadcastable to
+    ``(batch, heads, target_len, 1)`` marking query rows without any allowed key; in those rows the bias is
+    zero (so softmax stays finite) and the caller must zero the attention output.
+
+    ``is_causal`` aligns the queries with the last ``target_len`` keys: query ``i`` may see keys
+    ``0 .. past_len + i`` (incremental decoding with a cache).
+    """
+    if is_causal and key_padding_mask is None and attn_mask is None and past_len == 0 and target_len == source_len:
+        return None, None, True
+    bias: Tensor | None = None
+    forbidden: Tensor | None = None  # boolean, True = -inf
+
+    def add(mask: Tensor) -> None:
+        nonlocal bias, forbidden
+        if mask.dtype == torch.bool:
+            forbidden = mask if forbidden is None else forbidden | mask
+        else:
+            m = mask.to(dtype)
+            bias = m if bias is None else bias + m
+
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (batch, source_len):
+            raise ValueError(
+                f"key_padding_mask must have shape (batch, source_len) = ({batch}, {source_len}), got {tuple(key_padding_mask.shape)}"
+            )
+        add(key_padding_mask.to(device)[:, None, None, :])
+    if attn_mask is not None:
+        add(_attn_mask_4d(attn_mask, batch, heads, target_len, source_len).to(device))
+    if is_causal:
+        rows = torch.arange(target_len, device=device)[:, None] + past_len
+        cols = torch.arange(source_len, device=device)[None, :]
+        add(cols > rows)
+    if forbidden is None and bias is None:
+        return None, None, False
+    if bias is not None:
+        # -inf entries in a float mask count as forbidden too, so fully masked rows become zeros.
+        neg_inf = torch.isneginf(bias)
+        if neg_inf.any():
+            forbidden = neg_inf if forbidden is None else forbidden | neg_inf
+            bias = bias.masked_fill(neg_inf, 0.0)
+    empty_rows = None
+    if forbidden is not None:
+        empty_rows = forbidden.all(dim=-1, keepdim=True)
+        if not empty_rows.any():
+            empty_rows = None
+        else:
+            forbidden = forbidden & ~empty_rows
+        neg = torch.zeros(forbidden.shape, dtype=dtype, device=device).masked_fill(forbidden, float("-inf"))
+        bias = neg if bias is None else bias + neg
+    return bias, empty_rows, False
+
+
+def _attn_mask_4d(attn_mask: Tensor, batch: int, heads: int, target_len: int, source_len: int) -> Tensor:
+    shape = tuple(attn_mask.shape)
+    if attn_mask.dim() == 2 and shape == (target_len, source_len):
+        return attn_mask[None, None]
+    if attn_mask.dim() == 3 and shape == (batch * heads, target_len, source_len):
+        return attn_mask.view(batch, heads, target_len, source_len)
+    if attn_mask.dim() == 3 and shape == (batch, target_len, source_len):
+        return attn_mask[:, None]
+    if attn_mask.dim() == 4 and shape[2:] == (target_len, source_len) and shape[0] in (1, batch) and shape[1] in (1, heads):
+        return attn_mask
+    raise ValueError(
+        f"attn_mask must have shape (target_len, source_len) = ({target_len}, {source_len}), "
+        f"(batch * heads, target_len, source_len) = ({batch * heads}, {target_len}, {source_len}), "
+        f"(batch, target_len, source_len) or (batch, heads, target_len, source_len); got {shape}"
+    )
+
+
+def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, empty_rows: Tensor | None,
+                       dropout: float, scale: float | None = None, causal: bool = False) -> Tensor:
+    """Softmax attention ``softmax(q k^T * scale + bias) v`` over ``(batch, heads, len, size)`` tensors.
+
+    ``k``/``v`` may have one head shared by all query heads (multi-query attention, as MoA's shared
+    ``W_k``/``W_v``): it is broadcast without copies. Uses ``torch.nn.functional.scaled_dot_product_attention``
+    so flash / memory-efficient kernels apply where they can.
+    """
+    if q.shape[-1] == 0:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    if k.shape[1] != q.shape[1]:
+        if k.shape[1] != 1:
+            raise ValueError(f"keys must have 1 or {q.shape[1]} heads, got {k.shape[1]}")
+        k, v = _broadcast_kv(q, k, v)
+    if k.shape[2] == 0:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=causal, scale=scale
+    )
+    if empty_rows is not None:
+        out = out.masked_fill(empty_rows, 0.0)
+    return out
+
+
+def _broadcast_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    # An expanded view: stride 0 along heads, so no copy of the shared key/value head.
+    return k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+
+
+def zero_loss(ref: Tensor) -> Tensor:
+    return ref.new_zeros((), dtype=torch.float32 if ref.dtype in (torch.float16, torch.bfloat16) else ref.dtype)
+
+
+def default_scale(size: int) -> float:
+    return 1.0 / math.sqrt(size)

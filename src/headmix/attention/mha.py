@@ -1,0 +1,103 @@
+"""Standard multi-head attention, the baseline every other variant is measured against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product, zero_loss
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """``(batch, time, heads * size)`` -> ``(batch, heads, time, size)``."""
+    b, t, size = x.shape
+    return x.view(b, t, heads, size // heads).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """``(batch, heads, time, size)`` -> ``(batch, time, heads * size)``."""
+    b, h, t, s = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * s)
+
+
+def resolve_head_dims(embed_dim: int, num_heads: int, head_dim: int | None, key_dim: int | None) -> tuple[int, int]:
+    check_positive("num_heads", num_heads)
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) when head_dim is not given")
+        head_dim = embed_dim // num_heads
+    check_positive("head_dim", head_dim)
+    key_dim = head_dim if key_dim is None else key_dim
+    check_positive("key_dim", key_dim)
+    return head_dim, key_dim
+
+
+class MultiHeadAttention(AttentionLayer):
+    """Multi-head attention (Vaswani et al. 2017) with an optional decoupled key size.
+
+    ``head_dim`` is the value size per head (default ``embed_dim // num_heads``); ``key_dim`` the query/key
+    size per head (default ``head_dim``). A ``key_dim`` larger than ``head_dim`` lifts the low-rank
+    bottleneck of small heads (Bhojanapalli et al. 2020) at the cost of larger Q/K projections only.
+
+    Parameters: ``W_q, W_k`` of ``embed_dim x (num_heads * key_dim)``, ``W_v`` of
+    ``embed_dim x (num_heads * head_dim)``, ``W_o`` of ``(num_heads * head_dim) x embed_dim``; with
+    default sizes that is MoA's ``M_MHA = 4 d_m^2`` (eq. 20).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, head_dim: int | None = None, key_dim: int | None = None,
+                 bias: bool = True, dropout: float = 0.0):
+        super().__init__(embed_dim)
+        self.num_heads = num_heads
+        self.head_dim, self.key_dim = resolve_head_dims(embed_dim, num_heads, head_dim, key_dim)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.dropout = dropout
+        self.q_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """A layer with the weights of a ``torch.nn.MultiheadAttention``; it gives the same outputs
+        (in batch-first layout) for the same masks."""
+        if not isinstance(module, nn.MultiheadAttention):
+            raise ValueError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("module uses add_bias_kv or add_zero_attn, which headmix does not support")
+        if module.kdim != module.embed_dim or module.vdim != module.embed_dim:
+            raise ValueError(f"module must have kdim == vdim == embed_dim ({module.embed_dim}), got {module.kdim}, {module.vdim}")
+        d = module.embed_dim
+        has_bias = module.in_proj_bias is not None
+        layer = cls(d, module.num_heads, bias=has_bias, dropout=module.dropout)
+        layer.to(device=module.out_proj.weight.device, dtype=module.out_proj.weight.dtype)
+        with torch.no_grad():
+            wq, wk, wv = module.in_proj_weight.split(d, dim=0)
+            layer.q_proj.weight.copy_(wq)
+            layer.k_proj.weight.copy_(wk)
+            layer.v_proj.weight.copy_(wv)
+            layer.out_proj.weight.copy_(module.out_proj.weight)
+            if has_bias:
+                bq, bk, bv = module.in_proj_bias.split(d)
+                layer.q_proj.bias.copy_(bq)
+                layer.k_proj.bias.copy_(bk)
+                layer.v_proj.bias.copy_(bv)
+                layer.out_proj.bias.copy_(module.out_proj.bias)
+        return layer
+
+    def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        return split_heads(self.k_proj(key), self.num_heads), split_heads(self.v_proj(value), self.num_heads)
+
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
+                use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        query, key, value = self._check_inputs(query, key, value)
+        k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
+        q = split_heads(self.q_proj(query), self.num_heads)
+        batch, _, tgt, _ = q.shape
+        bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
+                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
+                                             dtype=q.dtype, device=q.device)
+        o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
+        return AttentionOutput(self.out_proj(merge_heads(o)), zero_loss(query), new_cache)

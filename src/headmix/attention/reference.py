@@ -1,0 +1,184 @@
+"""Plain reference implementations, written straight from the papers' equations.
+
+They are slow on purpose: explicit softmax, a loop over every expert or head, every expert computed for
+every token. The layers' fast paths are tested against them (outputs and gradients). Each function
+takes a layer (for its parameters) and the same inputs and mask keywords as the layer, in eval mode
+(no dropout, no router noise).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .moa import MixtureOfAttentionHeads
+from .mha import MultiHeadAttention
+from .moh import MixtureOfHeadsAttention
+from .talking_heads import TalkingHeadsAttention
+
+
+def reference_mask(batch: int, heads: int, tgt: int, src: int, *, key_padding_mask: Tensor | None = None,
+                   attn_mask: Tensor | None = None, is_causal: bool = False, past_len: int = 0) -> tuple[Tensor, Tensor]:
+    """Dense ``(allowed, added)`` of shape ``(batch, heads, tgt, src)``: a boolean of allowed positions and
+    a float tensor added to the scores, built entry by entry from the masks' definitions."""
+    allowed = torch.ones(batch, heads, tgt, src, dtype=torch.bool)
+    added = torch.zeros(batch, heads, tgt, src, dtype=torch.float64)
+
+    def apply(mask: Tensor) -> None:  # mask broadcastable to (batch, heads, tgt, src)
+        nonlocal allowed, added
+        mask = mask.expand(batch, heads, tgt, src).cpu()
+        if mask.dtype == torch.bool:
+            allowed = allowed & ~mask
+        else:
+            allowed = allowed & ~torch.isneginf(mask)
+            added = added + torch.where(torch.isneginf(mask), torch.zeros((), dtype=torch.float64), mask.double())
+
+    if key_padding_mask is not None:
+        apply(key_padding_mask[:, None, None, :])
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            apply(attn_mask[None, None])
+        elif attn_mask.dim() == 3 and attn_mask.shape[0] == batch * heads and heads > 1:
+            apply(attn_mask.view(batch, heads, tgt, src))
+        elif attn_mask.dim() == 3:
+            apply(attn_mask[:, None])
+        else:
+            apply(attn_mask)
+    if is_causal:
+        for i in range(tgt):
+            allowed[:, :, i, past_len + i + 1:] = False
+    return allowed, added
+
+
+def reference_softmax_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, added: Tensor, scale: float,
+                                pre_mix: Tensor | None = None, post_mix: Tensor | None = None) -> Tensor:
+    """``softmax(q k^T * scale + added)`` restricted to ``allowed``, times ``v``; rows with no allowed key
+    give zeros. Optional talking-heads mixing of the logits (before) and weights (after the softmax)."""
+    if k.shape[-2] == 0:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    scores = q @ k.transpose(-1, -2) * scale
+    if pre_mix is not None:
+        scores = torch.einsum("ij,bjts->bits", pre_mix, scores)
+    scores = scores + added.to(scores)
+    allowed = allowed.to(scores.device)
+    has_key = allowed.any(-1, keepdim=True)
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights * has_key
+    if post_mix is not None:
+        weights = torch.einsum("ij,bjts->bits", post_mix, weights)
+    return weights @ v
+
+
+def _inputs(query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor]:
+    if key is None:
+        return query, query
+    return key, key if value is None else value
+
+
+def _heads(x: Tensor, heads: int) -> Tensor:
+    b, t, size = x.shape
+    return x.view(b, t, heads, size // heads).transpose(1, 2)
+
+
+def reference_mha(layer: MultiHeadAttention | TalkingHeadsAttention, query: Tensor, key: Tensor | None = None,
+                  value: Tensor | None = None, **masks) -> Tensor:
+    """Multi-head attention, ``Concat(head_1..head_h) W_O`` (Vaswani et al. 2017); with the talking-heads
+    mixing matrices of a :class:`TalkingHeadsAttention`."""
+    key, value = _inputs(query, key, value)
+    h = layer.num_heads
+    q = _heads(layer.q_proj(query), h)
+    k = _heads(layer.k_proj(key), h)
+    v = _heads(layer.v_proj(value), h)
+    allowed, added = reference_mask(query.shape[0], h, query.shape[1], key.shape[1], **masks)
+    pre = getattr(layer, "pre_mix", None)
+    post = getattr(layer, "post_mix", None)
+    o = reference_softmax_attention(q, k, v, allowed, added, 1.0 / math.sqrt(layer.key_dim), pre, post)
+    return layer.out_proj(o.transpose(1, 2).flatten(2))
+
+
+def reference_moa_routing(layer: MixtureOfAttentionHeads, query: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Router of eq. 7-9 (and eq. 3 without noise): ``(logits, p, selected index, weights w)``."""
+    logits = query.double() @ layer.router.gate.weight.double().T          # x W_g
+    p = torch.softmax(logits, dim=-1)                                       # eq. 7
+    top_p, index = p.topk(layer.top_k, dim=-1)                              # eq. 8
+    if layer.router.router_type == "noisy_topk":
+        w = torch.softmax(logits.gather(-1, index), dim=-1)                 # eq. 3
+    elif layer.router.renormalize == "detached":
+        w = top_p / top_p.sum(-1, keepdim=True).detach()                    # eq. 9
+    elif layer.router.renormalize == "live":
+        w = top_p / top_p.sum(-1, keepdim=True)
+    else:
+        w = top_p
+    return logits, p, index, w
+
+
+def reference_moa(layer: MixtureOfAttentionHeads, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
+                  **masks) -> Tensor:
+    """MoA output (eq. 6) with every expert (eq. 10-12) evaluated for every token."""
+    key, value = _inputs(query, key, value)
+    _, _, index, w = reference_moa_routing(layer, query)
+    k_shared = layer.k_proj(key).unsqueeze(1)                               # K W_k, shared
+    v_shared = layer.v_proj(value).unsqueeze(1)                             # V W_v, shared
+    allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
+    y = torch.zeros_like(query)
+    for i in range(layer.num_experts):
+        q_i = (query @ layer.query_experts[i]).unsqueeze(1)                 # q_t W_q^i
+        o_i = reference_softmax_attention(q_i, k_shared, v_shared, allowed, added, 1.0 / math.sqrt(layer.head_dim))
+        e_i = o_i.squeeze(1) @ layer.output_experts[i]                      # eq. 12
+        w_i = (w * (index == i)).sum(-1, keepdim=True).to(query.dtype)      # w_{i,t}, 0 if not selected
+        y = y + w_i * e_i                                                   # eq. 6
+    if layer.out_bias is not None:
+        y = y + layer.out_bias
+    return y
+
+
+def reference_moa_losses(layer: MixtureOfAttentionHeads, query: Tensor, token_mask: Tensor | None = None) -> dict[str, Tensor]:
+    """Unweighted load-balancing loss (eq. 13-15) and z-loss (eq. 16) for one call, over real tokens."""
+    logits, p, index, _ = reference_moa_routing(layer, query)
+    n_exp = layer.num_experts
+    keep = torch.ones(query.shape[:2], dtype=torch.bool) if token_mask is None else token_mask
+    f = torch.zeros(n_exp, dtype=torch.float64)
+    big_p = torch.zeros(n_exp, dtype=torch.float64)
+    for i in range(n_exp):
+        f[i] = ((index == i).any(-1) & keep).sum()                          # tokens sent to expert i
+        big_p[i] = p[..., i][keep].sum()                                    # router mass on expert i
+    f, big_p = f / f.sum(), big_p / big_p.sum()
+    z = torch.log(torch.exp(logits).sum(-1))[keep].pow(2).mean()
+    return {"load_balance": n_exp * (f * big_p).sum(), "z_loss": z}
+
+
+def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
+                  **masks) -> Tensor:
+    """MoH: ``sum_i g_i H^i W_O^i`` with the two-stage weights, one head at a time."""
+    key, value = _inputs(query, key, value)
+    h, d = layer.num_heads, layer.head_dim
+    allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
+    x = query.double()
+    if layer.routed_gate is None:
+        g = torch.ones(*query.shape[:2], h, dtype=torch.float64)
+    else:
+        p_r = torch.softmax(x @ layer.routed_gate.weight.double().T, -1)
+        top_p, index = p_r.topk(layer.top_k, dim=-1)
+        routed = torch.zeros_like(p_r).scatter(-1, index, top_p) * layer.num_routed_heads
+        if layer.shared_gate is None:
+            g = routed
+        else:
+            a = 2 * torch.softmax(x @ layer.group_gate.weight.double().T, -1)
+            shared = layer.num_shared_heads * torch.softmax(x @ layer.shared_gate.weight.double().T, -1)
+            g = torch.cat([a[..., :1] * shared, a[..., 1:] * routed], -1)
+    y = torch.zeros_like(query)
+    w_o = layer.out_proj.weight.T                                           # rows i*d:(i+1)*d = W_O^i
+    for i in range(h):
+        sl = slice(i * d, (i + 1) * d)
+        q_i = (query @ layer.q_proj.weight[sl].T + (layer.q_proj.bias[sl] if layer.q_proj.bias is not None else 0)).unsqueeze(1)
+        k_i = (key @ layer.k_proj.weight[sl].T + (layer.k_proj.bias[sl] if layer.k_proj.bias is not None else 0)).unsqueeze(1)
+        v_i = (value @ layer.v_proj.weight[sl].T + (layer.v_proj.bias[sl] if layer.v_proj.bias is not None else 0)).unsqueeze(1)
+        h_i = reference_softmax_attention(q_i, k_i, v_i, allowed, added, 1.0 / math.sqrt(d)).squeeze(1)
+        y = y + g[..., i:i + 1].to(query.dtype) * (h_i @ w_o[sl])
+    if layer.out_proj.bias is not None:
+        y = y + layer.out_proj.bias
+    return y

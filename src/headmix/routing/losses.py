@@ -1,0 +1,45 @@
+"""Auxiliary router losses of MoA (eq. 13-17), averaged over real tokens only."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .router import Routing
+
+
+def load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor | None = None) -> Tensor:
+    """``L_a = E * sum_i f_i P_i`` (eq. 13-15).
+
+    ``f_i`` is the fraction of routing slots of the real tokens that go to expert ``i`` (no gradient);
+    ``P_i`` the fraction of router probability mass on expert ``i``. Both sum to 1 over experts, so
+    a perfectly uniform router gives ``L_a = 1``.
+
+    ``probs``: ``(N, E)``; ``expert_index``: ``(N, k)``; ``token_mask``: ``(N,)`` True for real tokens.
+    """
+    num_experts = probs.shape[-1]
+    if token_mask is not None:
+        probs, expert_index = probs[token_mask], expert_index[token_mask]
+    if probs.shape[0] == 0:
+        return probs.sum() * 0.0
+    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(0, expert_index.reshape(-1), torch.ones_like(expert_index.reshape(-1), dtype=probs.dtype))
+    f = (counts / counts.sum()).detach()
+    p = probs.sum(0) / probs.shape[0]
+    return num_experts * (f * p).sum()
+
+
+def router_z_loss(logits: Tensor, token_mask: Tensor | None = None) -> Tensor:
+    """``L_z = mean_t (log sum_i exp(x_{i,t}))^2`` over the pre-softmax logits (eq. 16), via logsumexp."""
+    if token_mask is not None:
+        logits = logits[token_mask]
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+def routing_losses(routing: Routing, load_balance_weight: float, z_loss_weight: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """The weighted sum ``alpha L_a + beta L_z`` (eq. 17 for one layer) and the unweighted parts."""
+    la = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask)
+    lz = router_z_loss(routing.logits, routing.token_mask)
+    return load_balance_weight * la + z_loss_weight * lz, {"load_balance": la, "z_loss": lz}

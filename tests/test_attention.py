@@ -1,0 +1,481 @@
+"""The attention layers against torch.nn.MultiheadAttention and against the plain references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headmix import (
+    MixtureOfAttentionHeads,
+    MixtureOfHeadsAttention,
+    MultiHeadAttention,
+    TalkingHeadsAttention,
+)
+from headmix.attention.reference import (
+    reference_mha,
+    reference_moa,
+    reference_moa_losses,
+    reference_moh,
+)
+
+D = 16
+
+
+def make(kind: str, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    if kind == "mha":
+        layer = MultiHeadAttention(D, 4, **kw)
+    elif kind == "mha_key":
+        layer = MultiHeadAttention(D, 4, head_dim=3, key_dim=7, **kw)
+    elif kind == "moa":
+        layer = MixtureOfAttentionHeads(D, num_experts=5, top_k=2, head_dim=6, **kw)
+    elif kind == "moh":
+        layer = MixtureOfHeadsAttention(D, num_heads=4, num_shared_heads=1, top_k=2, **kw)
+    elif kind == "moh_routed_only":
+        layer = MixtureOfHeadsAttention(D, num_heads=4, num_shared_heads=0, top_k=3, **kw)
+    elif kind == "th":
+        layer = TalkingHeadsAttention(D, 4, **kw)
+    else:
+        raise AssertionError(kind)
+    layer = layer.to(dtype).eval()
+    if kind == "th":  # move away from the identity so the mixing is exercised
+        with torch.no_grad():
+            layer.pre_mix.add_(0.3 * torch.randn(4, 4, dtype=dtype))
+            layer.post_mix.add_(0.3 * torch.randn(4, 4, dtype=dtype))
+    if kind.startswith("moh"):
+        with torch.no_grad():
+            for lin in (layer.shared_gate, layer.group_gate):
+                if lin is not None:
+                    lin.weight.normal_()
+            layer.routed_gate.weight.normal_()
+    if kind == "moa":
+        with torch.no_grad():
+            layer.router.gate.weight.normal_()
+    return layer
+
+
+def reference_for(kind: str):
+    return {"mha": reference_mha, "mha_key": reference_mha, "th": reference_mha, "moa": reference_moa,
+            "moh": reference_moh, "moh_routed_only": reference_moh}[kind]
+
+
+KINDS = ["mha", "mha_key", "moa", "moh", "moh_routed_only", "th"]
+
+
+# --------------------------------------------------------------------------- torch equivalence
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_torch_matches_torch(bias):
+    torch.manual_seed(1)
+    ref = torch.nn.MultiheadAttention(D, 4, bias=bias, batch_first=True).eval()
+    layer = MultiHeadAttention.from_torch(ref).eval()
+    x, mem = torch.randn(3, 5, D), torch.randn(3, 7, D)
+    kpm = torch.zeros(3, 7, dtype=torch.bool)
+    kpm[1, 4:] = True
+    cases = [
+        dict(q=x, k=x, kw={}),
+        dict(q=x, k=mem, kw=dict(key_padding_mask=kpm)),
+        dict(q=x, k=x, kw=dict(attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(5))),
+        dict(q=x, k=x, kw=dict(attn_mask=torch.rand(5, 5) > 0.6)),
+        dict(q=x, k=mem, kw=dict(attn_mask=torch.randn(3 * 4, 5, 7))),
+        dict(q=x, k=mem, kw=dict(attn_mask=torch.randn(5, 7), key_padding_mask=kpm)),
+    ]
+    for case in cases:
+        expected, _ = ref(case["q"], case["k"], case["k"], need_weights=False, **case["kw"])
+        got = layer(case["q"], None if case["k"] is x else case["k"], **case["kw"]).output
+        rows_ok = ~torch.isnan(expected)  # torch gives NaN where a row is fully masked; we give zeros
+        torch.testing.assert_close(got[rows_ok], expected[rows_ok], atol=1e-6, rtol=1e-5)
+        assert not torch.isnan(got).any()
+
+
+def test_from_torch_gradients_match():
+    torch.manual_seed(2)
+    ref = torch.nn.MultiheadAttention(D, 2, batch_first=True)
+    layer = MultiHeadAttention.from_torch(ref)
+    x = torch.randn(2, 4, D, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    ref(x, x, x, need_weights=False)[0].square().sum().backward()
+    layer(x2).output.square().sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(layer.q_proj.weight.grad, ref.in_proj_weight.grad[:D], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(layer.out_proj.weight.grad, ref.out_proj.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_from_torch_rejects_other_modules():
+    with pytest.raises(ValueError, match="module"):
+        MultiHeadAttention.from_torch(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
+
+
+# --------------------------------------------------------------------------- against the references
+
+MASK_CASES = ["none", "padding", "causal", "cross", "float_mask", "fully_masked_row"]
+
+
+def inputs_for(case: str, batch=2, tgt=5, src=7):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(batch, tgt, D, generator=g)
+    kw: dict = {}
+    mem = None
+    if case == "padding":
+        kpm = torch.zeros(batch, tgt, dtype=torch.bool)
+        kpm[1, 3:] = True
+        kw["key_padding_mask"] = kpm
+    elif case == "causal":
+        kw["is_causal"] = True
+    elif case == "cross":
+        mem = torch.randn(batch, src, D, generator=g)
+        kpm = torch.zeros(batch, src, dtype=torch.bool)
+        kpm[0, 5:] = True
+        kw["key_padding_mask"] = kpm
+    elif case == "float_mask":
+        kw["attn_mask"] = torch.randn(tgt, tgt, generator=g)
+    elif case == "fully_masked_row":
+        m = torch.zeros(tgt, tgt, dtype=torch.bool)
+        m[2, :] = True
+        kw["attn_mask"] = m
+    return x, mem, kw
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_layer_matches_reference_outputs_and_gradients(kind, case):
+    layer = make(kind)
+    x, mem, kw = inputs_for(case)
+    x1 = x.clone().requires_grad_()
+    m1 = None if mem is None else mem.clone().requires_grad_()
+    out = layer(x1, m1, **kw).output
+    assert not torch.isnan(out).any()
+    if case == "fully_masked_row":
+        assert out[:, 2].eq(layer.out_proj.bias if hasattr(layer, "out_proj") else layer.out_bias).all()
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad()
+
+    x2 = x.clone().requires_grad_()
+    m2 = None if mem is None else mem.clone().requires_grad_()
+    expected = reference_for(kind)(layer, x2, m2, **kw)
+    (expected * w).sum().backward()
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(x1.grad, x2.grad, atol=2e-6, rtol=1e-5)
+    if mem is not None:
+        torch.testing.assert_close(m1.grad, m2.grad, atol=2e-6, rtol=1e-5)
+    for n, p in layer.named_parameters():
+        if p.grad is None:
+            assert n not in grads or grads[n].abs().max() == 0, n
+            continue
+        torch.testing.assert_close(grads[n], p.grad, atol=5e-6, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+    if kind == "moa":  # the router and the experts get gradients
+        assert grads["router.gate.weight"].abs().sum() > 0
+        assert grads["query_experts"].abs().sum() > 0 and grads["output_experts"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("renormalize", ["detached", "live", "none"])
+def test_moa_renormalisation_options(renormalize):
+    layer = make("moa", renormalize=renormalize)
+    x = torch.randn(2, 4, D)
+    out = layer(x)
+    g = out.routing.gates
+    p = out.routing.probs.gather(-1, out.routing.expert_index)
+    if renormalize == "none":
+        torch.testing.assert_close(g, p)
+    else:
+        torch.testing.assert_close(g.sum(-1), torch.ones(8))
+    x1 = x.clone().requires_grad_()
+    expected = reference_moa(layer, x1)
+    torch.testing.assert_close(layer(x).output, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_detached_and_live_denominators_differ_only_in_router_gradient():
+    grads = {}
+    for mode in ("detached", "live"):
+        layer = make("moa", renormalize=mode)
+        x = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(0))
+        layer(x).output.sum().backward()
+        grads[mode] = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    assert not torch.allclose(grads["detached"]["router.gate.weight"], grads["live"]["router.gate.weight"])
+    torch.testing.assert_close(grads["detached"]["query_experts"], grads["live"]["query_experts"])
+
+
+def test_noisy_topk_router():
+    layer = make("moa", router="noisy_topk")
+    x = torch.randn(2, 6, D)
+    ev = layer(x).routing
+    torch.testing.assert_close(ev.gates, ev.logits.gather(-1, ev.expert_index).softmax(-1))
+    torch.testing.assert_close(layer(x).output, reference_moa(layer, x), atol=2e-6, rtol=1e-5)
+    layer.train()
+    torch.manual_seed(5)
+    tr = layer(x).routing
+    torch.testing.assert_close(tr.gates.sum(-1), torch.ones(12))
+    assert not torch.equal(tr.gates, ev.gates)
+    with pytest.raises(ValueError, match="renormalize"):
+        MixtureOfAttentionHeads(D, 4, 2, 4, router="noisy_topk", renormalize="none")
+
+
+# --------------------------------------------------------------------------- special cases that equal MHA
+
+def test_moa_one_expert_equals_single_head_attention_with_shared_kv():
+    torch.manual_seed(0)
+    moa = MixtureOfAttentionHeads(D, num_experts=1, top_k=1, head_dim=6).eval()
+    mha = MultiHeadAttention(D, 1, head_dim=6).eval()
+    with torch.no_grad():
+        mha.q_proj.weight.copy_(moa.query_experts[0].T)
+        mha.q_proj.bias.zero_()
+        mha.k_proj.load_state_dict(moa.k_proj.state_dict())
+        mha.v_proj.load_state_dict(moa.v_proj.state_dict())
+        mha.out_proj.weight.copy_(moa.output_experts[0].T)
+        mha.out_proj.bias.copy_(moa.out_bias)
+    x, mem = torch.randn(2, 5, D), torch.randn(2, 3, D)
+    torch.testing.assert_close(moa(x, is_causal=True).output, mha(x, is_causal=True).output, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(moa(x, mem).output, mha(x, mem).output, atol=1e-6, rtol=1e-5)
+
+
+def copy_projections(src, dst):
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        getattr(dst, name).load_state_dict(getattr(src, name).state_dict())
+
+
+def test_moh_with_every_head_shared_equals_mha():
+    moh = MixtureOfHeadsAttention(D, num_heads=4, num_shared_heads=4, top_k=0).eval()
+    mha = MultiHeadAttention(D, 4).eval()
+    copy_projections(moh, mha)
+    x = torch.randn(2, 5, D)
+    torch.testing.assert_close(moh(x, is_causal=True).output, mha(x, is_causal=True).output)
+    assert moh(x).aux_loss.item() == 0.0 and moh(x).routing is None
+
+
+def test_fresh_moh_weights_every_active_head_one():
+    moh = MixtureOfHeadsAttention(D, num_heads=8, num_shared_heads=2, top_k=2).eval()
+    g, routing = moh.head_weights(torch.randn(2, 3, D), None)
+    assert torch.allclose(g[..., :2], torch.ones(()))
+    # routed heads: weight 2 * 0.5 * R * p_i, near 1 for a near-uniform fresh router; exactly 0 when unselected
+    assert (g[..., 2:] > 0).sum(-1).eq(2).all()
+
+
+def test_talking_heads_at_init_equals_mha():
+    th = TalkingHeadsAttention(D, 4).eval()
+    mha = MultiHeadAttention(D, 4).eval()
+    copy_projections(th, mha)
+    x, mem = torch.randn(2, 5, D), torch.randn(2, 6, D)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[0, 4:] = True
+    torch.testing.assert_close(th(x, is_causal=True).output, mha(x, is_causal=True).output, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(th(x, mem, key_padding_mask=kpm).output, mha(x, mem, key_padding_mask=kpm).output,
+                               atol=1e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- caches
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_by_step_decoding_equals_full_causal_forward(kind):
+    layer = make(kind)
+    x = torch.randn(2, 6, D)
+    full = layer(x, is_causal=True).output
+    cache, steps = None, []
+    # a prompt of 2 tokens, then one token at a time
+    out = layer(x[:, :2], is_causal=True, use_cache=True)
+    steps.append(out.output)
+    cache = out.cache
+    for t in range(2, 6):
+        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
+        cache = out.cache
+        steps.append(out.output)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-6, rtol=1e-5)
+    assert cache.length == 6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cross_attention_static_cache(kind):
+    layer = make(kind)
+    x, mem = torch.randn(2, 4, D), torch.randn(2, 7, D)
+    full = layer(x, mem).output
+    first = layer(x[:, :1], mem, use_cache=True)
+    assert first.cache.static
+    rest = layer(x[:, 1:], mem, use_cache=True, cache=first.cache)
+    torch.testing.assert_close(torch.cat([first.output, rest.output], 1), full, atol=2e-6, rtol=1e-5)
+    assert rest.cache is first.cache
+
+
+def test_moa_cache_holds_one_shared_head():
+    moa = MixtureOfAttentionHeads(512, num_experts=32, top_k=8, head_dim=64)
+    mha = MultiHeadAttention(512, 8)
+    x = torch.randn(1, 10, 512)
+    moa_cache = moa(x, is_causal=True, use_cache=True).cache
+    mha_cache = mha(x, is_causal=True, use_cache=True).cache
+    assert moa_cache.key.shape == (1, 1, 10, 64)
+    assert moa_cache.nbytes == 10 * 2 * 64 * 4           # 2 x head_dim x element size per token
+    assert mha_cache.nbytes == 8 * moa_cache.nbytes       # 8x less than MHA at d_model 512, head_dim 64
+
+
+def test_cache_from_another_layer_is_rejected():
+    a, b = make("moa"), make("moa")
+    cache = a(torch.randn(1, 3, D), is_causal=True, use_cache=True).cache
+    with pytest.raises(ValueError, match="cache belongs to another layer"):
+        b(torch.randn(1, 1, D), is_causal=True, cache=cache)
+    with pytest.raises(ValueError, match="cache must be a KVCache"):
+        b(torch.randn(1, 1, D), cache=(cache.key, cache.value))
+
+
+def test_cache_reorder_selects_rows():
+    layer = make("mha")
+    cache = layer(torch.randn(3, 2, D), is_causal=True, use_cache=True).cache
+    r = cache.reorder(torch.tensor([2, 2, 0]))
+    torch.testing.assert_close(r.key[1], cache.key[2])
+    torch.testing.assert_close(r.value[2], cache.value[0])
+
+
+# --------------------------------------------------------------------------- auxiliary losses
+
+def test_moa_aux_loss_matches_reference_and_ignores_padding():
+    layer = make("moa")
+    x = torch.randn(2, 6, D)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 2:] = True
+    out = layer(x, key_padding_mask=kpm)
+    ref = reference_moa_losses(layer, x, ~kpm)
+    torch.testing.assert_close(out.losses["load_balance"].double(), ref["load_balance"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.losses["z_loss"].double(), ref["z_loss"], rtol=1e-5, atol=1e-6)
+    expected = 0.01 * ref["load_balance"] + 0.001 * ref["z_loss"]
+    torch.testing.assert_close(out.aux_loss.double(), expected, rtol=1e-5, atol=1e-7)
+    # the content of padded positions does not change the loss
+    x2 = x.clone()
+    x2[1, 2:] = torch.randn(4, D) * 10
+    torch.testing.assert_close(layer(x2, key_padding_mask=kpm).aux_loss, out.aux_loss)
+    # query_padding_mask works for cross-attention, where key padding says nothing about queries
+    mem = torch.randn(2, 3, D)
+    cross = layer(x, mem, query_padding_mask=kpm)
+    torch.testing.assert_close(cross.aux_loss, out.aux_loss)
+
+
+def test_load_balancing_loss_is_one_when_uniform_and_gradient_flows_only_through_p():
+    from headmix.routing import load_balancing_loss
+    probs = torch.full((8, 4), 0.25, requires_grad=True)
+    index = torch.tensor([[0, 1], [2, 3]] * 4)
+    loss = load_balancing_loss(probs, index)
+    torch.testing.assert_close(loss, torch.tensor(1.0))
+    loss.backward()
+    # d/dp_{t,i} = E * f_i / T with f_i = 1/4
+    torch.testing.assert_close(probs.grad, torch.full((8, 4), 4 * 0.25 / 8))
+
+
+def test_z_loss_is_stable_for_large_logits():
+    from headmix.routing import router_z_loss
+    logits = torch.tensor([[1000.0, 1000.0]])
+    torch.testing.assert_close(router_z_loss(logits), torch.tensor((1000 + math.log(2)) ** 2))
+
+
+def test_moh_load_balancing_on_routed_heads():
+    layer = make("moh")
+    out = layer(torch.randn(2, 5, D))
+    r = out.routing
+    assert r.expert_index.max() < layer.num_routed_heads and r.probs.shape[-1] == 3
+    torch.testing.assert_close(out.aux_loss, 0.01 * out.losses["load_balance"])
+
+
+# --------------------------------------------------------------------------- numerical gradients
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradcheck_float64(kind):
+    # MoA's default detached denominator (eq. 9) is by design not the true derivative: check the live one.
+    layer = make(kind, dtype=torch.float64, **({"renormalize": "live"} if kind == "moa" else {}))
+    x = torch.randn(1, 3, D, dtype=torch.float64, requires_grad=True)
+    mem = torch.randn(1, 2, D, dtype=torch.float64, requires_grad=True)
+    # routing is piecewise constant: check away from ties (gradcheck perturbs by 1e-6)
+    assert torch.autograd.gradcheck(lambda a: layer(a, is_causal=True).output, (x,), eps=1e-6, atol=1e-5)
+    assert torch.autograd.gradcheck(lambda a, m: layer(a, m).output, (x, mem), eps=1e-6, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- property-based
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(KINDS), batch=st.integers(1, 3), tgt=st.integers(0, 6), src=st.integers(1, 6),
+       cross=st.booleans(), pad=st.booleans(), causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_property_shapes_masks_and_reference(kind, batch, tgt, src, cross, pad, causal, seed):
+    layer = make(kind)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, tgt, D, generator=g)
+    s = src if cross else tgt
+    mem = torch.randn(batch, s, D, generator=g) if cross else None
+    kw = {}
+    if pad and s > 0:
+        kw["key_padding_mask"] = torch.rand(batch, s, generator=g) < 0.4
+    if causal and not cross:
+        kw["is_causal"] = True
+    out = layer(x, mem, **kw)
+    assert out.output.shape == (batch, tgt, D)
+    assert torch.isfinite(out.output).all() and torch.isfinite(out.aux_loss)
+    torch.testing.assert_close(out.output, reference_for(kind)(layer, x, mem, **kw), atol=5e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- precision and edge sizes
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_autocast_close_to_float32(kind):
+    layer = make(kind)
+    x = torch.randn(2, 8, D)
+    ref = layer(x, is_causal=True).output
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = layer(x, is_causal=True).output
+    # stated tolerance: bf16 has 8 bits of mantissa; errors stay below 5% of the output scale
+    assert (low.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [0, 1])
+def test_length_zero_and_one(kind, length):
+    layer = make(kind)
+    x = torch.randn(2, length, D, requires_grad=True)
+    out = layer(x, is_causal=True, use_cache=True)
+    assert out.output.shape == (2, length, D)
+    out.output.sum().backward()
+    if x.grad is not None:  # an empty output may have no path back to an empty input
+        assert x.grad.shape == x.shape
+    torch.testing.assert_close(out.output, reference_for(kind)(layer, x, is_causal=True), atol=2e-6, rtol=1e-5)
+
+
+def test_routing_is_returned_not_stored():
+    layer = make("moa")
+    before = {k: v for k, v in vars(layer).items() if k != "_modules"}
+    out = layer(torch.randn(2, 3, D))
+    after = {k: v for k, v in vars(layer).items() if k != "_modules"}
+    assert before.keys() == after.keys()
+    assert out.routing.expert_index.shape == (6, 2) and out.routing.logits.shape == (6, 5)
+    assert out.routing.expert_counts().sum() == 12
+
+
+# --------------------------------------------------------------------------- bad input
+
+def test_bad_input_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"top_k \(6\) must not exceed num_experts \(5\)"):
+        MixtureOfAttentionHeads(D, num_experts=5, top_k=6, head_dim=4)
+    with pytest.raises(ValueError, match="num_experts must be a positive integer"):
+        MixtureOfAttentionHeads(D, num_experts=0, top_k=1, head_dim=4)
+    with pytest.raises(ValueError, match="embed_dim .* divisible by num_heads"):
+        MultiHeadAttention(10, 4)
+    with pytest.raises(ValueError, match=r"num_shared_heads \(5\) must not exceed num_heads \(4\)"):
+        MixtureOfHeadsAttention(D, 4, 5, 0)
+    with pytest.raises(ValueError, match="routed heads"):
+        MixtureOfHeadsAttention(D, 4, 1, 4)
+    with pytest.raises(ValueError, match="routed heads"):
+        MixtureOfHeadsAttention(D, 4, 1, 0)
+    with pytest.raises(ValueError, match="top_k must be 0 when every head is shared"):
+        MixtureOfHeadsAttention(D, 4, 4, 1)
+    with pytest.raises(ValueError, match="renormalize must be one of"):
+        MixtureOfAttentionHeads(D, 4, 2, 4, renormalize="sometimes")
+    layer = make("moa")
+    with pytest.raises(ValueError, match=r"query must have shape \(batch, time, 16\)"):
+        layer(torch.randn(2, 3, D + 1))
+    with pytest.raises(ValueError, match=r"key must have shape \(batch, time, 16\)"):
+        layer(torch.randn(2, 3, D), torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, source_len\) = \(2, 3\)"):
+        layer(torch.randn(2, 3, D), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask must have shape"):
+        layer(torch.randn(2, 3, D), attn_mask=torch.zeros(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="query_padding_mask must have shape"):
+        layer(torch.randn(2, 3, D), query_padding_mask=torch.zeros(2, 2, dtype=torch.bool))
