@@ -1,0 +1,39 @@
+# The two commands of the README:
+#   make demo   set up .venv and run the main job (MoA vs MHA on the embedded corpus, ~10 min on 2 CPU cores)
+#   make test   set up .venv and run the test suite (~5 min on 2 CPU cores)
+#
+# TORCH picks the PyTorch build: the default pins the release we test with. On a machine without a GPU
+# that resolves to a CPU wheel where one is provided locally (pip's find-links) or from PyPI; for another
+# build, e.g. CUDA: make test TORCH="torch --index-url https://download.pytorch.org/whl/cu124".
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-slow bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ".[test,triton]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/headmix demo --out runs/demo
+
+test: setup
+	$(BIN)/python -m pytest -q -n 2
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -n 2 -m slow
+
+bench: setup
+	$(BIN)/headmix bench attention
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

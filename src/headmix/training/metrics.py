@@ -1,0 +1,67 @@
+"""The metrics log: one JSON object a line, plus TensorBoard when it is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class MetricsLog:
+    """Appends records to ``RUN/metrics.jsonl`` (flushed per record, so a crash loses nothing written)
+    and mirrors numeric fields to TensorBoard when ``tensorboard`` is importable."""
+
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:
+                self._tb = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self._tb is not None and "step" in clean:
+            for k, v in clean.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(f"{clean.get('split', 'train')}/{k}", v, clean["step"])
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_summary(counts: torch.Tensor) -> dict[str, float]:
+    """Summary of an expert-load vector (tokens per expert): max/min share, coefficient of variation,
+    and the entropy of the shares normalised by log(E) (1 = perfectly even)."""
+    counts = counts.double()
+    total = counts.sum()
+    if total <= 0:
+        return {"max_share": 0.0, "min_share": 0.0, "cv": 0.0, "norm_entropy": 0.0}
+    share = counts / total
+    nz = share[share > 0]
+    entropy = float(-(nz * nz.log()).sum())
+    n = counts.numel()
+    return {
+        "max_share": float(share.max()),
+        "min_share": float(share.min()),
+        "cv": float(share.std(unbiased=False) / share.mean()),
+        "norm_entropy": entropy / float(torch.log(torch.tensor(float(n)))) if n > 1 else 1.0,
+    }
