@@ -1,4 +1,5 @@
-"""Run by tests/test_training.py under torchrun (2 processes, gloo): one DDP step against one local step."""
+"""Run by tests/test_training.py under torchrun (2 processes, gloo): one data-parallel step (DDP or FSDP2)
+against the same step taken by one process on both ranks' batches. Usage: ddp_agreement.py OUT_DIR KIND"""
 
 import copy
 import json
@@ -9,30 +10,32 @@ import torch
 import torch.distributed as dist
 
 from headmix.models import build_model, get_config
-from headmix.training.trainer import wrap_distributed
+from headmix.training.distributed import Parallel
 
+out_dir, kind = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+config = get_config("tiny-moa", task="translation", vocab_size=200).replace(dropout=0.0)
 torch.manual_seed(0)
-model = build_model(get_config("tiny-moa", task="translation", vocab_size=200).replace(dropout=0.0))
+model = build_model(config)
+initial = copy.deepcopy(model)
 reference = copy.deepcopy(model)
 g = torch.Generator().manual_seed(1)
 batches = [{k: torch.randint(5, 200, (3, 7), generator=g) for k in ("src", "tgt_in", "tgt_out")} for _ in range(2)]
 
-ddp = wrap_distributed(model, "ddp", torch.device("cpu"))
-opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-ddp(**batches[rank]).total_loss.backward()
+par = Parallel(model, kind, torch.device("cpu"), make_plain=lambda: build_model(config))
+opt = torch.optim.SGD(par.module.parameters(), lr=0.5)
+par.module(**batches[rank]).total_loss.backward()
 opt.step()
+full = par.full_model()
 
 ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-loss = sum(reference(**b).total_loss for b in batches) / 2
-loss.backward()
+(sum(reference(**b).total_loss for b in batches) / 2).backward()
 ref_opt.step()
 
-diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
 if rank == 0:
-    torch.manual_seed(0)
-    init = build_model(get_config("tiny-moa", task="translation", vocab_size=200).replace(dropout=0.0))
-    changed = sum(int(not torch.equal(a, b)) for a, b in zip(model.parameters(), init.parameters()))
-    Path(sys.argv[1], "ddp_result.json").write_text(json.dumps({"max_abs_diff": diff, "changed": changed}))
+    ours, ref, init = full.state_dict(), reference.state_dict(), initial.state_dict()
+    diff = max((ours[k] - ref[k]).abs().max().item() for k in ref)
+    changed = sum(int(not torch.equal(ours[k], init[k])) for k in ref)
+    Path(out_dir, f"{kind}_result.json").write_text(json.dumps({"max_abs_diff": diff, "changed": changed}))
 dist.destroy_process_group()

@@ -107,18 +107,18 @@ def test_language_model_runs(tmp_path, docs_file, task):
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, pairs_file, monkeypatch):
     cfg = small_config(tmp_path / "nan", pairs_file, max_steps=6, save_every=2)
-    import headmix.training.trainer as trainer
+    from headmix.training.distributed import Parallel
 
-    real = trainer._clip
+    real = Parallel.clip_grad_norm
     calls = {"n": 0}
 
-    def poisoned(model, clip_norm):
+    def poisoned(self, max_norm):
         calls["n"] += 1
         if calls["n"] == 4:
             return torch.tensor(float("nan"))
-        return real(model, clip_norm)
+        return real(self, max_norm)
 
-    monkeypatch.setattr(trainer, "_clip", poisoned)
+    monkeypatch.setattr(Parallel, "clip_grad_norm", poisoned)
     with pytest.raises(TrainingError, match="non-finite .* at step 4.*step_00000002"):
         train(cfg)
     assert [p.name for p in list_checkpoints(cfg.out)] == ["step_00000002"]
@@ -198,19 +198,22 @@ def test_corpus_scores_and_load_summary():
     assert s["max_share"] == 0.75 and s["min_share"] == 0.0
 
 
-def test_ddp_two_processes_match_one_process_exactly(tmp_path):
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_two_processes_match_one_process_exactly(tmp_path, kind):
     """Two gloo processes, each with its own batch, take the same optimizer step as one process on the
-    mean of both losses (MoA layers, auxiliary losses included)."""
+    mean of both losses (MoA layers, auxiliary losses included), with DDP and with FSDP2."""
     script = Path(__file__).parent / "ddp_agreement.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           str(tmp_path), kind]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "ddp_result.json").read_text())
+    result = json.loads((tmp_path / f"{kind}_result.json").read_text())
     assert result["max_abs_diff"] < 1e-6 and result["changed"] > 0
 
 
-def test_torchrun_training_end_to_end(tmp_path, pairs_file):
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_torchrun_training_end_to_end(tmp_path, pairs_file, kind):
     """The training command under torchrun with 2 CPU processes: the same splits as one process, and a
     validation loss close to the one-process run."""
     one = small_config(tmp_path / "one", pairs_file, max_steps=3, save_every=3, eval_every=100, dropout=0.0,
@@ -221,7 +224,8 @@ def test_torchrun_training_end_to_end(tmp_path, pairs_file):
            "-m", "headmix.cli.main", "train", "translation", "--preset", "tiny-mha", "--out", str(two),
            "--data", str(pairs_file), "--vocab-size", "300", "--max-steps", "3", "--max-tokens", "600",
            "--max-len", "32", "--warmup-steps", "2", "--save-every", "3", "--eval-every", "100",
-           "--dropout", "0", "--no-progress", "--log-every", "1", "--valid-size", "0.05", "--test-size", "0.05"]
+           "--dropout", "0", "--no-progress", "--log-every", "1", "--valid-size", "0.05", "--test-size", "0.05",
+           "--distributed", kind]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -52,8 +52,9 @@ from ..data import (
     write_jsonl_documents,
     write_tsv_pairs,
 )
-from ..models import build_model, get_config
+from ..models import build_model, count_parameters, get_config
 from . import checkpoint as ckpt
+from .distributed import Dist, Parallel, init_distributed
 from .metrics import MetricsLog, load_summary
 from .schedule import SCHEDULES, lr_multiplier
 
@@ -142,30 +143,6 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------------------------- setup
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
-
-def init_distributed(device: torch.device) -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return Dist()
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-
 
 def pick_device(name: str) -> torch.device:
     if name != "auto":
@@ -293,10 +270,6 @@ class _StopSignal:
         return False
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)
-
-
 def _expert_counts(routing: list, acc: dict[str, torch.Tensor]) -> None:
     for name, r in routing:
         c = r.expert_counts().detach().cpu()
@@ -371,14 +344,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if latest is not None:  # weights go in before wrapping; the optimizer state after (FSDP needs its params)
         state, info = ckpt.load_checkpoint(latest, model)
         step, tokens_seen, elapsed_before = info["step"], info["tokens"], info.get("train_seconds", 0.0)
-    if d.world_size > 1:
-        model = wrap_distributed(model, cfg.distributed, device)
+    par = Parallel(model, cfg.distributed if d.world_size > 1 else "none", device,
+                   make_plain=lambda: build_model(mcfg))
+    model = par.module
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                   weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
         s, schedule=cfg.resolved_schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps))
     if state is not None:
-        load_optimizer_state(model, optimizer, state["optimizer"])
+        par.load_optimizer_state(optimizer, state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         sampler.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"])
@@ -389,17 +363,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
     metrics = MetricsLog(run, enabled=d.main)
-    params = sum(p.numel() for p in _unwrap(model).parameters())
+    params = count_parameters(build_model(mcfg)) if par.kind == "fsdp" else count_parameters(model)
     log(f"model {cfg.preset} ({params / 1e6:.2f}M parameters) on {device}, world size {d.world_size}")
 
     def save(reason: str) -> Path | None:
-        state = {"optimizer": optimizer_state(model, optimizer, cfg), "schedule": schedule.state_dict(),
+        state = {"optimizer": par.optimizer_state(optimizer), "schedule": schedule.state_dict(),
                  "sampler": sampler.state_dict(), "rng": ckpt.rng_state()}
         info = {"tokens": tokens_seen, "train_seconds": elapsed_before + time.time() - t_start, "reason": reason}
-        with full_weights(model, cfg):
-            if d.main:
-                return ckpt.save_checkpoint(run, step, _unwrap(model), state, info, keep=max(cfg.keep_checkpoints, cfg.average_last))
-        return None
+        full = par.full_model()
+        if not d.main:
+            return None
+        return ckpt.save_checkpoint(run, step, full, state, info, keep=max(cfg.keep_checkpoints, cfg.average_last))
 
     model.train()
     t_start = time.time()
@@ -425,7 +399,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     data_iter = iter(train_loader)
                     batch = next(data_iter)
                 sync = micro == cfg.grad_accum - 1 or d.world_size == 1
-                with (contextlib.nullcontext() if sync else model.no_sync()):
+                with (contextlib.nullcontext() if sync else par.no_sync()):
                     with autocast():
                         out = model(**model_inputs(cfg.task, batch, device))
                     (out.total_loss / cfg.grad_accum).backward()
@@ -433,7 +407,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 window["aux"] += float(out.aux_loss.detach()) / cfg.grad_accum
                 step_tokens += int(out.num_tokens)
                 _expert_counts(out.routing, counts)
-            grad_norm = _clip(model, cfg.clip_norm)
+            grad_norm = par.clip_grad_norm(cfg.clip_norm)
             loss_value = float(step_loss) / cfg.grad_accum
             if not math.isfinite(loss_value) or not torch.isfinite(grad_norm):
                 kept = ckpt.latest_checkpoint(run)
@@ -476,11 +450,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     train_seconds = elapsed_before + time.time() - t_start
     d.barrier()
     summary: dict[str, Any] = {}
-    with full_weights(model, cfg):
-        if d.main:
-            summary = _finish(cfg, run, _unwrap(model), valid_loader, device, autocast, metrics, log, step=step,
-                              tokens=tokens_seen * d.world_size, seconds=train_seconds, params=params,
-                              stopped_by=stopped_by or "max_steps", world_size=d.world_size)
+    full = par.full_model()
+    if d.main:
+        summary = _finish(cfg, run, full, valid_loader, device, autocast, metrics, log, step=step,
+                          tokens=tokens_seen * d.world_size, seconds=train_seconds, params=params,
+                          stopped_by=stopped_by or "max_steps", world_size=d.world_size)
     metrics.close()
     d.barrier()
     return summary
@@ -511,54 +485,3 @@ def _progress(cfg: TrainConfig, d: Dist, start: int):
         return None
     from tqdm import tqdm
     return tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _clip(model: nn.Module, clip_norm: float) -> torch.Tensor:
-    params = [p for p in model.parameters() if p.grad is not None]
-    if clip_norm > 0:
-        if hasattr(model, "clip_grad_norm_"):  # FSDP computes the norm over all shards
-            return model.clip_grad_norm_(clip_norm)
-        return torch.nn.utils.clip_grad_norm_(params, clip_norm)
-    if not params:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
-
-
-# ----------------------------------------------------------------------------------------------- distributed
-
-def wrap_distributed(model: nn.Module, kind: str, device: torch.device) -> nn.Module:
-    """DDP (every rank holds the model) or FSDP (parameters sharded across ranks)."""
-    if kind == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    return FSDP(model, use_orig_params=True, device_id=device if device.type == "cuda" else None)
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    return type(model).__name__ == "FullyShardedDataParallel"
-
-
-def load_optimizer_state(model: nn.Module, optimizer, state: dict[str, Any]) -> None:
-    if _is_fsdp(model):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        state = FSDP.optim_state_dict_to_load(model, optimizer, state)
-    optimizer.load_state_dict(state)
-
-
-def optimizer_state(model: nn.Module, optimizer, cfg: TrainConfig) -> dict[str, Any]:
-    if _is_fsdp(model):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        return FSDP.optim_state_dict(model, optimizer)
-    return optimizer.state_dict()
-
-
-@contextlib.contextmanager
-def full_weights(model: nn.Module, cfg: TrainConfig):
-    """Inside, ``_unwrap(model)`` holds the full (unsharded) weights."""
-    if _is_fsdp(model):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        with FSDP.summon_full_params(model, writeback=False):
-            yield
-    else:
-        yield

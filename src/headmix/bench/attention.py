@@ -1,0 +1,213 @@
+"""``headmix bench attention``: MoA and headmix MHA against ``torch.nn.MultiheadAttention``.
+
+For each sequence length and number of experts it times, in one process and interleaved (every repeat
+runs each layer once, in turn; the median over repeats is reported):
+
+- ``fwd``: a forward pass without autograd;
+- ``fwd+bwd``: forward and backward of ``output.square().mean()``;
+- memory: on CUDA the peak allocated memory of a forward+backward; on CPU (where PyTorch keeps no
+  allocator statistics) the bytes of the tensors autograd saves for backward, the activation memory;
+
+and the ratio of each to ``torch.nn.MultiheadAttention(embed_dim, heads=top_k)``, whose
+``heads * head_dim = top_k * head_dim`` matches MoA's. A decoding table follows: tokens per second
+generating one token at a time with the cache, and the cache's bytes per token, for MoA and headmix MHA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..attention import MixtureOfAttentionHeads, MultiHeadAttention
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int,
+                        device: torch.device) -> dict[str, float]:
+    """Median seconds per call of each function; within a repeat every function runs once, in turn."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def saved_activation_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward during ``fn()``."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        try:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    return saved_activation_bytes(fn)
+
+
+@dataclass
+class Case:
+    name: str
+    layer: nn.Module
+    call: Callable[[torch.Tensor], torch.Tensor]
+
+
+def make_cases(embed_dim: int, top_k: int, head_dim: int, experts: list[int], device, dtype) -> list[Case]:
+    torch_mha = nn.MultiheadAttention(embed_dim, top_k, batch_first=True, device=device, dtype=dtype)
+    if top_k * head_dim != torch_mha.embed_dim:
+        raise ValueError(f"top_k * head_dim ({top_k} * {head_dim}) must equal embed_dim ({embed_dim}) for the baseline")
+    cases = [Case("torch MHA", torch_mha, lambda x: torch_mha(x, x, x, need_weights=False)[0])]
+    ours = MultiHeadAttention(embed_dim, top_k).to(device, dtype)
+    cases.append(Case("headmix MHA", ours, lambda x: ours(x).output))
+    for e in experts:
+        moa = MixtureOfAttentionHeads(embed_dim, e, top_k, head_dim).to(device, dtype)
+        cases.append(Case(f"MoA {top_k}K{e}E{head_dim}D", moa, lambda x, m=moa: m(x).output))
+    return cases
+
+
+def bench_layers(seq_lens: list[int], experts: list[int], *, embed_dim: int, top_k: int, head_dim: int,
+                 batch_tokens: int, batch: int | None, repeats: int, warmup: int, device: torch.device,
+                 dtype: torch.dtype) -> list[dict]:
+    rows = []
+    cases = make_cases(embed_dim, top_k, head_dim, experts, device, dtype)
+    for seq in seq_lens:
+        b = batch or max(1, batch_tokens // seq)
+        x = torch.randn(b, seq, embed_dim, device=device, dtype=dtype)
+        xg = x.clone().requires_grad_()
+
+        def fwd(case=None):
+            with torch.no_grad():
+                return case.call(x)
+
+        def fwd_bwd(case=None):
+            for p in case.layer.parameters():
+                p.grad = None
+            out = case.call(xg)
+            out.float().square().mean().backward()
+
+        t_fwd = interleaved_medians({c.name: (lambda c=c: fwd(c)) for c in cases}, repeats, warmup, device)
+        t_fb = interleaved_medians({c.name: (lambda c=c: fwd_bwd(c)) for c in cases}, repeats, warmup, device)
+        mem = {c.name: peak_memory(lambda c=c: c.call(xg).float().square().mean().backward(), device) for c in cases}
+        base = cases[0].name
+        for c in cases:
+            rows.append({"seq": seq, "batch": b, "layer": c.name, "fwd_ms": 1e3 * t_fwd[c.name],
+                         "fwd_bwd_ms": 1e3 * t_fb[c.name], "mem_mib": mem[c.name] / 2**20,
+                         "fwd_ratio": t_fwd[c.name] / t_fwd[base], "fwd_bwd_ratio": t_fb[c.name] / t_fb[base],
+                         "mem_ratio": mem[c.name] / max(mem[base], 1)})
+    return rows
+
+
+@torch.no_grad()
+def bench_decoding(*, embed_dim: int, top_k: int, head_dim: int, experts: int, batch: int, prompt: int, steps: int,
+                   repeats: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Tokens per second of one-token-at-a-time decoding with the cache, and cache bytes per token."""
+    layers = {"headmix MHA": MultiHeadAttention(embed_dim, top_k).to(device, dtype).eval(),
+              f"MoA {top_k}K{experts}E{head_dim}D": MixtureOfAttentionHeads(embed_dim, experts, top_k, head_dim).to(device, dtype).eval()}
+    x = torch.randn(batch, prompt + steps, embed_dim, device=device, dtype=dtype)
+    result: dict[str, dict] = {}
+
+    def decode(layer):
+        out = layer(x[:, :prompt], is_causal=True, use_cache=True)
+        for t in range(prompt, prompt + steps):
+            out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=out.cache)
+        return out.cache
+
+    times = interleaved_medians({n: (lambda l=l: decode(l)) for n, l in layers.items()}, repeats, 1, device)
+    for name, layer in layers.items():
+        cache = decode(layer)
+        result[name] = {"layer": name, "tokens_per_s": batch * steps / times[name],
+                        "cache_bytes_per_token": cache.nbytes / (batch * cache.length)}
+    return list(result.values())
+
+
+def format_rows(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    header = "| " + " | ".join(c[1] for c in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(fmt.format(r[key]) for key, _, fmt in columns) + " |" for r in rows]
+    return "\n".join([header, sep, *body])
+
+
+LAYER_COLUMNS = [("seq", "seq", "{}"), ("batch", "batch", "{}"), ("layer", "layer", "{}"),
+                 ("fwd_ms", "fwd ms", "{:.2f}"), ("fwd_ratio", "fwd / torch", "{:.2f}"),
+                 ("fwd_bwd_ms", "fwd+bwd ms", "{:.2f}"), ("fwd_bwd_ratio", "fwd+bwd / torch", "{:.2f}"),
+                 ("mem_mib", "memory MiB", "{:.1f}"), ("mem_ratio", "memory / torch", "{:.2f}")]
+DECODE_COLUMNS = [("layer", "layer", "{}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+                  ("cache_bytes_per_token", "cache bytes/token/layer", "{:.0f}")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    p.add_argument("--embed-dim", type=int, default=512)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq", type=int, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
+    p.add_argument("--batch-tokens", type=int, default=4096, help="batch = batch_tokens // seq (unless --batch)")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-decode", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"# headmix bench attention: {device} ({_device_name(device)}), {dtype}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; embed {args.embed_dim}, k {args.top_k}, head_dim {args.head_dim}; "
+          f"median of {args.repeats} interleaved runs")
+    rows = bench_layers(args.seq, args.experts, embed_dim=args.embed_dim, top_k=args.top_k, head_dim=args.head_dim,
+                        batch_tokens=args.batch_tokens, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
+                        device=device, dtype=dtype)
+    print(format_rows(rows, LAYER_COLUMNS))
+    if not args.no_decode:
+        print()
+        print(f"# decoding: batch 8, prompt 128, 64 steps of one token; MoA {args.top_k}K{max(args.experts)}E{args.head_dim}D")
+        dec = bench_decoding(embed_dim=args.embed_dim, top_k=args.top_k, head_dim=args.head_dim,
+                             experts=max(args.experts), batch=8, prompt=128, steps=64, repeats=3, device=device,
+                             dtype=dtype)
+        print(format_rows(dec, DECODE_COLUMNS))
+    return 0
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"{platform.processor() or platform.machine()}"
