@@ -1,0 +1,338 @@
+"""Model configuration: plain dataclasses, composed (a model config holds one attention config per
+attention role), validated on construction and round-tripped through JSON.
+
+``AttentionConfig`` describes one attention layer kind and builds it; ``ModelConfig`` describes a whole
+Transformer (translation encoder-decoder, masked LM encoder, or causal LM decoder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .. import attention
+
+ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads")
+TASKS = ("translation", "mlm", "lm")
+NORMS = ("pre", "post")
+POSITIONS = ("sinusoidal", "learned")
+ACTIVATIONS = ("relu", "gelu")
+EXPERT_IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
+
+# Fields that only mean something for some kinds; they must be None (unset) for the others.
+_KIND_FIELDS = {
+    "num_experts": ("moa",),
+    "top_k": ("moa", "moh"),
+    "num_shared_heads": ("moh",),
+    "num_heads": ("mha", "moh", "talking_heads"),
+    "key_dim": ("mha", "talking_heads"),
+}
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _fraction(name: str, value: Any, *, closed: bool = False) -> None:
+    in_range = isinstance(value, (int, float)) and (0.0 <= value <= 1.0 if closed else 0.0 <= value < 1.0)
+    ok = in_range and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"{name} must be a number in [0, 1{']' if closed else ')'}, got {value!r}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass
+class AttentionConfig:
+    """One attention layer.
+
+    ``kind``:
+
+    - ``"mha"``: multi-head attention, ``num_heads`` heads of ``head_dim`` (default ``d_model // num_heads``),
+      query/key size ``key_dim`` (default ``head_dim``).
+    - ``"moa"``: Mixture of Attention Heads (eq. 6-12): ``num_experts`` experts of size ``head_dim``, the
+      router selects ``top_k`` per token; the paper's ``{K}K{E}E{D}D`` is ``top_k=K, num_experts=E,
+      head_dim=D``. ``router``, ``renormalize`` (eq. 9), ``load_balance_weight`` (alpha, eq. 17),
+      ``z_loss_weight`` (beta) and ``expert_impl`` (the grouped-projection kernel) apply to it.
+    - ``"moh"``: Mixture-of-Head attention: ``num_heads`` heads, ``num_shared_heads`` always on, ``top_k``
+      of the others routed per token.
+    - ``"talking_heads"``: ``num_heads`` heads mixed by learned ``h x h`` maps before (``pre_softmax``)
+      and/or after (``post_softmax``) the softmax.
+
+    ``dropout`` is the dropout on the attention probabilities.
+    """
+
+    kind: str = "mha"
+    num_heads: int | None = None
+    head_dim: int | None = None
+    key_dim: int | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    num_shared_heads: int | None = None
+    router: str = "softmax"
+    renormalize: str = "detached"
+    load_balance_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    pre_softmax: bool = True
+    post_softmax: bool = True
+    dropout: float = 0.0
+    expert_impl: str = "auto"
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, embed_dim: int | None = None, name: str = "attention") -> None:
+        """Raise ``ValueError`` naming the offending field (``name.field``). With ``embed_dim``, also check
+        that the default head size ``embed_dim // num_heads`` exists."""
+        _choice(f"{name}.kind", self.kind, ATTENTION_KINDS)
+        for fname, kinds in _KIND_FIELDS.items():
+            if self.kind not in kinds and getattr(self, fname) is not None:
+                raise ValueError(f"{name}.{fname} applies to kind {' / '.join(repr(k) for k in kinds)} only; "
+                                 f"it must be unset (None) for kind {self.kind!r}, got {getattr(self, fname)!r}")
+        if self.kind == "moa":
+            for fname in ("num_experts", "top_k", "head_dim"):
+                if getattr(self, fname) is None:
+                    raise ValueError(f"{name}.{fname} is required for kind 'moa'")
+                _positive_int(f"{name}.{fname}", getattr(self, fname))
+            if self.top_k > self.num_experts:
+                raise ValueError(f"{name}.top_k K={self.top_k} exceeds num_experts E={self.num_experts}")
+            _choice(f"{name}.expert_impl", self.expert_impl, EXPERT_IMPLS)
+        else:
+            if self.num_heads is None:
+                raise ValueError(f"{name}.num_heads is required for kind {self.kind!r}")
+            _positive_int(f"{name}.num_heads", self.num_heads)
+            for fname in ("head_dim", "key_dim"):
+                if getattr(self, fname) is not None:
+                    _positive_int(f"{name}.{fname}", getattr(self, fname))
+            if self.head_dim is None and embed_dim is not None and embed_dim % self.num_heads:
+                raise ValueError(f"{name}.num_heads ({self.num_heads}) must divide d_model ({embed_dim}) when {name}.head_dim is not set")
+        if self.kind == "moh":
+            if self.num_shared_heads is None or self.top_k is None:
+                raise ValueError(f"{name}.num_shared_heads and {name}.top_k are required for kind 'moh'")
+            if not isinstance(self.num_shared_heads, int) or not 0 <= self.num_shared_heads < self.num_heads:
+                raise ValueError(f"{name}.num_shared_heads must be in [0, num_heads={self.num_heads}), got {self.num_shared_heads!r}")
+            routed = self.num_heads - self.num_shared_heads
+            _positive_int(f"{name}.top_k", self.top_k)
+            if self.top_k > routed:
+                raise ValueError(f"{name}.top_k K={self.top_k} exceeds the {routed} routed heads (num_heads - num_shared_heads)")
+        if self.kind == "talking_heads" and not (self.pre_softmax or self.post_softmax):
+            raise ValueError(f"{name}: talking_heads needs pre_softmax or post_softmax (otherwise use kind 'mha')")
+        _fraction(f"{name}.dropout", self.dropout)
+        for fname in ("load_balance_weight", "z_loss_weight"):
+            v = getattr(self, fname)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}.{fname} must be a non-negative number, got {v!r}")
+
+    def resolved_head_dim(self, embed_dim: int) -> int:
+        """Value size per head (per expert for MoA)."""
+        return self.head_dim if self.head_dim is not None else embed_dim // self.num_heads
+
+    def resolved_key_dim(self, embed_dim: int) -> int:
+        """Query/key size per head (equal to the head size except for MHA/Talking-Heads with ``key_dim``)."""
+        return self.key_dim if self.key_dim is not None else self.resolved_head_dim(embed_dim)
+
+    @property
+    def routed(self) -> bool:
+        return self.kind in ("moa", "moh")
+
+    def build(self, embed_dim: int) -> nn.Module:
+        """The attention layer this config describes, for model width ``embed_dim``."""
+        self.validate(embed_dim)
+        if self.kind == "mha":
+            return attention.MultiHeadAttention(embed_dim, self.num_heads, self.head_dim, self.key_dim,
+                                                bias=self.bias, dropout=self.dropout)
+        if self.kind == "moa":
+            return attention.MixtureOfAttentionHeads(
+                embed_dim, self.num_experts, self.top_k, self.head_dim, bias=self.bias, dropout=self.dropout,
+                router=self.router, renormalize=self.renormalize, load_balance_weight=self.load_balance_weight,
+                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl)
+        if self.kind == "moh":
+            return attention.MixtureOfHeadsAttention(
+                embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim, bias=self.bias,
+                dropout=self.dropout, load_balance_weight=self.load_balance_weight)
+        return attention.TalkingHeadsAttention(
+            embed_dim, self.num_heads, self.pre_softmax, self.post_softmax, head_dim=self.head_dim,
+            key_dim=self.key_dim, bias=self.bias, dropout=self.dropout)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], name: str = "attention") -> AttentionConfig:
+        """Build from a dict; errors name the field as ``name.field`` (e.g. ``cross_attention.top_k``)."""
+        _check_keys(cls, data, name)
+        try:
+            return cls(**data)
+        except ValueError as err:
+            message = str(err)
+            if message.startswith("attention"):
+                message = name + message[len("attention"):]
+            raise ValueError(message) from None
+
+
+@dataclass
+class ModelConfig:
+    """A whole Transformer.
+
+    ``task``: ``"translation"`` (encoder-decoder with cross-attention), ``"mlm"`` (encoder with a RoBERTa LM
+    head) or ``"lm"`` (decoder-only, causal). Translation needs ``encoder_layers`` and ``decoder_layers``
+    > 0, MLM only ``encoder_layers``, LM only ``decoder_layers``. Attention roles the task does not have
+    stay ``None``; the ones it has default to 8-head MHA.
+
+    ``norm``: ``"post"`` (Vaswani et al., fairseq's default) or ``"pre"`` (adds a final LayerNorm to the
+    encoder and decoder stacks). ``positions``: ``"sinusoidal"`` or ``"learned"``, up to ``max_positions``.
+    ``scale_embeddings`` multiplies token embeddings by ``sqrt(d_model)`` (fairseq); ``embedding_norm``
+    adds a LayerNorm after the embeddings (RoBERTa). ``share_embeddings`` ties the token embeddings of
+    encoder, decoder and the output projection (one joint vocabulary). ``dropout`` is the residual and
+    embedding dropout, ``activation_dropout`` the dropout after the FFN activation; the attention-probability
+    dropout lives in each ``AttentionConfig``.
+    """
+
+    task: str = "translation"
+    vocab_size: int = 32000
+    d_model: int = 512
+    ffn_dim: int = 2048
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    encoder_self_attention: AttentionConfig | None = None
+    decoder_self_attention: AttentionConfig | None = None
+    cross_attention: AttentionConfig | None = None
+    norm: str = "post"
+    positions: str = "sinusoidal"
+    max_positions: int = 1024
+    dropout: float = 0.1
+    activation_dropout: float = 0.0
+    activation: str = "relu"
+    scale_embeddings: bool = True
+    embedding_norm: bool = False
+    share_embeddings: bool = True
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    label_smoothing: float = 0.1
+
+    def __post_init__(self) -> None:
+        _choice("task", self.task, TASKS)
+        roles = self.attention_roles()
+        for role in ("encoder_self_attention", "decoder_self_attention", "cross_attention"):
+            value = getattr(self, role)
+            if isinstance(value, dict):
+                value = AttentionConfig.from_dict(value, role)
+                setattr(self, role, value)
+            if role in roles and value is None:
+                setattr(self, role, AttentionConfig(kind="mha", num_heads=8))
+        self.validate()
+
+    def attention_roles(self) -> tuple[str, ...]:
+        """The attention configs this task uses."""
+        return {"translation": ("encoder_self_attention", "decoder_self_attention", "cross_attention"),
+                "mlm": ("encoder_self_attention",),
+                "lm": ("decoder_self_attention",)}[self.task]
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending field."""
+        _choice("task", self.task, TASKS)
+        for name in ("vocab_size", "d_model", "ffn_dim", "max_positions"):
+            _positive_int(name, getattr(self, name))
+        for name in ("encoder_layers", "decoder_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        needs = {"translation": ("encoder_layers", "decoder_layers"), "mlm": ("encoder_layers",),
+                 "lm": ("decoder_layers",)}[self.task]
+        for name in ("encoder_layers", "decoder_layers"):
+            if name in needs and getattr(self, name) == 0:
+                raise ValueError(f"{name} must be > 0 for task {self.task!r}")
+            if name not in needs and getattr(self, name) != 0:
+                raise ValueError(f"{name} must be 0 for task {self.task!r}, got {getattr(self, name)}")
+        roles = self.attention_roles()
+        for role in ("encoder_self_attention", "decoder_self_attention", "cross_attention"):
+            value = getattr(self, role)
+            if role not in roles:
+                if value is not None:
+                    raise ValueError(f"{role} must be None for task {self.task!r} (it has no such attention)")
+                continue
+            if not isinstance(value, AttentionConfig):
+                raise ValueError(f"{role} must be an AttentionConfig, got {type(value).__name__}")
+            value.validate(self.d_model, role)
+        _choice("norm", self.norm, NORMS)
+        _choice("positions", self.positions, POSITIONS)
+        _choice("activation", self.activation, ACTIVATIONS)
+        _fraction("dropout", self.dropout)
+        _fraction("activation_dropout", self.activation_dropout)
+        _fraction("label_smoothing", self.label_smoothing)
+        for name in ("scale_embeddings", "embedding_norm", "share_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size:
+                raise ValueError(f"{name} must be a token id in [0, vocab_size={self.vocab_size}), got {v!r}")
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    # --- JSON round trip -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"a model config must be a JSON object, got {type(data).__name__}")
+        _check_keys(cls, data, "model config")
+        data = dict(data)
+        for role in ("encoder_self_attention", "decoder_self_attention", "cross_attention"):
+            if isinstance(data.get(role), dict):
+                data[role] = AttentionConfig.from_dict(data[role], role)
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    def save_json(self, path: str | os.PathLike) -> None:
+        """Write the config as JSON, atomically (temp file in the same folder, then ``os.replace``)."""
+        atomic_write_text(Path(path), self.to_json())
+
+    @classmethod
+    def load_json(cls, path: str | os.PathLike) -> ModelConfig:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+
+def _check_keys(cls: type, data: dict[str, Any], name: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown} in {name}; known fields: {sorted(known)}")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

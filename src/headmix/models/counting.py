@@ -1,0 +1,279 @@
+"""Parameter and MACs accounting, following the MoA paper (Zhang et al. 2022, eq. 18-20, Appendix E).
+
+Three numbers per model:
+
+- ``full``: every multiply-accumulate of the model's matrix products, from the config alone. Attention
+  costs both ``Q K^T`` *and* ``softmax(.) V``, i.e. ``2 T S d`` per head dimension; projections,
+  routers, FFN, LM head and output projection are counted; embeddings are lookups (0 MACs). Element-wise
+  work (softmax, LayerNorm, activations, residual adds, biases, MoA's gate scaling) is not counted.
+- ``paper``: the same, except that each attention layer is costed by the paper's formula as printed:
+  eq. 18 ``C_MoA = k T^2 d_h + 2(k+1) T d_h d_m`` (one ``T^2`` term, router aside) and eq. 19
+  ``C_MHA = T^2 d_m + 4 T d_m^2``. For cross-attention ``T^2`` becomes ``T S`` and the projection term
+  keeps the query length ``T``, as printed (with Appendix E's ``S = T = 10`` this is the formula itself).
+  MoH and Talking-Heads have no formula in the paper; the column uses eq. 19 for them.
+- ``measured``: run the model once under ``torch.utils.flop_counter.FlopCounterMode`` (MACs =
+  FLOPs / 2), with MoA layers on ``expert_impl="sorted"`` so that only the ``k`` selected experts per
+  token are computed (and counted).
+
+Parameters: ``full`` is the exact ``sum(p.numel())``; ``paper`` uses eq. 20 for attention,
+``M_MoA = (2E + 2) d_h d_m`` and ``M_MHA = 4 d_m^2`` (no router, no biases).
+
+Appendix E setup (the defaults here): batch 1, source and target length 10 for translation, length 128
+for the masked LM (and for the causal LM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import AttentionConfig, ModelConfig
+
+#: Appendix E input sizes.
+APPENDIX_E_LENGTHS = {"translation": (10, 10), "mlm": (128, None), "lm": (None, 128)}
+
+
+@dataclass
+class Count:
+    """Per-component counts: ``full`` (exact) and ``paper`` (attention by eq. 18-20 as printed)."""
+
+    full: dict[str, int]
+    paper: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.full.values())
+
+    @property
+    def paper_total(self) -> int:
+        return sum(self.paper.values())
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """``sum(p.numel())`` over the model's parameters, each tied parameter once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+# --------------------------------------------------------------------------------------------------
+# One attention layer
+# --------------------------------------------------------------------------------------------------
+def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: int) -> tuple[int, int]:
+    """``(full, paper)`` MACs of one attention layer with ``tgt_len`` queries over ``src_len`` keys
+    (``src_len == tgt_len`` for self-attention), batch 1, inference (no router noise)."""
+    d, t, s = d_model, tgt_len, src_len
+    if att.kind == "moa":
+        k, e, dh = att.top_k, att.num_experts, att.head_dim
+        full = (t * d * e            # router logits x W_g (eq. 7)
+                + k * t * d * dh     # expert query projections (eq. 10), k per token
+                + 2 * s * d * dh     # shared K and V projections, once
+                + 2 * k * t * s * dh  # scores and weights x values of k heads
+                + k * t * dh * d)    # expert output projections (eq. 12)
+        paper = k * t * s * dh + 2 * (k + 1) * t * dh * d  # eq. 18
+        return full, paper
+    h = att.num_heads
+    dv = att.resolved_head_dim(d)
+    dk = att.resolved_key_dim(d)
+    full = t * d * h * dk + s * d * h * (dk + dv) + h * t * s * (dk + dv) + t * h * dv * d
+    paper = t * s * h * dk + 2 * t * d * h * dk + 2 * t * d * h * dv  # eq. 19 (= T^2 d_m + 4 T d_m^2)
+    if att.kind == "talking_heads":
+        full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h * t * s
+    if att.kind == "moh":
+        routed, shared = h - att.num_shared_heads, att.num_shared_heads
+        full += t * d * routed + (t * d * (shared + 2) if shared else 0)
+    return full, paper
+
+
+def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
+    """``(full, paper)`` parameters of one attention layer; ``paper`` is eq. 20."""
+    d = d_model
+    if att.kind == "moa":
+        e, dh = att.num_experts, att.head_dim
+        paper = (2 * e + 2) * dh * d
+        router = d * e * (2 if att.router == "noisy_topk" else 1)
+        bias = (2 * dh + d) if att.bias else 0
+        return paper + router + bias, paper
+    h = att.num_heads
+    dv = att.resolved_head_dim(d)
+    dk = att.resolved_key_dim(d)
+    paper = 2 * d * h * dk + 2 * d * h * dv  # = 4 d_m^2
+    full = paper + ((2 * h * dk + h * dv + d) if att.bias else 0)
+    if att.kind == "talking_heads":
+        full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h
+    if att.kind == "moh":
+        routed, shared = h - att.num_shared_heads, att.num_shared_heads
+        full += d * routed + (d * (shared + 2) if shared else 0)
+    return full, paper
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole models
+# --------------------------------------------------------------------------------------------------
+def resolve_lengths(config: ModelConfig, src_len: int | None = None, tgt_len: int | None = None) -> tuple[int | None, int | None]:
+    """``(src_len, tgt_len)`` with Appendix E's defaults; ``None`` for the side a task does not have."""
+    default_src, default_tgt = APPENDIX_E_LENGTHS[config.task]
+    if config.task == "mlm" and tgt_len is not None:
+        raise ValueError(f"tgt_len={tgt_len} given, but a masked LM has no target sequence: give its input length as src_len")
+    if config.task == "lm" and src_len is not None:
+        raise ValueError(f"src_len={src_len} given, but a causal LM has no source sequence: give its input length as tgt_len")
+    src = default_src if src_len is None else src_len
+    tgt = default_tgt if tgt_len is None else tgt_len
+    for name, v in (("src_len", src), ("tgt_len", tgt)):
+        if v is not None and (not isinstance(v, int) or v <= 0):
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    return src, tgt
+
+
+def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int | None = None,
+                  batch_size: int = 1) -> Count:
+    """MACs of one forward pass, per component (see the module docstring for ``full`` vs ``paper``).
+
+    ``src_len`` is the encoder's input length (translation, masked LM), ``tgt_len`` the decoder's
+    (translation, causal LM); defaults are Appendix E's (10 and 10 for translation, 128 for the LMs).
+    Per layer: FFN ``2 T d_m d_ffn``; output projection ``T d_m V``; RoBERTa LM head ``T d_m^2``; attention
+    by :func:`attention_macs`.
+    """
+    src, tgt = resolve_lengths(config, src_len, tgt_len)
+    d, f, v = config.d_model, config.ffn_dim, config.vocab_size
+    full: dict[str, int] = {"embeddings": 0}
+    paper: dict[str, int] = {"embeddings": 0}
+
+    def add(name: str, count_full: int, count_paper: int | None = None) -> None:
+        full[name] = full.get(name, 0) + batch_size * count_full
+        paper[name] = paper.get(name, 0) + batch_size * (count_full if count_paper is None else count_paper)
+
+    if config.encoder_layers:
+        a_full, a_paper = attention_macs(config.encoder_self_attention, d, src, src)
+        add("encoder.self_attention", config.encoder_layers * a_full, config.encoder_layers * a_paper)
+        add("encoder.ffn", config.encoder_layers * 2 * src * d * f)
+    if config.decoder_layers:
+        n = config.decoder_layers
+        a_full, a_paper = attention_macs(config.decoder_self_attention, d, tgt, tgt)
+        add("decoder.self_attention", n * a_full, n * a_paper)
+        if config.cross_attention is not None:
+            c_full, c_paper = attention_macs(config.cross_attention, d, tgt, src)
+            add("decoder.cross_attention", n * c_full, n * c_paper)
+        add("decoder.ffn", n * 2 * tgt * d * f)
+    out_len = src if config.task == "mlm" else tgt
+    if config.task == "mlm":
+        add("lm_head", out_len * d * d)
+    add("output_projection", out_len * d * v)
+    return Count(full, paper)
+
+
+def analytic_parameters(config: ModelConfig) -> Count:
+    """Parameters per component, exact (``full``, equal to :func:`count_parameters` of the built model)
+    and with attention by eq. 20 (``paper``)."""
+    d, f, v = config.d_model, config.ffn_dim, config.vocab_size
+    full: dict[str, int] = {}
+    paper: dict[str, int] = {}
+
+    def add(name: str, count_full: int, count_paper: int | None = None) -> None:
+        full[name] = full.get(name, 0) + count_full
+        paper[name] = paper.get(name, 0) + (count_full if count_paper is None else count_paper)
+
+    stacks = [s for s, n in (("encoder", config.encoder_layers), ("decoder", config.decoder_layers)) if n]
+    # token embeddings: one joint matrix when shared, else one per stack (plus the output projection below)
+    add("embeddings", v * d * (1 if config.share_embeddings else len(stacks)))
+    if config.positions == "learned":
+        add("positions", len(stacks) * config.max_positions * d)
+    layer_norm = 2 * d
+    for stack in stacks:
+        n = getattr(config, f"{stack}_layers")
+        roles = ["self_attention"] + (["cross_attention"] if stack == "decoder" and config.cross_attention else [])
+        for role in roles:
+            att = getattr(config, f"{stack}_{role}" if role == "self_attention" else role)
+            a_full, a_paper = attention_parameters(att, d)
+            add(f"{stack}.{role}", n * a_full, n * a_paper)
+        add(f"{stack}.ffn", n * (2 * d * f + f + d))
+        norms = n * (len(roles) + 1) + int(config.norm == "pre") + int(config.embedding_norm)
+        add(f"{stack}.norms", norms * layer_norm)
+    if config.task == "mlm":
+        add("lm_head", d * d + d + layer_norm + v)  # dense, its bias, LayerNorm, output bias
+    if not config.share_embeddings:
+        add("output_projection", v * d)
+    return Count(full, paper)
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------------
+def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # FlopCounterMode knows the CUDA attention kernels but not the CPU one that
+    # F.scaled_dot_product_attention dispatches to: give it the same formula (2 bmm's).
+    mapping = {}
+    if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_sdpa_flops
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def with_sorted_experts(config: ModelConfig) -> ModelConfig:
+    """A copy whose MoA layers use ``expert_impl="sorted"`` (exactly ``k`` expert projections per token)."""
+    changes = {}
+    for role in config.attention_roles():
+        att = getattr(config, role)
+        if att.kind == "moa":
+            changes[role] = dataclasses.replace(att, expert_impl="sorted")
+    return config.replace(**changes) if changes else config
+
+
+_COMPONENT_RE = [
+    (re.compile(r"^(encoder|decoder)\.layers\.\d+\.self_attn$"), "{}.self_attention"),
+    (re.compile(r"^(decoder)\.layers\.\d+\.cross_attn$"), "{}.cross_attention"),
+    (re.compile(r"^(encoder|decoder)\.layers\.\d+\.ffn$"), "{}.ffn"),
+    (re.compile(r"^(lm_head)$"), "{}"),
+]
+
+
+def measure_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int | None = None,
+                 batch_size: int = 1) -> dict[str, int]:
+    """MACs counted by ``FlopCounterMode`` (FLOPs / 2) on one forward pass of random tokens, per component
+    (the keys of :func:`analytic_macs`; ``output_projection`` is what the model computes outside its
+    layers). The model is built on the meta device and materialised with zero weights (no initialisers),
+    so even the big presets measure in seconds.
+    """
+    from .transformer import build_model
+
+    src, tgt = resolve_lengths(config, src_len, tgt_len)
+    config = with_sorted_experts(config)
+    # Only shapes matter: build on the meta device, materialise and zero the weights instead of running
+    # the initialisers (MoA's sorted kernel multiplies exactly k*N rows whatever the routing is).
+    model = build_model(config, device="meta").to_empty(device="cpu").eval()
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.zero_()
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(length: int) -> torch.Tensor:
+        ids = torch.randint(0, config.vocab_size, (batch_size, length), generator=gen)
+        return ids.masked_fill(ids.eq(config.pad_id), (config.pad_id + 1) % config.vocab_size)
+
+    counter = _flop_counter()
+    with torch.no_grad(), counter:
+        if config.task == "translation":
+            model(tokens(src), tokens(tgt))
+        else:
+            model(tokens(src if config.task == "mlm" else tgt))
+    counts = {}
+    root = type(model).__name__
+    for name, ops in counter.get_flop_counts().items():
+        if not name.startswith(root + "."):
+            continue
+        for pattern, key in _COMPONENT_RE:
+            m = pattern.match(name[len(root) + 1:])
+            if m:
+                key = key.format(m.group(1))
+                counts[key] = counts.get(key, 0) + sum(ops.values()) // 2
+    counts["output_projection"] = counter.get_total_flops() // 2 - sum(counts.values())
+    return {"embeddings": 0, **counts}

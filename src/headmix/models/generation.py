@@ -1,0 +1,192 @@
+"""Greedy decoding and beam search for :class:`EncoderDecoderModel` (translation) and
+:class:`CausalLanguageModel` (prompt continuation).
+
+With ``use_cache=True`` (default) the encoder output is computed once, every cross-attention layer
+projects it once into a static :class:`~headmix.attention.KVCache`, and the self-attention caches grow
+by one token per step; beams are reordered with ``KVCache.reorder``. With ``use_cache=False`` the whole
+prefix is run through the decoder at every step (the encoder still runs once). Both give the same tokens.
+
+Beam search follows fairseq's ``SequenceGenerator``: each step keeps the ``2 * beam_size`` best
+candidates; those ending in ``eos`` among the top ``beam_size`` are finished with score
+``sum log p / length ** length_penalty`` (length counts the ``eos``); the best ``beam_size`` others go on.
+A sentence is done once it has ``beam_size`` finished hypotheses; when ``max_len`` tokens are reached the
+live beams (without ``eos``) join its hypotheses. With ``beam_size=1`` this is greedy decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .transformer import CausalLanguageModel, DecoderState, EncoderDecoderModel, PreTrainedModel
+
+
+@dataclass
+class GenerationOutput:
+    """``tokens`` ``(B, L)``: the generated tokens (for a causal LM, the continuation without the
+    prompt), ending with ``eos`` unless ``max_len`` was reached, padded with ``pad_id``; ``scores`` ``(B,)``:
+    the summed log-probabilities (greedy) or the length-normalised beam score of the returned hypothesis."""
+
+    tokens: Tensor
+    scores: Tensor
+
+
+class _Prefix:
+    """The decoder-side state of a batch of hypotheses: the token prefix, the encoder output
+    (translation) and, with caching, the decoder's KV caches."""
+
+    def __init__(self, model: PreTrainedModel, src: Tensor, use_cache: bool):
+        cfg = model.config
+        self.model, self.use_cache = model, use_cache
+        self.state: DecoderState | None = None
+        if isinstance(model, EncoderDecoderModel):
+            self.encoder_out = model.encode(src)
+            self.tokens = torch.full((src.shape[0], 1), cfg.bos_id, dtype=torch.long, device=src.device)
+        elif isinstance(model, CausalLanguageModel):
+            if src.shape[1] == 0:
+                raise ValueError("the prompt must hold at least one token (e.g. bos)")
+            if bool(src.eq(cfg.pad_id).any()):
+                raise ValueError(f"prompts must not contain padding (pad_id={cfg.pad_id}): decode prompts of "
+                                 "different lengths separately")
+            self.encoder_out = None
+            self.tokens = src
+        else:
+            raise ValueError(f"generation needs an EncoderDecoderModel or a CausalLanguageModel, got {type(model).__name__}")
+
+    def next_log_probs(self) -> Tensor:
+        """``(batch, vocab)`` log-probabilities of the next token (float32), padding excluded."""
+        decoder = self.model.decoder
+        memory = mask = None
+        if self.encoder_out is not None:
+            memory, mask = self.encoder_out.hidden, self.encoder_out.padding_mask
+        if self.use_cache:
+            new = self.tokens[:, 0 if self.state is None else self.state.length:]
+            out = decoder(new, memory, mask, state=self.state, use_cache=True)
+            self.state = out.state
+        else:
+            out = decoder(self.tokens, memory, mask)
+        logits = self.model.compute_logits(out.hidden[:, -1:])
+        log_probs = logits[:, 0].float().log_softmax(-1)
+        log_probs[:, self.model.config.pad_id] = float("-inf")  # never generate padding (as fairseq)
+        return log_probs
+
+    def reorder(self, index: Tensor) -> None:
+        self.tokens = self.tokens.index_select(0, index)
+        if self.encoder_out is not None:
+            self.encoder_out = self.encoder_out.reorder(index)
+        if self.state is not None:
+            self.state = self.state.reorder(index)
+
+    def append(self, tokens: Tensor) -> None:
+        self.tokens = torch.cat([self.tokens, tokens[:, None]], dim=1)
+
+
+def _check(model: PreTrainedModel, src: Tensor, max_len: int) -> None:
+    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
+        raise ValueError(f"src must be a (batch, length) long tensor of token ids, got "
+                         f"{tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__}")
+    if not isinstance(max_len, int) or max_len <= 0:
+        raise ValueError(f"max_len must be a positive integer, got {max_len!r}")
+
+
+class _eval_mode:
+    """Run in eval mode without gradients, restoring the model's mode afterwards."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.was_training = model, model.training
+
+    def __enter__(self):
+        self.model.eval()
+        self.no_grad = torch.no_grad()
+        self.no_grad.__enter__()
+
+    def __exit__(self, *exc):
+        self.no_grad.__exit__(*exc)
+        self.model.train(self.was_training)
+
+
+def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cache: bool = True) -> GenerationOutput:
+    """Pick the most likely token at each step, for at most ``max_len`` new tokens.
+
+    ``src``: the source sentences ``(B, S)`` (translation, padding allowed) or the prompts ``(B, T)``
+    (causal LM, no padding)."""
+    _check(model, src, max_len)
+    cfg = model.config
+    with _eval_mode(model):
+        prefix = _Prefix(model, src, use_cache)
+        batch = src.shape[0]
+        finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
+        scores = torch.zeros(batch, device=src.device)
+        out = []
+        for _ in range(max_len):
+            log_probs = prefix.next_log_probs()
+            token = log_probs.argmax(-1)
+            scores += log_probs.gather(1, token[:, None])[:, 0].masked_fill(finished, 0.0)
+            token = token.masked_fill(finished, cfg.pad_id)
+            finished |= token.eq(cfg.eos_id)
+            out.append(token)
+            prefix.append(token)
+            if bool(finished.all()):
+                break
+        return GenerationOutput(torch.stack(out, dim=1), scores)
+
+
+def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: int, length_penalty: float = 1.0, *,
+                use_cache: bool = True) -> GenerationOutput:
+    """fairseq-style beam search (see the module docstring); returns the best hypothesis per input, scored
+    ``sum log p / length ** length_penalty``."""
+    _check(model, src, max_len)
+    if not isinstance(beam_size, int) or beam_size <= 0:
+        raise ValueError(f"beam_size must be a positive integer, got {beam_size!r}")
+    cfg = model.config
+    eos, k = cfg.eos_id, beam_size
+    device = src.device
+    with _eval_mode(model):
+        prefix = _Prefix(model, src, use_cache)
+        batch = src.shape[0]
+        prefix.reorder(torch.arange(batch, device=device).repeat_interleave(k))
+        # Only beam 0 is live at first, so the first step expands one hypothesis per sentence.
+        scores = torch.full((batch, k), float("-inf"), device=device)
+        scores[:, 0] = 0.0
+        generated = torch.empty(batch * k, 0, dtype=torch.long, device=device)
+        finished: list[list[tuple[float, Tensor]]] = [[] for _ in range(batch)]
+        done = torch.zeros(batch, dtype=torch.bool)
+        for step in range(max_len):
+            log_probs = prefix.next_log_probs()
+            vocab = log_probs.shape[-1]
+            candidates = (scores.view(-1, 1) + log_probs).view(batch, k * vocab)
+            top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=1)
+            beam, token = top_index // vocab, top_index % vocab
+            is_eos = token.eq(eos)
+            # Finish the eos candidates among the top k (fairseq), best first.
+            finishing = (is_eos[:, :k] & torch.isfinite(top_scores[:, :k])).cpu()
+            for b, j in finishing.nonzero().tolist():
+                if done[b]:
+                    continue
+                seq = torch.cat([generated[b * k + int(beam[b, j])], token.new_tensor([eos])])
+                finished[b].append((float(top_scores[b, j]) / (step + 1) ** length_penalty, seq))
+                if len(finished[b]) == k:
+                    done[b] = True
+            if bool(done.all()):
+                break
+            # Continue with the k best candidates that did not end.
+            keep_scores, keep = top_scores.masked_fill(is_eos, float("-inf")).topk(k, dim=1)
+            index = (torch.arange(batch, device=device)[:, None] * k + beam.gather(1, keep)).view(-1)
+            new_tokens = token.gather(1, keep).view(-1)
+            scores = keep_scores
+            generated = torch.cat([generated.index_select(0, index), new_tokens[:, None]], dim=1)
+            prefix.reorder(index)
+            prefix.append(new_tokens)
+        else:  # max_len reached: unfinished beams (no eos) fill the sentences that are not done
+            for b in (~done).nonzero()[:, 0].tolist():
+                for j in range(k):
+                    if len(finished[b]) < k and bool(torch.isfinite(scores[b, j])):
+                        finished[b].append((float(scores[b, j]) / max_len ** length_penalty, generated[b * k + j]))
+        best = [max(hyps, key=lambda h: h[0]) for hyps in finished]
+        length = max(len(seq) for _, seq in best)
+        tokens = torch.full((batch, length), cfg.pad_id, dtype=torch.long, device=device)
+        for b, (_, seq) in enumerate(best):
+            tokens[b, :len(seq)] = seq
+        return GenerationOutput(tokens, torch.tensor([s for s, _ in best], device=device))

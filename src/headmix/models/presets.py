@@ -1,0 +1,202 @@
+"""Named model configurations: the MoA paper's (Zhang et al. 2022, arXiv 2210.05144) and small ones for
+CPU work.
+
+- Translation (WMT14 setup, joint BPE vocabulary shared by encoder, decoder and output projection):
+  ``transformer-base`` (d_m 512, FFN 2048, 8 heads, 6+6 layers), ``transformer-big`` (d_m 1024, FFN 4096,
+  16 heads, 6+6, dropout 0.3), ``moa-base`` = ``8K8E128D`` and ``moa-big`` = ``16K32E256D``.
+- Any ``{K}K{E}E{D}D`` string: the base-size model with MoA (top_k=K of E experts of head size D) in
+  encoder self-attention, decoder self-attention and cross-attention (task ``translation``), or RoBERTa
+  medium with MoA self-attention (task ``mlm``).
+- Masked LM: ``roberta-medium`` (embedding 512, FFN 2048, 8 heads, 8 layers).
+- CPU presets for every task: ``tiny-mha``, ``tiny-moa``, ``tiny-moh``, ``tiny-talking-heads``
+  (d_model 64, 2 (+2) layers) and the ``small-mha`` / ``small-moa`` pair (d_model 256, 3 (+3) layers)
+  of nearly equal MACs.
+
+:func:`get_config` takes a preset name, a ``{K}K{E}E{D}D`` string or a path to a JSON config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .config import TASKS, AttentionConfig, ModelConfig
+
+#: Default vocabulary sizes: the paper's joint BPE for WMT14 En-De, GPT-2's BPE for the masked LM.
+DEFAULT_VOCAB = {"translation": 32000, "mlm": 50265, "lm": 50265}
+#: Vocabulary for the CPU presets (a small BPE trained on the embedded corpora).
+SMALL_VOCAB = 8000
+
+MOA_PATTERN = re.compile(r"^(\d+)K(\d+)E(\d+)D$")
+MOA_PATTERN_TEXT = "{K}K{E}E{D}D (e.g. 8K8E128D: top_k K heads of E experts, head size D)"
+
+#: The translation models of the paper's Table 1 and ablations (Table 4), in table order.
+PAPER_TRANSLATION = ("transformer-base", "transformer-big", "moa-base", "moa-big",
+                     "8K32E64D", "8K32E128D", "8K32E256D", "8K8E256D", "8K16E256D", "4K32E256D", "16K32E256D")
+#: The masked-LM models: RoBERTa medium and MoA counterparts of the same size (a sweep over E at 8K, 128D).
+PAPER_MLM = ("roberta-medium", "8K8E128D", "8K16E128D", "8K32E128D", "8K64E128D")
+
+
+def mha(num_heads: int, dropout: float = 0.0) -> AttentionConfig:
+    return AttentionConfig(kind="mha", num_heads=num_heads, dropout=dropout)
+
+
+def moa(top_k: int, num_experts: int, head_dim: int, dropout: float = 0.0) -> AttentionConfig:
+    """MoA with the paper's router settings (softmax router, detached renormalisation, alpha 0.01,
+    beta 0.001)."""
+    return AttentionConfig(kind="moa", top_k=top_k, num_experts=num_experts, head_dim=head_dim, dropout=dropout)
+
+
+def _roles(task: str, attention: AttentionConfig) -> dict[str, AttentionConfig]:
+    roles = {"translation": ("encoder_self_attention", "decoder_self_attention", "cross_attention"),
+             "mlm": ("encoder_self_attention",), "lm": ("decoder_self_attention",)}[task]
+    return {role: dataclasses.replace(attention) for role in roles}  # one copy per role
+
+
+def _layers(task: str, n: int) -> dict[str, int]:
+    return {"encoder_layers": n if task in ("translation", "mlm") else 0,
+            "decoder_layers": n if task in ("translation", "lm") else 0}
+
+
+def transformer_base(vocab_size: int = 32000, attention: AttentionConfig | None = None) -> ModelConfig:
+    """fairseq ``transformer_wmt_en_de``: post-norm, sinusoidal positions, ReLU, dropout 0.1, shared
+    embeddings, label smoothing 0.1."""
+    return ModelConfig(task="translation", vocab_size=vocab_size, d_model=512, ffn_dim=2048, encoder_layers=6,
+                       decoder_layers=6, **_roles("translation", attention or mha(8)), norm="post",
+                       positions="sinusoidal", max_positions=1024, dropout=0.1, activation="relu",
+                       share_embeddings=True, label_smoothing=0.1)
+
+
+def transformer_big(vocab_size: int = 32000) -> ModelConfig:
+    """fairseq ``transformer_vaswani_wmt_en_de_big``: d_m 1024, FFN 4096, 16 heads, dropout 0.3."""
+    return transformer_base(vocab_size, mha(16)).replace(d_model=1024, ffn_dim=4096, dropout=0.3)
+
+
+def roberta_medium(vocab_size: int = 50265, attention: AttentionConfig | None = None) -> ModelConfig:
+    """RoBERTa with embedding 512, FFN 2048, 8 heads, 8 layers (the paper's MLM baseline): post-norm,
+    learned positions (512), GELU, LayerNorm on the embeddings, no embedding scaling, dropout 0.1,
+    attention dropout 0.1, no label smoothing."""
+    return ModelConfig(task="mlm", vocab_size=vocab_size, d_model=512, ffn_dim=2048, encoder_layers=8,
+                       decoder_layers=0, encoder_self_attention=attention or mha(8, dropout=0.1), norm="post",
+                       positions="learned", max_positions=512, dropout=0.1, activation="gelu",
+                       scale_embeddings=False, embedding_norm=True, share_embeddings=True, label_smoothing=0.0)
+
+
+def cpu_model(task: str, attention: AttentionConfig, vocab_size: int, *, d_model: int, ffn_dim: int, layers: int,
+              max_positions: int) -> ModelConfig:
+    """The CPU presets: pre-norm (trains without warm-up trouble), sinusoidal positions, ReLU, dropout 0.1."""
+    return ModelConfig(task=task, vocab_size=vocab_size, d_model=d_model, ffn_dim=ffn_dim, **_layers(task, layers),
+                       **_roles(task, attention), norm="pre", positions="sinusoidal", max_positions=max_positions,
+                       dropout=0.1, activation="relu", label_smoothing=0.1 if task == "translation" else 0.0)
+
+
+def _tiny(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
+    return lambda task, vocab: cpu_model(task, attention, vocab, d_model=64, ffn_dim=256, layers=2, max_positions=256)
+
+
+def _small(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
+    return lambda task, vocab: cpu_model(task, attention, vocab, d_model=256, ffn_dim=1024, layers=3, max_positions=512)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    tasks: tuple[str, ...]
+    default_vocab: int | None  # None: the task's DEFAULT_VOCAB
+    build: Callable[[str, int], ModelConfig]
+    description: str
+
+
+#: small-moa's attention: 6 of 8 experts of size 64 per token. Its MACs are within ~3% of small-mha's
+#: (4 heads of 64) on 32+32-token translation batches (see docs/models.md): MoA shares one K/V head, so
+#: at equal k*d_h it is cheaper than MHA and can afford k=6.
+SMALL_MOA = (6, 8, 64)
+
+_PRESETS = [
+    Preset("transformer-base", ("translation",), None, lambda t, v: transformer_base(v),
+           "Transformer base: d 512, FFN 2048, 8 heads, 6+6 layers"),
+    Preset("transformer-big", ("translation",), None, lambda t, v: transformer_big(v),
+           "Transformer big: d 1024, FFN 4096, 16 heads, 6+6 layers, dropout 0.3"),
+    Preset("moa-base", ("translation",), None, lambda t, v: transformer_base(v, moa(8, 8, 128)),
+           "MoA base = 8K8E128D on the base-size Transformer"),
+    Preset("moa-big", ("translation",), None, lambda t, v: transformer_base(v, moa(16, 32, 256)),
+           "MoA big = 16K32E256D on the base-size Transformer"),
+    Preset("roberta-medium", ("mlm",), None, lambda t, v: roberta_medium(v),
+           "RoBERTa medium: d 512, FFN 2048, 8 heads, 8 layers"),
+    Preset("tiny-mha", TASKS, 1000, _tiny(mha(4)), "d 64, FFN 256, 2(+2) layers, MHA 4 heads of 16"),
+    Preset("tiny-moa", TASKS, 1000, _tiny(moa(2, 4, 32)), "d 64, FFN 256, 2(+2) layers, MoA 2K4E32D"),
+    Preset("tiny-moh", TASKS, 1000,
+           _tiny(AttentionConfig(kind="moh", num_heads=4, num_shared_heads=1, top_k=2)),
+           "d 64, FFN 256, 2(+2) layers, MoH 4 heads of 16 (1 shared, top 2 of 3 routed)"),
+    Preset("tiny-talking-heads", TASKS, 1000, _tiny(AttentionConfig(kind="talking_heads", num_heads=4)),
+           "d 64, FFN 256, 2(+2) layers, Talking-Heads 4 heads of 16 (pre and post softmax)"),
+    Preset("small-mha", TASKS, SMALL_VOCAB, _small(mha(4)), "d 256, FFN 1024, 3(+3) layers, MHA 4 heads of 64"),
+    Preset("small-moa", TASKS, SMALL_VOCAB, _small(moa(*SMALL_MOA)),
+           "d 256, FFN 1024, 3(+3) layers, MoA {}K{}E{}D".format(*SMALL_MOA)),
+]
+PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
+
+
+def list_presets() -> list[str]:
+    return list(PRESETS)
+
+
+def parse_moa_name(name: str) -> tuple[int, int, int]:
+    """``"8K8E128D"`` -> ``(top_k=8, num_experts=8, head_dim=128)``; ``ValueError`` if malformed or K > E."""
+    m = MOA_PATTERN.match(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not of the form {MOA_PATTERN_TEXT}")
+    k, e, d = (int(g) for g in m.groups())
+    for letter, value in (("K", k), ("E", e), ("D", d)):
+        if value <= 0:
+            raise ValueError(f"{letter}={value} must be positive in {name!r}")
+    if k > e:
+        raise ValueError(f"top_k K={k} exceeds num_experts E={e} in {name!r}")
+    return k, e, d
+
+
+def _valid_forms() -> str:
+    return (f"valid forms: a preset name ({', '.join(PRESETS)}), a MoA string {MOA_PATTERN_TEXT}, "
+            f"or a path to a JSON model config")
+
+
+def get_config(name_or_path: str | Path, task: str | None = None, vocab_size: int | None = None) -> ModelConfig:
+    """A :class:`ModelConfig` from a preset name, a ``{K}K{E}E{D}D`` string or a JSON file.
+
+    ``task`` defaults to the preset's (``translation`` for the CPU presets and MoA strings); ``vocab_size``
+    to 32000 for translation, 50265 for the masked LM, and 8000 / 1000 for the small / tiny presets. For a
+    JSON file, ``task`` must match the file's and ``vocab_size`` overrides it.
+    """
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size <= 0):
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    name = str(name_or_path)
+    if name in PRESETS:
+        preset = PRESETS[name]
+        task = task or preset.tasks[0]
+        if task not in preset.tasks:
+            raise ValueError(f"preset {name!r} is for task {' / '.join(preset.tasks)}, not {task!r}")
+        return preset.build(task, vocab_size or preset.default_vocab or DEFAULT_VOCAB[task])
+    if MOA_PATTERN.match(name):
+        k, e, d = parse_moa_name(name)
+        task = task or "translation"
+        vocab = vocab_size or DEFAULT_VOCAB[task]
+        if task == "translation":
+            return transformer_base(vocab, moa(k, e, d))
+        if task == "mlm":
+            return roberta_medium(vocab, moa(k, e, d, dropout=0.1))
+        raise ValueError(f"{MOA_PATTERN_TEXT} strings name translation or mlm models, not task {task!r}; "
+                         f"for a causal LM use tiny-moa / small-moa or a JSON config")
+    if name.endswith(".json") or Path(name).is_file():
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"config file {path} not found; {_valid_forms()}")
+        config = ModelConfig.load_json(path)
+        if task is not None and task != config.task:
+            raise ValueError(f"{path} is a {config.task!r} config, but task={task!r} was asked for")
+        return config if vocab_size is None else config.replace(vocab_size=vocab_size)
+    raise ValueError(f"unknown model {name!r}; {_valid_forms()}")

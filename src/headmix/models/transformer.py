@@ -1,0 +1,538 @@
+"""Transformer models built from headmix attention layers.
+
+- :class:`EncoderDecoderModel`: translation (Vaswani et al. 2017 / fairseq ``transformer``): a joint
+  vocabulary whose embedding is shared by the encoder, the decoder and the output projection.
+- :class:`MaskedLanguageModel`: an encoder with RoBERTa's LM head (dense, activation, LayerNorm, tied
+  output projection plus a bias).
+- :class:`CausalLanguageModel`: a decoder without cross-attention.
+
+Every attention layer (encoder self-attention, decoder self-attention, cross-attention) is built from
+its :class:`~headmix.models.config.AttentionConfig`, so any of MHA, MoA, MoH and Talking-Heads can sit
+in any role. Forward passes return a :class:`ModelOutput` with the task loss, the summed auxiliary
+router losses (MoA eq. 17: ``L = L_model + sum_layers (alpha L_a + beta L_z)``) and the per-layer routing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import AttentionOutput, KVCache
+from ..routing import Routing
+from .config import ModelConfig, atomic_write_text
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+# --------------------------------------------------------------------------------------------------
+# Outputs and decoding state
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class EncoderOutput:
+    """``hidden`` ``(B, S, d_model)``, ``padding_mask`` ``(B, S)`` True at padding, the summed
+    ``aux_loss`` of the encoder's attention layers and their ``routing`` as ``(name, Routing)`` pairs."""
+
+    hidden: Tensor
+    padding_mask: Tensor
+    aux_loss: Tensor
+    routing: list[tuple[str, Routing]] = field(default_factory=list)
+
+    def reorder(self, index: Tensor) -> EncoderOutput:
+        """Select batch rows (beam search)."""
+        return EncoderOutput(self.hidden.index_select(0, index), self.padding_mask.index_select(0, index),
+                             self.aux_loss, self.routing)
+
+
+@dataclass
+class DecoderState:
+    """Incremental-decoding state: one self-attention :class:`KVCache` per decoder layer (grown one step
+    at a time), one static cross-attention cache per layer (the projected encoder output, computed on
+    the first step), and ``length``, the number of target positions already seen (for positions)."""
+
+    self_attn: list[KVCache | None]
+    cross_attn: list[KVCache | None]
+    length: int = 0
+
+    def reorder(self, index: Tensor) -> DecoderState:
+        """Select batch rows of every cache (beam search)."""
+        def pick(cache: KVCache | None) -> KVCache | None:
+            return None if cache is None else cache.reorder(index)
+
+        return DecoderState([pick(c) for c in self.self_attn], [pick(c) for c in self.cross_attn], self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.self_attn + self.cross_attn if c is not None)
+
+
+@dataclass
+class DecoderOutput:
+    hidden: Tensor
+    aux_loss: Tensor
+    routing: list[tuple[str, Routing]] = field(default_factory=list)
+    state: DecoderState | None = None
+
+
+@dataclass
+class ModelOutput:
+    """What a model's ``forward`` returns.
+
+    ``logits`` ``(B, T, vocab)``; ``loss`` the label-smoothed cross-entropy averaged over the target
+    tokens (padding and ``-100`` labels ignored), ``None`` without targets; ``nll_loss`` the same
+    without smoothing (detached; ``exp`` of it is the perplexity); ``aux_loss`` the sum of all attention
+    layers' weighted auxiliary losses; ``total_loss = loss + aux_loss`` (what to backpropagate);
+    ``num_tokens`` the number of target tokens; ``routing`` ``(layer name, Routing)`` for every routed
+    layer call; ``state`` the decoding state when ``use_cache=True``.
+    """
+
+    logits: Tensor
+    loss: Tensor | None
+    nll_loss: Tensor | None
+    aux_loss: Tensor
+    total_loss: Tensor | None
+    num_tokens: Tensor | None
+    routing: list[tuple[str, Routing]] = field(default_factory=list)
+    state: DecoderState | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------
+def sinusoidal_table(num_positions: int, dim: int) -> Tensor:
+    """fairseq's sinusoidal position table ``(num_positions, dim)``: ``[sin(p w_i) | cos(p w_i)]`` with
+    ``w_i = 10000^(-i / (dim/2 - 1))``, positions counted from 0."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / max(half - 1, 1)))
+    angles = torch.arange(num_positions, dtype=torch.float32)[:, None] * freq[None, :]
+    table = torch.cat([angles.sin(), angles.cos()], dim=1)
+    if dim % 2:
+        table = F.pad(table, (0, 1))
+    return table
+
+
+class Embeddings(nn.Module):
+    """Token embedding (scaled by ``sqrt(d_model)`` as in fairseq when ``scale_embeddings``) plus
+    positions, an optional LayerNorm (RoBERTa) and dropout. ``tokens`` is the shared ``nn.Embedding``."""
+
+    def __init__(self, config: ModelConfig, tokens: nn.Embedding):
+        super().__init__()
+        self.tokens = tokens
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
+        self.max_positions = config.max_positions
+        if config.positions == "learned":
+            self.positions = nn.Embedding(config.max_positions, config.d_model)
+            nn.init.normal_(self.positions.weight, std=config.d_model ** -0.5)
+        else:
+            self.positions = None
+            self.register_buffer("sinusoids", sinusoidal_table(config.max_positions, config.d_model), persistent=False)
+        self.norm = nn.LayerNorm(config.d_model) if config.embedding_norm else None
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
+        length = ids.shape[1]
+        if offset + length > self.max_positions:
+            raise ValueError(f"sequence of {offset + length} positions exceeds max_positions={self.max_positions}")
+        x = self.tokens(ids) * self.scale
+        if self.positions is not None:
+            x = x + self.positions.weight[offset:offset + length]
+        else:
+            x = x + self.sinusoids[offset:offset + length].to(x.dtype)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)
+
+
+class FeedForward(nn.Module):
+    """``fc2(dropout(act(fc1(x))))``: ``2 T d_model ffn_dim`` MACs."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, config.ffn_dim)
+        self.fc2 = nn.Linear(config.ffn_dim, config.d_model)
+        self.activation = F.relu if config.activation == "relu" else F.gelu
+        self.dropout = nn.Dropout(config.activation_dropout)
+        for fc in (self.fc1, self.fc2):
+            nn.init.xavier_uniform_(fc.weight)
+            nn.init.zeros_(fc.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+
+
+class ResidualNorm(nn.Module):
+    """The LayerNorm, dropout and residual connection around a sublayer ``f``:
+    pre-norm ``x + drop(f(norm(x)))`` or post-norm ``norm(x + drop(f(x)))``. Use as
+    ``x = block.add(x, f(block.input(x)))``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.d_model)
+        self.pre_norm = config.norm == "pre"
+        self.dropout = nn.Dropout(config.dropout)
+
+    def input(self, x: Tensor) -> Tensor:
+        return self.norm(x) if self.pre_norm else x
+
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        x = x + self.dropout(y)
+        return x if self.pre_norm else self.norm(x)
+
+
+def _collect(name: str, out: AttentionOutput, aux: Tensor, routing: list) -> Tensor:
+    """Record a layer's routing and add its auxiliary loss (MoA eq. 17 sums them over layers)."""
+    if out.routing is not None:
+        routing.append((name, out.routing))
+    return aux + out.aux_loss
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = config.encoder_self_attention.build(config.d_model)
+        self.self_attn_norm = ResidualNorm(config)
+        self.ffn = FeedForward(config)
+        self.ffn_norm = ResidualNorm(config)
+
+    def forward(self, x: Tensor, padding_mask: Tensor) -> tuple[Tensor, AttentionOutput]:
+        attn = self.self_attn(self.self_attn_norm.input(x), key_padding_mask=padding_mask,
+                              query_padding_mask=padding_mask)
+        x = self.self_attn_norm.add(x, attn.output)
+        x = self.ffn_norm.add(x, self.ffn(self.ffn_norm.input(x)))
+        return x, attn
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, cross_attention: bool):
+        super().__init__()
+        self.self_attn = config.decoder_self_attention.build(config.d_model)
+        self.self_attn_norm = ResidualNorm(config)
+        self.cross_attn = config.cross_attention.build(config.d_model) if cross_attention else None
+        self.cross_attn_norm = ResidualNorm(config) if cross_attention else None
+        self.ffn = FeedForward(config)
+        self.ffn_norm = ResidualNorm(config)
+
+    def forward(self, x: Tensor, padding_mask: Tensor | None, memory: Tensor | None, memory_padding_mask: Tensor | None,
+                self_cache: KVCache | None, cross_cache: KVCache | None,
+                use_cache: bool) -> tuple[Tensor, AttentionOutput, AttentionOutput | None]:
+        self_out = self.self_attn(self.self_attn_norm.input(x), key_padding_mask=padding_mask,
+                                  query_padding_mask=padding_mask, is_causal=True,
+                                  use_cache=use_cache, cache=self_cache)
+        x = self.self_attn_norm.add(x, self_out.output)
+        cross_out = None
+        if self.cross_attn is not None:
+            cross_out = self.cross_attn(self.cross_attn_norm.input(x), memory, key_padding_mask=memory_padding_mask,
+                                        query_padding_mask=padding_mask, use_cache=use_cache, cache=cross_cache)
+            x = self.cross_attn_norm.add(x, cross_out.output)
+        x = self.ffn_norm.add(x, self.ffn(self.ffn_norm.input(x)))
+        return x, self_out, cross_out
+
+
+def token_embedding(config: ModelConfig) -> nn.Embedding:
+    """fairseq's initialisation: ``N(0, d_model^-0.5)``, padding row zero."""
+    emb = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
+    nn.init.normal_(emb.weight, std=config.d_model ** -0.5)
+    with torch.no_grad():
+        emb.weight[config.pad_id].zero_()
+    return emb
+
+
+class TransformerEncoder(nn.Module):
+    """Embeddings, ``encoder_layers`` layers of self-attention + FFN, and a final LayerNorm with pre-norm."""
+
+    def __init__(self, config: ModelConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.embed = Embeddings(config, embed_tokens)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.encoder_layers))
+        self.final_norm = nn.LayerNorm(config.d_model) if config.norm == "pre" else None
+
+    def forward(self, tokens: Tensor) -> EncoderOutput:
+        padding_mask = tokens.eq(self.config.pad_id)
+        x = self.embed(tokens)
+        aux, routing = x.new_zeros((), dtype=torch.float32), []
+        for i, layer in enumerate(self.layers):
+            x, attn = layer(x, padding_mask)
+            aux = _collect(f"encoder.layers.{i}.self_attn", attn, aux, routing)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return EncoderOutput(x, padding_mask, aux, routing)
+
+
+class TransformerDecoder(nn.Module):
+    """Embeddings, ``decoder_layers`` layers of causal self-attention, cross-attention (when
+    ``cross_attention``) and FFN, and a final LayerNorm with pre-norm. Returns hidden states; the
+    output projection belongs to the model."""
+
+    def __init__(self, config: ModelConfig, embed_tokens: nn.Embedding, cross_attention: bool):
+        super().__init__()
+        self.config = config
+        self.embed = Embeddings(config, embed_tokens)
+        self.layers = nn.ModuleList(DecoderLayer(config, cross_attention) for _ in range(config.decoder_layers))
+        self.final_norm = nn.LayerNorm(config.d_model) if config.norm == "pre" else None
+
+    def forward(self, tokens: Tensor, memory: Tensor | None = None, memory_padding_mask: Tensor | None = None, *,
+                state: DecoderState | None = None, use_cache: bool = False) -> DecoderOutput:
+        """``tokens`` ``(B, T)``: the whole target prefix, or with ``state`` only the new tokens (taken as
+        non-padding). ``memory`` ``(B, S, d_model)`` the encoder output for cross-attention (not needed
+        once ``state`` holds the static cross-attention caches)."""
+        past = 0 if state is None else state.length
+        padding_mask = tokens.eq(self.config.pad_id) if state is None else None
+        x = self.embed(tokens, offset=past)
+        aux, routing = x.new_zeros((), dtype=torch.float32), []
+        n = len(self.layers)
+        self_caches = state.self_attn if state is not None else [None] * n
+        cross_caches = state.cross_attn if state is not None else [None] * n
+        new_self, new_cross = [], []
+        for i, layer in enumerate(self.layers):
+            x, self_out, cross_out = layer(x, padding_mask, memory, memory_padding_mask,
+                                           self_caches[i], cross_caches[i], use_cache)
+            aux = _collect(f"decoder.layers.{i}.self_attn", self_out, aux, routing)
+            new_self.append(self_out.cache)
+            if cross_out is not None:
+                aux = _collect(f"decoder.layers.{i}.cross_attn", cross_out, aux, routing)
+            new_cross.append(None if cross_out is None else cross_out.cache)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        new_state = DecoderState(new_self, new_cross, past + tokens.shape[1]) if use_cache else None
+        return DecoderOutput(x, aux, routing, new_state)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss
+# --------------------------------------------------------------------------------------------------
+def token_loss(logits: Tensor, target: Tensor, pad_id: int, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Label-smoothed cross-entropy averaged over target tokens; ``target`` positions equal to ``pad_id``
+    or ``-100`` are ignored. Smoothing spreads ``label_smoothing`` uniformly over the vocabulary
+    (``torch.nn.functional.cross_entropy``'s definition). Returns ``(loss, nll_loss, num_tokens)``;
+    ``nll_loss`` is detached."""
+    target = target.masked_fill(target.eq(pad_id), -100).reshape(-1)
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    num_tokens = target.ne(-100).sum()
+    denom = num_tokens.clamp(min=1).to(flat.dtype)
+    loss = F.cross_entropy(flat, target, ignore_index=-100, label_smoothing=label_smoothing, reduction="sum") / denom
+    if label_smoothing > 0:
+        with torch.no_grad():
+            nll = F.cross_entropy(flat, target, ignore_index=-100, reduction="sum") / denom
+    else:
+        nll = loss.detach()
+    return loss, nll, num_tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------
+class PreTrainedModel(nn.Module):
+    """Save/load for the three models: ``config.json`` + ``model.safetensors``.
+
+    Tied weights (one embedding shared by encoder, decoder and output projection) are stored once;
+    the other names are recorded in the safetensors metadata and re-tied on load by building the model
+    from its config.
+    """
+
+    task: str = ""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.task != self.task:
+            raise ValueError(f"{type(self).__name__} needs a config with task={self.task!r}, got task={config.task!r}")
+        self.config = config
+
+    def _output_weight(self) -> Tensor:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write ``config.json`` and ``model.safetensors`` to ``directory``, each atomically (a temp file
+        in the same folder, then ``os.replace``)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
+        # A parameter reachable under several names is stored once, under its first name.
+        first_name: dict[int, str] = {}
+        tied: dict[str, str] = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            if id(p) in first_name:
+                tied[name] = first_name[id(p)]
+            else:
+                first_name[id(p)] = name
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if k not in tied}
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{WEIGHTS_NAME}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"format": "pt", "headmix_tied": json.dumps(tied)})
+            os.replace(tmp, directory / WEIGHTS_NAME)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        atomic_write_text(directory / CONFIG_NAME, self.config.to_json())
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, device: str | torch.device = "cpu") -> PreTrainedModel:
+        """Build the model from ``directory/config.json`` and load ``directory/model.safetensors``."""
+        model = load_pretrained(directory, device)
+        if cls is not PreTrainedModel and not isinstance(model, cls):
+            raise ValueError(f"{directory} holds a {type(model).__name__} (task {model.config.task!r}), not a {cls.__name__}")
+        return model
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """The output projection ``hidden W^T``: ``T d_model V`` MACs."""
+        return F.linear(hidden, self._output_weight())
+
+    def _finish(self, logits: Tensor, target: Tensor | None, aux: Tensor, routing: list,
+                state: DecoderState | None = None) -> ModelOutput:
+        if target is None:
+            return ModelOutput(logits, None, None, aux, None, None, routing, state)
+        loss, nll, n = token_loss(logits, target, self.config.pad_id, self.config.label_smoothing)
+        return ModelOutput(logits, loss, nll, aux, loss + aux, n, routing, state)
+
+
+class EncoderDecoderModel(PreTrainedModel):
+    """Translation model: ``model(src (B, S), tgt_in (B, T), tgt_out=None)``.
+
+    ``tgt_in`` is the decoder input (``bos`` + target), ``tgt_out`` the target shifted by one (target +
+    ``eos``); padding (``pad_id``) anywhere is masked. With ``share_embeddings`` one embedding matrix
+    serves the encoder, the decoder and the output projection (joint vocabulary).
+    """
+
+    task = "translation"
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        enc_tokens = token_embedding(config)
+        dec_tokens = enc_tokens if config.share_embeddings else token_embedding(config)
+        self.encoder = TransformerEncoder(config, enc_tokens)
+        self.decoder = TransformerDecoder(config, dec_tokens, cross_attention=True)
+        self.output_proj = None
+        if not config.share_embeddings:
+            self.output_proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            nn.init.normal_(self.output_proj.weight, std=config.d_model ** -0.5)
+
+    def _output_weight(self) -> Tensor:
+        return self.decoder.embed.tokens.weight if self.output_proj is None else self.output_proj.weight
+
+    def encode(self, src: Tensor) -> EncoderOutput:
+        return self.encoder(src)
+
+    def decode(self, tgt_in: Tensor, encoder_out: EncoderOutput, *, state: DecoderState | None = None,
+               use_cache: bool = False) -> DecoderOutput:
+        """Decoder hidden states; with ``state``, ``tgt_in`` holds only the new tokens."""
+        return self.decoder(tgt_in, encoder_out.hidden, encoder_out.padding_mask, state=state, use_cache=use_cache)
+
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor | None = None) -> ModelOutput:
+        enc = self.encode(src)
+        dec = self.decode(tgt_in, enc)
+        logits = self.compute_logits(dec.hidden)
+        return self._finish(logits, tgt_out, enc.aux_loss + dec.aux_loss, enc.routing + dec.routing)
+
+
+class LMHead(nn.Module):
+    """RoBERTa's LM head transform: ``LayerNorm(act(dense(x)))`` (the tied projection and its bias are
+    applied by the model)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.activation = F.relu if config.activation == "relu" else F.gelu
+        self.norm = nn.LayerNorm(config.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(self.activation(self.dense(x)))
+
+
+class MaskedLanguageModel(PreTrainedModel):
+    """Encoder + RoBERTa LM head: ``model(input_ids, labels=None)``; ``labels`` hold the original token
+    at masked positions and ``-100`` (or ``pad_id``) elsewhere."""
+
+    task = "mlm"
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.encoder = TransformerEncoder(config, token_embedding(config))
+        self.lm_head = LMHead(config)
+        self.output_proj = None
+        if not config.share_embeddings:
+            self.output_proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            nn.init.normal_(self.output_proj.weight, std=config.d_model ** -0.5)
+        self.output_bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def _output_weight(self) -> Tensor:
+        return self.encoder.embed.tokens.weight if self.output_proj is None else self.output_proj.weight
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(self.lm_head(hidden), self._output_weight(), self.output_bias)
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> ModelOutput:
+        enc = self.encoder(input_ids)
+        return self._finish(self.compute_logits(enc.hidden), labels, enc.aux_loss, enc.routing)
+
+
+class CausalLanguageModel(PreTrainedModel):
+    """Decoder-only language model: ``model(input_ids, labels=None)``.
+
+    ``labels`` are already shifted, like translation's ``tgt_out``: ``labels[:, t]`` is the token that
+    follows ``input_ids[:, t]`` (for a block ``x``: ``input_ids = x[:, :-1]``, ``labels = x[:, 1:]``).
+    For incremental decoding pass ``use_cache=True`` and the returned ``state`` back with the new tokens only.
+    """
+
+    task = "lm"
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.decoder = TransformerDecoder(config, token_embedding(config), cross_attention=False)
+        self.output_proj = None
+        if not config.share_embeddings:
+            self.output_proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            nn.init.normal_(self.output_proj.weight, std=config.d_model ** -0.5)
+
+    def _output_weight(self) -> Tensor:
+        return self.decoder.embed.tokens.weight if self.output_proj is None else self.output_proj.weight
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, *, state: DecoderState | None = None,
+                use_cache: bool = False) -> ModelOutput:
+        dec = self.decoder(input_ids, state=state, use_cache=use_cache)
+        logits = self.compute_logits(dec.hidden)
+        return self._finish(logits, labels, dec.aux_loss, dec.routing, dec.state)
+
+
+MODEL_CLASSES = {"translation": EncoderDecoderModel, "mlm": MaskedLanguageModel, "lm": CausalLanguageModel}
+
+
+def build_model(config: ModelConfig, device: str | torch.device | None = None) -> PreTrainedModel:
+    """The model for ``config.task``, with fresh weights (on ``device``; ``"meta"`` builds shapes only)."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if device is None:
+        return MODEL_CLASSES[config.task](config)
+    with torch.device(device):
+        return MODEL_CLASSES[config.task](config)
+
+
+def load_pretrained(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PreTrainedModel:
+    """Load a model written by ``save_pretrained``: the right class for its task, ties restored."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory / name} not found (expected a save_pretrained folder)")
+    config = ModelConfig.load_json(directory / CONFIG_NAME)
+    tensors = load_file(directory / WEIGHTS_NAME, device=str(device))
+    with safe_open(directory / WEIGHTS_NAME, framework="pt") as f:
+        tied = json.loads((f.metadata() or {}).get("headmix_tied", "{}"))
+    for alias, source in tied.items():
+        tensors[alias] = tensors[source]
+    model = build_model(config, device)
+    model.load_state_dict(tensors, strict=True)
+    return model

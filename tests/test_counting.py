@@ -1,0 +1,157 @@
+"""Parameter and MACs accounting: eq. 18-20 of the MoA paper, the full analytic count, and the count
+measured by torch's FlopCounterMode, which must agree exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from headmix.attention import MixtureOfAttentionHeads, MultiHeadAttention
+from headmix.models import analytic_macs, analytic_parameters, build_model, count_parameters, get_config, measure_macs
+from headmix.models.counting import attention_macs, attention_parameters
+from headmix.models.presets import PAPER_MLM, PAPER_TRANSLATION
+
+CPU_PRESETS = [(n, t) for n in ("tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads", "small-mha", "small-moa")
+               for t in ("translation", "mlm", "lm")]
+PAPER_PRESETS = [(n, "translation") for n in PAPER_TRANSLATION] + [(n, "mlm") for n in PAPER_MLM]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the thread pool's
+    spinning makes these tests ~8x slower; run them single-threaded and restore the setting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name,task", CPU_PRESETS + PAPER_PRESETS)
+def test_parameter_count_is_exact(name, task):
+    cfg = get_config(name, task=task)
+    model = build_model(cfg, device="meta")  # shapes only: the big presets cost nothing
+    assert analytic_parameters(cfg).total == count_parameters(model)
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_parameter_count_variants(share, positions):
+    for task in ("translation", "mlm", "lm"):
+        cfg = get_config("tiny-moh", task=task).replace(share_embeddings=share, positions=positions, embedding_norm=True)
+        assert analytic_parameters(cfg).total == count_parameters(build_model(cfg, device="meta"))
+
+
+def test_eq20_parameters_of_one_layer():
+    d, e, k, dh = 64, 6, 2, 24
+    moa = MixtureOfAttentionHeads(d, e, k, dh)
+    weights = moa.query_experts.numel() + moa.output_experts.numel() + moa.k_proj.weight.numel() + moa.v_proj.weight.numel()
+    assert weights == (2 * e + 2) * dh * d  # eq. 20
+    assert count_parameters(moa) == (2 * e + 2) * dh * d + d * e + 2 * dh + d  # + router W_g + biases
+    cfg = get_config(f"{k}K{e}E{dh}D").encoder_self_attention
+    assert attention_parameters(cfg, d) == (count_parameters(moa), (2 * e + 2) * dh * d)
+    mha = MultiHeadAttention(d, 4)
+    assert count_parameters(mha) - 4 * d == 4 * d * d  # eq. 20: M_MHA = 4 d_m^2 (+ 4 bias vectors)
+    assert attention_parameters(get_config("tiny-mha").encoder_self_attention, d) == (4 * d * d + 4 * d, 4 * d * d)
+
+
+def test_eq18_eq19_and_the_full_attention_count():
+    d, t = 512, 10
+    # MoA, eq. 18: k T^2 d_h + 2(k+1) T d_h d_m; the full count adds the attention x values matmul
+    # (another k T^2 d_h) and the router (T d_m E).
+    for k, e, dh in ((8, 8, 128), (16, 32, 256), (4, 32, 64)):
+        att = get_config(f"{k}K{e}E{dh}D").encoder_self_attention
+        full, paper = attention_macs(att, d, t, t)
+        assert paper == k * t * t * dh + 2 * (k + 1) * t * dh * d
+        assert full == paper + k * t * t * dh + t * d * e
+    # MHA, eq. 19: T^2 d_m + 4 T d_m^2; the full count adds another T^2 d_m
+    full, paper = attention_macs(get_config("transformer-base").encoder_self_attention, d, t, t)
+    assert paper == t * t * d + 4 * t * d * d and full == paper + t * t * d
+    # cross-attention, S != T: K/V projections run over the S source positions
+    att = get_config("moa-base").cross_attention
+    full, _ = attention_macs(att, d, 7, 13)
+    assert full == 7 * d * 8 + 8 * 7 * d * 128 + 2 * 13 * d * 128 + 2 * 8 * 7 * 13 * 128 + 8 * 7 * 128 * d
+
+
+def test_model_level_formula_for_transformer_base():
+    cfg = get_config("transformer-base")
+    d, f, v, t, layers = 512, 2048, 32000, 10, 6
+    att = t * t * d + 4 * t * d * d  # eq. 19
+    expected_paper = 3 * layers * att + 2 * layers * 2 * t * d * f + t * d * v
+    macs = analytic_macs(cfg)
+    assert macs.paper_total == expected_paper
+    assert macs.total == expected_paper + 3 * layers * t * t * d
+    params = analytic_parameters(cfg)
+    assert params.paper["encoder.self_attention"] == layers * 4 * d * d
+    assert params.full["embeddings"] == v * d  # one joint embedding, tied to the output projection
+
+
+def _assert_measured_equals_analytic(name, task, **lengths):
+    cfg = get_config(name, task=task)
+    analytic = analytic_macs(cfg, **lengths)
+    measured = measure_macs(cfg, **lengths)
+    assert measured == analytic.full  # per component, exactly (LayerNorm, softmax: counted by neither)
+
+
+@pytest.mark.parametrize("name,task", CPU_PRESETS + PAPER_PRESETS)
+def test_measured_macs_equal_analytic(name, task):
+    """Every preset at the Appendix E sizes, the paper's at their real vocabularies (the big ones are
+    built on the meta device and materialised with zero weights: ~1 s each)."""
+    _assert_measured_equals_analytic(name, task)
+
+
+@pytest.mark.parametrize("name", ["tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads"])
+def test_measured_macs_other_lengths_and_batch(name):
+    _assert_measured_equals_analytic(name, "translation", src_len=13, tgt_len=6)
+    _assert_measured_equals_analytic(name, "mlm", src_len=33)
+    _assert_measured_equals_analytic(name, "lm", tgt_len=17)
+    cfg = get_config(name)
+    assert sum(measure_macs(cfg, 9, 4, batch_size=3).values()) == analytic_macs(cfg, 9, 4, batch_size=3).total == \
+        3 * analytic_macs(cfg, 9, 4).total
+
+
+def test_moa_compute_does_not_grow_with_experts():
+    """The paper's point (eq. 18 vs 20): E grows parameters, not MACs (the router aside)."""
+    small, big = get_config("8K8E256D"), get_config("8K32E256D")
+    assert analytic_macs(small).paper_total == analytic_macs(big).paper_total
+    assert analytic_macs(big).total - analytic_macs(small).total == 18 * 10 * 512 * (32 - 8)  # routers
+    assert analytic_parameters(big).total > 2 * analytic_parameters(small).total
+
+
+def test_small_pair_has_nearly_equal_macs():
+    for task, lengths in (("translation", dict(src_len=32, tgt_len=32)), ("lm", dict(tgt_len=64))):
+        mha = analytic_macs(get_config("small-mha", task=task), **lengths).total
+        moa = analytic_macs(get_config("small-moa", task=task), **lengths).total
+        assert abs(moa - mha) / mha < 0.05
+
+
+def test_length_arguments():
+    with pytest.raises(ValueError, match="src_len"):
+        analytic_macs(get_config("tiny-mha", task="lm"), src_len=5)
+    with pytest.raises(ValueError, match="tgt_len"):
+        analytic_macs(get_config("tiny-mha", task="mlm"), tgt_len=5)
+    with pytest.raises(ValueError, match="src_len must be a positive integer"):
+        analytic_macs(get_config("tiny-mha"), src_len=0)
+    # Appendix E defaults
+    cfg = get_config("roberta-medium")
+    assert analytic_macs(cfg).total == analytic_macs(cfg, src_len=128).total
+
+
+def test_cli_macs(capsys):
+    from headmix.cli.main import main
+
+    assert main(["macs", "tiny-moa", "--task", "lm", "--vocab", "500", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = get_config("tiny-moa", task="lm", vocab_size=500)
+    assert out["params"] == analytic_parameters(cfg).total and out["macs"] == analytic_macs(cfg).total
+    assert out["macs_measured"] == out["macs"] and out["macs_paper"] < out["macs"]
+    assert main(["macs", "moa-base"]) == 0
+    text = capsys.readouterr().out
+    assert "total" in text and f"{analytic_macs(get_config('moa-base')).total:,}" in text
+    assert main(["macs", "--table"]) == 0
+    table = capsys.readouterr().out
+    assert table.count("\n") == 2 + len(PAPER_TRANSLATION) + len(PAPER_MLM)
+    assert "| MoA 8K32E256D | translation | 8 | 32 | 256 |" in table
+    assert main(["macs", "16K8E64D"]) == 2
+    assert "top_k K=16 exceeds num_experts E=8 in '16K8E64D'" in capsys.readouterr().err
