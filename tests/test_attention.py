@@ -170,7 +170,7 @@ def test_layer_matches_reference_outputs_and_gradients(kind, case):
         if p.grad is None:
             assert n not in grads or grads[n].abs().max() == 0, n
             continue
-        torch.testing.assert_close(grads[n], p.grad, atol=5e-6, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(grads[n], p.grad, atol=5e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     if kind == "moa":  # the router and the experts get gradients
         assert grads["router.gate.weight"].abs().sum() > 0
         assert grads["query_experts"].abs().sum() > 0 and grads["output_experts"].abs().sum() > 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from headmix.attention import MixtureOfAttentionHeads, MultiHeadAttention
 from headmix.models import analytic_macs, analytic_parameters, build_model, count_parameters, get_config, measure_macs
@@ -16,16 +15,6 @@ from headmix.models.presets import PAPER_MLM, PAPER_TRANSLATION
 CPU_PRESETS = [(n, t) for n in ("tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads", "small-mha", "small-moa")
                for t in ("translation", "mlm", "lm")]
 PAPER_PRESETS = [(n, "translation") for n in PAPER_TRANSLATION] + [(n, "mlm") for n in PAPER_MLM]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the thread pool's
-    spinning makes these tests ~8x slower; run them single-threaded and restore the setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name,task", CPU_PRESETS + PAPER_PRESETS)

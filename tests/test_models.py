@@ -30,16 +30,6 @@ V = 61  # small vocabulary: fast, and every test token id is valid
 PAD, BOS, EOS = 0, 1, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the thread pool's
-    spinning makes these tests ~8x slower; run them single-threaded and restore the setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny(name: str = "tiny-moa", task: str = "translation", **changes) -> ModelConfig:
     cfg = get_config(name, task=task, vocab_size=V)
     return cfg.replace(**changes) if changes else cfg

@@ -28,7 +28,8 @@ from headmix.training import (
     train,
 )
 from headmix.training import checkpoint as ckpt
-from headmix.training.metrics import load_summary, read_metrics
+from headmix.routing import load_summary
+from headmix.training.metrics import read_metrics
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

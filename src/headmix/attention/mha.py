@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product, zero_loss

@@ -107,19 +107,18 @@ def bench_layers(seq_lens: list[int], experts: list[int], *, embed_dim: int, top
         x = torch.randn(b, seq, embed_dim, device=device, dtype=dtype)
         xg = x.clone().requires_grad_()
 
-        def fwd(case=None):
+        def fwd(case: Case, x: torch.Tensor = x):
             with torch.no_grad():
                 return case.call(x)
 
-        def fwd_bwd(case=None):
+        def fwd_bwd(case: Case, xg: torch.Tensor = xg):
             for p in case.layer.parameters():
                 p.grad = None
-            out = case.call(xg)
-            out.float().square().mean().backward()
+            case.call(xg).float().square().mean().backward()
 
         t_fwd = interleaved_medians({c.name: (lambda c=c: fwd(c)) for c in cases}, repeats, warmup, device)
         t_fb = interleaved_medians({c.name: (lambda c=c: fwd_bwd(c)) for c in cases}, repeats, warmup, device)
-        mem = {c.name: peak_memory(lambda c=c: c.call(xg).float().square().mean().backward(), device) for c in cases}
+        mem = {c.name: peak_memory(lambda c=c: fwd_bwd(c), device) for c in cases}
         base = cases[0].name
         for c in cases:
             rows.append({"seq": seq, "batch": b, "layer": c.name, "fwd_ms": 1e3 * t_fwd[c.name],

@@ -46,22 +46,3 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def load_summary(counts: torch.Tensor) -> dict[str, float]:
-    """Summary of an expert-load vector (tokens per expert): max/min share, coefficient of variation,
-    and the entropy of the shares normalised by log(E) (1 = perfectly even)."""
-    counts = counts.double()
-    total = counts.sum()
-    if total <= 0:
-        return {"max_share": 0.0, "min_share": 0.0, "cv": 0.0, "norm_entropy": 0.0}
-    share = counts / total
-    nz = share[share > 0]
-    entropy = float(-(nz * nz.log()).sum())
-    n = counts.numel()
-    return {
-        "max_share": float(share.max()),
-        "min_share": float(share.min()),
-        "cv": float(share.std(unbiased=False) / share.mean()),
-        "norm_entropy": entropy / float(torch.log(torch.tensor(float(n)))) if n > 1 else 1.0,
-    }

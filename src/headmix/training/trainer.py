@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..data import (
@@ -55,7 +54,8 @@ from ..data import (
 from ..models import build_model, count_parameters, get_config
 from . import checkpoint as ckpt
 from .distributed import Dist, Parallel, init_distributed
-from .metrics import MetricsLog, load_summary
+from ..routing import load_summary
+from .metrics import MetricsLog
 from .schedule import SCHEDULES, lr_multiplier
 
 TASKS = ("translation", "mlm", "lm")

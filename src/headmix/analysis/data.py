@@ -1,0 +1,105 @@
+"""Loading a training run and streaming a dataset through its model, for the analyses."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..data import Tokenizer, read_jsonl_documents, read_tsv_pairs
+from ..data.mlm import IGNORE_INDEX
+from ..models import PreTrainedModel, load_pretrained
+
+RUN_FILES = ("config.json", "model.safetensors", "tokenizer/tokenizer.json")
+SPLITS = ("train", "valid", "test")
+
+
+def check_run(run_dir: str | os.PathLike) -> Path:
+    """``run_dir`` as a Path, or ``FileNotFoundError`` naming the first missing file of a finished run
+    (``config.json``, ``model.safetensors``, ``tokenizer/tokenizer.json``)."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run folder not found: {run}")
+    for name in RUN_FILES:
+        if not (run / name).is_file():
+            raise FileNotFoundError(f"{run / name} not found: {run} is not a finished headmix run "
+                                    f"(expected {', '.join(RUN_FILES)} from `headmix train`)")
+    return run
+
+
+def load_analysis_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[PreTrainedModel, Tokenizer]:
+    """The final model (in eval mode) and the tokenizer of a training run folder."""
+    run = check_run(run_dir)
+    model = load_pretrained(run, device).eval()
+    return model, Tokenizer.load(run / "tokenizer")
+
+
+def _train_config(run: Path, task: str) -> Any:
+    from ..training.trainer import TrainConfig
+
+    path = run / "train_config.json"
+    values = json.loads(path.read_text()) if path.is_file() else {"task": task}
+    cfg = TrainConfig(**{k: v for k, v in values.items() if k in TrainConfig.__dataclass_fields__})
+    cfg.betas = tuple(cfg.betas)
+    cfg.task = task
+    return cfg
+
+
+def dataset_path(run_dir: str | os.PathLike, task: str, split: str = "valid", data: str | os.PathLike | None = None) -> Path:
+    """The file to analyse: ``data`` when given, else the run's ``data/{split}.tsv`` (translation) or
+    ``data/{split}.jsonl`` (language models). ``FileNotFoundError`` names a missing file."""
+    if data is not None:
+        path = Path(data)
+        if not path.is_file():
+            raise FileNotFoundError(f"data file not found: {path}")
+        return path
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    path = Path(run_dir) / "data" / f"{split}.{'tsv' if task == 'translation' else 'jsonl'}"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the run has no {split} split (give --data FILE)")
+    return path
+
+
+def run_batches(run_dir: str | os.PathLike, tokenizer: Tokenizer | None = None, *, task: str | None = None,
+                split: str = "valid", data: str | os.PathLike | None = None, max_tokens: int = 8192,
+                limit: int | None = None, mlm_masking: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """Stream the batches of a dataset the way the run was trained on it (its tokenizer, ``max_len``,
+    token-count batching; no shuffling), as model keyword arguments.
+
+    ``data``: a TSV of pairs (translation) or a JSONL of documents (masked/causal LM); default the run's
+    ``split`` (``valid``). ``limit``: only the first N pairs / documents. Masked-LM batches are given
+    back unmasked (the masked positions restored from the labels), so the routing is that of the
+    text itself, unless ``mlm_masking``.
+    """
+    from ..training.trainer import Dist, build_dataset, build_loader
+
+    run = Path(run_dir)
+    if tokenizer is None:
+        tokenizer = Tokenizer.load(check_run(run) / "tokenizer")
+    if task is None:
+        task = json.loads((check_run(run) / "config.json").read_text())["task"]
+    path = dataset_path(run, task, split, data)
+    cfg = _train_config(run, task)
+    cfg.max_tokens = max(int(max_tokens), cfg.max_len + 2)
+    if task == "translation":
+        items = read_tsv_pairs(path, strict=False)
+    else:
+        items = read_jsonl_documents(path, strict=False)
+    if limit is not None:
+        items = items[:limit]
+    if not items:
+        raise ValueError(f"{path} holds no {'sentence pairs' if task == 'translation' else 'documents'}")
+    loader = build_loader(cfg, build_dataset(cfg, items, tokenizer), tokenizer, train=False, d=Dist(), seed=cfg.seed)
+    for batch in loader:
+        if task == "translation":
+            yield {"src": batch["src"], "tgt_in": batch["tgt_in"]}
+        else:
+            ids = batch["input_ids"]
+            if task == "mlm" and not mlm_masking:
+                labels = batch["labels"]
+                ids = torch.where(labels.ne(IGNORE_INDEX) & labels.ne(tokenizer.pad_id), labels, ids)
+            yield {"input_ids": ids}

@@ -1,0 +1,145 @@
+"""Finding the routed layers of a model, choosing one, and knowing which tokens its queries are.
+
+A *routed layer* is an attention layer that returns a :class:`~headmix.routing.Routing`: a
+:class:`~headmix.attention.MixtureOfAttentionHeads` (MoA, Zhang et al. 2022; its "experts" are the
+attention experts of eq. 10-12) or a :class:`~headmix.attention.MixtureOfHeadsAttention` with routed
+heads (MoH; its "experts" are the routed heads, counted from 0 after the ``num_shared_heads`` shared
+heads). The layer names are the module names, which are also the names under which the models report
+their routing (``ModelOutput.routing``), e.g. ``encoder.layers.0.self_attn``,
+``decoder.layers.3.cross_attn``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from torch import Tensor, nn
+
+from ..attention import AttentionLayer, MixtureOfAttentionHeads, MixtureOfHeadsAttention
+
+KIND_NAMES = {"moa": "MoA", "moh": "MoH"}
+
+
+@dataclass(frozen=True)
+class RoutedLayer:
+    """One routed layer: ``index`` in the model's routed-layer order, module ``name``, ``kind``
+    (``"moa"`` or ``"moh"``), ``num_experts`` (MoA experts ``E``, or MoH routed heads ``R``), ``top_k``
+    and, for MoH, ``num_shared_heads`` (the shared heads come first, so routed head ``i`` is head
+    ``num_shared_heads + i`` of the layer)."""
+
+    index: int
+    name: str
+    kind: str
+    num_experts: int
+    top_k: int
+    num_shared_heads: int = 0
+    module: nn.Module | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def role(self) -> str:
+        """``"encoder self-attention"``, ``"decoder self-attention"`` or ``"cross-attention"``."""
+        return layer_role(self.name)
+
+    @property
+    def expert_labels(self) -> list[str]:
+        """Axis labels: ``E0 .. E{E-1}`` for MoA experts; for MoH the routed heads' indices in the
+        layer (``h1 .. h3`` with one shared head)."""
+        if self.kind == "moh":
+            return [f"h{self.num_shared_heads + i}" for i in range(self.num_experts)]
+        return [f"E{i}" for i in range(self.num_experts)]
+
+    def describe(self) -> dict[str, Any]:
+        return {"index": self.index, "name": self.name, "kind": self.kind, "role": self.role,
+                "num_experts": self.num_experts, "top_k": self.top_k, "num_shared_heads": self.num_shared_heads}
+
+
+def layer_role(name: str) -> str:
+    """The role of an attention layer from its module name: ``"encoder self-attention"``,
+    ``"decoder self-attention"`` or ``"cross-attention"``."""
+    if name.endswith("cross_attn"):
+        return "cross-attention"
+    return ("encoder" if name.startswith("encoder.") else "decoder") + " self-attention"
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DDP / FSDP wrappers
+
+
+def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every headmix attention layer of ``model`` as ``(name, module)``, in module order."""
+    return [(n, m) for n, m in _unwrap(model).named_modules() if isinstance(m, AttentionLayer)]
+
+
+def describe_attention(model: nn.Module) -> str:
+    """``"encoder.layers.0.self_attn (MultiHeadAttention), ..."``: what a model has, for error messages."""
+    layers = attention_layers(model)
+    if not layers:
+        return "no headmix attention layer"
+    return ", ".join(f"{n} ({type(m).__name__})" for n, m in layers)
+
+
+def routed_layers(model: nn.Module) -> list[RoutedLayer]:
+    """The model's routed layers (MoA, and MoH with routed heads), in the order the model reports
+    their routing (encoder layers, then each decoder layer's self- then cross-attention)."""
+    out: list[RoutedLayer] = []
+    for name, m in _unwrap(model).named_modules():
+        if isinstance(m, MixtureOfAttentionHeads):
+            out.append(RoutedLayer(len(out), name, "moa", m.num_experts, m.top_k, 0, m))
+        elif isinstance(m, MixtureOfHeadsAttention) and m.num_routed_heads > 0:
+            out.append(RoutedLayer(len(out), name, "moh", m.num_routed_heads, m.top_k, m.num_shared_heads, m))
+    return out
+
+
+def describe_routed(layers: list[RoutedLayer]) -> str:
+    """``"6 routed MoA layers: [0] encoder.layers.0.self_attn, ..."``."""
+    kinds = sorted({KIND_NAMES[l.kind] for l in layers})
+    noun = "layer" if len(layers) == 1 else "layers"
+    return f"{len(layers)} routed {'/'.join(kinds)} {noun}: " + ", ".join(f"[{l.index}] {l.name}" for l in layers)
+
+
+def require_routed(model: nn.Module, what: str = "this analysis") -> list[RoutedLayer]:
+    """The routed layers, or a ``ValueError`` naming the attention layers the model has instead."""
+    layers = routed_layers(model)
+    if not layers:
+        raise ValueError(f"{what} needs a routed attention layer (MoA, or MoH with routed heads), but this "
+                         f"model has none; its attention layers are: {describe_attention(model)}")
+    return layers
+
+
+def default_layer(layers: list[RoutedLayer]) -> RoutedLayer:
+    """The first routed encoder self-attention layer (the MoA paper's choice for Table 4), or the first
+    routed layer when the encoder has none (causal LMs)."""
+    for layer in layers:
+        if layer.role == "encoder self-attention":
+            return layer
+    return layers[0]
+
+
+def select_layer(model: nn.Module, layer: int | str | None) -> RoutedLayer:
+    """The routed layer ``layer``: an index into :func:`routed_layers` (``0`` = the first), a module
+    name (``"decoder.layers.1.cross_attn"``), or ``None`` for :func:`default_layer`. An index out of
+    range or an unknown name is a ``ValueError`` that lists the routed layers."""
+    layers = require_routed(model)
+    if layer is None:
+        return default_layer(layers)
+    if isinstance(layer, str) and not layer.lstrip("-").isdigit():
+        for l in layers:
+            if l.name == layer:
+                return l
+        raise ValueError(f"no routed layer named {layer!r}: this model has {describe_routed(layers)}")
+    if isinstance(layer, bool) or not isinstance(layer, (int, str)):
+        raise ValueError(f"layer must be an index or a layer name, got {layer!r}")
+    index = int(layer)
+    if not 0 <= index < len(layers):
+        raise ValueError(f"layer {index} is out of range: this model has {describe_routed(layers)}")
+    return layers[index]
+
+
+def layer_token_ids(name: str, inputs: Mapping[str, Tensor]) -> Tensor:
+    """The token ids of a layer's queries, ``(B, T)``: the encoder's input (``src``) for encoder layers,
+    the decoder's input (``tgt_in``) for decoder self- and cross-attention, ``input_ids`` for the
+    language models."""
+    if "src" in inputs:
+        return inputs["src"] if name.startswith("encoder.") else inputs["tgt_in"]
+    return inputs["input_ids"]

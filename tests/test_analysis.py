@@ -1,0 +1,486 @@
+"""headmix.analysis: expert load (MoA Figure 3 / Appendix A), token-expert PMI (Table 4), head utilities,
+and the ``headmix analyze`` command."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headmix.analysis import (
+    LayerCounts,
+    LoadReport,
+    PMIReport,
+    as_model_inputs,
+    collect_routing,
+    expert_load,
+    head_utilities,
+    load_analysis_run,
+    pmi_matrix,
+    routed_layers,
+    run_batches,
+    select_layer,
+    talking_heads_matrices,
+    token_expert_pmi,
+    token_text,
+)
+from headmix.analysis.layers import RoutedLayer
+from headmix.cli.main import main
+from headmix.data import (
+    Tokenizer,
+    load_embedded_documents,
+    load_embedded_translation,
+    write_jsonl_documents,
+    write_tsv_pairs,
+)
+from headmix.models import build_model, get_config
+from headmix.routing import Routing
+from headmix.training import TrainConfig, train
+
+PAD = 0
+
+
+def routing(index, num_experts: int, mask=None, gates=None, probs=None) -> Routing:
+    """A hand-built Routing: ``index`` (N, k) selected experts, ``mask`` (N,) True = real token."""
+    index = torch.as_tensor(index, dtype=torch.long)
+    n, k = index.shape
+    gates = torch.full((n, k), 1.0 / k) if gates is None else torch.as_tensor(gates, dtype=torch.float32)
+    probs = torch.full((n, num_experts), 1.0 / num_experts) if probs is None else torch.as_tensor(probs, dtype=torch.float32)
+    mask = None if mask is None else torch.as_tensor(mask, dtype=torch.bool)
+    return Routing(probs.log(), probs, index, gates, mask, (1, n))
+
+
+# ------------------------------------------------------------------------------------------- counting
+def test_layer_counts_exact_and_padding_excluded():
+    r = routing([[0, 1], [1, 2], [2, 3], [0, 3]], 4, mask=[True, True, False, True],
+                gates=[[0.7, 0.3], [0.6, 0.4], [0.9, 0.1], [0.5, 0.5]],
+                probs=[[0.4, 0.3, 0.2, 0.1], [0.1, 0.5, 0.3, 0.1], [0.25] * 4, [0.4, 0.1, 0.1, 0.4]])
+    c = LayerCounts("l", 4, vocab_size=10)
+    c.add(r, torch.tensor([[5, 6, 7, 5]]))
+    assert c.counts.tolist() == [2, 2, 1, 1]  # the masked token (experts 2, 3) does not count
+    assert c.num_tokens == 3 and c.num_slots == 6
+    assert torch.allclose(c.gate_sum, torch.tensor([1.2, 0.9, 0.4, 0.5], dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(c.prob_sum, torch.tensor([0.9, 0.9, 0.6, 0.6], dtype=torch.float64), atol=1e-6)
+    assert c.token_counts[5] == 2 and c.token_counts[6] == 1 and c.token_counts[7] == 0
+    assert c.cooc[5].tolist() == [2, 1, 0, 1] and c.cooc[6].tolist() == [0, 1, 1, 0] and c.cooc.sum() == 6
+
+    # Without a token mask, the pad id excludes positions.
+    c2 = LayerCounts("l", 4, vocab_size=10)
+    c2.add(routing([[0, 1], [1, 2], [2, 3], [0, 3]], 4), torch.tensor([5, 6, PAD, 5]), pad_id=PAD)
+    assert c2.counts.tolist() == [2, 2, 1, 1] and c2.num_tokens == 3
+
+
+def test_load_report_shares_and_summaries():
+    layer = RoutedLayer(0, "encoder.layers.0.self_attn", "moa", 4, 2)
+    c = LayerCounts(layer.name, 4)
+    c.add(routing([[0, 1]] * 3 + [[0, 2]], 4))  # 4 tokens, slots: E0 4, E1 3, E2 1, E3 0
+    from headmix.analysis.counts import RoutingStats
+
+    rep = LoadReport.from_stats(RoutingStats([layer], {layer.name: c}, num_batches=1))
+    l = rep[layer.name]
+    assert l.counts == [4, 3, 1, 0]
+    assert l.share == [0.5, 0.375, 0.125, 0.0]
+    assert l.token_fraction == [1.0, 0.75, 0.25, 0.0] and math.isclose(sum(l.token_fraction), 2.0)
+    assert l.max_share == 0.5 and l.min_share == 0.0 and l.max_min_ratio == math.inf
+    shares = torch.tensor(l.share, dtype=torch.float64)
+    assert math.isclose(l.cv, float(shares.std(unbiased=False) / shares.mean()))
+    nz = shares[shares > 0]
+    assert math.isclose(l.norm_entropy, float(-(nz * nz.log()).sum() / math.log(4)))
+    assert math.isclose(sum(l.gate_share), 1.0) and math.isclose(sum(l.mean_prob), 1.0)
+    md = rep.to_markdown()
+    assert "| 0 | encoder.layers.0.self_attn | moa | 4 | 2 | 4 | 50.00% | 0.00% |" in md
+    assert json.loads(rep.to_json())["layers"][0]["share"] == l.share
+
+
+def test_streaming_equals_one_big_batch():
+    g = torch.Generator().manual_seed(0)
+    n, k, e, v = 50, 2, 5, 12
+    index = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    ids = torch.randint(0, v, (n,), generator=g)
+    mask = torch.rand(n, generator=g) > 0.2
+    gates = torch.rand(n, k, generator=g)
+    probs = torch.rand(n, e, generator=g).softmax(-1)
+    whole = LayerCounts("l", e, vocab_size=v)
+    whole.add(routing(index, e, mask, gates, probs), ids)
+    parts = LayerCounts("l", e, vocab_size=v)
+    for a, b in ((0, 7), (7, 30), (30, 50)):
+        parts.add(routing(index[a:b], e, mask[a:b], gates[a:b], probs[a:b]), ids[a:b])
+    assert torch.equal(whole.counts, parts.counts) and torch.equal(whole.cooc, parts.cooc)
+    assert torch.equal(whole.token_counts, parts.token_counts) and whole.num_tokens == parts.num_tokens
+    assert torch.allclose(whole.gate_sum, parts.gate_sum) and torch.allclose(whole.prob_sum, parts.prob_sum)
+
+
+# ------------------------------------------------------------------------------------------------ PMI
+def test_pmi_matches_the_definition_by_hand():
+    # k = 1. Token A (id 0) -> E0 three times, E1 once; token B (id 1) -> E1 four times. N = S = 8.
+    cooc = torch.tensor([[3, 1], [0, 4], [0, 0]])
+    pmi, log_pmi = pmi_matrix(cooc)
+    # p(A)=1/2, p(B)=1/2, p(E0)=3/8, p(E1)=5/8
+    assert math.isclose(pmi[0, 0], (3 / 8) / (1 / 2 * 3 / 8))  # 2
+    assert math.isclose(pmi[0, 1], (1 / 8) / (1 / 2 * 5 / 8))  # 0.4
+    assert math.isclose(pmi[1, 1], (4 / 8) / (1 / 2 * 5 / 8))  # 1.6
+    assert pmi[1, 0] == 0 and log_pmi[1, 0] == -math.inf and pmi[2].tolist() == [0, 0]
+    assert math.isclose(log_pmi[0, 0], math.log(2.0))
+
+    # k = 2, 3 experts: p(token) is the share of occurrences (3 of A, 1 of B), p(token, expert) and
+    # p(expert) are over the 8 slots.
+    cooc2 = torch.tensor([[3, 2, 1], [1, 0, 1]])
+    occurrences = torch.tensor([3, 1])
+    pmi2, _ = pmi_matrix(cooc2, occurrences)
+    for t, e in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 2)]:
+        p_te = Fraction(int(cooc2[t, e]), 8)
+        p_t = Fraction(int(occurrences[t]), 4)
+        p_e = Fraction(int(cooc2[:, e].sum()), 8)
+        assert math.isclose(pmi2[t, e], float(p_te / (p_t * p_e)), rel_tol=1e-12)
+    # With every token filling k slots, the row sums give the same p(token).
+    assert torch.allclose(pmi_matrix(cooc2)[0], pmi2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9), min_size=3, max_size=3), min_size=2, max_size=8))
+def test_pmi_marginal_identities(rows):
+    cooc = torch.tensor(rows)
+    if cooc.sum() == 0:
+        return
+    pmi, _ = pmi_matrix(cooc)
+    c = cooc.double()
+    p_t, p_e = c.sum(1) / c.sum(), c.sum(0) / c.sum()
+    # sum_t p(t) PMI(t, e) = sum_t p(t, e) / p(e) = 1 for every used expert, and symmetrically.
+    used_e, used_t = p_e > 0, p_t > 0
+    assert torch.allclose((p_t[:, None] * pmi).sum(0)[used_e], torch.ones(int(used_e.sum()), dtype=torch.float64))
+    assert torch.allclose((p_e[None, :] * pmi).sum(1)[used_t], torch.ones(int(used_t.sum()), dtype=torch.float64))
+
+
+def test_pmi_report_ranks_with_min_count_ties_and_special_tokens():
+    c = LayerCounts("encoder.layers.0.self_attn", 2, vocab_size=8)
+    # k = 1; id 2 (</s>) is special; id 7 is rare (2 occurrences, always E1).
+    seq = [(2, 0)] * 6 + [(5, 0)] * 4 + [(5, 1)] * 1 + [(6, 0)] * 5 + [(6, 1)] * 5 + [(3, 1)] * 10 + [(7, 1)] * 2 + [(4, 0)] * 5
+    ids = torch.tensor([t for t, _ in seq])
+    c.add(routing([[e] for _, e in seq], 2), ids)
+    layer = RoutedLayer(0, c.name, "moa", 2, 1)
+    rep = PMIReport.from_counts(c, layer, top=3, min_count=3, exclude_ids=[2])
+    pmi, _ = pmi_matrix(c.cooc, c.token_counts)
+    e0 = [t.id for t in rep.experts[0].tokens]
+    e1 = [t.id for t in rep.experts[1].tokens]
+    # E0: id 4 (5/5) before id 5 (4/5) before id 6 (5/10); the special id 2 is not ranked.
+    assert e0 == [4, 5, 6]
+    # E1: id 3 (10/10), then id 6 (5/10) and id 5 (1/5); id 7 is too rare.
+    assert e1 == [3, 6, 5]
+    t = rep.experts[0].tokens[0]
+    assert math.isclose(t.pmi, float(pmi[4, 0])) and t.joint == 5 and t.count == 5 and t.p_expert_given_token == 1.0
+    assert t.token == "#4" and math.isclose(t.log_pmi, math.log(t.pmi))
+    assert math.isclose(rep.experts[0].share, 20 / 38) and rep.num_tokens == 38
+    # Ties in PMI break by the joint count, then the id.
+    c3 = LayerCounts("l", 2, vocab_size=4)
+    seq3 = [(1, 0)] * 5 + [(2, 0)] * 8 + [(3, 0)] * 8 + [(0, 1)] * 3
+    c3.add(routing([[e] for _, e in seq3], 2), torch.tensor([t for t, _ in seq3]))
+    assert [t.id for t in PMIReport.from_counts(c3, top=3, min_count=1).experts[0].tokens] == [2, 3, 1]
+    # Tokens always routed to the same expert have exactly equal PMI (1 / (k p(e))), whatever their
+    # counts: the most frequent comes first (floating-point noise must not reorder them).
+    g = torch.Generator().manual_seed(3)
+    c4 = LayerCounts("l", 3, vocab_size=60)
+    occ = torch.randint(5, 400, (60,), generator=g)
+    seq4 = [(v, v % 3) for v in range(60) for _ in range(int(occ[v]))]
+    c4.add(routing([[e] for _, e in seq4], 3), torch.tensor([t for t, _ in seq4]))
+    for e, ex in enumerate(PMIReport.from_counts(c4, top=20, min_count=1).experts):
+        assert len({t.pmi for t in ex.tokens}) == 1
+        expected = sorted((v for v in range(60) if v % 3 == e), key=lambda v: (-int(occ[v]), v))
+        assert [t.id for t in ex.tokens] == expected
+    md = rep.to_markdown()
+    assert "| Expert | Share | Top 3 tokens by PMI |" in md and "| E1 | " in md and "`#3`" in md
+
+
+def test_token_text_shows_text_with_a_word_start_marker(tmp_path):
+    from headmix.data import train_tokenizer
+
+    tok = train_tokenizer(["the house of Berlin", "a house in Paris", "Berlin Berlin Paris"] * 20, 300)
+    ids = tok.encode(" Berlin")
+    assert token_text(tok, ids[0]).startswith("\u2581")
+    assert token_text(tok, tok.eos_id) == "</s>"
+    assert token_text(tok, tok.encode("the")[0]) == tok.decode(tok.encode("the")[:1])
+    space = tok.token_to_id("\u0120")  # byte-level symbol of a lone space
+    if space is not None:
+        assert token_text(tok, space) == "\u2581"
+    newline = tok.token_to_id("\u010a")
+    if newline is not None:
+        assert token_text(tok, newline) == "\\n"
+    assert token_text(None, 17) == "#17"
+
+
+# --------------------------------------------------------------------------------------- models in memory
+def tiny(preset: str, task: str = "translation", vocab: int = 60):
+    torch.manual_seed(0)
+    return build_model(get_config(preset, task=task, vocab_size=vocab)).eval()
+
+
+def sentence_batches(n: int = 6, vocab: int = 60):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        s, t = 3 + i % 4, 2 + (i * 3) % 5
+        out.append((torch.randint(5, vocab, (1, s), generator=g), torch.randint(5, vocab, (1, t), generator=g)))
+    return out
+
+
+def pad_together(items):
+    longest = max(x.shape[1] for x in items)
+    return torch.cat([torch.nn.functional.pad(x, (0, longest - x.shape[1]), value=PAD) for x in items])
+
+
+def test_model_streaming_and_padding_do_not_change_the_counts():
+    model = tiny("tiny-moa").double()
+    sents = sentence_batches()
+    one_by_one = collect_routing(model, [{"src": s, "tgt_in": t} for s, t in sents], cooccurrence=["encoder.layers.0.self_attn"])
+    big = collect_routing(model, [(pad_together([s for s, _ in sents]), pad_together([t for _, t in sents]))],
+                          cooccurrence=["encoder.layers.0.self_attn"])
+    assert one_by_one.num_batches == 6 and big.num_batches == 1
+    for name, c in one_by_one.counts.items():
+        assert torch.equal(c.counts, big.counts[name].counts), name
+        assert c.num_tokens == big.counts[name].num_tokens
+    n_src = sum(s.numel() for s, _ in sents)
+    assert one_by_one.counts["encoder.layers.0.self_attn"].num_tokens == n_src
+    assert one_by_one.counts["decoder.layers.0.cross_attn"].num_tokens == sum(t.numel() for _, t in sents)
+    name = "encoder.layers.0.self_attn"
+    assert torch.equal(one_by_one.counts[name].cooc, big.counts[name].cooc)
+    assert one_by_one.counts[name].cooc.sum() == 2 * n_src  # k = 2 slots per real token
+    assert one_by_one.counts[name].cooc[PAD].sum() == 0
+
+
+@pytest.mark.parametrize("task", ["translation", "mlm", "lm"])
+def test_routing_without_the_output_projection_is_the_models_routing(task):
+    from headmix.analysis.counts import model_routing
+
+    model = tiny("tiny-moa", task)
+    s, t = sentence_batches(2)[1]
+    inputs = {"src": s, "tgt_in": t} if task == "translation" else {"input_ids": s}
+    with torch.no_grad():
+        full = model(**inputs).routing
+        fast = model_routing(model, inputs)
+    assert [n for n, _ in fast] == [n for n, _ in full] and len(full) == (6 if task == "translation" else 2)
+    for (_, a), (_, b) in zip(fast, full):
+        assert torch.equal(a.expert_index, b.expert_index) and torch.equal(a.probs, b.probs)
+
+
+def test_expert_load_on_a_model_sums_to_one_per_layer():
+    model = tiny("tiny-moa")
+    rep = expert_load(model, [(s, t) for s, t in sentence_batches()])
+    assert [l.name for l in rep.layers] == [l.name for l in routed_layers(model)]
+    assert len(rep.layers) == 6 and model.training is False
+    for l in rep.layers:
+        assert math.isclose(sum(l.share), 1.0, rel_tol=1e-12) and sum(l.counts) == 2 * l.num_tokens
+        assert math.isclose(sum(l.token_fraction), 2.0, rel_tol=1e-12)
+    # Language models: tensors of input ids, decoder layers.
+    lm = tiny("tiny-moa", "lm")
+    rep = expert_load(lm, [torch.randint(5, 60, (2, 7))])
+    assert [l.name for l in rep.layers] == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
+    assert all(l.num_tokens == 14 for l in rep.layers)
+
+
+def test_token_expert_pmi_on_a_model_and_default_layer():
+    model = tiny("tiny-moa")
+    batches = [(s, t) for s, t in sentence_batches()]
+    rep = token_expert_pmi(model, batches, min_count=1, top=3)
+    assert rep.name == "encoder.layers.0.self_attn" and rep.num_tokens == sum(s.numel() for s, _ in batches)
+    assert math.isclose(sum(e.share for e in rep.experts), 1.0)
+    rep2 = token_expert_pmi(model, batches, layer="decoder.layers.1.cross_attn", min_count=1)
+    assert rep2.name == "decoder.layers.1.cross_attn" and rep2.num_tokens == sum(t.numel() for _, t in batches)
+    assert token_expert_pmi(model, batches, layer=3, min_count=1).name == "decoder.layers.0.cross_attn"
+    assert select_layer(tiny("tiny-moa", "lm"), None).name == "decoder.layers.0.self_attn"
+
+
+def test_bad_layers_and_models_give_clear_errors():
+    model = tiny("tiny-moa")
+    with pytest.raises(ValueError, match=r"layer 7 is out of range: this model has 6 routed MoA layers: "
+                                         r"\[0\] encoder\.layers\.0\.self_attn, \[1\] encoder\.layers\.1\.self_attn"):
+        token_expert_pmi(model, [], layer=7)
+    with pytest.raises(ValueError, match="out of range"):
+        select_layer(model, -1)
+    with pytest.raises(ValueError, match=r"no routed layer named 'encoder.layers.9.self_attn'.*decoder\.layers\.1\.cross_attn"):
+        select_layer(model, "encoder.layers.9.self_attn")
+    mha = tiny("tiny-mha")
+    with pytest.raises(ValueError, match=r"has none; its attention layers are: encoder\.layers\.0\.self_attn \(MultiHeadAttention\)"):
+        expert_load(mha, [])
+    with pytest.raises(ValueError, match="no Talking-Heads layer"):
+        talking_heads_matrices(model)
+    with pytest.raises(ValueError, match="MoH layer"):
+        head_utilities(model, [])
+    with pytest.raises(ValueError, match=r"needs \['src', 'tgt_in'\]"):
+        as_model_inputs(model, torch.zeros(2, 3, dtype=torch.long))
+    assert set(as_model_inputs(model, {"src": 1, "tgt_in": 2, "tgt_out": 3, "src_lengths": 4})) == {"src", "tgt_in"}
+
+
+def test_moh_head_utilities():
+    model = tiny("tiny-moh")
+    batches = [(s, t) for s, t in sentence_batches()]
+    rep = head_utilities(model, batches)
+    load = expert_load(model, batches)
+    assert len(rep.layers) == 6
+    for l, ll in zip(rep.layers, load.layers):
+        assert l.num_heads == 4 and l.num_shared_heads == 1 and l.top_k == 2
+        assert l.active_fraction[0] == 1.0
+        assert math.isclose(sum(l.active_fraction[1:]), 2.0)  # each token activates k = 2 routed heads
+        assert l.routed_share == ll.share and l.num_tokens == ll.num_tokens
+        # A fresh MoH layer: W_h = W_s = 0, so the group weights are exactly 1/2 each and the shared
+        # head's weight a_s * S * softmax(0) is exactly 1.
+        assert l.group_weights == [0.5, 0.5] and math.isclose(l.mean_weight[0], 1.0, rel_tol=1e-6)
+        assert math.isclose(sum(l.weight_share), 1.0) and math.isclose(l.shared_weight_fraction, l.weight_share[0])
+    assert "group weights shared / routed" in rep.to_markdown()
+
+
+def test_talking_heads_matrices(tmp_path):
+    model = tiny("tiny-talking-heads")
+    layer = model.encoder.layers[0].self_attn
+    with torch.no_grad():
+        layer.pre_mix.copy_(torch.eye(4) + 0.5 * torch.ones(4, 4))
+    rep = talking_heads_matrices(model)
+    assert len(rep.layers) == 6
+    first = rep.layers[0]
+    assert first.name == "encoder.layers.0.self_attn" and first.role == "encoder self-attention"
+    assert first.pre.matrix[0] == [1.5, 0.5, 0.5, 0.5]
+    assert math.isclose(first.pre.identity_distance, 0.5 * 4)  # ||0.5 * ones(4, 4)||_F = 2
+    assert math.isclose(first.pre.off_diagonal_fraction, 6 / 12)
+    assert first.post.identity_distance == 0.0 and rep.layers[1].pre.identity_distance == 0.0
+    assert rep.plot(tmp_path / "th.png").stat().st_size > 1000
+    assert "pre-softmax | 2.0000 |" in rep.to_markdown()
+
+
+def test_reports_plot_and_serialise(tmp_path):
+    model = tiny("tiny-moa")
+    batches = [(s, t) for s, t in sentence_batches()]
+    load = expert_load(model, batches)
+    assert load.plot(tmp_path / "a.png").stat().st_size > 1000
+    assert load.plot_summary(tmp_path / "s.png").stat().st_size > 1000
+    assert len(load.plot_layers(tmp_path / "layers")) == 6
+    pmi = token_expert_pmi(model, batches, min_count=1)
+    assert pmi.plot(tmp_path / "p.png").stat().st_size > 1000
+    data = json.loads(pmi.to_json(tmp_path / "p.json"))
+    assert data["layer"]["name"] == "encoder.layers.0.self_attn" and len(data["experts"]) == 4
+
+
+# ------------------------------------------------------------------------------------ runs and the CLI
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny MoA and a tiny MoH translation run (4 training steps each), plus untrained runs for
+    Talking-Heads and the language models that reuse the MoA run's tokenizer."""
+    root = tmp_path_factory.mktemp("analysis_runs")
+    pairs = root / "pairs.tsv"
+    write_tsv_pairs(load_embedded_translation()[:600], pairs)
+    out = {}
+    for preset in ("tiny-moa", "tiny-moh"):
+        cfg = TrainConfig(task="translation", preset=preset, out=str(root / preset), data=[str(pairs)], vocab_size=300,
+                          max_steps=4, max_tokens=600, max_len=32, warmup_steps=2, log_every=2, eval_every=4,
+                          save_every=4, average_last=1, valid_size=0.05, test_size=0.05, progress=False)
+        train(cfg)
+        out[preset] = root / preset
+    tok = Tokenizer.load(out["tiny-moa"] / "tokenizer")
+    docs = load_embedded_documents(sources="kjv-bible")[:8]
+    for name, preset, task in (("talking", "tiny-talking-heads", "translation"), ("lm", "tiny-moa", "lm"),
+                               ("mlm", "tiny-moa", "mlm")):
+        run = root / name
+        torch.manual_seed(0)
+        build_model(get_config(preset, task=task, vocab_size=tok.vocab_size)).save_pretrained(run)
+        shutil.copytree(out["tiny-moa"] / "tokenizer", run / "tokenizer")
+        (run / "data").mkdir()
+        if task == "translation":
+            shutil.copy(out["tiny-moa"] / "data" / "valid.tsv", run / "data" / "valid.tsv")
+        else:
+            write_jsonl_documents(docs, run / "data" / "valid.jsonl")
+            (run / "train_config.json").write_text(json.dumps({"task": task, "max_len": 32, "seed": 1}))
+        out[name] = run
+    return out
+
+
+def test_cli_load_writes_json_markdown_and_pngs(runs, tmp_path, capsys):
+    out = tmp_path / "load"
+    assert main(["analyze", "load", str(runs["tiny-moa"]), "--out", str(out)]) == 0
+    data = json.loads((out / "load.json").read_text())
+    assert data["source"].endswith("valid.tsv") and len(data["layers"]) == 6
+    for layer in data["layers"]:
+        assert math.isclose(sum(layer["share"]), 1.0, rel_tol=1e-9) and layer["num_tokens"] > 0
+    for name in ("load.md", "load.png", "load_summary.png"):
+        assert (out / name).stat().st_size > 100, name
+    assert len(list((out / "load_layers").glob("*.png"))) == 6
+    assert "encoder.layers.0.self_attn" in capsys.readouterr().out
+    # --data and --limit: the same run on the first 5 pairs of its test split.
+    out2 = tmp_path / "load2"
+    assert main(["analyze", "load", str(runs["tiny-moa"]), "--data", str(runs["tiny-moa"] / "data" / "test.tsv"),
+                 "--limit", "5", "--out", str(out2)]) == 0
+    data2 = json.loads((out2 / "load.json").read_text())
+    assert data2["layers"][0]["num_tokens"] < data["layers"][0]["num_tokens"]
+
+
+def test_cli_pmi_table_shows_token_text(runs, tmp_path, capsys):
+    out = tmp_path / "pmi"
+    assert main(["analyze", "pmi", str(runs["tiny-moa"]), "--top", "5", "--min-count", "3", "--out", str(out)]) == 0
+    md = (out / "pmi.md").read_text()
+    assert "`encoder.layers.0.self_attn`" in md and "| Expert | Share | Top 5 tokens by PMI |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| E")]
+    assert len(rows) >= 4
+    data = json.loads((out / "pmi.json").read_text())
+    tokens = [t for e in data["experts"] for t in e["tokens"]]
+    assert tokens and data["min_count"] == 3 and all(t["count"] >= 3 for t in tokens)
+    tok = Tokenizer.load(runs["tiny-moa"] / "tokenizer")
+    for t in tokens:  # shown as text (word starts marked), not as ids
+        assert t["token"] == token_text(tok, t["id"]) and t["token"] != f"#{t['id']}"
+        assert "|" in t["token"] or "`" in t["token"] or f"`{t['token']}`" in md
+    assert (out / "pmi.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert main(["analyze", "pmi", str(runs["tiny-moa"]), "--layer", "7", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "layer 7 is out of range: this model has 6 routed MoA layers: [0] encoder.layers.0.self_attn" in err
+    assert main(["analyze", "pmi", str(runs["tiny-moa"]), "--layer", "decoder.layers.0.cross_attn", "--min-count", "1",
+                 "--out", str(out)]) == 0
+    assert json.loads((out / "pmi.json").read_text())["layer"]["name"] == "decoder.layers.0.cross_attn"
+
+
+def test_cli_heads_for_moh_and_talking_heads(runs, tmp_path, capsys):
+    out = tmp_path / "heads"
+    assert main(["analyze", "heads", str(runs["tiny-moh"]), "--out", str(out)]) == 0
+    data = json.loads((out / "moh_heads.json").read_text())
+    assert len(data["layers"]) == 6 and math.isclose(sum(data["layers"][0]["group_weights"]), 1.0)
+    assert (out / "moh_heads.png").stat().st_size > 1000 and (out / "moh_heads.md").is_file()
+    out2 = tmp_path / "th"
+    assert main(["analyze", "heads", str(runs["talking"]), "--out", str(out2)]) == 0
+    for name in ("talking_heads.json", "talking_heads.md", "talking_heads.png", "talking_heads_deviation.png"):
+        assert (out2 / name).stat().st_size > 100, name
+    capsys.readouterr()
+    assert main(["analyze", "heads", str(runs["tiny-moa"]), "--out", str(out2)]) == 2
+    assert "MixtureOfAttentionHeads" in capsys.readouterr().err
+    assert main(["analyze", "load", str(runs["talking"]), "--out", str(out2)]) == 2
+    assert "TalkingHeadsAttention" in capsys.readouterr().err
+
+
+def test_not_a_run_is_file_not_found(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        load_analysis_run(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors not found"):
+        load_analysis_run(tmp_path)
+    assert main(["analyze", "load", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
+    assert "run folder not found" in capsys.readouterr().err
+
+
+def test_missing_split_is_file_not_found(runs, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"test\.tsv not found"):
+        next(run_batches(runs["talking"], split="test"))
+
+
+def test_language_model_runs(runs, tmp_path):
+    model, tok = load_analysis_run(runs["mlm"])
+    batches = list(run_batches(runs["mlm"], tok))
+    assert batches and all(not (b["input_ids"] == tok.mask_id).any() for b in batches)  # unmasked text
+    masked = list(run_batches(runs["mlm"], tok, mlm_masking=True))
+    assert any((b["input_ids"] == tok.mask_id).any() for b in masked)
+    rep = token_expert_pmi(model, batches, tokenizer=tok, min_count=2)
+    real = sum(int(b["input_ids"].ne(tok.pad_id).sum()) for b in batches)
+    assert rep.name == "encoder.layers.0.self_attn" and rep.num_tokens == real
+    assert main(["analyze", "load", str(runs["lm"]), "--out", str(tmp_path / "lm")]) == 0
+    data = json.loads((tmp_path / "lm" / "load.json").read_text())
+    assert [l["name"] for l in data["layers"]] == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
