@@ -1,0 +1,194 @@
+"""Public entry points ``expert_map`` / ``expert_reduce``: checks and implementation choice.
+
+MoA (Zhang et al. 2022, arXiv 2210.05144), with ``e = expert_index[n, j]``:
+
+* :func:`expert_map`, eq. 10 (per-expert query projection):
+  ``y[n, j] = x[n] @ W[e]`` -> (N, k, d_out)
+* :func:`expert_reduce`, eq. 12 + eq. 6 (per-expert output projection, then the
+  gate-weighted sum over the k selected heads):
+  ``y[n] = sum_j gates[n, j] * (h[n, j] @ W[e])`` -> (N, d_out)
+
+Implementations (``impl=``):
+
+========== ==================================================================
+reference  loop over experts with boolean masks (ground truth; E dense GEMMs)
+dense      one GEMM over all E experts then gather / gate-weighted scatter;
+           ``E/k`` x the useful FLOPs, but one big GEMM
+sorted     slots sorted by expert, one GEMM per expert, hand-written backward
+           (:mod:`.grouped_cpu`); cost ~ N*k, not E
+gather     per-slot weights ``W[expert_index]`` + batched mat-vec; for tiny N*k
+triton     Triton grouped GEMM (:mod:`.grouped_triton`); CUDA, or CPU tensors
+           under ``TRITON_INTERPRET=1`` (tests only)
+auto       see :func:`choose_impl`
+========== ==================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import grouped_cpu, reference
+from .routing_info import ExpertRouting
+
+__all__ = ["IMPLS", "choose_impl", "expert_map", "expert_reduce"]
+
+IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
+
+# CPU ``auto`` thresholds, measured with ``benchmarks/grouped_matmul.py --sweep`` on a
+# 2-core CPU (float32, d_model 512, d_head 64, map + reduce, min of 5-15 runs):
+#
+# * dense vs sorted, N = 4096 tokens, fwd+bwd ms:
+#   k=8: E=8 91 vs 124, E=10 108 vs 122, E=12 126 vs 123, E=16 173 vs 123;
+#   k=2: E=2 25 vs 37, E=3 35 vs 35, E=4 45 vs 34  -> dense up to E = 1.25 k.
+#   With N*k <= 128 slots sorted's per-expert overhead dominates and dense wins
+#   up to E = 8 k (N=16, k=8, E=64: fwd 3.6 vs 4.1 ms, fwd+bwd 8.8 vs 11.6 ms);
+#   at 256 slots the two tie.
+# * gather (no-grad decoding only: its backward scatters N*k weight copies and is
+#   2-10x slower than dense/sorted): N=1, k=8, E=32 fwd 0.33 ms vs dense 0.76,
+#   sorted 0.70; N=8, k=2, E=16 0.61 vs 0.77; it loses once E <= 2k or N*k >= 32.
+
+#: ``dense`` when ``E <= DENSE_MAX_EXPERTS_PER_K * k`` (any N).
+DENSE_MAX_EXPERTS_PER_K = 1.25
+
+#: ``dense`` also when ``N*k <= DENSE_SMALL_SLOTS`` and ``E <= DENSE_SMALL_MAX_EXPERTS_PER_K * k``.
+DENSE_SMALL_SLOTS = 128
+DENSE_SMALL_MAX_EXPERTS_PER_K = 8
+
+#: ``gather`` when no gradient is needed, ``N*k <= GATHER_MAX_SLOTS`` and ``E > 2k``.
+GATHER_MAX_SLOTS = 16
+
+
+def choose_impl(
+    device: torch.device, num_slots: int, num_experts: int, top_k: int, needs_grad: bool = True
+) -> str:
+    """The ``auto`` rule (``num_slots = N*k``).
+
+    * CUDA: ``triton`` if Triton is importable, else ``sorted``.
+    * CPU, first match (thresholds measured on a 2-core CPU, see the comment above):
+
+      1. ``dense``  if ``k == E`` or ``E <= 1.25 k``
+      2. ``gather`` if no gradient is needed, ``N*k <= 16`` and ``E > 2k`` (decoding)
+      3. ``dense``  if ``N*k <= 128`` and ``E <= 8k`` (small batches)
+      4. ``sorted`` otherwise (cost ~ N*k, independent of E)
+    """
+    if device.type == "cuda":
+        from .grouped_triton import triton_available
+
+        return "triton" if triton_available() else "sorted"
+    if top_k == num_experts or num_experts <= DENSE_MAX_EXPERTS_PER_K * top_k:
+        return "dense"
+    if not needs_grad and num_slots <= GATHER_MAX_SLOTS and num_experts > 2 * top_k:
+        return "gather"
+    if num_slots <= DENSE_SMALL_SLOTS and num_experts <= DENSE_SMALL_MAX_EXPERTS_PER_K * top_k:
+        return "dense"
+    return "sorted"
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+
+
+def _check_common(name: str, inp, weight, routing, impl: str, want_dim: int) -> None:
+    if not isinstance(routing, ExpertRouting):
+        raise TypeError(f"routing must be an ExpertRouting from expert_routing(), got {type(routing).__name__}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    n, k, num_experts = routing.num_tokens, routing.top_k, routing.num_experts
+    if not isinstance(inp, Tensor) or inp.dim() != want_dim:
+        want = "(N, d_in)" if want_dim == 2 else "(N, k, d_in)"
+        raise ValueError(f"{name} must be a {want_dim}-d tensor {want}, got {_shape(inp)}")
+    if inp.shape[0] != n or (want_dim == 3 and inp.shape[1] != k):
+        want = f"({n}, *)" if want_dim == 2 else f"({n}, {k}, *)"
+        raise ValueError(f"{name} must have shape {want} to match expert_index (N, k) = ({n}, {k}), got {_shape(inp)}")
+    if not inp.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {inp.dtype}")
+    d_in = inp.shape[-1]
+    if not isinstance(weight, Tensor) or weight.dim() != 3 or weight.shape[0] != num_experts or weight.shape[1] != d_in:
+        raise ValueError(
+            f"weight must have shape (num_experts, d_in, d_out) = ({num_experts}, {d_in}, *), got {_shape(weight)}"
+        )
+    if weight.dtype != inp.dtype:
+        raise ValueError(f"weight must have the dtype of {name} ({inp.dtype}), got {weight.dtype}")
+    if weight.device != inp.device or routing.device != inp.device:
+        raise ValueError(
+            f"{name}, weight and routing must be on one device, got {inp.device}, {weight.device}, {routing.device}"
+        )
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _resolve(impl: str, t: Tensor, routing: ExpertRouting, needs_grad: bool) -> str:
+    if impl == "auto":
+        impl = choose_impl(t.device, routing.num_slots, routing.num_experts, routing.top_k, needs_grad)
+    if impl == "triton":
+        from . import grouped_triton
+
+        if not grouped_triton.triton_available():
+            raise RuntimeError("impl='triton' needs the triton package (pip install 'headmix[triton]')")
+        if t.device.type == "cpu" and not torch.compiler.is_compiling() and not grouped_triton.can_run_on_cpu():
+            raise RuntimeError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton interpreter)")
+    return impl
+
+
+def expert_map(x: Tensor, weight: Tensor, routing: ExpertRouting, impl: str = "auto") -> Tensor:
+    """MoA eq. 10: ``y[n, j, :] = x[n, :] @ weight[expert_index[n, j]]``.
+
+    Args:
+        x: (N, d_in) token inputs.
+        weight: (E, d_in, d_out) stacked per-expert projections (e.g. W_q^i).
+        routing: :func:`~headmix.kernels.expert_routing` of the router's (N, k) choice.
+        impl: one of :data:`IMPLS` (see the module docstring and :func:`choose_impl`).
+
+    Returns:
+        (N, k, d_out), differentiable with respect to ``x`` and ``weight``.
+    """
+    _check_common("x", x, weight, routing, impl, 2)
+    impl = _resolve(impl, x, routing, _needs_grad(x, weight))
+    if impl == "reference":
+        return reference.reference_map(x, weight, routing.expert_index)
+    if impl == "dense":
+        return reference.dense_map(x, weight, routing.expert_index)
+    if impl == "gather":
+        return reference.gather_map(x, weight, routing.expert_index)
+    if impl == "sorted":
+        return grouped_cpu.sorted_map(x, weight, routing)
+    from . import grouped_triton
+
+    return grouped_triton.triton_map(x, weight, routing)
+
+
+def expert_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouting, impl: str = "auto") -> Tensor:
+    """MoA eq. 12 + 6: ``y[n, :] = sum_j gates[n, j] * (h[n, j, :] @ weight[expert_index[n, j]])``.
+
+    Args:
+        h: (N, k, d_in) per-slot inputs (e.g. the k heads' attention outputs).
+        weight: (E, d_in, d_out) stacked per-expert projections (e.g. W_o^i).
+        gates: (N, k) gate weights of the selected experts; cast to ``h.dtype``.
+        routing: :func:`~headmix.kernels.expert_routing` of the router's (N, k) choice.
+        impl: one of :data:`IMPLS`.
+
+    Returns:
+        (N, d_out), differentiable with respect to ``h``, ``weight`` and ``gates``.
+    """
+    _check_common("h", h, weight, routing, impl, 3)
+    n, k = routing.num_tokens, routing.top_k
+    if not isinstance(gates, Tensor) or tuple(gates.shape) != (n, k):
+        raise ValueError(f"gates must have shape (N, k) = ({n}, {k}), got {_shape(gates)}")
+    if not gates.dtype.is_floating_point or gates.device != h.device:
+        raise ValueError(f"gates must be a floating-point tensor on {h.device}, got {gates.dtype} on {gates.device}")
+    gates = gates.to(h.dtype)
+    impl = _resolve(impl, h, routing, _needs_grad(h, weight, gates))
+    if impl == "reference":
+        return reference.reference_reduce(h, weight, gates, routing.expert_index)
+    if impl == "dense":
+        return reference.dense_reduce(h, weight, gates, routing.expert_index)
+    if impl == "gather":
+        return reference.gather_reduce(h, weight, gates, routing.expert_index)
+    if impl == "sorted":
+        return grouped_cpu.sorted_reduce(h, weight, gates, routing)
+    from . import grouped_triton
+
+    return grouped_triton.triton_reduce(h, weight, gates, routing)
