@@ -12,7 +12,7 @@ from headmix.models import analytic_macs, analytic_parameters, build_model, coun
 from headmix.models.counting import attention_macs, attention_parameters
 from headmix.models.presets import PAPER_MLM, PAPER_TRANSLATION
 
-CPU_PRESETS = [(n, t) for n in ("tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads", "small-mha", "small-moa")
+CPU_PRESETS = [(n, t) for n in ("tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads", "mini-mha", "mini-moa", "small-mha", "small-moa")
                for t in ("translation", "mlm", "lm")]
 PAPER_PRESETS = [(n, "translation") for n in PAPER_TRANSLATION] + [(n, "mlm") for n in PAPER_MLM]
 
@@ -108,10 +108,11 @@ def test_moa_compute_does_not_grow_with_experts():
     assert analytic_parameters(big).total > 2 * analytic_parameters(small).total
 
 
-def test_small_pair_has_nearly_equal_macs():
+@pytest.mark.parametrize("size", ["mini", "small"])
+def test_matched_pairs_have_nearly_equal_macs(size):
     for task, lengths in (("translation", dict(src_len=32, tgt_len=32)), ("lm", dict(tgt_len=64))):
-        mha = analytic_macs(get_config("small-mha", task=task), **lengths).total
-        moa = analytic_macs(get_config("small-moa", task=task), **lengths).total
+        mha = analytic_macs(get_config(f"{size}-mha", task=task), **lengths).total
+        moa = analytic_macs(get_config(f"{size}-moa", task=task), **lengths).total
         assert abs(moa - mha) / mha < 0.05
 
 

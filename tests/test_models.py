@@ -49,7 +49,7 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 # Config
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,task", [(n, "translation") for n in PAPER_TRANSLATION] + [(n, "mlm") for n in PAPER_MLM]
-                         + [(n, t) for n in KINDS + ["small-mha", "small-moa"] for t in ("translation", "mlm", "lm")])
+                         + [(n, t) for n in KINDS + ["mini-mha", "mini-moa", "small-mha", "small-moa"] for t in ("translation", "mlm", "lm")])
 def test_config_json_round_trip(name, task, tmp_path):
     cfg = get_config(name, task=task)
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg

@@ -88,15 +88,25 @@ class MultiHeadAttention(AttentionLayer):
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         return split_heads(self.k_proj(key), self.num_heads), split_heads(self.v_proj(value), self.num_heads)
 
-    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
-                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
-                use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+    def _heads_and_masks(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
+                         key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
+                         cache: KVCache | None) -> tuple[Tensor, Tensor, Tensor, KVCache | None, tuple]:
+        """Queries, keys and values split into heads (keys and values from the cache where it has them),
+        the new cache, and the masks combined by :func:`attention_bias` as ``(bias, empty_rows, causal)``."""
         query, key, value = self._check_inputs(query, key, value)
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
         q = split_heads(self.q_proj(query), self.num_heads)
         batch, _, tgt, _ = q.shape
-        bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
-                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
-                                             dtype=q.dtype, device=q.device)
+        masks = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
+                               attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
+                               dtype=q.dtype, device=q.device)
+        return q, k, v, new_cache, masks
+
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
+                use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        q, k, v, new_cache, (bias, empty, causal) = self._heads_and_masks(
+            query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
+            use_cache=use_cache, cache=cache)
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
         return AttentionOutput(self.out_proj(merge_heads(o)), zero_loss(query), new_cache)

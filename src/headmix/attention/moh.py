@@ -8,12 +8,12 @@ from torch import Tensor, nn
 
 from ..routing import Routing, load_balancing_loss
 from ..routing.router import router_dtype
-from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, scaled_dot_product, zero_loss
-from .mha import merge_heads, resolve_head_dims, split_heads
+from .base import AttentionOutput, KVCache, scaled_dot_product, zero_loss
+from .mha import MultiHeadAttention, merge_heads
 from .moa import real_token_mask
 
 
-class MixtureOfHeadsAttention(AttentionLayer):
+class MixtureOfHeadsAttention(MultiHeadAttention):
     """Multi-head attention in summation form with per-token head weights: ``sum_i g_i H^i W_O^i``.
 
     Heads ``0 .. num_shared_heads-1`` are shared (always active); of the other
@@ -36,8 +36,7 @@ class MixtureOfHeadsAttention(AttentionLayer):
 
     def __init__(self, embed_dim: int, num_heads: int, num_shared_heads: int, top_k: int, head_dim: int | None = None,
                  *, bias: bool = True, dropout: float = 0.0, load_balance_weight: float = 0.01):
-        super().__init__(embed_dim)
-        self.head_dim, _ = resolve_head_dims(embed_dim, num_heads, head_dim, None)
+        super().__init__(embed_dim, num_heads, head_dim=head_dim, bias=bias, dropout=dropout)
         for name, v in (("num_shared_heads", num_shared_heads), ("top_k", top_k)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
@@ -50,17 +49,10 @@ class MixtureOfHeadsAttention(AttentionLayer):
             raise ValueError(
                 f"top_k must be between 1 and the number of routed heads, num_heads - num_shared_heads = "
                 f"{num_heads} - {num_shared_heads} = {routed}; got {top_k}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if load_balance_weight < 0:
             raise ValueError(f"load_balance_weight must be >= 0, got {load_balance_weight}")
-        self.num_heads, self.num_shared_heads, self.num_routed_heads, self.top_k = num_heads, num_shared_heads, routed, top_k
-        self.dropout, self.load_balance_weight = dropout, load_balance_weight
-        inner = num_heads * self.head_dim
-        self.q_proj = nn.Linear(embed_dim, inner, bias=bias)
-        self.k_proj = nn.Linear(embed_dim, inner, bias=bias)
-        self.v_proj = nn.Linear(embed_dim, inner, bias=bias)
-        self.out_proj = nn.Linear(inner, embed_dim, bias=bias)
+        self.num_shared_heads, self.num_routed_heads, self.top_k = num_shared_heads, routed, top_k
+        self.load_balance_weight = load_balance_weight
         self.routed_gate = self.shared_gate = self.group_gate = None
         if routed:
             self.routed_gate = nn.Linear(embed_dim, routed, bias=False)
@@ -70,9 +62,6 @@ class MixtureOfHeadsAttention(AttentionLayer):
                 self.group_gate = nn.Linear(embed_dim, 2, bias=False)
                 nn.init.zeros_(self.shared_gate.weight)
                 nn.init.zeros_(self.group_gate.weight)
-
-    def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        return split_heads(self.k_proj(key), self.num_heads), split_heads(self.v_proj(value), self.num_heads)
 
     def head_weights(self, x: Tensor, token_mask: Tensor | None) -> tuple[Tensor | None, Routing | None]:
         """Per-token head weights ``g`` ``(batch, time, num_heads)`` and the routing of the routed heads
@@ -102,13 +91,9 @@ class MixtureOfHeadsAttention(AttentionLayer):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
-        query, key, value = self._check_inputs(query, key, value)
-        k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
-        q = split_heads(self.q_proj(query), self.num_heads)
-        batch, _, tgt, _ = q.shape
-        bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
-                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
-                                             dtype=q.dtype, device=q.device)
+        q, k, v, new_cache, (bias, empty, causal) = self._heads_and_masks(
+            query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
+            use_cache=use_cache, cache=cache)
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
         g, routing = self.head_weights(query, real_token_mask(query, key, key_padding_mask, query_padding_mask, cache))
         if g is None:

@@ -118,7 +118,8 @@ def _run_evaluate(args) -> int:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="train MoA and an MHA baseline of equal MACs on the embedded corpus and compare")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--train-seconds", type=float, default=210.0, help="training time per model")
+    p.add_argument("--train-seconds", type=float, default=220.0,
+                   help="MoA's training time; MHA then trains for the same number of steps")
     p.add_argument("--eval-sentences", type=int, default=400)
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
@@ -152,7 +153,28 @@ def build_parser() -> argparse.ArgumentParser:
 RUNNERS = {"demo": _run_demo, "train": _run_train, "translate": _run_translate, "evaluate": _run_evaluate}
 
 
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed memory instead of returning it to the system at once.
+
+    PyTorch's CPU tensors of more than 128 KiB are mmap'ed and unmapped on free, so every training step
+    page-faults its activations back in: on the 2-core reference machine that was 40% of the wall time
+    (system time) and this setting makes a training step of the demo's models about 1.5x faster. It
+    changes nothing on other C libraries, and only for the ``headmix`` command, not for library users.
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 1 << 30)
+        libc.mallopt(m_trim_threshold, 1 << 30)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    keep_freed_memory()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -9,8 +9,8 @@ CPU work.
   medium with MoA self-attention (task ``mlm``).
 - Masked LM: ``roberta-medium`` (embedding 512, FFN 2048, 8 heads, 8 layers).
 - CPU presets for every task: ``tiny-mha``, ``tiny-moa``, ``tiny-moh``, ``tiny-talking-heads``
-  (d_model 64, 2 (+2) layers) and the ``small-mha`` / ``small-moa`` pair (d_model 256, 3 (+3) layers)
-  of nearly equal MACs.
+  (d_model 64, 2 (+2) layers), and two MHA / MoA pairs of nearly equal MACs: ``mini-*`` (d_model 128,
+  3 (+3) layers; the demo's) and ``small-*`` (d_model 256, 3 (+3) layers).
 
 :func:`get_config` takes a preset name, a ``{K}K{E}E{D}D`` string or a path to a JSON config.
 """
@@ -97,6 +97,10 @@ def _tiny(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
     return lambda task, vocab: cpu_model(task, attention, vocab, d_model=64, ffn_dim=256, layers=2, max_positions=256)
 
 
+def _mini(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
+    return lambda task, vocab: cpu_model(task, attention, vocab, d_model=128, ffn_dim=512, layers=3, max_positions=512)
+
+
 def _small(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
     return lambda task, vocab: cpu_model(task, attention, vocab, d_model=256, ffn_dim=1024, layers=3, max_positions=512)
 
@@ -114,6 +118,8 @@ class Preset:
 #: (4 heads of 64) on 32+32-token translation batches (see docs/models.md): MoA shares one K/V head, so
 #: at equal k*d_h it is cheaper than MHA and can afford k=6.
 SMALL_MOA = (6, 8, 64)
+#: mini-moa's attention, chosen the same way against mini-mha (4 heads of 32): the demo's pair.
+MINI_MOA = (6, 8, 32)
 
 _PRESETS = [
     Preset("transformer-base", ("translation",), None, lambda t, v: transformer_base(v),
@@ -133,6 +139,9 @@ _PRESETS = [
            "d 64, FFN 256, 2(+2) layers, MoH 4 heads of 16 (1 shared, top 2 of 3 routed)"),
     Preset("tiny-talking-heads", TASKS, 1000, _tiny(AttentionConfig(kind="talking_heads", num_heads=4)),
            "d 64, FFN 256, 2(+2) layers, Talking-Heads 4 heads of 16 (pre and post softmax)"),
+    Preset("mini-mha", TASKS, SMALL_VOCAB, _mini(mha(4)), "d 128, FFN 512, 3(+3) layers, MHA 4 heads of 32"),
+    Preset("mini-moa", TASKS, SMALL_VOCAB, _mini(moa(*MINI_MOA)),
+           "d 128, FFN 512, 3(+3) layers, MoA {}K{}E{}D".format(*MINI_MOA)),
     Preset("small-mha", TASKS, SMALL_VOCAB, _small(mha(4)), "d 256, FFN 1024, 3(+3) layers, MHA 4 heads of 64"),
     Preset("small-moa", TASKS, SMALL_VOCAB, _small(moa(*SMALL_MOA)),
            "d 256, FFN 1024, 3(+3) layers, MoA {}K{}E{}D".format(*SMALL_MOA)),
