@@ -118,7 +118,7 @@ def _run_evaluate(args) -> int:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="train MoA and an MHA baseline of equal MACs on the embedded corpus and compare")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--train-seconds", type=float, default=220.0,
+    p.add_argument("--train-seconds", type=float, default=260.0,
                    help="MoA's training time; MHA then trains for the same number of steps")
     p.add_argument("--eval-sentences", type=int, default=400)
     p.add_argument("--beam", type=int, default=4)

@@ -24,9 +24,10 @@ from .metrics import read_metrics
 from .trainer import TrainConfig, prepare_data, train
 
 DEMO_MODELS = {"moa": "mini-moa", "mha": "mini-mha"}
+LABELS = {"moa": "MoA", "mha": "MHA"}
 
 
-def run_demo(out: str | os.PathLike = "runs/demo", *, train_seconds: float = 220.0, eval_sentences: int = 400,
+def run_demo(out: str | os.PathLike = "runs/demo", *, train_seconds: float = 260.0, eval_sentences: int = 400,
              beam_size: int = 4, seed: int = 1, progress: bool = True) -> dict[str, Any]:
     """Train ``mini-moa`` for ``train_seconds`` and ``mini-mha`` for as many steps (same data, tokenizer,
     batches and schedule), evaluate both on the held-out test split, write the report and plots."""
@@ -96,8 +97,8 @@ def plot_loss_curves(metrics: dict[str, list[dict[str, Any]]], path: Path) -> No
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for name, records in metrics.items():
         train_rec = [r for r in records if r.get("split") == "train"]
-        ax[0].plot([r["step"] for r in train_rec], [r["loss"] for r in train_rec], label=name.upper())
-        ax[1].plot([r["time"] for r in train_rec], [r["loss"] for r in train_rec], label=name.upper())
+        ax[0].plot([r["step"] for r in train_rec], [r["loss"] for r in train_rec], label=LABELS.get(name, name))
+        ax[1].plot([r["time"] for r in train_rec], [r["loss"] for r in train_rec], label=LABELS.get(name, name))
     ax[0].set_xlabel("step")
     ax[1].set_xlabel("training seconds")
     for a in ax:
