@@ -236,6 +236,15 @@ class DecoderLayer(nn.Module):
         return x, self_out, cross_out
 
 
+def untied_output_projection(config: ModelConfig) -> nn.Linear | None:
+    """The vocabulary projection when it is not tied to the embeddings (``share_embeddings=False``)."""
+    if config.share_embeddings:
+        return None
+    proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
+    nn.init.normal_(proj.weight, std=config.d_model ** -0.5)
+    return proj
+
+
 def token_embedding(config: ModelConfig) -> nn.Embedding:
     """fairseq's initialisation: ``N(0, d_model^-0.5)``, padding row zero."""
     emb = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
@@ -413,10 +422,7 @@ class EncoderDecoderModel(PreTrainedModel):
         dec_tokens = enc_tokens if config.share_embeddings else token_embedding(config)
         self.encoder = TransformerEncoder(config, enc_tokens)
         self.decoder = TransformerDecoder(config, dec_tokens, cross_attention=True)
-        self.output_proj = None
-        if not config.share_embeddings:
-            self.output_proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
-            nn.init.normal_(self.output_proj.weight, std=config.d_model ** -0.5)
+        self.output_proj = untied_output_projection(config)
 
     def _output_weight(self) -> Tensor:
         return self.decoder.embed.tokens.weight if self.output_proj is None else self.output_proj.weight
@@ -460,10 +466,7 @@ class MaskedLanguageModel(PreTrainedModel):
         super().__init__(config)
         self.encoder = TransformerEncoder(config, token_embedding(config))
         self.lm_head = LMHead(config)
-        self.output_proj = None
-        if not config.share_embeddings:
-            self.output_proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
-            nn.init.normal_(self.output_proj.weight, std=config.d_model ** -0.5)
+        self.output_proj = untied_output_projection(config)
         self.output_bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def _output_weight(self) -> Tensor:
@@ -490,10 +493,7 @@ class CausalLanguageModel(PreTrainedModel):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.decoder = TransformerDecoder(config, token_embedding(config), cross_attention=False)
-        self.output_proj = None
-        if not config.share_embeddings:
-            self.output_proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
-            nn.init.normal_(self.output_proj.weight, std=config.d_model ** -0.5)
+        self.output_proj = untied_output_projection(config)
 
     def _output_weight(self) -> Tensor:
         return self.decoder.embed.tokens.weight if self.output_proj is None else self.output_proj.weight

@@ -484,4 +484,6 @@ def _progress(cfg: TrainConfig, d: Dist, start: int):
     if not (cfg.progress and d.main):
         return None
     from tqdm import tqdm
-    return tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    # A run bounded by time has no meaningful step total; disable=None: no bar when output is not a terminal.
+    total = None if cfg.max_time is not None else cfg.max_steps
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=None)
