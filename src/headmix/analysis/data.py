@@ -103,3 +103,12 @@ def run_batches(run_dir: str | os.PathLike, tokenizer: Tokenizer | None = None, 
                 labels = batch["labels"]
                 ids = torch.where(labels.ne(IGNORE_INDEX) & labels.ne(tokenizer.pad_id), labels, ids)
             yield {"input_ids": ids}
+
+
+def write_json(data: dict[str, Any], path: str | os.PathLike | None = None, indent: int = 2) -> str:
+    """``data`` as JSON text, also written to ``path`` (its folder created) when given."""
+    text = json.dumps(data, indent=indent, ensure_ascii=False)
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n", encoding="utf-8")
+    return text

@@ -22,7 +22,6 @@ both start as the identity) and measures how far training moved them from it.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,15 +33,8 @@ from torch import nn
 from ..attention import TalkingHeadsAttention
 from . import plotting
 from .counts import collect_routing
+from .data import write_json
 from .layers import attention_layers, describe_attention, layer_role, routed_layers
-
-
-def _write_json(data: dict[str, Any], path: str | os.PathLike | None, indent: int) -> str:
-    text = json.dumps(data, indent=indent, ensure_ascii=False)
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n", encoding="utf-8")
-    return text
 
 
 # ------------------------------------------------------------------------------------------- MoH
@@ -79,7 +71,7 @@ class HeadUtilityReport:
                 "layers": [asdict(l) for l in self.layers]}
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int = 2) -> str:
-        return _write_json(self.to_dict(), path, indent)
+        return write_json(self.to_dict(), path, indent)
 
     def to_markdown(self) -> str:
         lines = ["| layer | heads (shared + routed) | top-k | tokens | group weights shared / routed | "
@@ -203,7 +195,7 @@ class TalkingHeadsReport:
         return {"analysis": "talking_heads_matrices", **self.meta, "layers": [asdict(l) for l in self.layers]}
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int = 2) -> str:
-        return _write_json(self.to_dict(), path, indent)
+        return write_json(self.to_dict(), path, indent)
 
     def to_markdown(self) -> str:
         lines = ["| layer | heads | matrix | ‖M − I‖_F | off-diagonal mass | mean diagonal |", "|---|---|---|---|---|---|"]

@@ -19,7 +19,6 @@ dataset (a token routed to ``k`` experts fills ``k`` slots):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -31,6 +30,7 @@ from torch import nn
 from . import plotting
 from ..routing.stats import load_summary
 from .counts import LayerCounts, RoutingStats, collect_routing
+from .data import write_json
 from .layers import RoutedLayer, routed_layers
 
 
@@ -109,11 +109,7 @@ class LoadReport:
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int = 2) -> str:
         """The report as JSON (written to ``path`` when given)."""
-        text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
-        if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text + "\n", encoding="utf-8")
-        return text
+        return write_json(self.to_dict(), path, indent)
 
     def to_markdown(self, shares: bool = True) -> str:
         """A summary table (one row per layer) and, with ``shares``, each layer's shares in percent."""

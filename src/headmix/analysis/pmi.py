@@ -23,7 +23,6 @@ ranked. Ranking: PMI descending, then the joint count, then the token id.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -36,6 +35,7 @@ from torch import Tensor, nn
 
 from . import plotting
 from .counts import LayerCounts, collect_routing
+from .data import write_json
 from .layers import RoutedLayer, select_layer
 
 SPACE_MARK = "\u2581"  # "▁": the token starts with a space (a word start), as SentencePiece shows it
@@ -179,11 +179,7 @@ class PMIReport:
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int = 2) -> str:
         """The report as JSON (written to ``path`` when given)."""
-        text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
-        if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text + "\n", encoding="utf-8")
-        return text
+        return write_json(self.to_dict(), path, indent)
 
     def to_markdown(self, details: bool = True) -> str:
         """A table like the MoA paper's Table 4 (one row per expert: its share and its top tokens by PMI)
