@@ -11,39 +11,17 @@ import torch
 
 from ..data import Tokenizer, read_jsonl_documents, read_tsv_pairs
 from ..data.mlm import IGNORE_INDEX
-from ..models import PreTrainedModel, load_pretrained
+from ..training.evaluate import check_run, load_run
+from ..training.trainer import TrainConfig
 
-RUN_FILES = ("config.json", "model.safetensors", "tokenizer/tokenizer.json")
 SPLITS = ("train", "valid", "test")
 
-
-def check_run(run_dir: str | os.PathLike) -> Path:
-    """``run_dir`` as a Path, or ``FileNotFoundError`` naming the first missing file of a finished run
-    (``config.json``, ``model.safetensors``, ``tokenizer/tokenizer.json``)."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"run folder not found: {run}")
-    for name in RUN_FILES:
-        if not (run / name).is_file():
-            raise FileNotFoundError(f"{run / name} not found: {run} is not a finished headmix run "
-                                    f"(expected {', '.join(RUN_FILES)} from `headmix train`)")
-    return run
+#: The final model (in eval mode) and tokenizer of a run; the same loader ``headmix evaluate`` uses.
+load_analysis_run = load_run
 
 
-def load_analysis_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[PreTrainedModel, Tokenizer]:
-    """The final model (in eval mode) and the tokenizer of a training run folder."""
-    run = check_run(run_dir)
-    model = load_pretrained(run, device).eval()
-    return model, Tokenizer.load(run / "tokenizer")
-
-
-def _train_config(run: Path, task: str) -> Any:
-    from ..training.trainer import TrainConfig
-
-    path = run / "train_config.json"
-    values = json.loads(path.read_text()) if path.is_file() else {"task": task}
-    cfg = TrainConfig(**{k: v for k, v in values.items() if k in TrainConfig.__dataclass_fields__})
-    cfg.betas = tuple(cfg.betas)
+def _train_config(run: Path, task: str) -> TrainConfig:
+    cfg = TrainConfig.load(run) if (run / "train_config.json").is_file() else TrainConfig(task=task)
     cfg.task = task
     return cfg
 

@@ -69,6 +69,16 @@ def _batches(args, tokenizer, task: str):
                        limit=args.limit), str(path)
 
 
+def _write_report(report, out: Path, stem: str) -> tuple[list[Path], str]:
+    """Write ``OUT/STEM.json`` and ``OUT/STEM.md``; return their paths and the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.md"]
+    report.to_json(paths[0])
+    md = report.to_markdown()
+    paths[1].write_text(md, encoding="utf-8")
+    return paths, md
+
+
 def _written(paths: list[Path]) -> None:
     print("wrote: " + ", ".join(str(p) for p in paths))
 
@@ -88,11 +98,7 @@ def run(args) -> int:
         batches, source = _batches(args, tok, task)
         report = expert_load(model, batches, source=source)
         report.meta.update(meta)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = [out / "load.json", out / "load.md"]
-        report.to_json(paths[0])
-        md = report.to_markdown()
-        paths[1].write_text(md, encoding="utf-8")
+        paths, md = _write_report(report, out, "load")
         paths.append(report.plot(out / "load.png"))
         paths.append(report.plot_summary(out / "load_summary.png"))
         layer_paths = report.plot_layers(out / "load_layers")
@@ -108,11 +114,7 @@ def run(args) -> int:
         report = token_expert_pmi(model, batches, layer=layer.name, top=args.top, min_count=args.min_count,
                                   tokenizer=tok, include_special=args.include_special, source=source)
         report.meta.update(meta)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = [out / "pmi.json", out / "pmi.md"]
-        report.to_json(paths[0])
-        md = report.to_markdown()
-        paths[1].write_text(md, encoding="utf-8")
+        paths, _ = _write_report(report, out, "pmi")
         paths.append(report.plot(out / "pmi.png"))
         print(report.to_markdown(details=False))
         _written(paths)
@@ -134,18 +136,14 @@ def run(args) -> int:
         batches, source = _batches(args, tok, task)
         report = head_utilities(model, batches, source=source)
         report.meta.update(meta)
-        report.to_json(out / "moh_heads.json")
-        md = report.to_markdown()
-        (out / "moh_heads.md").write_text(md, encoding="utf-8")
-        paths += [out / "moh_heads.json", out / "moh_heads.md", report.plot(out / "moh_heads.png")]
+        written, md = _write_report(report, out, "moh_heads")
+        paths += written + [report.plot(out / "moh_heads.png")]
         print(md)
     if talking is not None:
         talking.meta.update(meta)
-        talking.to_json(out / "talking_heads.json")
-        md = talking.to_markdown()
-        (out / "talking_heads.md").write_text(md, encoding="utf-8")
-        paths += [out / "talking_heads.json", out / "talking_heads.md", talking.plot(out / "talking_heads.png"),
-                  talking.plot(out / "talking_heads_deviation.png", deviation=True)]
+        written, md = _write_report(talking, out, "talking_heads")
+        paths += written + [talking.plot(out / "talking_heads.png"),
+                            talking.plot(out / "talking_heads_deviation.png", deviation=True)]
         print(md)
     _written(paths)
     return 0

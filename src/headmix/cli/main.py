@@ -103,8 +103,9 @@ def _add_evaluate(sub) -> None:
 
 def _run_evaluate(args) -> int:
     from ..training.evaluate import evaluate_language_model, evaluate_translation
+    from ..training.trainer import TrainConfig
 
-    task = json.loads(open(f"{args.run}/train_config.json").read())["task"]
+    task = TrainConfig.load(args.run).task
     if task == "translation":
         result = evaluate_translation(args.run, split=args.split, beam_size=args.beam, length_penalty=args.length_penalty,
                                       limit=args.limit, compound_split=args.compound_split, device=args.device,

@@ -3,6 +3,7 @@ perplexity for the language models."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -13,15 +14,30 @@ import torch
 
 from ..data import Tokenizer, read_jsonl_documents, read_tsv_pairs
 from ..data.wmt14 import split_compounds
-from ..models import EncoderDecoderModel, beam_search, load_pretrained
+from ..models import EncoderDecoderModel, PreTrainedModel, beam_search, load_pretrained
+from .distributed import Dist
+from .trainer import TrainConfig, build_dataset, build_loader, evaluate_loss
+
+RUN_FILES = ("config.json", "model.safetensors", "tokenizer/tokenizer.json")
 
 
-def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu"):
-    """The final model and the tokenizer of a training run folder."""
+def check_run(run_dir: str | os.PathLike) -> Path:
+    """``run_dir`` as a Path, or ``FileNotFoundError`` naming the first missing file of a finished run
+    (``config.json``, ``model.safetensors``, ``tokenizer/tokenizer.json``)."""
     run = Path(run_dir)
-    if not (run / "config.json").is_file():
-        raise FileNotFoundError(f"{run} is not a finished headmix run (no config.json); train it first")
-    model = load_pretrained(run).to(device).eval()
+    if not run.is_dir():
+        raise FileNotFoundError(f"run folder not found: {run}")
+    for name in RUN_FILES:
+        if not (run / name).is_file():
+            raise FileNotFoundError(f"{run / name} not found: {run} is not a finished headmix run "
+                                    f"(expected {', '.join(RUN_FILES)} from `headmix train`)")
+    return run
+
+
+def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[PreTrainedModel, Tokenizer]:
+    """The final model (in eval mode) and the tokenizer of a training run folder."""
+    run = check_run(run_dir)
+    model = load_pretrained(run, device).eval()
     return model, Tokenizer.load(run / "tokenizer")
 
 
@@ -83,14 +99,8 @@ def evaluate_language_model(run_dir: str | os.PathLike, *, split: str = "test", 
                             max_tokens: int = 8192) -> dict[str, Any]:
     """Perplexity of a masked or causal LM run on one of its document splits (masked LM: over the
     masked positions of one seeded masking, as RoBERTa reports it)."""
-    from .trainer import TrainConfig, build_dataset, build_loader, evaluate_loss, Dist
-    import contextlib
-    import json
-
     run = Path(run_dir)
-    cfg = TrainConfig(**{k: v for k, v in json.loads((run / "train_config.json").read_text()).items()
-                         if k in TrainConfig.__dataclass_fields__})
-    cfg.betas = tuple(cfg.betas)
+    cfg = TrainConfig.load(run)
     cfg.max_tokens = max_tokens
     model, tok = load_run(run, device)
     docs = read_jsonl_documents(run / "data" / f"{split}.jsonl", strict=True)

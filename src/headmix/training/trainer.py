@@ -141,6 +141,17 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike) -> TrainConfig:
+        """The options a run was trained with (``RUN/train_config.json``); unknown keys are ignored."""
+        path = Path(run_dir) / "train_config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: {run_dir} is not a headmix training run")
+        values = json.loads(path.read_text())
+        cfg = cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
+        cfg.betas = tuple(cfg.betas)
+        return cfg
+
 
 # ----------------------------------------------------------------------------------------------- setup
 
