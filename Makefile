@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ test-slow: setup
 
 bench: setup
 	$(BIN)/headmix bench attention
+
+# On a machine with a CUDA GPU (and a CUDA build of PyTorch): the gpu-marked tests and the GPU benchmarks.
+gpu-check: setup
+	PYTHON=$(BIN)/python benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

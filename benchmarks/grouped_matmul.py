@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/grouped_matmul.py            # CPU table (+ CUDA table if available)
+    python benchmarks/grouped_matmul.py --no-cpu --tokens 32768   # CUDA table only
     python benchmarks/grouped_matmul.py --sweep    # CPU: best impl over (N, E, k), for the "auto" rule
     python benchmarks/grouped_matmul.py --repeats 9 --tokens 4096
 
@@ -188,12 +189,14 @@ def main() -> None:
     p.add_argument("--sweep-k", type=int, nargs="+", default=[2, 8])
     p.add_argument("--sweep-experts-per-k", type=float, nargs="+", default=[1, 1.5, 2, 4])
     p.add_argument("--no-cuda", action="store_true")
+    p.add_argument("--no-cpu", action="store_true", help="skip the CPU table")
     args = p.parse_args()
     torch.manual_seed(0)
     if args.sweep:
         cpu_sweep(args)
         return
-    cpu_table(args)
+    if not args.no_cpu:
+        cpu_table(args)
     if torch.cuda.is_available() and not args.no_cuda:
         cuda_table(args)
 

@@ -422,6 +422,7 @@ def test_bf16_autocast_close_to_float32(kind):
     ref = layer(x, is_causal=True).output
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = layer(x, is_causal=True).output
+    assert low.dtype == torch.bfloat16  # as an nn.Linear output under autocast: no float32 activations
     # stated tolerance: bf16 has 8 bits of mantissa; errors stay below 5% of the output scale
     assert (low.float() - ref).abs().max() <= 0.05 * ref.abs().max()
 

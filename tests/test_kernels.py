@@ -20,65 +20,9 @@ from hypothesis import strategies as st
 
 from headmix.kernels import ExpertRouting, choose_impl, expert_map, expert_reduce, expert_routing
 from headmix.kernels.routing_info import block_table
+from kernel_cases import NAMES, assert_all_close, einsum_map, einsum_reduce, make_case, random_index, run
 
 CPU_IMPLS = ["dense", "sorted", "gather", "auto"]
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def einsum_map(x, weight, expert_index):
-    """eq. 10 written independently: y[n,j,o] = sum_i x[n,i] W[idx[n,j],i,o]."""
-    return torch.einsum("ni,nkio->nko", x, weight[expert_index])
-
-
-def einsum_reduce(h, weight, gates, expert_index):
-    """eq. 12 + 6 written independently: y[n,o] = sum_{j,i} g[n,j] h[n,j,i] W[idx[n,j],i,o]."""
-    return torch.einsum("nk,nki,nkio->no", gates, h, weight[expert_index])
-
-
-def random_index(n, k, num_experts, generator, allowed=None):
-    """(n, k) distinct experts per row, drawn from ``allowed`` (default all)."""
-    allowed = torch.arange(num_experts) if allowed is None else torch.as_tensor(allowed)
-    if n == 0:
-        return torch.zeros(0, k, dtype=torch.long)
-    rows = [allowed[torch.randperm(len(allowed), generator=generator)[:k]] for _ in range(n)]
-    return torch.stack(rows)
-
-
-def make_case(n, k, num_experts, d_in, d_out, dtype=torch.float32, seed=0, allowed=None):
-    g = torch.Generator().manual_seed(seed)
-    idx = random_index(n, k, num_experts, g, allowed)
-    x = torch.randn(n, d_in, generator=g, dtype=torch.float64)
-    w_map = torch.randn(num_experts, d_in, d_out, generator=g, dtype=torch.float64) / d_in**0.5
-    h = torch.randn(n, k, d_in, generator=g, dtype=torch.float64)
-    w_red = torch.randn(num_experts, d_in, d_out, generator=g, dtype=torch.float64) / d_in**0.5
-    gates = torch.rand(n, k, generator=g, dtype=torch.float64) + 0.1
-    tensors = [t.to(dtype).requires_grad_() for t in (x, w_map, h, w_red, gates)]
-    return idx, tensors
-
-
-def run(impl, idx, num_experts, x, w_map, h, w_red, gates, seed=1):
-    """Outputs of map and reduce and the gradients of a fixed random loss."""
-    routing = expert_routing(idx, num_experts)
-    y = expert_map(x, w_map, routing, impl)
-    z = expert_reduce(h, w_red, gates, routing, impl)
-    g = torch.Generator().manual_seed(seed)
-    cy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
-    cz = torch.randn(z.shape, generator=g, dtype=torch.float64).to(z.dtype)
-    loss = (y * cy).sum() + (z * cz).sum()
-    grads = torch.autograd.grad(loss, [x, w_map, h, w_red, gates], allow_unused=False)
-    return [y.detach(), z.detach(), *grads]
-
-
-NAMES = ["map out", "reduce out", "grad x", "grad W_map", "grad h", "grad W_reduce", "grad gates"]
-
-
-def assert_all_close(got, want, atol, rtol, what=""):
-    for name, a, b in zip(NAMES, got, want):
-        assert a.shape == b.shape, f"{what} {name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        assert a.dtype == b.dtype, f"{what} {name}: dtype {a.dtype} != {b.dtype}"
-        torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 # (N, k, E, d_in, d_out, allowed experts)

@@ -15,12 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from headmix.kernels import (
-    expert_map,
-    expert_reduce,
-    expert_routing,
-    grouped_triton,
-)
+from headmix.kernels import expert_map, expert_reduce, expert_routing, grouped_triton
+from kernel_cases import NAMES, assert_all_close, einsum_map, einsum_reduce, make_case, run
 
 _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
 
@@ -41,40 +37,6 @@ if not _define_interpreted_kernels():
     pytest.skip("Triton kernels were already compiled for a GPU in this process", allow_module_level=True)
 
 
-def einsum_map(x, weight, idx):
-    return torch.einsum("ni,nkio->nko", x, weight[idx])
-
-
-def einsum_reduce(h, weight, gates, idx):
-    return torch.einsum("nk,nki,nkio->no", gates, h, weight[idx])
-
-
-def make_case(n, k, e, d_in, d_out, dtype, seed=0, allowed=None):
-    g = torch.Generator().manual_seed(seed)
-    allowed = torch.arange(e) if allowed is None else torch.tensor(allowed)
-    rows = [allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(n)]
-    idx = torch.stack(rows) if n else torch.zeros(0, k, dtype=torch.long)
-    shapes = [(n, d_in), (e, d_in, d_out), (n, k, d_in), (e, d_in, d_out), (n, k)]
-    tensors = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
-    tensors[4] = tensors[4].abs() + 0.1
-    return idx, [t.to(dtype).requires_grad_() for t in tensors]
-
-
-def run(impl, idx, e, tensors, block_m=None):
-    routing = expert_routing(idx, e, block_m=block_m)
-    x, w_map, h, w_red, gates = tensors
-    y = expert_map(x, w_map, routing, impl)
-    z = expert_reduce(h, w_red, gates, routing, impl)
-    g = torch.Generator().manual_seed(1)
-    cy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
-    cz = torch.randn(z.shape, generator=g, dtype=torch.float64).to(z.dtype)
-    grads = torch.autograd.grad((y * cy).sum() + (z * cz).sum(), tensors)
-    return [y.detach(), z.detach(), *grads]
-
-
-NAMES = ["map out", "reduce out", "grad x", "grad W_map", "grad h", "grad W_reduce", "grad gates"]
-
-
 # (N, k, E, d_in, d_out, allowed experts, block_m)
 CASES = {
     "basic_multi_block": (13, 2, 5, 17, 9, None, 16),  # 26 slots, several 16-row blocks per expert
@@ -89,11 +51,9 @@ CASES = {
 def test_triton_matches_reference_float32(case):
     n, k, e, d_in, d_out, allowed, block_m = CASES[case]
     idx, tensors = make_case(n, k, e, d_in, d_out, torch.float32, allowed=allowed)
-    want = run("reference", idx, e, tensors)
-    got = run("triton", idx, e, tensors, block_m)
-    for name, a, b in zip(NAMES, got, want):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{case} {name}: {m}")
+    want = run("reference", idx, e, *tensors)
+    got = run("triton", idx, e, *tensors, block_m=block_m)
+    assert_all_close(got, want, 1e-4, 1e-4, case)
     if allowed is not None:
         unused = sorted(set(range(e)) - set(allowed))
         assert torch.all(got[3][unused] == 0) and torch.all(got[5][unused] == 0)
@@ -102,7 +62,7 @@ def test_triton_matches_reference_float32(case):
 def test_triton_float64_matches_einsum():
     n, k, e, d_in, d_out = 7, 2, 4, 5, 6
     idx, tensors = make_case(n, k, e, d_in, d_out, torch.float64)
-    got = run("triton", idx, e, tensors, 16)
+    got = run("triton", idx, e, *tensors, block_m=16)
     x, w_map, h, w_red, gates = tensors
     y, z = einsum_map(x, w_map, idx), einsum_reduce(h, w_red, gates, idx)
     g = torch.Generator().manual_seed(1)
@@ -116,13 +76,50 @@ def test_triton_float64_matches_einsum():
 def test_triton_bfloat16():
     n, k, e, d_in, d_out = 9, 2, 4, 16, 8
     idx, t64 = make_case(n, k, e, d_in, d_out, torch.float64)
-    want = run("reference", idx, e, t64)
+    want = run("reference", idx, e, *t64)
     low = [t.detach().to(torch.bfloat16).requires_grad_() for t in t64]
-    got = run("triton", idx, e, low, 16)
+    got = run("triton", idx, e, *low, block_m=16)
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == torch.bfloat16
         err, scale = (a.double() - b).abs().max().item(), b.abs().max().item()
         assert err <= 3e-2 * scale, f"{name}: {err:.3g} > 3e-2 * {scale:.3g}"
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_weight_gradient_splits(num_splits):
+    # uneven loads: expert 0 gets most slots, expert 3 none; chunks of 16-row blocks, some splits empty
+    n, k, e, d_in, d_out = 40, 2, 5, 9, 6
+    g = torch.Generator().manual_seed(3)
+    second = torch.tensor([1, 2, 4])[torch.randint(0, 3, (n,), generator=g)]
+    idx = torch.stack([torch.zeros(n, dtype=torch.long), second], dim=1)
+    r = expert_routing(idx, e, block_m=16)
+    x = torch.randn(n, d_in, generator=g, dtype=torch.float64)
+    grad_y = torch.randn(n * k, d_out, generator=g, dtype=torch.float64)
+    got = grouped_triton.grouped_mm_wgrad(x, grad_y, r.sort_order, r.offsets, k, 16, num_splits)
+    want = torch.einsum("nki,nko->nkio", x[:, None].expand(n, k, d_in), grad_y.view(n, k, d_out))
+    want = torch.zeros(e, d_in, d_out, dtype=torch.float64).index_add_(0, idx.flatten(), want.reshape(n * k, d_in, d_out))
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    assert torch.all(got[3] == 0)
+    # bf16 input: partials are summed in float32, the result is bf16
+    got16 = grouped_triton.grouped_mm_wgrad(x.bfloat16(), grad_y.bfloat16(), r.sort_order, r.offsets, k, 16, num_splits)
+    assert got16.dtype == torch.bfloat16
+    assert (got16.double() - want).abs().max() <= 3e-2 * want.abs().max()
+
+
+def test_weight_gradient_split_rule(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(grouped_triton, "_multiprocessors", lambda index: 132)
+    # E=8 map weight 512 x 64 in 64 x 64 tiles: 64 programs, so split to ~4 per SM
+    assert grouped_triton.wgrad_splits(16 * 2048 * 8, 8, 8, 64, cuda) == 9
+    # many experts already fill the GPU
+    assert grouped_triton.wgrad_splits(16 * 2048 * 8, 64, 8, 64, cuda) == 2
+    assert grouped_triton.wgrad_splits(16 * 2048 * 8, 256, 8, 64, cuda) == 1
+    # few slots: each split keeps at least 4 blocks on average
+    assert grouped_triton.wgrad_splits(8 * 64 * 4 * 3, 8, 8, 64, cuda) == 3
+    assert grouped_triton.wgrad_splits(100, 8, 8, 64, cuda) == 1
+    assert grouped_triton.wgrad_splits(16 * 2048 * 8, 8, 8, 64, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="num_splits"):
+        grouped_triton.grouped_mm_wgrad(torch.ones(2, 3), torch.ones(2, 3), torch.arange(2), torch.tensor([0, 2]), 1, 16, -1)
 
 
 def test_custom_ops_opcheck():
@@ -133,6 +130,7 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(grouped_triton.grouped_mm, args)
     grad_y = torch.randn(n * k, d_out)
     torch.library.opcheck(grouped_triton.grouped_mm_wgrad, (x.detach(), grad_y, r.sort_order, r.offsets, k, 16))
+    torch.library.opcheck(grouped_triton.grouped_mm_wgrad, (x.detach(), grad_y, r.sort_order, r.offsets, k, 16, 2))
 
 
 def test_torch_compile_traces_custom_ops():

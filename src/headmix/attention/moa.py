@@ -96,7 +96,7 @@ class MixtureOfAttentionHeads(AttentionLayer):
         y = expert_reduce(o, self.output_experts.to(compute), routing.gates.to(compute), info,
                           impl=self.expert_impl).view(batch, tgt, dim)
         if self.out_bias is not None:
-            y = y + self.out_bias
+            y = y + self.out_bias.to(y.dtype)  # keeps y in the autocast dtype, as a Linear's output would be
         aux, parts = routing_losses(routing, self.load_balance_weight, self.z_loss_weight)
         return AttentionOutput(y, aux, new_cache, routing, parts)
 

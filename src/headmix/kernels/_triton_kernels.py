@@ -12,8 +12,12 @@ With slots sorted by expert and ``e(s)`` the expert of slot ``s``:
 
 * ``grouped_mm_kernel``: ``Y[s] = X[s // FAN_IN] @ W[e(s)]``; program
   ``(block, col tile)`` handles ``BLOCK_M`` sorted slots of one expert.
-* ``grouped_wgrad_kernel``: ``DW[e] = sum_{s of e} X[s // FAN_IN]^T DY[s]``;
-  program ``(expert, d_in tile, d_out tile)`` loops over the expert's slots.
+* ``grouped_wgrad_kernel``: ``DW[split, e] = sum_{s of e in split} X[s // FAN_IN]^T DY[s]``;
+  program ``(expert * num_splits + split, d_in tile, d_out tile)`` loops over its
+  share of the expert's slots (the expert's slots cut into ``num_splits`` equal
+  chunks of whole blocks, bounds read from ``offsets`` on the device).  With one
+  split ``DW`` is the gradient; with more the caller sums the partials, which
+  keeps the GPU busy when ``E x tiles`` alone would be fewer programs than SMs.
 """
 
 import triton
@@ -66,24 +70,31 @@ def grouped_mm_kernel(
 @triton.jit
 def grouped_wgrad_kernel(
     X, DY, DW, sort_order, offsets,
-    stride_xm, stride_xk, stride_dym, stride_dyn, stride_we, stride_wk, stride_wn,
-    K, N,
+    stride_xm, stride_xk, stride_dym, stride_dyn, stride_ws, stride_we, stride_wk, stride_wn,
+    K, N, num_splits,
     FAN_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACC_TYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    e = tl.program_id(0)
+    pid = tl.program_id(0)
+    e = pid // num_splits
+    split = pid % num_splits
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
     start = tl.load(offsets + e)
     end = tl.load(offsets + e + 1)
+    # this split's rows: chunks of whole BLOCK_M blocks, the last ones possibly empty
+    blocks = (end - start + BLOCK_M - 1) // BLOCK_M
+    chunk = ((blocks + num_splits - 1) // num_splits) * BLOCK_M
+    lo = tl.minimum(start + split * chunk, end)
+    hi = tl.minimum(lo + chunk, end)
     ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     k_mask = ks < K
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     acc = tl.full((BLOCK_K, BLOCK_N), 0, dtype=ACC_TYPE)
-    for r0 in range(start, end, BLOCK_M):
+    for r0 in range(lo, hi, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < end
+        row_mask = rows < hi
         slots = tl.load(sort_order + rows, mask=row_mask, other=0).to(tl.int64)
         x_rows = slots // FAN_IN
         xt = tl.load(  # (BLOCK_K, BLOCK_M): X rows transposed
@@ -99,7 +110,8 @@ def grouped_wgrad_kernel(
             dy = dy.to(tl.float32)
         acc = tl.dot(xt, dy, acc, input_precision=INPUT_PRECISION)
     tl.store(
-        DW + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+        DW + split.to(tl.int64) * stride_ws + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk
+        + cols[None, :] * stride_wn,
         acc.to(DW.dtype.element_ty),
         mask=k_mask[:, None] & col_mask[None, :],
     )

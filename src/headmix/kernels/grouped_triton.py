@@ -19,8 +19,10 @@ and scattered to ``Y`` by slot id, nothing is permuted in memory):
   ``dX_slot[s] = dY[s] @ W[e(s)]^T`` (the same kernel on the transposed weight
   view; for ``fan_in = k`` the k slot rows are then summed per token).
 * ``grouped_wgrad_kernel``: ``dW[e] = sum_{s of e} X[s // fan_in]^T dY[s]``,
-  one program per (expert, d_in tile, d_out tile) looping over the expert's
-  slots, whose bounds it reads from ``offsets`` on the device.
+  one program per (expert, d_in tile, d_out tile, split) looping over its share
+  of the expert's slots, whose bounds it reads from ``offsets`` on the device;
+  when an expert's slots are split (:func:`wgrad_splits`, to fill a GPU when E is
+  small) the partial sums are added afterwards.
 
 The block table (``routing.block_expert`` / ``block_start``) has a static
 length, so the grid is known without reading routing data back to the host.
@@ -170,11 +172,40 @@ def _(x, weight, sort_order, block_expert, block_start, offsets, fan_in, block_m
     return x.new_empty(sort_order.shape[0], weight.shape[2])
 
 
+#: The weight gradient aims for this many programs per GPU multiprocessor ...
+WGRAD_PROGRAMS_PER_SM = 4
+#: ... without giving a split fewer than this many ``block_m``-row blocks of slots on average.
+WGRAD_MIN_BLOCKS_PER_SPLIT = 4
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def wgrad_splits(num_slots: int, num_experts: int, tiles: int, block_m: int, device: torch.device) -> int:
+    """How many chunks to cut each expert's slots into for the weight gradient (host-side, no sync).
+
+    One program per (expert, d_in tile, d_out tile) is few when E is small: E=8 with a 512 x 64 weight in
+    64 x 64 tiles is 64 programs on a GPU of 132 multiprocessors, each looping over an eighth of all slots.
+    Splitting every expert's slots into equal chunks multiplies the programs; the partial sums are then
+    added up. The rule is a heuristic from the grid shape, not yet tuned by measurement on a GPU.
+    """
+    if device.type != "cuda" or num_experts == 0:
+        return 1
+    want = triton_cdiv(WGRAD_PROGRAMS_PER_SM * _multiprocessors(device.index or 0), num_experts * tiles)
+    most = num_slots // (num_experts * block_m * WGRAD_MIN_BLOCKS_PER_SPLIT)
+    return max(1, min(want, most))
+
+
 @torch.library.custom_op("headmix::grouped_mm_wgrad", mutates_args=())
 def grouped_mm_wgrad(
-    x: Tensor, grad_y: Tensor, sort_order: Tensor, offsets: Tensor, fan_in: int, block_m: int
+    x: Tensor, grad_y: Tensor, sort_order: Tensor, offsets: Tensor, fan_in: int, block_m: int, num_splits: int = 0
 ) -> Tensor:
-    """``dW[e] = sum_{s of expert e} x[s // fan_in]^T grad_y[s]``, shape (E, d_in, d_out)."""
+    """``dW[e] = sum_{s of expert e} x[s // fan_in]^T grad_y[s]``, shape (E, d_in, d_out).
+
+    ``num_splits``: chunks per expert's slots, summed afterwards (0: :func:`wgrad_splits` decides).
+    """
     _, wgrad_kernel, _, tl = _kernels()
     _check_device(x)
     num_experts = offsets.shape[0] - 1
@@ -185,19 +216,30 @@ def grouped_mm_wgrad(
     if sort_order.shape[0] == 0:
         return dw.zero_()
     cfg = _config(x.dtype, k_dim, n_dim, tl, x.device)
+    tiles = (triton_cdiv(k_dim, cfg["BLOCK_K"]), triton_cdiv(n_dim, cfg["BLOCK_N"]))
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 chooses), got {num_splits}")
+    splits = num_splits or wgrad_splits(sort_order.shape[0], num_experts, tiles[0] * tiles[1], block_m, x.device)
+    # partial sums are kept in the accumulator's precision
+    out = dw if splits == 1 else x.new_empty(splits, num_experts, k_dim, n_dim, dtype=_partial_dtype(x.dtype))
+    stride_split = 0 if splits == 1 else out.stride(0)
     with _device_guard(x):
-        grid = (num_experts, triton_cdiv(k_dim, cfg["BLOCK_K"]), triton_cdiv(n_dim, cfg["BLOCK_N"]))
-        wgrad_kernel[grid](
-            x, grad_y, dw, sort_order, offsets,
-            x.stride(0), x.stride(1), grad_y.stride(0), grad_y.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-            k_dim, n_dim,
+        wgrad_kernel[(num_experts * splits, *tiles)](
+            x, grad_y, out, sort_order, offsets,
+            x.stride(0), x.stride(1), grad_y.stride(0), grad_y.stride(1),
+            stride_split, out.stride(-3), out.stride(-2), out.stride(-1),
+            k_dim, n_dim, splits,
             FAN_IN=fan_in, BLOCK_M=block_m, **cfg, **_launch_opts(x.device),
         )
-    return dw
+    return dw if splits == 1 else out.sum(0).to(dw.dtype)
+
+
+def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @grouped_mm_wgrad.register_fake
-def _(x, grad_y, sort_order, offsets, fan_in, block_m):
+def _(x, grad_y, sort_order, offsets, fan_in, block_m, num_splits=0):
     return x.new_empty(offsets.shape[0] - 1, x.shape[1], grad_y.shape[1])
 
 

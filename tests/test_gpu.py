@@ -1,0 +1,202 @@
+"""Checks that need a CUDA GPU: the Triton kernels compiled for it, MoA on CUDA, flash attention, compile.
+
+Marked ``gpu`` and so deselected by default: CI has no GPU.  On a machine with one, run
+``benchmarks/gpu_check.sh`` (these tests, then the GPU benchmarks), or ``pytest -m gpu tests/test_gpu.py``
+on its own: collecting test_kernels_triton.py in the same process defines the kernels for the Triton
+interpreter, and this module then skips itself.
+
+The tests themselves can be checked without a GPU: ``HEADMIX_GPU_TEST_DEVICE=cpu TRITON_INTERPRET=1
+pytest -m gpu tests/test_gpu.py`` runs them on CPU through the Triton interpreter, skipping the large
+sizes and the checks that only mean something on CUDA (flash attention, Inductor, bf16 autocast).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device(os.environ.get("HEADMIX_GPU_TEST_DEVICE", "cuda"))
+ON_GPU = DEVICE.type == "cuda"
+
+if ON_GPU and not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("on CPU these checks need TRITON_INTERPRET=1", allow_module_level=True)
+pytest.importorskip("triton")
+
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from headmix.attention import MixtureOfAttentionHeads  # noqa: E402
+from headmix.attention.reference import reference_moa  # noqa: E402
+from headmix.kernels import expert_routing, grouped_triton  # noqa: E402
+from kernel_cases import NAMES, make_case, run  # noqa: E402
+
+if grouped_triton.kernels_interpreted() == ON_GPU:
+    pytest.skip("the Triton kernels were defined for the other mode in this process: run this file on its own",
+                allow_module_level=True)
+
+needs_cuda = pytest.mark.skipif(not ON_GPU, reason="meaningful on CUDA only")
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|: one number per tensor, robust to entries near zero.
+
+    A tensor whose entries are all below 1e-6 counts as zero (the key bias gradient is zero in exact
+    arithmetic: softmax ignores a shift shared by all keys), so only its absolute error is bounded.
+    """
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-6)).item()
+
+
+# (N, k, E, d_in, d_out, allowed experts, block_m, large)
+KERNEL_CASES = {
+    "odd_sizes": (13, 2, 5, 17, 9, None, 16, False),
+    "empty_experts": (9, 2, 6, 10, 3, [0, 2, 3], 16, False),
+    "k_eq_E": (5, 3, 3, 6, 20, None, None, False),
+    "N0": (0, 2, 4, 5, 3, None, 16, False),
+    # the benchmark's shapes: query map 512 -> 64 and output reduce 64 -> 512, k = 8
+    "8K8E_4096": (4096, 8, 8, 512, 64, None, None, True),
+    "8K64E_4096": (4096, 8, 64, 512, 64, None, None, True),
+    # skewed load: 3 of 16 experts get everything, so the weight gradient splits unevenly
+    "skewed": (3001, 2, 16, 96, 40, [0, 5, 11], None, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_triton_kernels_match_float64_reference(case, dtype):
+    n, k, e, d_in, d_out, allowed, block_m, large = KERNEL_CASES[case]
+    if large and not ON_GPU:
+        pytest.skip("large sizes only on a GPU")
+    idx, t64 = make_case(n, k, e, d_in, d_out, torch.float64, allowed=allowed, device=DEVICE)
+    want = run("reference", idx, e, *t64)
+    low = [t.detach().to(dtype).requires_grad_() for t in t64]
+    got = run("triton", idx, e, *low, block_m=block_m)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4  # fp32 runs in IEEE precision unless TF32 is allowed
+    for name, a, b in zip(NAMES, got, want):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        if b.numel():
+            assert relative_error(a, b) <= tol, f"{case} {name}: {relative_error(a, b):.3g} > {tol}"
+    if allowed is not None:
+        unused = sorted(set(range(e)) - set(allowed))
+        assert torch.all(got[3][unused] == 0) and torch.all(got[5][unused] == 0)
+
+
+def test_weight_gradient_splits_agree():
+    # forced splits against one program per expert tile, on the GPU's own kernels
+    n, k, e, d_in, d_out = (2048, 8, 8, 512, 64) if ON_GPU else (100, 2, 3, 20, 8)
+    idx, (x, *_rest) = make_case(n, k, e, d_in, d_out, torch.float32, device=DEVICE)
+    r = expert_routing(idx, e, block_m=64)
+    grad_y = torch.randn(n * k, d_out, device=DEVICE)
+    one = grouped_triton.grouped_mm_wgrad(x.detach(), grad_y, r.sort_order, r.offsets, k, 64, 1)
+    for splits in (2, 5, 0):
+        got = grouped_triton.grouped_mm_wgrad(x.detach(), grad_y, r.sort_order, r.offsets, k, 64, splits)
+        assert relative_error(got, one) <= 1e-5, splits
+
+
+def make_moa(device=DEVICE, **kw) -> MixtureOfAttentionHeads:
+    torch.manual_seed(0)
+    args = dict(embed_dim=64, num_experts=8, top_k=3, head_dim=16)
+    args.update(kw)
+    return MixtureOfAttentionHeads(**args).to(device)
+
+
+def outputs_and_grads(layer: MixtureOfAttentionHeads, x: torch.Tensor, **kw) -> list[torch.Tensor]:
+    out = layer(x, **kw)
+    loss = out.output.float().square().mean() + out.aux_loss
+    params = [p for p in layer.parameters() if p.requires_grad]
+    return [out.output.detach(), *torch.autograd.grad(loss, [x, *params])]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_moa_layer_triton_matches_reference(causal):
+    layer = make_moa()
+    x = torch.randn(3, 37, 64, device=DEVICE, requires_grad=True)
+    layer.expert_impl = "reference"
+    want = outputs_and_grads(layer, x, is_causal=causal)
+    layer.expert_impl = "triton"
+    got = outputs_and_grads(layer, x, is_causal=causal)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relative_error(a, b) <= 1e-4, f"tensor {i}: {relative_error(a, b):.3g}"
+    # and the plain equations (every expert on every token, explicit softmax), on CPU in float64
+    with torch.no_grad():
+        eq = reference_moa(layer.to("cpu", torch.float64), x.detach().cpu().double(), is_causal=causal)
+    assert relative_error(got[0].cpu(), eq) <= 1e-4
+
+
+def test_moa_auto_picks_triton_on_cuda_and_decoding_matches_the_full_forward():
+    layer = make_moa().eval()
+    x = torch.randn(2, 12, 64, device=DEVICE)
+    with torch.no_grad():
+        full = layer(x, is_causal=True).output
+        out = layer(x[:, :5], is_causal=True, use_cache=True)
+        steps = [out.output]
+        for t in range(5, 12):
+            out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=out.cache)
+            steps.append(out.output)
+    assert relative_error(torch.cat(steps, dim=1), full) <= 1e-4
+    if ON_GPU:
+        from headmix.kernels import choose_impl
+
+        assert choose_impl(DEVICE, 64, 8, 3) == "triton"
+
+
+@needs_cuda
+def test_moa_bf16_autocast_training_step_is_close_to_fp32():
+    layer = make_moa(embed_dim=512, num_experts=32, top_k=8, head_dim=64)
+    x = torch.randn(2, 256, 512, device=DEVICE, requires_grad=True)
+    want = outputs_and_grads(layer, x, is_causal=True)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        got = outputs_and_grads(layer, x, is_causal=True)
+    assert got[0].dtype == torch.bfloat16
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.isfinite(a).all(), i
+        assert relative_error(a, b) <= 5e-2, f"tensor {i}: {relative_error(a, b):.3g}"
+
+
+@needs_cuda
+def test_moa_attention_runs_on_flash_attention():
+    # MoA's k query heads attend to one shared key/value head, broadcast with stride 0: flash must take it
+    layer = make_moa(embed_dim=512, num_experts=32, top_k=8, head_dim=64).to(torch.bfloat16)
+    x = torch.randn(2, 512, 512, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = outputs_and_grads(layer, x, is_causal=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        math = outputs_and_grads(layer, x, is_causal=True)
+    for i, (a, b) in enumerate(zip(flash, math)):
+        assert relative_error(a, b) <= 5e-2, f"tensor {i}: {relative_error(a, b):.3g}"
+
+
+@needs_cuda
+def test_moa_compiles_with_inductor_in_one_graph():
+    layer = make_moa(embed_dim=256, num_experts=16, top_k=4, head_dim=64, expert_impl="triton")
+    x = torch.randn(2, 128, 256, device=DEVICE, requires_grad=True)
+    want = outputs_and_grads(layer, x, is_causal=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    got = outputs_and_grads(compiled, x, is_causal=True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relative_error(a, b) <= 1e-4, f"tensor {i}: {relative_error(a, b):.3g}"
+
+
+def test_translation_training_and_evaluation_on_the_device(tmp_path):
+    # on CUDA in bf16 (bf16="auto"), through the Triton kernels
+    from headmix.data import load_embedded_translation, write_tsv_pairs
+    from headmix.training import TrainConfig, evaluate_translation, train
+    from headmix.training.metrics import read_metrics
+
+    data = tmp_path / "pairs.tsv"
+    write_tsv_pairs(load_embedded_translation()[:2000], data)
+    cfg = TrainConfig(task="translation", preset="tiny-moa", out=str(tmp_path / "run"), data=[str(data)],
+                      vocab_size=500, max_steps=30, max_tokens=2000, max_len=48, warmup_steps=5, log_every=5,
+                      eval_every=15, save_every=15, valid_size=0.05, test_size=0.05, progress=False,
+                      device=str(DEVICE), bf16="auto")
+    summary = train(cfg)
+    assert summary["steps"] == 30
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
+    assert losses[-1] < losses[0], losses
+    scores = evaluate_translation(tmp_path / "run", device=str(DEVICE), limit=20, beam_size=2)
+    assert 0.0 <= scores["bleu"] <= 100.0
