@@ -191,7 +191,7 @@ def wgrad_splits(num_slots: int, num_experts: int, tiles: int, block_m: int, dev
     Splitting every expert's slots into equal chunks multiplies the programs; the partial sums are then
     added up. The rule is a heuristic from the grid shape, not yet tuned by measurement on a GPU.
     """
-    if device.type != "cuda" or num_experts == 0:
+    if device.type != "cuda":
         return 1
     want = triton_cdiv(WGRAD_PROGRAMS_PER_SM * _multiprocessors(device.index or 0), num_experts * tiles)
     most = num_slots // (num_experts * block_m * WGRAD_MIN_BLOCKS_PER_SPLIT)
@@ -206,6 +206,8 @@ def grouped_mm_wgrad(
 
     ``num_splits``: chunks per expert's slots, summed afterwards (0: :func:`wgrad_splits` decides).
     """
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 chooses), got {num_splits}")
     _, wgrad_kernel, _, tl = _kernels()
     _check_device(x)
     num_experts = offsets.shape[0] - 1
@@ -217,8 +219,6 @@ def grouped_mm_wgrad(
         return dw.zero_()
     cfg = _config(x.dtype, k_dim, n_dim, tl, x.device)
     tiles = (triton_cdiv(k_dim, cfg["BLOCK_K"]), triton_cdiv(n_dim, cfg["BLOCK_N"]))
-    if num_splits < 0:
-        raise ValueError(f"num_splits must be >= 0 (0 chooses), got {num_splits}")
     splits = num_splits or wgrad_splits(sort_order.shape[0], num_experts, tiles[0] * tiles[1], block_m, x.device)
     # partial sums are kept in the accumulator's precision
     out = dw if splits == 1 else x.new_empty(splits, num_experts, k_dim, n_dim, dtype=_partial_dtype(x.dtype))
