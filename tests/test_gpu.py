@@ -3,7 +3,7 @@
 Marked ``gpu`` and so deselected by default: CI has no GPU.  On a machine with one, run
 ``benchmarks/gpu_check.sh`` (these tests, then the GPU benchmarks), or ``pytest -m gpu tests/test_gpu.py``
 on its own: collecting test_kernels_triton.py in the same process defines the kernels for the Triton
-interpreter, and this module then skips itself.
+interpreter, and this module's tests then skip themselves.
 
 The tests themselves can be checked without a GPU: ``HEADMIX_GPU_TEST_DEVICE=cpu TRITON_INTERPRET=1
 pytest -m gpu tests/test_gpu.py`` runs them on CPU through the Triton interpreter, skipping the large
@@ -28,16 +28,21 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("on CPU these checks need TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from kernel_cases import NAMES, make_case, run
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from headmix.attention import MixtureOfAttentionHeads  # noqa: E402
-from headmix.attention.reference import reference_moa  # noqa: E402
-from headmix.kernels import expert_routing, grouped_triton  # noqa: E402
-from kernel_cases import NAMES, make_case, run  # noqa: E402
+from headmix.attention import MixtureOfAttentionHeads
+from headmix.attention.reference import reference_moa
+from headmix.kernels import expert_routing, grouped_triton
 
-if grouped_triton.kernels_interpreted() == ON_GPU:
-    pytest.skip("the Triton kernels were defined for the other mode in this process: run this file on its own",
-                allow_module_level=True)
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels_for_this_device():
+    # Defining the kernels is left to the first test that runs (not done at import), so that collecting
+    # this module in a run that deselects it leaves the interpreter tests their own mode.
+    if grouped_triton.kernels_interpreted() == ON_GPU:
+        pytest.skip("the Triton kernels were defined for the other mode in this process: run this file on its own")
+
 
 needs_cuda = pytest.mark.skipif(not ON_GPU, reason="meaningful on CUDA only")
 
@@ -99,7 +104,7 @@ def test_weight_gradient_splits_agree():
 
 def make_moa(device=DEVICE, **kw) -> MixtureOfAttentionHeads:
     torch.manual_seed(0)
-    args = dict(embed_dim=64, num_experts=8, top_k=3, head_dim=16)
+    args = {"embed_dim": 64, "num_experts": 8, "top_k": 3, "head_dim": 16}
     args.update(kw)
     return MixtureOfAttentionHeads(**args).to(device)
 
