@@ -44,15 +44,25 @@ def make_case(n, k, num_experts, d_in, d_out, dtype=torch.float32, seed=0, allow
 
 
 def run(impl, idx, num_experts, x, w_map, h, w_red, gates, seed=1, block_m=None):
-    """Outputs of map and reduce and the gradients of a fixed random loss."""
+    """Outputs of map and reduce with implementation ``impl``, and the gradients of a fixed random loss."""
     routing = expert_routing(idx, num_experts, block_m=block_m)
     y = expert_map(x, w_map, routing, impl)
     z = expert_reduce(h, w_red, gates, routing, impl)
+    return _outputs_and_grads(y, z, [x, w_map, h, w_red, gates], seed)
+
+
+def run_einsum(idx, x, w_map, h, w_red, gates, seed=1):
+    """What :func:`run` returns, from the einsum formulas: the ground truth independent of any impl."""
+    y, z = einsum_map(x, w_map, idx), einsum_reduce(h, w_red, gates, idx)
+    return _outputs_and_grads(y, z, [x, w_map, h, w_red, gates], seed)
+
+
+def _outputs_and_grads(y, z, inputs, seed):
     g = torch.Generator().manual_seed(seed)
     cy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device, y.dtype)
     cz = torch.randn(z.shape, generator=g, dtype=torch.float64).to(z.device, z.dtype)
     loss = (y * cy).sum() + (z * cz).sum()
-    grads = torch.autograd.grad(loss, [x, w_map, h, w_red, gates], allow_unused=False)
+    grads = torch.autograd.grad(loss, inputs, allow_unused=False)
     return [y.detach(), z.detach(), *grads]
 
 

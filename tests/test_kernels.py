@@ -17,10 +17,25 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_cases import (
+    NAMES,
+    assert_all_close,
+    einsum_map,
+    einsum_reduce,
+    make_case,
+    random_index,
+    run,
+    run_einsum,
+)
 
-from headmix.kernels import ExpertRouting, choose_impl, expert_map, expert_reduce, expert_routing
+from headmix.kernels import (
+    ExpertRouting,
+    choose_impl,
+    expert_map,
+    expert_reduce,
+    expert_routing,
+)
 from headmix.kernels.routing_info import block_table
-from kernel_cases import NAMES, assert_all_close, einsum_map, einsum_reduce, make_case, random_index, run
 
 CPU_IMPLS = ["dense", "sorted", "gather", "auto"]
 
@@ -55,12 +70,7 @@ def test_reference_grads_match_einsum():
     n, k, e, d_in, d_out, _ = CASES["basic"]
     idx, tensors = make_case(n, k, e, d_in, d_out, torch.float64)
     got = run("reference", idx, e, *tensors)
-    x, w_map, h, w_red, gates = tensors
-    y, z = einsum_map(x, w_map, idx), einsum_reduce(h, w_red, gates, idx)
-    g = torch.Generator().manual_seed(1)
-    cy = torch.randn(y.shape, generator=g, dtype=torch.float64)
-    cz = torch.randn(z.shape, generator=g, dtype=torch.float64)
-    want = [y.detach(), z.detach(), *torch.autograd.grad((y * cy).sum() + (z * cz).sum(), tensors)]
+    want = run_einsum(idx, *tensors)
     assert_all_close(got, want, 1e-10, 1e-10, "reference vs einsum")
 
 
@@ -238,12 +248,7 @@ def test_property_random_shapes(n, num_experts, k_frac, d_in, d_out, impl, seed)
     k = 1 + int(k_frac * (num_experts - 1))
     idx, tensors = make_case(n, k, num_experts, d_in, d_out, torch.float64, seed=seed)
     got = run(impl, idx, num_experts, *tensors)
-    x, w_map, h, w_red, gates = tensors
-    y, z = einsum_map(x, w_map, idx), einsum_reduce(h, w_red, gates, idx)
-    g = torch.Generator().manual_seed(1)
-    cy = torch.randn(y.shape, generator=g, dtype=torch.float64)
-    cz = torch.randn(z.shape, generator=g, dtype=torch.float64)
-    want = [y.detach(), z.detach(), *torch.autograd.grad((y * cy).sum() + (z * cz).sum(), tensors)]
+    want = run_einsum(idx, *tensors)
     assert_all_close(got, want, 1e-10, 1e-9, impl)
 
 
