@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from headmix.bench.timing import interleaved_timings
 from headmix.kernels import expert_map, expert_reduce, expert_routing
 
 
@@ -34,28 +34,6 @@ def _route(n: int, k: int, e: int, device, generator) -> tuple[torch.Tensor, tor
     logits = torch.randn(n, e, generator=generator, device="cpu")
     gates, index = logits.topk(k, dim=-1)
     return index.to(device), gates.softmax(-1).to(device)
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timeit(fns: dict, repeats: int, warmup: int, device, stat=statistics.median) -> dict:
-    """Seconds per variant (median by default); variants interleaved within each repeat."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    _sync(device)
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: stat(ts) for name, ts in times.items()}
 
 
 def _make_case(n, d_model, d_head, k, e, dtype, device, seed=0):
@@ -117,8 +95,8 @@ def cpu_table(args) -> None:
             if impl == "gather" and n * k * d_model * d_head * 4 > args.gather_max_bytes:
                 continue
             fwd[impl], both[impl] = _moa_fns(n, d_model, d_head, k, e, impl, dtype, device)
-        t_fwd = _timeit(fwd, args.repeats, 1, device, stat)
-        t_both = _timeit(both, args.repeats, 1, device, stat)
+        t_fwd = interleaved_timings(fwd, args.repeats, 1, device, stat)
+        t_both = interleaved_timings(both, args.repeats, 1, device, stat)
         for name in fwd:
             print(f"{e:>4} {name:<22} {t_fwd[name] * 1e3:9.2f} {t_fwd[name] / t_fwd[base]:6.2f} "
                   f"{t_both[name] * 1e3:11.2f} {t_both[name] / t_both[base]:6.2f}")
@@ -144,7 +122,7 @@ def cpu_sweep(args) -> None:
                     fwd[impl], both[impl] = _moa_fns(n, d_model, d_head, k, e, impl, torch.float32, "cpu")
                 row = []
                 for fns in (fwd, both):
-                    t = _timeit(fns, args.repeats, 2, "cpu", stat=min)
+                    t = interleaved_timings(fns, args.repeats, 2, "cpu", stat=min)
                     best = min(t, key=t.get)
                     row.append(" ".join(
                         (f"{t[i] * 1e3:8.3f}" + ("*" if i == best else " ")) if i in t else f"{'-':>9}" for i in impls
@@ -165,8 +143,8 @@ def cuda_table(args, device: str = "cuda") -> None:
         fwd[base], both[base] = _linear_fns(n, d_model, k * d_head, dtype, device)
         for impl in ("triton", "dense"):
             fwd[impl], both[impl] = _moa_fns(n, d_model, d_head, k, e, impl, dtype, device)
-        t_fwd = _timeit(fwd, args.repeats * 5, 3, device)
-        t_both = _timeit(both, args.repeats * 5, 3, device)
+        t_fwd = interleaved_timings(fwd, args.repeats * 5, 3, device)
+        t_both = interleaved_timings(both, args.repeats * 5, 3, device)
         for name in fwd:  # eff = dense-of-equal-FLOPs time / this time (target >= 0.7 for triton)
             print(f"{e:>4} {name:<22} {t_fwd[name] * 1e3:9.3f} {t_fwd[base] / t_fwd[name]:6.2f} "
                   f"{t_both[name] * 1e3:11.3f} {t_both[base] / t_both[name]:6.2f}")

@@ -17,11 +17,10 @@ Usage: ``python benchmarks/moh_projections.py [--tokens 4096 --heads 8 --shared 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from headmix.bench.timing import interleaved_timings
 from headmix.kernels import expert_map, expert_reduce, expert_routing
 
 
@@ -60,21 +59,13 @@ def main() -> None:
         loss.backward()
 
     fns = {"dense (as MoH computes)": dense, f"grouped ({k} of {r} routed)": grouped}
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(args.repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    base = statistics.median(times["dense (as MoH computes)"])
+    times = interleaved_timings(fns, args.repeats, 3, "cpu")
+    base = times["dense (as MoH computes)"]
     print(f"# MoH query + output projections, fwd+bwd: {n} tokens, d {d}, {h} heads of {dh} ({s} shared), "
           f"top-{k} routed; {torch.get_num_threads()} threads, median of {args.repeats}")
     print("| projections | ms | vs dense |\n|---|---|---|")
-    for name, ts in times.items():
-        print(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {statistics.median(ts) / base:.2f} |")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / base:.2f} |")
 
 
 if __name__ == "__main__":

@@ -102,11 +102,11 @@ def test_weight_gradient_splits_agree():
         assert relative_error(got, one) <= 1e-5, splits
 
 
-def make_moa(device=DEVICE, **kw) -> MixtureOfAttentionHeads:
+def make_moa(**kw) -> MixtureOfAttentionHeads:
     torch.manual_seed(0)
     args = {"embed_dim": 64, "num_experts": 8, "top_k": 3, "head_dim": 16}
     args.update(kw)
-    return MixtureOfAttentionHeads(**args).to(device)
+    return MixtureOfAttentionHeads(**args).to(DEVICE)
 
 
 def outputs_and_grads(layer: MixtureOfAttentionHeads, x: torch.Tensor, **kw) -> list[torch.Tensor]:

@@ -16,8 +16,6 @@ generating one token at a time with the cache, and the cache's bytes per token, 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,28 +23,7 @@ import torch
 from torch import nn
 
 from ..attention import MixtureOfAttentionHeads, MultiHeadAttention
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int,
-                        device: torch.device) -> dict[str, float]:
-    """Median seconds per call of each function; within a repeat every function runs once, in turn."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+from .timing import interleaved_timings
 
 
 def saved_activation_bytes(fn: Callable[[], torch.Tensor]) -> int:
@@ -116,8 +93,8 @@ def bench_layers(seq_lens: list[int], experts: list[int], *, embed_dim: int, top
                 p.grad = None
             case.call(xg).float().square().mean().backward()
 
-        t_fwd = interleaved_medians({c.name: (lambda c=c: fwd(c)) for c in cases}, repeats, warmup, device)
-        t_fb = interleaved_medians({c.name: (lambda c=c: fwd_bwd(c)) for c in cases}, repeats, warmup, device)
+        t_fwd = interleaved_timings({c.name: (lambda c=c: fwd(c)) for c in cases}, repeats, warmup, device)
+        t_fb = interleaved_timings({c.name: (lambda c=c: fwd_bwd(c)) for c in cases}, repeats, warmup, device)
         mem = {c.name: peak_memory(lambda c=c: fwd_bwd(c), device) for c in cases}
         base = cases[0].name
         for c in cases:
@@ -144,7 +121,7 @@ def bench_decoding(*, embed_dim: int, top_k: int, head_dim: int, experts: list[i
             out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=out.cache)
         return out.cache
 
-    times = interleaved_medians({n: (lambda l=l: decode(l)) for n, l in layers.items()}, repeats, 1, device)
+    times = interleaved_timings({n: (lambda l=l: decode(l)) for n, l in layers.items()}, repeats, 1, device)
     for name, layer in layers.items():
         cache = decode(layer)
         result[name] = {"layer": name, "tokens_per_s": batch * steps / times[name],
