@@ -1,0 +1,117 @@
+"""Sizing a variant to a baseline's compute.
+
+A study compares attention variants at equal compute: every row's attention must cost the baseline's
+MACs within a tolerance (2% by default), counted by :func:`headmix.models.analytic_macs` (the ``full``
+count of ``headmix macs``). Only the attention layers differ between the rows of a study, so the rows are
+matched on the attention layers' MACs, which is stricter than matching whole models (the FFN and the
+output projection, equal in every row, would hide a gap in attention).
+
+A variant fixes some attention fields and names the ones to solve for (``top_k``, ``head_dim``,
+``num_heads``, ``key_dim``, ``num_experts``, ``num_shared_heads``). :func:`match_attention` enumerates
+the candidate values of those fields, keeps the configurations within the tolerance and picks, in order:
+the one closest to the ``prefer`` values (e.g. the baseline's head size, so MoA rows at several ``E``
+keep one ``k`` and ``d_h``), then the one closest to the baseline's MACs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ..models import AttentionConfig, ModelConfig, analytic_macs
+
+#: The fields a variant may ask to solve for.
+SOLVABLE = ("top_k", "head_dim", "num_heads", "key_dim", "num_experts", "num_shared_heads")
+ROLES = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
+
+
+def attention_macs_of(config: ModelConfig, src_len: int | None, tgt_len: int | None) -> int:
+    """MACs of all attention layers of ``config`` (the components named ``*attention``)."""
+    count = analytic_macs(config, src_len, tgt_len)
+    return sum(v for name, v in count.full.items() if name.endswith("attention"))
+
+
+def with_attention(config: ModelConfig, attention: AttentionConfig) -> ModelConfig:
+    """``config`` with every attention role it has set to a copy of ``attention``."""
+    roles = {role: dataclasses.replace(attention) for role in config.attention_roles()}
+    return config.replace(**roles)
+
+
+def _candidates(field: str, fixed: dict[str, Any], d_model: int) -> list[int]:
+    if field == "top_k":
+        if "num_experts" in fixed:
+            return list(range(1, fixed["num_experts"] + 1))
+        if "num_heads" in fixed:
+            return list(range(1, fixed["num_heads"] - fixed.get("num_shared_heads", 0) + 1))
+        return list(range(1, 33))
+    if field in ("head_dim", "key_dim"):
+        return list(range(1, 2 * d_model + 1))
+    if field == "num_heads":
+        return list(range(1, 33))
+    if field == "num_experts":
+        return list(range(1, 129))
+    if field == "num_shared_heads":
+        return list(range(0, fixed.get("num_heads", 32)))
+    raise ValueError(f"solve must name fields of {SOLVABLE}, got {field!r}")
+
+
+@dataclass
+class Match:
+    """The chosen attention config and how close it came."""
+
+    attention: AttentionConfig
+    macs: int
+    baseline_macs: int
+
+    @property
+    def ratio(self) -> float:
+        return self.macs / self.baseline_macs
+
+
+def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterable[str], *,
+                    prefer: dict[str, Any] | None = None, tolerance: float = 0.02,
+                    src_len: int | None = None, tgt_len: int | None = None) -> Match:
+    """The attention config with the fields ``fixed`` and the ``solve`` fields chosen so that the model
+    (``baseline`` with this attention in every role) costs the baseline's attention MACs within
+    ``tolerance``. ``ValueError`` naming the variant's fields when no candidate is within it."""
+    solve = tuple(solve)
+    for field in solve:
+        if field not in SOLVABLE:
+            raise ValueError(f"solve must name fields of {SOLVABLE}, got {field!r}")
+        if field in fixed:
+            raise ValueError(f"{field} is both fixed ({fixed[field]!r}) and to be solved")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
+    prefer = prefer or {}
+    target = attention_macs_of(baseline, src_len, tgt_len)
+    best: tuple[tuple, Match] | None = None
+    closest: Match | None = None
+    for values in itertools.product(*(_candidates(f, fixed, baseline.d_model) for f in solve)):
+        fields = {**fixed, **dict(zip(solve, values))}
+        try:
+            att = AttentionConfig(**fields)
+            model = with_attention(baseline, att)
+        except (ValueError, TypeError):
+            continue
+        match = Match(att, attention_macs_of(model, src_len, tgt_len), target)
+        gap = abs(match.ratio - 1)
+        if closest is None or gap < abs(closest.ratio - 1):
+            closest = match
+        if gap > tolerance:
+            continue
+        distance = sum(abs(fields[f] - prefer[f]) for f in solve if f in prefer)
+        key = (distance, gap)
+        if best is None or key < best[0]:
+            best = (key, match)
+    if best is None:
+        near = f"; the closest is {closest.ratio:.3f}x ({_describe(closest.attention)})" if closest else ""
+        raise ValueError(f"no attention with {fixed} and {list(solve)} solved is within {tolerance:.0%} of the "
+                         f"baseline's attention MACs ({target:,}){near}")
+    return best[1]
+
+
+def _describe(att: AttentionConfig) -> str:
+    keys = ("kind", "num_heads", "num_experts", "top_k", "head_dim", "key_dim", "num_shared_heads")
+    return ", ".join(f"{k}={getattr(att, k)}" for k in keys if getattr(att, k, None) is not None)

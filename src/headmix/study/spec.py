@@ -1,0 +1,173 @@
+"""What a study is: :class:`StudySpec` (rows, seeds, the shared training setup), read from TOML or JSON.
+
+A spec file::
+
+    name = "my-lm-study"
+    task = "lm"                       # translation, mlm or lm
+    baseline = "mini-mha"             # the preset (or JSON model config) whose attention the rows match
+    data = ["docs.jsonl"]             # optional: default the embedded corpus
+    seeds = [1, 2, 3]
+    max_steps = 600
+    [training]                        # any TrainConfig option, the same for every row
+    max_tokens = 2048
+    lr = 2e-3
+    warmup_steps = 100
+
+    [[rows]]
+    name = "MHA"                      # the first row is the baseline: its attention is the baseline's
+    [[rows]]
+    name = "MoA E=16"
+    attention = { kind = "moa", num_experts = 16, top_k = 4 }
+    solve = ["head_dim"]              # sized to the baseline's attention MACs within the tolerance
+    prefer = { head_dim = 32 }
+
+Relative paths in a spec file are relative to the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..models import get_config
+from .matching import SOLVABLE
+
+#: TrainConfig options a spec may not set: the study sets them itself for every run.
+STUDY_OWNED = ("task", "preset", "out", "data", "seed", "tokenizer", "progress")
+
+
+@dataclass
+class RowSpec:
+    """One row of a study: an attention variant."""
+
+    name: str
+    #: AttentionConfig fields fixed for this row; empty for the baseline row (the baseline's attention)
+    attention: dict[str, Any] = field(default_factory=dict)
+    #: AttentionConfig fields chosen to match the baseline's attention MACs
+    solve: list[str] = field(default_factory=list)
+    #: preferred values of the solved fields (the closest feasible one wins)
+    prefer: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"rows[].name must be a non-empty string, got {self.name!r}")
+        for f in self.solve:
+            if f not in SOLVABLE:
+                raise ValueError(f"rows[{self.name!r}].solve must name fields of {SOLVABLE}, got {f!r}")
+        if self.solve and not self.attention:
+            raise ValueError(f"rows[{self.name!r}].solve needs rows[{self.name!r}].attention (at least its kind)")
+
+
+@dataclass
+class StudySpec:
+    """A comparison of attention variants at equal compute."""
+
+    #: the study's name (its folder name by default)
+    name: str
+    #: translation, mlm or lm
+    task: str
+    #: preset name or JSON model config: the model every row shares; its attention is the baseline's
+    baseline: str
+    rows: list[RowSpec]
+    #: seeds of every row (initialisation, batch order, dropout); at least 3 for an interval worth reading
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    #: optimizer steps of every run (steps, not seconds: the result must not depend on the machine)
+    max_steps: int = 500
+    #: corpus files (TrainConfig.data); [] = the task's embedded corpus
+    data: list[str] = field(default_factory=list)
+    #: seed of the train/valid/test split and of the shared tokenizer, the same for every run
+    split_seed: int = 1
+    #: the attention MACs of every row within this fraction of the baseline's
+    tolerance: float = 0.02
+    #: sequence lengths at which MACs are counted (default: the model's block length for LMs, the
+    #: paper's Appendix E lengths for translation)
+    macs_src_len: int | None = None
+    macs_tgt_len: int | None = None
+    #: translation: test sentences scored with BLEU per run (beam 1 keeps the study affordable)
+    bleu_sentences: int = 300
+    bleu_beam: int = 1
+    #: other TrainConfig options, the same for every run
+    training: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        from ..tasks import TASKS  # the task registry
+
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {tuple(TASKS)}, got {self.task!r}")
+        get_config(self.baseline, task=self.task)  # a clear error for a bad baseline
+        if not self.rows:
+            raise ValueError("rows must list at least the baseline row")
+        if self.rows[0].attention or self.rows[0].solve:
+            raise ValueError(f"the first row ({self.rows[0].name!r}) is the baseline: it takes the baseline's "
+                             f"attention, so it sets neither attention nor solve")
+        names = [r.name for r in self.rows]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rows must have distinct names, got {names}")
+        for row in self.rows:
+            row.validate()
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or any(
+                isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise ValueError(f"seeds must be distinct non-negative integers, got {self.seeds!r}")
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps <= 0:
+            raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
+        if not 0 < self.tolerance < 1:
+            raise ValueError(f"tolerance must be in (0, 1), got {self.tolerance!r}")
+        owned = sorted(set(self.training) & set(STUDY_OWNED + ("max_steps", "split_seed")))
+        if owned:
+            raise ValueError(f"training must not set {owned}: the study sets them for every run")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], base_dir: str | os.PathLike | None = None) -> StudySpec:
+        if not isinstance(data, dict):
+            raise ValueError(f"a study spec must be a table/object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown} in the study spec; known fields: {sorted(known)}")
+        data = dict(data)
+        rows = []
+        for r in data.get("rows", []):
+            row_known = {f.name for f in dataclasses.fields(RowSpec)}
+            if not isinstance(r, dict) or set(r) - row_known:
+                raise ValueError(f"rows[] entries take the fields {sorted(row_known)}, got {r!r}")
+            rows.append(RowSpec(**r))
+        data["rows"] = rows
+        if base_dir is not None:
+            base = Path(base_dir)
+            data["data"] = [str(base / p) for p in data.get("data", [])]
+            if str(data.get("baseline", "")).endswith(".json"):
+                data["baseline"] = str(base / data["baseline"])
+        try:
+            spec = cls(**data)
+        except TypeError as err:
+            raise ValueError(f"study spec: {err}") from None
+        spec.validate()
+        return spec
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> StudySpec:
+        """Read a ``.toml`` or ``.json`` spec file."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"study spec not found: {path}")
+        text = path.read_text()
+        if path.suffix == ".toml":
+            import tomllib
+
+            try:
+                data = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as err:
+                raise ValueError(f"{path} is not valid TOML: {err}") from None
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} is not valid JSON: {err}") from None
+        return cls.from_dict(data, base_dir=path.parent)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

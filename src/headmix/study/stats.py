@@ -1,0 +1,129 @@
+"""The statistics of a study: mean and standard deviation over seeds, and the difference of a row from the
+baseline paired by seed with a Student-t 95% interval.
+
+Everything is plain Python (``math`` only): the Student-t quantile is found by bisection on its CDF,
+which is integrated numerically from the density, so no SciPy is needed. The tests hold it to published
+table values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+
+def mean(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("values must not be empty")
+    return sum(values) / len(values)
+
+
+def sample_std(values: Sequence[float]) -> float | None:
+    """The standard deviation with ``n - 1`` in the denominator; ``None`` for fewer than two values."""
+    if len(values) < 2:
+        return None
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def _t_density(x: float, df: int) -> float:
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def t_cdf(x: float, df: int) -> float:
+    """``P(T <= x)`` for Student's t with ``df`` degrees of freedom (Simpson's rule on the density; the
+    substitution ``x = tan(u)`` keeps the heavy tails of small ``df`` accurate)."""
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if x < 0:
+        return 1.0 - t_cdf(-x, df)
+    upper = math.atan(x)
+    n = 2000  # even; the integrand is smooth on [0, atan(x)]
+    h = upper / n
+    total = 0.0
+    for i in range(n + 1):
+        u = i * h
+        w = 1 if i in (0, n) else (4 if i % 2 else 2)
+        total += w * _t_density(math.tan(u), df) / math.cos(u) ** 2
+    return 0.5 + total * h / 3
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`t_cdf`)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass
+class Summary:
+    """A row's metric over its seeds."""
+
+    mean: float
+    std: float | None  # None with one seed
+    n: int
+    values: list[float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(values: Sequence[float]) -> Summary:
+    return Summary(mean(values), sample_std(values), len(values), list(values))
+
+
+@dataclass
+class PairedDifference:
+    """``row - baseline`` paired by seed: the mean difference, its 95% interval and what it says."""
+
+    mean: float
+    std: float | None
+    n: int
+    low: float | None  # the 95% interval; None with fewer than two pairs
+    high: float | None
+    seeds: list[int]
+
+    @property
+    def significant(self) -> bool | None:
+        """True when the interval excludes zero; None when there is no interval."""
+        if self.low is None:
+            return None
+        return self.low > 0 or self.high < 0
+
+    def verdict(self, lower_is_better: bool) -> str:
+        if self.significant is None:
+            return "too few seeds for an interval"
+        if not self.significant:
+            return "no significant difference"
+        better = (self.mean < 0) == lower_is_better
+        return "better than the baseline" if better else "worse than the baseline"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "significant": self.significant}
+
+
+def paired_difference(row: dict[int, float], baseline: dict[int, float], confidence: float = 0.95) -> PairedDifference:
+    """The difference ``row[seed] - baseline[seed]`` over the seeds both have, with a Student-t interval
+    ``mean +- t_{(1+confidence)/2, n-1} * std / sqrt(n)``."""
+    seeds = sorted(set(row) & set(baseline))
+    if not seeds:
+        raise ValueError("row and baseline share no seed: nothing to pair")
+    diffs = [row[s] - baseline[s] for s in seeds]
+    m, sd, n = mean(diffs), sample_std(diffs), len(diffs)
+    if sd is None:
+        return PairedDifference(m, None, n, None, None, seeds)
+    half = t_quantile((1 + confidence) / 2, n - 1) * sd / math.sqrt(n)
+    return PairedDifference(m, sd, n, m - half, m + half, seeds)
