@@ -132,7 +132,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.torch, "save", crash)
+    monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError):
         save_checkpoint(tmp_path, 2, model, {"x": 2}, {"tokens": 0})
     # the interrupted step is invisible, the previous one intact, the leftovers cleaned on the next save
