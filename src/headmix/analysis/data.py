@@ -11,6 +11,7 @@ import torch
 
 from ..data import Tokenizer
 from ..runs import load_run
+from ..runs.load import read_train_config
 from ..tasks import get_task
 
 SPLITS = ("train", "valid", "test")
@@ -54,11 +55,11 @@ def run_batches(run_dir: str | os.PathLike, tokenizer: Tokenizer | None = None, 
     if tokenizer is None or task is None:
         loaded = load_run(run)
         tokenizer = tokenizer or loaded.tokenizer
-        task = task or loaded.model.config.task
+        task = task or loaded.task
     spec = get_task(task)
     path = dataset_path(run, task, split, data)
     # A folder not made by `headmix train` (no train_config.json): blocks of 128 tokens, seed 1.
-    stored = json.loads((run / "train_config.json").read_text()) if (run / "train_config.json").is_file() else {}
+    stored = read_train_config(run)
     max_len, seed = stored.get("max_len", 128), stored.get("seed", 1)
     items = spec.read_items(path, strict=False)
     if limit is not None:

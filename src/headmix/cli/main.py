@@ -280,14 +280,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stop.code if isinstance(stop.code, int) else USAGE_ERROR
     if args.command in ("train", "demo"):
         keep_freed_memory()
-    from ..runs import RunError, RunMismatchError
+    from ..runs import RunError, RunFileNotFoundError, RunMismatchError
     from ..training import TrainingError
 
     try:
         if args.command in RUNNERS:
             return RUNNERS[args.command](args)
         return _dispatch(args)
-    except RunMismatchError as err:  # the command contradicts the run it names
+    except (RunMismatchError, RunFileNotFoundError) as err:  # the command contradicts or misnames its run
         return _fail(args.command, err, USAGE_ERROR)
     except (RunError, TrainingError) as err:
         return _fail(args.command, err, RUN_FAILED)

@@ -31,7 +31,7 @@ def evaluate_run(run_dir: str | os.PathLike, **options: Any) -> dict[str, Any]:
     if opts.limit is not None and (isinstance(opts.limit, bool) or not isinstance(opts.limit, int) or opts.limit <= 0):
         raise ValueError(f"limit must be a positive integer (the number of items to score), got {opts.limit!r}")
     run = load_run(run_dir, opts.device)
-    return get_task(run.config["task"]).evaluate(run, opts)
+    return get_task(run.task).evaluate(run, opts)
 
 
 __all__ = ["evaluate_run", "translate", "corpus_scores", "validation_loss", "add_expert_counts", "load_record"]

@@ -55,7 +55,7 @@ class LanguageModelTask(Task):
         docs = self.read_items(self.split_path(Path(run.path) / "data", options.split))
         if options.limit is not None:
             docs = docs[:options.limit]
-        seed, max_len = run.config["seed"], run.config["max_len"]
+        seed, max_len = run.train_config["seed"], run.train_config["max_len"]
         loader = self.loader(self.dataset(docs, run.tokenizer, max_len), run.tokenizer,
                              max_tokens=max(options.max_tokens, max_len + 2), train=False, seed=seed)
         result = validation_loss(run.model, loader, self, options.device)

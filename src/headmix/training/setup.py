@@ -19,7 +19,7 @@ SPLITS = ("train", "valid", "test")
 def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dict[str, list], Tokenizer]:
     """Read the corpus, split it, train the tokenizer; store all three in the run folder (atomically).
     On a resumed run, read them back instead, so the splits and vocabulary never change mid-run."""
-    from ..runs.files import atomic_directory, atomic_output
+    from ..runs import atomic_output
 
     task = cfg.task_spec
     files = {s: task.split_path(run.data_dir, s) for s in SPLITS}
@@ -42,8 +42,7 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
     for s, part in parts.items():
         with atomic_output(files[s]) as tmp:
             task.write_items(part, tmp)
-    with atomic_directory(run.tokenizer_dir) as tmp:
-        tok.save(tmp)
+    run.save_tokenizer(tok)
     log(f"data: {split.sizes.as_dict()}, vocabulary {tok.vocab_size}")
     return parts, tok
 

@@ -20,11 +20,10 @@ import torch
 
 from ..evaluation import validation_loss
 from ..models import build_model, count_parameters
-from ..runs import Run
+from ..runs import Run, average_checkpoints, rng_state, set_rng_state
 from .config import IDENTITY, TrainConfig, pick_device
 from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
-from .rng import rng_state, set_rng_state
 from .setup import autocast_for, forever, model_config, optimizer_and_schedule, prepare_data
 
 
@@ -174,7 +173,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         if d.main:
             averaged = run.checkpoints_to_average(cfg.average_last)
             if len(averaged) > 1:
-                final.load_state_dict(run.average_checkpoints(averaged), strict=False)
+                final.load_state_dict(average_checkpoints(averaged), strict=False)
             run.save_final_model(final)
             valid = validation_loss(final, valid_loader, task, device, autocast)
             metrics.write({"split": "valid", "step": step, "averaged": len(averaged), **_numbers(valid)})
