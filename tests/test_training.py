@@ -10,26 +10,23 @@ import sys
 import time
 from pathlib import Path
 
+import math
+
 import pytest
+import sacrebleu
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from headmix.models import load_pretrained
 from headmix.data import load_embedded_documents, load_embedded_translation, write_jsonl_documents, write_tsv_pairs
-from headmix.training import (
-    TrainConfig,
-    TrainingError,
-    average_checkpoints,
-    corpus_scores,
-    evaluate_translation,
-    list_checkpoints,
-    lr_multiplier,
-    save_checkpoint,
-    train,
-)
-from headmix.training import checkpoint as ckpt
+from headmix.evaluation import corpus_scores, evaluate_run
+from headmix.models import build_model, load_pretrained
 from headmix.routing import load_summary
+from headmix.training import TrainConfig, TrainingError, lr_multiplier, train
+from headmix.training.demo import expert_load_figure, loss_curves_figure
 from headmix.training.metrics import read_metrics
+from headmix.training.setup import model_config
+from headmix.data import Tokenizer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -61,6 +58,20 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
+def checkpoint_dirs(run: Path) -> list[Path]:
+    return sorted((run / "checkpoints").glob("step_*"))
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def without_clock(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("time", "tokens_per_sec")} for r in records]
+
+
 def test_translation_run_writes_everything_and_resume_continues_the_same_run(tmp_path, pairs_file):
     straight = small_config(tmp_path / "straight", pairs_file)
     summary = train(straight)
@@ -81,20 +92,62 @@ def test_translation_run_writes_everything_and_resume_continues_the_same_run(tmp
     resumed.max_steps = 6
     train(resumed)
     a = weights(run / "checkpoints" / "step_00000006")
-    b = weights(Path(resumed.out) / "checkpoints" / "step_00000006")
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    assert_same_weights(a, weights(Path(resumed.out) / "checkpoints" / "step_00000006"))
 
-    # The final model is the average of the last two checkpoints.
-    avg = average_checkpoints(list_checkpoints(run)[-2:])
+    # The final model is the mean of the last two checkpoints' files (3 and 6), computed here in float64.
+    last = checkpoint_dirs(run)[-2:]
+    assert [p.name for p in last] == ["step_00000003", "step_00000006"]
+    files = [weights(p) for p in last]
     final = load_pretrained(run).state_dict()
-    for k in avg:
-        torch.testing.assert_close(final[k], avg[k])
+    for k in files[0]:
+        mean = ((files[0][k].double() + files[1][k].double()) / 2).to(final[k].dtype)
+        torch.testing.assert_close(final[k], mean, rtol=0, atol=0, msg=k)
     assert any(not torch.equal(final[k], a[k]) for k in a)  # averaging changed the last step's weights
 
-    scores = evaluate_translation(run, split="test", beam_size=2, limit=5)
-    assert scores["sentences"] == 5 and 0.0 <= scores["bleu"] <= 100.0 and len(scores["examples"]) == 3
+
+def test_loop_applies_the_schedule(tmp_path, pairs_file):
+    """The learning rate of every step's record is the peak rate times lr_multiplier(step)."""
+    cfg = small_config(tmp_path / "lr", pairs_file, max_steps=6, warmup_steps=3, log_every=1, lr=1e-3)
+    train(cfg)
+    records = [r for r in read_metrics(cfg.out) if r["split"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for r in records:
+        expected = 1e-3 * lr_multiplier(r["step"], schedule="inverse_sqrt", warmup_steps=3, max_steps=6)
+        assert r["lr"] == pytest.approx(expected, rel=1e-12), r
+
+
+def test_one_step_of_the_loop_equals_one_step_by_hand(tmp_path, pairs_file):
+    """Step 1 of the loop (dropout off) is: the first training batch, the label-smoothed cross-entropy (0.1)
+    plus the MoA auxiliary losses, AdamW at lr * lr_multiplier(0)."""
+    cfg = small_config(tmp_path / "one", pairs_file, max_steps=1, save_every=1, log_every=1, dropout=0.0,
+                       warmup_steps=4, lr=1e-3)
+    train(cfg)
+    run = Path(cfg.out)
+    task = cfg.task_spec
+    tok = Tokenizer.load(run / "tokenizer")
+    parts = {s: task.read_items(run / "data" / f"{s}.tsv") for s in ("train",)}
+    torch.manual_seed(cfg.seed)
+    mcfg = model_config(cfg, tok)
+    model = build_model(mcfg)
+    assert mcfg.label_smoothing == 0.1
+    loader = task.loader(task.dataset(parts["train"], tok, cfg.max_len), tok, max_tokens=cfg.max_tokens, train=True,
+                         seed=cfg.seed)
+    batch = next(iter(loader))
+    out = model(**task.model_inputs(batch, "cpu"))
+    target = batch["tgt_out"]
+    smoothed = F.cross_entropy(out.logits.flatten(0, 1), target.flatten(), ignore_index=tok.pad_id,
+                               label_smoothing=0.1)
+    assert out.aux_loss > 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * 0.25, betas=cfg.betas, eps=cfg.eps, weight_decay=0.0)
+    (smoothed + out.aux_loss).backward()
+    smoothed = smoothed.detach()
+    opt.step()
+    record = [r for r in read_metrics(run) if r["split"] == "train"][0]
+    assert record["loss"] == pytest.approx(smoothed.item(), rel=1e-6)
+    by_hand = {k: v.detach() for k, v in model.state_dict().items()}
+    looped = weights(run / "checkpoints" / "step_00000001")
+    for k, w in looped.items():
+        torch.testing.assert_close(w, by_hand[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
 @pytest.mark.parametrize("task", ["mlm", "lm"])
@@ -102,8 +155,15 @@ def test_language_model_runs(tmp_path, docs_file, task):
     cfg = small_config(tmp_path / task, docs_file, task=task, max_steps=12, max_tokens=512, max_len=32, lr=3e-3,
                        valid_size=0.1, test_size=0.1, eval_every=6, save_every=6)
     summary = train(cfg)
-    assert summary["steps"] == 12
-    assert 1.0 < summary["valid"]["ppl"] < 300  # vocabulary 300: it has learned more than the uniform guess
+    assert summary["steps"] == 12 and summary["task"] == task
+    valid = summary["valid"]
+    assert valid["ppl"] == pytest.approx(math.exp(valid["nll"]))
+    # `headmix evaluate` on the valid split scores the same tokens as the final validation (the numbers
+    # themselves are pinned by tests/test_golden.py).
+    result = evaluate_run(cfg.out, split="valid", max_tokens=512)
+    assert result["tokens"] == valid["tokens"]
+    if task == "lm":  # no masking: the same loss whatever the batching
+        assert result["nll"] == pytest.approx(valid["nll"], rel=1e-5)
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, pairs_file, monkeypatch):
@@ -122,25 +182,53 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, pairs_fil
     monkeypatch.setattr(Parallel, "clip_grad_norm", poisoned)
     with pytest.raises(TrainingError, match="non-finite .* at step 4.*step_00000002"):
         train(cfg)
-    assert [p.name for p in list_checkpoints(cfg.out)] == ["step_00000002"]
+    assert [p.name for p in checkpoint_dirs(Path(cfg.out))] == ["step_00000002"]
 
 
-def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    model = torch.nn.Linear(3, 2)
-    save_checkpoint(tmp_path, 1, model, {"x": 1}, {"tokens": 0})
+def stop_before_step(n: int, reason: str = "signal 15"):
+    """A ``stop`` callable asking to stop before step ``n`` (it is polled once before every step)."""
+    polls = {"n": 0}
 
-    def crash(*args, **kwargs):
-        raise OSError("disk full")
+    def stop():
+        polls["n"] += 1
+        return reason if polls["n"] == n else None
+    return stop
 
-    monkeypatch.setattr(ckpt.torch, "save", crash)
-    with pytest.raises(OSError):
-        save_checkpoint(tmp_path, 2, model, {"x": 2}, {"tokens": 0})
-    # the interrupted step is invisible, the previous one intact, the leftovers cleaned on the next save
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
-    monkeypatch.undo()
-    save_checkpoint(tmp_path, 3, model, {"x": 3}, {"tokens": 0}, keep=1)
-    root = ckpt.checkpoint_root(tmp_path)
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
+
+def test_stop_checkpoint_stays_out_of_the_average(tmp_path, pairs_file):
+    """Stopped (as by SIGTERM) before step 6, then resumed: the final model is the uncut run's, bit for bit.
+    The stop wrote a checkpoint at step 5, which must neither join the average of the last two (4 and 6)
+    nor push checkpoint 4 out of the two kept; the metrics hold each step once."""
+    options = dict(max_steps=6, save_every=2, keep_checkpoints=2, average_last=2, log_every=1)
+    uncut = small_config(tmp_path / "uncut", pairs_file, **options)
+    train(uncut)
+    cut = small_config(tmp_path / "cut", pairs_file, **options)
+    assert train(cut, stop=stop_before_step(6)) == {"stopped_by": "signal 15", "steps": 5}
+    assert not (Path(cut.out) / "model.safetensors").exists()
+    summary = train(cut)
+    assert summary["steps"] == 6 and summary["averaged_checkpoints"] == 2
+    assert_same_weights(weights(Path(cut.out)), weights(Path(uncut.out)))
+    assert without_clock(read_metrics(cut.out)) == without_clock(read_metrics(uncut.out))
+
+
+def test_crash_then_resume_replays_steps_and_logs_each_once(tmp_path, pairs_file):
+    """A crash after step 4 (checkpoint at 3): the resumed run replays step 4 from the checkpoint, drops the
+    records of steps after it, and ends with the uncut run's weights and records."""
+    options = dict(max_steps=6, save_every=3, log_every=1, eval_every=2)
+    uncut = small_config(tmp_path / "uncut", pairs_file, **options)
+    train(uncut)
+    crashed = small_config(tmp_path / "crashed", pairs_file, **options)
+
+    def crash():
+        crash.polls = getattr(crash, "polls", 0) + 1
+        if crash.polls == 5:
+            raise KeyboardInterrupt  # what kill -9 leaves: records of step 4, the checkpoint of step 3
+    with pytest.raises(KeyboardInterrupt):
+        train(crashed, stop=crash)
+    assert max(r["step"] for r in read_metrics(crashed.out)) == 4
+    train(crashed)
+    assert_same_weights(weights(Path(crashed.out)), weights(Path(uncut.out)))
+    assert without_clock(read_metrics(crashed.out)) == without_clock(read_metrics(uncut.out))
 
 
 def test_sigterm_writes_a_checkpoint_and_resume_finishes(tmp_path, pairs_file):
@@ -157,8 +245,9 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes(tmp_path, pairs_file):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    saved = list_checkpoints(out)
-    assert len(saved) == 1 and "signal" in json.loads((saved[0] / "state.json").read_text())["reason"]
+    assert "stopped by signal 15; run the same command to resume" in err and "Traceback" not in err
+    saved = checkpoint_dirs(out)
+    assert len(saved) == 1 and json.loads((saved[0] / "state.json").read_text())["reason"] == "signal 15"
     step = json.loads((saved[0] / "state.json").read_text())["step"]
     cfg = small_config(out, pairs_file, max_steps=step + 2, save_every=100000, eval_every=100000)
     assert train(cfg)["steps"] == step + 2
@@ -193,10 +282,42 @@ def test_corpus_scores_and_load_summary():
     split = corpus_scores(["Hilfe-Datei öffnen"], ["Hilfe-Datei öffnen"], compound_split=True)
     assert split["bleu"] == pytest.approx(100.0)
     assert corpus_scores(["a b c d"], ["w x y z"])["bleu"] == pytest.approx(0.0)
+    # By hand: every n-gram precision 1 (5/5, 4/4, 3/3, 2/2), brevity penalty exp(1 - 6/5).
+    assert corpus_scores(["a b c d e"], ["a b c d e f"])["bleu"] == pytest.approx(100 * math.exp(-0.2), rel=1e-9)
     s = load_summary(torch.tensor([10, 10, 10, 10]))
     assert s["max_share"] == s["min_share"] == 0.25 and s["cv"] == 0 and s["norm_entropy"] == pytest.approx(1.0)
     s = load_summary(torch.tensor([30, 10, 0, 0]))
     assert s["max_share"] == 0.75 and s["min_share"] == 0.0
+
+
+def test_evaluate_scores_its_own_translations_with_sacrebleu(tmp_path, pairs_file):
+    cfg = small_config(tmp_path / "ev", pairs_file, max_steps=2, save_every=2, average_last=1)
+    train(cfg)
+    hyps_file = tmp_path / "hyps.txt"
+    scores = evaluate_run(cfg.out, split="test", beam_size=2, limit=5, output=str(hyps_file))
+    hyps = hyps_file.read_text().splitlines()
+    refs = [line.split("\t")[1] for line in (Path(cfg.out) / "data" / "test.tsv").read_text().splitlines()[:5]]
+    assert scores["sentences"] == 5 == len(hyps) and len(scores["examples"]) == 3
+    assert scores["bleu"] == sacrebleu.corpus_bleu(hyps, [refs]).score
+    assert scores["chrf"] == sacrebleu.corpus_chrf(hyps, [refs]).score
+    assert [e["hyp"] for e in scores["examples"]] == hyps[:3]
+
+
+def test_demo_figures_show_the_data():
+    metrics = {"moa": [{"split": "train", "step": 10, "time": 1.5, "loss": 5.0},
+                       {"split": "valid", "step": 10, "loss": 9.0},
+                       {"split": "train", "step": 20, "time": 3.0, "loss": 4.0}],
+               "mha": [{"split": "train", "step": 10, "time": 1.0, "loss": 5.5}]}
+    fig = loss_curves_figure(metrics)
+    by_steps, by_time = fig.axes[0], fig.axes[1]
+    assert [(list(l.get_xdata()), list(l.get_ydata()), l.get_label()) for l in by_steps.lines] == \
+        [([10, 20], [5.0, 4.0], "MoA"), ([10], [5.5], "MHA")]
+    assert [list(l.get_xdata()) for l in by_time.lines] == [[1.5, 3.0], [1.0]]
+    fig = expert_load_figure({"enc0": [0.5, 0.25, 0.25, 0.0], "dec0": [0.25] * 4})
+    ax = fig.axes[0]
+    assert ax.get_title() == "enc0" and [p.get_height() for p in ax.patches] == [50.0, 25.0, 25.0, 0.0]
+    assert list(ax.lines[0].get_ydata()) == [25.0, 25.0]  # the uniform share
+    assert [a.get_title() for a in fig.axes[:2]] == ["enc0", "dec0"]
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])

@@ -27,7 +27,7 @@ batches work as they are), ``(src, tgt_in)`` pairs or ``input_ids`` tensors. The
 """
 
 from .counts import HeadCounts, LayerCounts, RoutingStats, as_model_inputs, collect_routing
-from .data import check_run, dataset_path, load_analysis_run, run_batches
+from .data import dataset_path, load_analysis_run, run_batches
 from .heads import (
     HeadUtilityReport,
     MixingMatrix,
@@ -47,5 +47,5 @@ __all__ = [
     "TalkingHeadsReport", "TalkingHeadsLayer", "MixingMatrix",
     "LayerCounts", "HeadCounts", "RoutingStats", "collect_routing", "as_model_inputs", "pmi_matrix", "token_text",
     "RoutedLayer", "routed_layers", "attention_layers", "select_layer", "default_layer",
-    "load_analysis_run", "run_batches", "check_run", "dataset_path",
+    "load_analysis_run", "run_batches", "dataset_path",
 ]

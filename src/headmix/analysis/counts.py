@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention.moa import real_token_mask
+from ..models import CausalLanguageModel, EncoderDecoderModel, MaskedLanguageModel
 from ..routing import Routing
 from .layers import RoutedLayer, _unwrap, layer_token_ids, require_routed
 
@@ -173,8 +174,9 @@ def as_model_inputs(model: nn.Module, batch: Any) -> dict[str, Tensor]:
     ``batch`` may be a dict (a headmix loader's batch, or model keyword arguments: ``src``/``tgt_in`` for
     translation, ``input_ids`` for the language models; other keys are ignored), a ``(src, tgt_in)``
     pair for translation, or an ``input_ids`` tensor ``(B, T)`` for the language models."""
-    task = getattr(getattr(_unwrap(model), "config", None), "task", None)
-    names = TRANSLATION_INPUTS if task == "translation" else LM_INPUTS
+    inner = _unwrap(model)
+    task = getattr(getattr(inner, "config", None), "task", None)
+    names = TRANSLATION_INPUTS if isinstance(inner, EncoderDecoderModel) else LM_INPUTS
     if isinstance(batch, Tensor):
         batch = {names[0]: batch} if len(names) == 1 else None
     elif isinstance(batch, (tuple, list)) and len(batch) == len(names) and all(isinstance(t, Tensor) for t in batch):
@@ -190,13 +192,12 @@ def model_routing(model: nn.Module, inputs: dict[str, Tensor]) -> list[tuple[str
     and decoder stacks run: the routing does not depend on the output projection, the largest matmul
     of a small model (``d_model x vocab`` per token), so it is skipped."""
     inner = _unwrap(model)
-    task = getattr(getattr(inner, "config", None), "task", None)
-    if task == "translation" and hasattr(inner, "encode") and hasattr(inner, "decode"):
+    if isinstance(inner, EncoderDecoderModel):
         enc = inner.encode(inputs["src"])
         return enc.routing + inner.decode(inputs["tgt_in"], enc).routing
-    if task == "mlm" and hasattr(inner, "encoder"):
+    if isinstance(inner, MaskedLanguageModel):
         return inner.encoder(inputs["input_ids"]).routing
-    if task == "lm" and hasattr(inner, "decoder"):
+    if isinstance(inner, CausalLanguageModel):
         return inner.decoder(inputs["input_ids"]).routing
     return model(**inputs).routing
 

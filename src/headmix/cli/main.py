@@ -1,69 +1,154 @@
-"""The ``headmix`` command: ``demo``, ``train``, ``translate``, ``evaluate``, ``macs``, ``bench``, ``analyze``."""
+"""The ``headmix`` command: ``demo``, ``train``, ``translate``, ``evaluate``, ``macs``, ``bench``, ``analyze``.
+
+The process-wide settings (the allocator's, signal handlers) are made here, at the entry point, never by
+the library functions the commands call. Expected failures print one line on stderr: exit code 2 for a
+bad command line, 1 for a run that failed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import errno
 import json
+import signal
 import sys
-from typing import Sequence
+import types
+import typing
+from typing import Any, Callable, Iterator, Sequence
 
+#: Exit codes: 2 for a bad command line, 1 for a run that failed.
+USAGE_ERROR, RUN_FAILED = 2, 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad command line reported in one line (``headmix train: error: ...``)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
+# ------------------------------------------------------------------------------ flags from a dataclass
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _option_type(hint: Any) -> tuple[Any, bool]:
+    """``(base type, optional)`` of a field's type hint (``float | None`` -> ``(float, True)``)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return hint, False
+
+
+def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One argument per field of ``cls``: ``name`` -> ``--name`` (kebab case), with the field's type, default,
+    choices and help text (``field(metadata={"help": ..., "choices": ..., "cli": ...})``). A bool field is a
+    switch (``--strict``; ``--no-progress`` when its default is True); a list is ``nargs="+"``; a tuple of
+    n items is ``nargs=n``; ``cli="positional"`` makes a positional argument, ``cli="required"`` a required flag."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        base, _ = _option_type(hints[f.name])
+        kwargs: dict[str, Any] = {"help": meta.get("help", "")}
+        if meta.get("choices"):
+            kwargs["choices"] = list(meta["choices"])
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
+        if meta.get("cli") == "positional":
+            parser.add_argument(f.name, **kwargs)
+            continue
+        if base is bool:
+            if default:
+                parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                    help=f"do not: {kwargs['help']}")
+            else:
+                parser.add_argument(_flag(f.name), dest=f.name, action="store_true", help=kwargs["help"])
+            parser.set_defaults(**{f.name: default})
+            continue
+        origin = typing.get_origin(base)
+        if origin is list:
+            kwargs.update(nargs="+", type=typing.get_args(base)[0])
+        elif origin is tuple:
+            item_types = typing.get_args(base)
+            kwargs.update(nargs=len(item_types), type=item_types[0])
+        else:
+            kwargs["type"] = base
+        if meta.get("cli") == "required":
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = default
+            kwargs["help"] += f" (default: {default})" if default not in (None, [], "") else ""
+        parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """An instance of ``cls`` from the arguments :func:`add_dataclass_options` added."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    for name, value in values.items():
+        if isinstance(value, list) and typing.get_origin(typing.get_type_hints(cls)[name]) is tuple:
+            values[name] = tuple(value)
+    return cls(**values)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------ commands
 
 def _add_train(sub) -> None:
-    from ..training.trainer import TrainConfig
+    from ..training.config import TrainConfig
 
-    d = TrainConfig()
     p = sub.add_parser("train", help="train a model (translation, masked LM or causal LM)",
                        description="Train a model; running it again on the same --out resumes the run.")
-    p.add_argument("task", choices=["translation", "mlm", "lm"])
-    p.add_argument("--preset", default=d.preset, help="preset name, {K}K{E}E{D}D string, or JSON config file")
-    p.add_argument("--data", nargs="+", default=[], metavar="FILE",
-                   help="translation: a TSV of pairs or two aligned text files; mlm/lm: a JSONL of documents. "
-                        "Default: the embedded corpus")
-    p.add_argument("--out", required=True, help="run folder")
-    p.add_argument("--src-lang", default=d.src_lang)
-    p.add_argument("--tgt-lang", default=d.tgt_lang)
-    p.add_argument("--strict", action="store_true", help="a malformed input line is an error")
-    p.add_argument("--tokenizer", default=None, help="use this tokenizer folder instead of training one")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    p.add_argument("--valid-size", type=float, default=d.valid_size, help="held-out fraction for validation")
-    p.add_argument("--test-size", type=float, default=d.test_size, help="held-out fraction for test")
-    p.add_argument("--max-steps", type=int, default=d.max_steps)
-    p.add_argument("--max-time", type=float, default=None, help="stop (and save) after this many seconds")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per batch per process")
-    p.add_argument("--max-len", type=int, default=d.max_len, help="tokens per sentence (translation) or block (LM)")
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 7e-4 translation, 5e-4 LM)")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--schedule", choices=["inverse_sqrt", "linear", "constant"], default=None)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="0 = no clipping")
-    p.add_argument("--dropout", type=float, default=None)
-    p.add_argument("--bf16", choices=["auto", "on", "off"], default=d.bf16)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    p.add_argument("--average-last", type=int, default=d.average_last)
-    p.add_argument("--distributed", choices=["ddp", "fsdp"], default=d.distributed, help="under torchrun")
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--no-progress", action="store_true")
+    add_dataclass_options(p, TrainConfig)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[Callable[[], str | None]]:
+    """SIGINT/SIGTERM ask the training to stop after its current step (it saves a checkpoint first); a
+    second signal stops at once. Yields the ``stop`` callable ``train()`` polls."""
+    received: list[int] = []
+
+    def handle(signum, frame):
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+
+    old = {}
+    for s in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[s] = signal.signal(s, handle)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield lambda: f"signal {received[0]}" if received else None
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _run_train(args) -> int:
-    from ..training.trainer import TrainConfig, train
+    from ..training import TrainConfig, train
 
-    cfg = TrainConfig(task=args.task, preset=args.preset, out=args.out, data=args.data, src_lang=args.src_lang,
-                      tgt_lang=args.tgt_lang, strict=args.strict, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                      valid_size=args.valid_size, test_size=args.test_size,
-                      max_steps=args.max_steps, max_time=args.max_time, max_tokens=args.max_tokens, max_len=args.max_len,
-                      grad_accum=args.grad_accum, lr=args.lr or (7e-4 if args.task == "translation" else 5e-4),
-                      warmup_steps=args.warmup_steps, schedule=args.schedule, weight_decay=args.weight_decay,
-                      clip_norm=args.clip_norm, dropout=args.dropout, bf16=args.bf16, seed=args.seed,
-                      log_every=args.log_every, eval_every=args.eval_every, save_every=args.save_every,
-                      keep_checkpoints=args.keep_checkpoints, average_last=args.average_last,
-                      distributed=args.distributed, device=args.device, progress=not args.no_progress)
-    summary = train(cfg)
+    cfg = dataclass_from_args(TrainConfig, args)
+    with stop_on_signals() as stop:
+        summary = train(cfg, stop=stop)
+    if summary.get("stopped_by", "").startswith("signal "):
+        signum = int(summary["stopped_by"].split()[1])
+        print(f"headmix train: stopped by signal {signum}; run the same command to resume", file=sys.stderr)
+        return 128 + signum
     if summary:
         print(json.dumps({k: v for k, v in summary.items() if k != "valid"} | {"valid_loss": summary["valid"]["loss"],
                                                                              "valid_ppl": summary["valid"]["ppl"]}))
@@ -74,17 +159,23 @@ def _add_translate(sub) -> None:
     p = sub.add_parser("translate", help="translate lines of text with a trained run (beam search)")
     p.add_argument("run", help="run folder")
     p.add_argument("--input", default="-", help="file of source lines (default: standard input)")
-    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--beam", type=_positive_int, default=4)
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--device", default="cpu")
 
 
 def _run_translate(args) -> int:
-    from ..training.evaluate import load_run, translate
+    from ..evaluation import translate
+    from ..runs import load_run
 
-    model, tok = load_run(args.run, args.device)
-    lines = (sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")).read().splitlines()
-    for hyp in translate(model, tok, lines, beam_size=args.beam, length_penalty=args.length_penalty, device=args.device):
+    run = load_run(args.run, args.device)
+    if args.input == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        with open(args.input, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    for hyp in translate(run.model, run.tokenizer, lines, beam_size=args.beam, length_penalty=args.length_penalty,
+                         device=args.device):
         print(hyp)
     return 0
 
@@ -93,25 +184,20 @@ def _add_evaluate(sub) -> None:
     p = sub.add_parser("evaluate", help="BLEU/chrF (translation) or perplexity (LM) of a run on its held-out split")
     p.add_argument("run", help="run folder")
     p.add_argument("--split", choices=["valid", "test"], default="test")
-    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--beam", type=_positive_int, default=4)
     p.add_argument("--length-penalty", type=float, default=1.0)
-    p.add_argument("--limit", type=int, default=None, help="score only the first N sentences")
+    p.add_argument("--limit", type=_positive_int, default=None, help="score only the first N sentences / documents")
     p.add_argument("--compound-split", action="store_true", help="German compound splitting before BLEU (the paper's)")
     p.add_argument("--output", default=None, help="write the translations to this file")
     p.add_argument("--device", default="cpu")
 
 
 def _run_evaluate(args) -> int:
-    from ..training.evaluate import evaluate_language_model, evaluate_translation
-    from ..training.trainer import TrainConfig
+    from ..evaluation import evaluate_run
 
-    task = TrainConfig.load(args.run).task
-    if task == "translation":
-        result = evaluate_translation(args.run, split=args.split, beam_size=args.beam, length_penalty=args.length_penalty,
-                                      limit=args.limit, compound_split=args.compound_split, device=args.device,
-                                      output=args.output)
-    else:
-        result = evaluate_language_model(args.run, split=args.split, device=args.device)
+    result = evaluate_run(args.run, split=args.split, beam_size=args.beam, length_penalty=args.length_penalty,
+                          limit=args.limit, compound_split=args.compound_split, device=args.device,
+                          output=args.output)
     print(json.dumps(result, indent=2, ensure_ascii=False))
     return 0
 
@@ -121,8 +207,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--train-seconds", type=float, default=260.0,
                    help="MoA's training time; MHA then trains for the same number of steps")
-    p.add_argument("--eval-sentences", type=int, default=400)
-    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--eval-sentences", type=_positive_int, default=400)
+    p.add_argument("--beam", type=_positive_int, default=4)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
 
@@ -130,14 +216,19 @@ def _add_demo(sub) -> None:
 def _run_demo(args) -> int:
     from ..training.demo import run_demo
 
-    run_demo(args.out, train_seconds=args.train_seconds, eval_sentences=args.eval_sentences, beam_size=args.beam,
-             seed=args.seed, progress=not args.no_progress)
+    with stop_on_signals() as stop:
+        report = run_demo(args.out, train_seconds=args.train_seconds, eval_sentences=args.eval_sentences,
+                          beam_size=args.beam, seed=args.seed, progress=not args.no_progress, stop=stop)
+    if report.get("stopped_by", "").startswith("signal "):
+        signum = int(report["stopped_by"].split()[1])
+        print(f"headmix demo: stopped by signal {signum}", file=sys.stderr)
+        return 128 + signum
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="headmix", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="headmix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_demo(sub)
     _add_train(sub)
     _add_translate(sub)
@@ -174,17 +265,38 @@ def keep_freed_memory() -> None:
         pass
 
 
+def _fail(command: str, message: Any, code: int) -> int:
+    text = " ".join(str(message).split("\n")).strip()
+    print(f"headmix {command}: error: {text}", file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    keep_freed_memory()
+    """Run the ``headmix`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help, or a bad command line (already reported)
+        return stop.code if isinstance(stop.code, int) else USAGE_ERROR
+    if args.command in ("train", "demo"):
+        keep_freed_memory()
+    from ..runs import RunError, RunFileNotFoundError, RunMismatchError
+    from ..training import TrainingError
+
     try:
         if args.command in RUNNERS:
             return RUNNERS[args.command](args)
         return _dispatch(args)
+    except (RunMismatchError, RunFileNotFoundError) as err:  # the command contradicts or misnames its run
+        return _fail(args.command, err, USAGE_ERROR)
+    except (RunError, TrainingError) as err:
+        return _fail(args.command, err, RUN_FAILED)
     except (ValueError, FileNotFoundError) as err:
-        print(f"headmix {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(args.command, err, USAGE_ERROR)
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            return _fail(args.command, f"no space left on device ({err.filename or err})", RUN_FAILED)
+        raise
 
 
 def _dispatch(args) -> int:

@@ -115,9 +115,9 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
 def resolve_lengths(config: ModelConfig, src_len: int | None = None, tgt_len: int | None = None) -> tuple[int | None, int | None]:
     """``(src_len, tgt_len)`` with Appendix E's defaults; ``None`` for the side a task does not have."""
     default_src, default_tgt = APPENDIX_E_LENGTHS[config.task]
-    if config.task == "mlm" and tgt_len is not None:
+    if default_tgt is None and tgt_len is not None:
         raise ValueError(f"tgt_len={tgt_len} given, but a masked LM has no target sequence: give its input length as src_len")
-    if config.task == "lm" and src_len is not None:
+    if default_src is None and src_len is not None:
         raise ValueError(f"src_len={src_len} given, but a causal LM has no source sequence: give its input length as tgt_len")
     src = default_src if src_len is None else src_len
     tgt = default_tgt if tgt_len is None else tgt_len
@@ -157,8 +157,8 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
             c_full, c_paper = attention_macs(config.cross_attention, d, tgt, src)
             add("decoder.cross_attention", n * c_full, n * c_paper)
         add("decoder.ffn", n * 2 * tgt * d * f)
-    out_len = src if config.task == "mlm" else tgt
-    if config.task == "mlm":
+    out_len = src if tgt is None else tgt  # the decoder's tokens, or the encoder's for the masked LM
+    if tgt is None:  # the masked LM's RoBERTa head
         add("lm_head", out_len * d * d)
     add("output_projection", out_len * d * v)
     return Count(full, paper)
@@ -191,7 +191,7 @@ def analytic_parameters(config: ModelConfig) -> Count:
         add(f"{stack}.ffn", n * (2 * d * f + f + d))
         norms = n * (len(roles) + 1) + int(config.norm == "pre") + int(config.embedding_norm)
         add(f"{stack}.norms", norms * layer_norm)
-    if config.task == "mlm":
+    if not config.decoder_layers:  # encoder only: the masked LM, with its RoBERTa head
         add("lm_head", d * d + d + layer_norm + v)  # dense, its bias, LayerNorm, output bias
     if not config.share_embeddings:
         add("output_projection", v * d)
@@ -261,10 +261,7 @@ def measure_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int |
 
     counter = _flop_counter()
     with torch.no_grad(), counter:
-        if config.task == "translation":
-            model(tokens(src), tokens(tgt))
-        else:
-            model(tokens(src if config.task == "mlm" else tgt))
+        model(*(tokens(n) for n in (src, tgt) if n is not None))  # (src, tgt_in), or one LM's input_ids
     counts = {}
     root = type(model).__name__
     for name, ops in counter.get_flop_counts().items():

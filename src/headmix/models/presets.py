@@ -56,9 +56,14 @@ def _roles(task: str, attention: AttentionConfig) -> dict[str, AttentionConfig]:
     return {role: dataclasses.replace(attention) for role in roles}  # one copy per role
 
 
+#: The stacks of each task's model.
+STACKS = {"translation": ("encoder", "decoder"), "mlm": ("encoder",), "lm": ("decoder",)}
+#: The CPU presets' label smoothing per task (the MoA paper's 0.1 for translation, none for the LMs).
+CPU_LABEL_SMOOTHING = {"translation": 0.1, "mlm": 0.0, "lm": 0.0}
+
+
 def _layers(task: str, n: int) -> dict[str, int]:
-    return {"encoder_layers": n if task in ("translation", "mlm") else 0,
-            "decoder_layers": n if task in ("translation", "lm") else 0}
+    return {f"{stack}_layers": n if stack in STACKS[task] else 0 for stack in ("encoder", "decoder")}
 
 
 def transformer_base(vocab_size: int = 32000, attention: AttentionConfig | None = None) -> ModelConfig:
@@ -90,7 +95,7 @@ def cpu_model(task: str, attention: AttentionConfig, vocab_size: int, *, d_model
     """The CPU presets: pre-norm (trains without warm-up trouble), sinusoidal positions, ReLU, dropout 0.1."""
     return ModelConfig(task=task, vocab_size=vocab_size, d_model=d_model, ffn_dim=ffn_dim, **_layers(task, layers),
                        **_roles(task, attention), norm="pre", positions="sinusoidal", max_positions=max_positions,
-                       dropout=0.1, activation="relu", label_smoothing=0.1 if task == "translation" else 0.0)
+                       dropout=0.1, activation="relu", label_smoothing=CPU_LABEL_SMOOTHING[task])
 
 
 def _tiny(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
@@ -167,6 +172,13 @@ def parse_moa_name(name: str) -> tuple[int, int, int]:
     return k, e, d
 
 
+#: What a {K}K{E}E{D}D string builds per task: the base-size Transformer, or RoBERTa medium (attention dropout 0.1).
+MOA_STRING_MODELS: dict[str, Callable[[int, int, int, int], ModelConfig]] = {
+    "translation": lambda vocab, k, e, d: transformer_base(vocab, moa(k, e, d)),
+    "mlm": lambda vocab, k, e, d: roberta_medium(vocab, moa(k, e, d, dropout=0.1)),
+}
+
+
 def _valid_forms() -> str:
     return (f"valid forms: a preset name ({', '.join(PRESETS)}), a MoA string {MOA_PATTERN_TEXT}, "
             f"or a path to a JSON model config")
@@ -193,11 +205,8 @@ def get_config(name_or_path: str | Path, task: str | None = None, vocab_size: in
     if MOA_PATTERN.match(name):
         k, e, d = parse_moa_name(name)
         task = task or "translation"
-        vocab = vocab_size or DEFAULT_VOCAB[task]
-        if task == "translation":
-            return transformer_base(vocab, moa(k, e, d))
-        if task == "mlm":
-            return roberta_medium(vocab, moa(k, e, d, dropout=0.1))
+        if task in MOA_STRING_MODELS:
+            return MOA_STRING_MODELS[task](vocab_size or DEFAULT_VOCAB[task], k, e, d)
         raise ValueError(f"{MOA_PATTERN_TEXT} strings name translation or mlm models, not task {task!r}; "
                          f"for a causal LM use tiny-moa / small-moa or a JSON config")
     if name.endswith(".json") or Path(name).is_file():

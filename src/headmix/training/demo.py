@@ -16,26 +16,27 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from ..evaluation import evaluate_run
 from ..models import analytic_macs, get_config
-from .evaluate import evaluate_translation
+from ..runs.files import atomic_write
+from .config import TrainConfig
 from .metrics import read_metrics
-from .trainer import TrainConfig, prepare_data, train
+from .trainer import train
 
 DEMO_MODELS = {"moa": "mini-moa", "mha": "mini-mha"}
 LABELS = {"moa": "MoA", "mha": "MHA"}
 
 
 def run_demo(out: str | os.PathLike = "runs/demo", *, train_seconds: float = 260.0, eval_sentences: int = 400,
-             beam_size: int = 4, seed: int = 1, progress: bool = True) -> dict[str, Any]:
+             beam_size: int = 4, seed: int = 1, progress: bool = True,
+             stop: Callable[[], str | None] | None = None) -> dict[str, Any]:
     """Train ``mini-moa`` for ``train_seconds`` and ``mini-mha`` for as many steps (same data, tokenizer,
-    batches and schedule), evaluate both on the held-out test split, write the report and plots."""
+    batches and schedule), evaluate both on the held-out test split, write the report and plots.
+    ``stop``: as for :func:`headmix.training.train`; a stopped demo returns ``{"stopped_by": reason}``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # One tokenizer for both models, trained on the shared train split.
-    shared = TrainConfig(task="translation", out=str(out / "shared"), seed=seed)
-    prepare_data(shared, out / "shared", lambda m: print(f"[headmix] {m}", flush=True))
     report: dict[str, Any] = {"setup": {
         "corpus": "LibreOffice help En-De (embedded, MPL-2.0)", "moa_train_seconds": train_seconds,
         "eval_sentences": eval_sentences, "beam_size": beam_size, "seed": seed,
@@ -45,16 +46,19 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, train_seconds: float = 260
     for name, preset in DEMO_MODELS.items():
         budget = f"for {train_seconds:.0f}s" if steps is None else f"for {steps} steps"
         print(f"[headmix] training {name} ({preset}) {budget}", flush=True)
-        cfg = TrainConfig(task="translation", preset=preset, out=str(out / name), tokenizer=str(out / "shared" / "tokenizer"),
+        # The same split (same corpus and seed) for both; MHA reuses the tokenizer MoA's run trained.
+        tokenizer = None if steps is None else str(out / "moa" / "tokenizer")
+        cfg = TrainConfig(task="translation", preset=preset, out=str(out / name), tokenizer=tokenizer,
                           seed=seed, max_steps=steps or 100_000, max_time=None if steps else train_seconds,
                           max_tokens=2000, warmup_steps=100, lr=2e-3, log_every=10, eval_every=10**9, save_every=25,
                           keep_checkpoints=5, average_last=5, progress=progress)
-        summary = train(cfg)
+        summary = train(cfg, stop=stop)
+        if "valid" not in summary:  # stopped before the end
+            return {"stopped_by": summary["stopped_by"]}
         steps = summary["steps"]
         t0 = time.time()
-        scores = evaluate_translation(out / name, split="test", beam_size=beam_size, limit=eval_sentences)
-        mcfg = get_config(out / name / "config.json")
-        macs = analytic_macs(mcfg)
+        scores = evaluate_run(out / name, split="test", beam_size=beam_size, limit=eval_sentences)
+        macs = analytic_macs(get_config(out / name / "config.json"))
         report[name] = {
             "preset": preset, "bleu": scores["bleu"], "chrf": scores["chrf"], "valid_loss": summary["valid"]["loss"],
             "valid_ppl": summary["valid"]["ppl"], "macs": macs.total, "macs_paper_formula": macs.paper_total,
@@ -63,12 +67,10 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, train_seconds: float = 260
             "expert_load": summary["valid"].get("expert_load", {}),
         }
     report["bleu_signature"] = scores["bleu_signature"]
-    tmp = out / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, ensure_ascii=False))
-    os.replace(tmp, out / "report.json")
-    plot_loss_curves({n: read_metrics(out / n) for n in DEMO_MODELS}, out / "loss_curves.png")
+    atomic_write(out / "report.json", json.dumps(report, indent=2, ensure_ascii=False))
+    loss_curves_figure({n: read_metrics(out / n) for n in DEMO_MODELS}).savefig(out / "loss_curves.png", dpi=100)
     if report["moa"]["expert_load"]:
-        plot_expert_load(report["moa"]["expert_load"], out / "expert_load.png")
+        expert_load_figure(report["moa"]["expert_load"]).savefig(out / "expert_load.png", dpi=100)
     print(format_comparison(report))
     return report
 
@@ -89,12 +91,13 @@ def format_comparison(report: dict[str, Any]) -> str:
     return "\n".join([f"headmix demo: {report['moa']['preset']} vs {report['mha']['preset']}"] + lines)
 
 
-def plot_loss_curves(metrics: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def loss_curves_figure(metrics: dict[str, list[dict[str, Any]]]):
+    """Training loss against steps and against seconds, one line per run (``metrics``: run name -> its
+    ``metrics.jsonl`` records). A ``matplotlib.figure.Figure``, made without pyplot or a global backend."""
+    from matplotlib.figure import Figure
 
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax = fig.subplots(1, 2)
     for name, records in metrics.items():
         train_rec = [r for r in records if r.get("split") == "train"]
         ax[0].plot([r["step"] for r in train_rec], [r["loss"] for r in train_rec], label=LABELS.get(name, name))
@@ -107,20 +110,19 @@ def plot_loss_curves(metrics: dict[str, list[dict[str, Any]]], path: Path) -> No
         a.grid(alpha=0.3)
     fig.suptitle("headmix demo: MoA vs MHA at about equal MACs")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def plot_expert_load(load: dict[str, list[float]], path: Path) -> None:
-    """One bar chart per routed layer: the share of routing slots each expert received."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def expert_load_figure(load: dict[str, list[float]]):
+    """One bar chart per routed layer: the percentage of routing slots each expert received, with the
+    uniform share dashed. A ``matplotlib.figure.Figure``, made without pyplot or a global backend."""
+    from matplotlib.figure import Figure
 
     names = list(load)
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), squeeze=False)
+    fig = Figure(figsize=(4 * cols, 2.6 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, name in zip(axes.flat, names):
         shares = load[name]
         ax.bar(range(len(shares)), [100 * s for s in shares])
@@ -132,5 +134,4 @@ def plot_expert_load(load: dict[str, list[float]], path: Path) -> None:
         ax.axis("off")
     fig.suptitle("MoA expert load on the validation split (dashed: uniform)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

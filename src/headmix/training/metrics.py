@@ -1,13 +1,17 @@
-"""The metrics log: one JSON object a line, plus TensorBoard when it is installed."""
+"""The metrics log (one JSON object a line, plus TensorBoard when it is installed) and the running
+averages of the training records."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..evaluation.loss import add_expert_counts, load_record
 
 
 class MetricsLog:
@@ -39,6 +43,32 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+class TrainingWindow:
+    """Averages over the steps since the last training record: loss, auxiliary loss, tokens per second,
+    expert load."""
+
+    def __init__(self):
+        self.loss, self.aux, self.tokens, self.steps = 0.0, 0.0, 0, 0
+        self.start = time.time()
+        self.counts: dict[str, torch.Tensor] = {}
+
+    def add_batch(self, out, grad_accum: int) -> None:
+        """One micro-batch's model output: its auxiliary loss and routing."""
+        self.aux += float(out.aux_loss.detach()) / grad_accum
+        add_expert_counts(out.routing, self.counts)
+
+    def add_step(self, loss: float, tokens: int) -> None:
+        """One optimizer step's loss (averaged over its micro-batches) and tokens."""
+        self.loss += loss
+        self.tokens += tokens
+        self.steps += 1
+
+    def record(self, world_size: int) -> dict[str, Any]:
+        seconds = max(time.time() - self.start, 1e-9)
+        return {"loss": self.loss / self.steps, "aux_loss": self.aux / self.steps,
+                "tokens_per_sec": self.tokens * world_size / seconds, **load_record(self.counts)}
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

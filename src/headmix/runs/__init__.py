@@ -1,0 +1,46 @@
+"""Run folders: one place that owns the files of a training run.
+
+- :mod:`headmix.runs.files`: the one atomic-write helper (``atomic_write``, ``atomic_output``,
+  ``atomic_directory``); a full disk becomes a one-line ``RunError``;
+- :mod:`headmix.runs.run`: :class:`Run` (paths, lock, stored configuration and the resume check,
+  tokenizer, checkpoints, metrics, final files);
+- :mod:`headmix.runs.checkpoints`: checksummed checkpoints, fall-back to the newest intact one, and the
+  keep/average rule that leaves out checkpoints written because of a signal;
+- :mod:`headmix.runs.load`: :func:`load_run` for evaluation, translation, analysis and the demo.
+"""
+
+from .checkpoints import average_checkpoints, rng_state, set_rng_state
+from .errors import (
+    CheckpointDamagedError,
+    RunError,
+    RunFileNotFoundError,
+    RunLockedError,
+    RunMismatchError,
+    RunWriteError,
+)
+from .files import atomic_directory, atomic_output, atomic_write, atomic_write_json
+from .load import FINAL_FILES, LoadedRun, check_finished_run, load_run, load_tokenizer
+from .run import FILE_FIELDS, Run
+
+__all__ = [
+    "Run",
+    "FILE_FIELDS",
+    "RunError",
+    "RunLockedError",
+    "RunMismatchError",
+    "RunFileNotFoundError",
+    "RunWriteError",
+    "CheckpointDamagedError",
+    "atomic_write",
+    "atomic_write_json",
+    "atomic_output",
+    "atomic_directory",
+    "average_checkpoints",
+    "rng_state",
+    "set_rng_state",
+    "LoadedRun",
+    "load_run",
+    "load_tokenizer",
+    "check_finished_run",
+    "FINAL_FILES",
+]

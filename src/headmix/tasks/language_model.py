@@ -1,0 +1,63 @@
+"""What the masked and the causal language model share: JSONL documents, packed blocks, perplexity."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from ..data import (
+    ReadReport,
+    Split,
+    load_embedded_documents,
+    read_jsonl_documents,
+    split_documents,
+    write_jsonl_documents,
+)
+from .base import EvaluationOptions, Task
+
+
+class LanguageModelTask(Task):
+    """Documents (JSONL ``{"text", "id", "source"}``), split by document id; linear schedule."""
+
+    data_extension = "jsonl"
+    default_lr = 5e-4
+    default_schedule = "linear"
+    data_description = "one JSONL file of documents"
+    input_names = ("input_ids",)
+    batch_names = ("input_ids", "labels")
+    item_name = "documents"
+
+    def read_corpus(self, files: Sequence[str], *, strict: bool, src_lang: str, tgt_lang: str,
+                    report: ReadReport) -> list:
+        if not files:
+            return load_embedded_documents(report=report)
+        return read_jsonl_documents(files[0], strict=strict, report=report)
+
+    def split_corpus(self, items: list, *, valid_size: float, test_size: float, seed: int) -> Split:
+        return split_documents(items, valid_size=valid_size, test_size=test_size, seed=seed)
+
+    def read_items(self, path: str | os.PathLike, *, strict: bool = True) -> list:
+        return read_jsonl_documents(path, strict=strict)
+
+    def write_items(self, items: Iterable, path: str | os.PathLike) -> None:
+        write_jsonl_documents(items, path)
+
+    def tokenizer_texts(self, items: list) -> Iterable[str]:
+        return (doc.text for doc in items)
+
+    def evaluate(self, run: Any, options: EvaluationOptions) -> dict[str, Any]:
+        """Perplexity on one of the run's document splits (masked LM: over the masked positions of one
+        seeded masking, as RoBERTa reports it)."""
+        from ..evaluation import validation_loss
+
+        docs = self.read_items(self.split_path(Path(run.path) / "data", options.split))
+        if options.limit is not None:
+            docs = docs[:options.limit]
+        seed, max_len = run.train_config["seed"], run.train_config["max_len"]
+        loader = self.loader(self.dataset(docs, run.tokenizer, max_len), run.tokenizer,
+                             max_tokens=max(options.max_tokens, max_len + 2), train=False, seed=seed)
+        result = validation_loss(run.model, loader, self, options.device)
+        result.pop("expert_load", None)
+        return {**result, "split": options.split, "ppl": math.exp(min(result["nll"], 50.0))}

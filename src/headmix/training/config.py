@@ -1,0 +1,173 @@
+"""The options of a training run, :class:`TrainConfig`: each field's default and help text live here, and
+the ``headmix train`` flags are generated from these fields (``headmix.cli.main``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..tasks import TASKS, get_task
+from .schedule import SCHEDULES
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple | None = None,
+           factory: Any = dataclasses.MISSING, cli: str | None = None, metavar: str | None = None) -> Any:
+    """A :class:`TrainConfig` field with its command-line help. ``cli``: ``"positional"`` for a positional
+    argument, ``"required"`` for a flag the command requires although the dataclass has a default."""
+    metadata = {"help": help, "choices": choices, "cli": cli, "metavar": metavar}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+#: Fields that define a run: resuming with another value is refused (headmix.runs.RunMismatchError).
+IDENTITY = ("task", "preset", "data", "src_lang", "tgt_lang", "tokenizer", "vocab_size", "valid_size",
+            "test_size", "max_len", "seed")
+
+
+@dataclass
+class TrainConfig:
+    """Options of a training run. The translation defaults are the MoA paper's (Adam 0.9/0.98/1e-9,
+    learning rate 7e-4, inverse square root schedule with warm-up, label smoothing 0.1 in the model
+    config, auxiliary loss weights 0.01/0.001 in the attention config); the language models' are
+    RoBERTa's (learning rate 5e-4, linear schedule)."""
+
+    task: str = option("translation", "what to train", choices=tuple(TASKS), cli="positional")
+    preset: str = option("tiny-moa", "preset name, {K}K{E}E{D}D string, or JSON model config file")
+    out: str = option("runs/run", "run folder (created, or resumed when it holds a run)", cli="required")
+    data: list[str] = option(factory=list, metavar="FILE",
+                             help="translation: a TSV of pairs or two aligned text files; mlm/lm: a JSONL of "
+                                  "documents. Default: the embedded corpus")
+    src_lang: str = option("en", "source language (translation)")
+    tgt_lang: str = option("de", "target language (translation)")
+    strict: bool = option(False, "a malformed input line is an error")
+    tokenizer: str | None = option(None, "use this tokenizer folder instead of training one")
+    vocab_size: int = option(8000, "size of the BPE vocabulary trained on the train split")
+    valid_size: float = option(0.02, "held-out fraction (or count) for validation")
+    test_size: float = option(0.02, "held-out fraction (or count) for test")
+    max_len: int = option(128, "tokens per sentence (translation) or per block (mlm/lm)")
+    max_steps: int = option(1000, "optimizer steps to train")
+    max_time: float | None = option(None, "stop (and save) after this many seconds of training")
+    max_tokens: int = option(4096, "tokens per batch per process")
+    grad_accum: int = option(1, "batches accumulated per optimizer step")
+    lr: float | None = option(None, "peak learning rate (default: the task's, 7e-4 translation, 5e-4 mlm/lm)")
+    warmup_steps: int = option(4000, "linear warm-up steps of the learning rate")
+    schedule: str | None = option(None, "learning-rate schedule (default: inverse_sqrt for translation, linear "
+                                        "for mlm/lm)", choices=SCHEDULES)
+    betas: tuple[float, float] = option((0.9, 0.98), "Adam's beta1 and beta2")
+    eps: float = option(1e-9, "Adam's epsilon")
+    weight_decay: float = option(0.0, "AdamW's weight decay")
+    clip_norm: float = option(0.0, "clip the gradient norm to this (0: no clipping, fairseq's default)")
+    dropout: float | None = option(None, "override the preset's dropout")
+    bf16: str = option("auto", "bf16 autocast (auto: on for CUDA devices that support it)", choices=("auto", "on", "off"))
+    seed: int = option(1, "seed of the split, the initialisation, the batches and dropout")
+    log_every: int = option(20, "steps between training records in metrics.jsonl")
+    eval_every: int = option(200, "steps between validations")
+    save_every: int = option(200, "steps between checkpoints")
+    keep_checkpoints: int = option(10, "checkpoints kept (at least --average-last)")
+    average_last: int = option(10, "the final model is the average of the last N checkpoints (the paper's 10)")
+    distributed: str = option("ddp", "data parallelism under torchrun", choices=("ddp", "fsdp"))
+    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    progress: bool = option(True, "show a progress bar")
+
+    @property
+    def task_spec(self):
+        """The :class:`headmix.tasks.Task` of ``task``."""
+        return get_task(self.task)
+
+    @property
+    def resolved_lr(self) -> float:
+        return self.lr if self.lr is not None else self.task_spec.default_lr
+
+    @property
+    def resolved_schedule(self) -> str:
+        return self.schedule or self.task_spec.default_schedule
+
+    def validate(self) -> None:
+        """``ValueError`` naming the first option with a value it cannot take (nothing is written)."""
+        get_task(self.task)
+        for name, choices in (("schedule", SCHEDULES), ("distributed", ("ddp", "fsdp")), ("bf16", ("auto", "on", "off"))):
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        for name in ("max_steps", "max_tokens", "grad_accum", "max_len", "log_every", "eval_every", "save_every",
+                     "keep_checkpoints", "average_last", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("seed", "warmup_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        _positive("lr", self.lr, allow_none=True)
+        _positive("max_time", self.max_time, allow_none=True)
+        _positive("eps", self.eps)
+        for name in ("weight_decay", "clip_norm"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        pick_device(self.device)
+        self.task_spec.check_data_files(self.data)
+        for p in self.data:
+            if not Path(p).is_file():
+                raise FileNotFoundError(f"data file not found: {p}")
+        if self.tokenizer is not None and not Path(self.tokenizer).exists():
+            raise FileNotFoundError(f"tokenizer not found: {self.tokenizer}")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ValueError(f"out {self.out} is a file, expected a run folder")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """The config of stored options; unknown keys are ignored."""
+        cfg = cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
+        cfg.betas = tuple(cfg.betas)
+        return cfg
+
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike) -> TrainConfig:
+        """The options a run was trained with (``RUN/train_config.json``)."""
+        path = Path(run_dir) / "train_config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: {run_dir} is not a headmix training run")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def pick_device(name: str) -> torch.device:
+    """The device ``name`` names (``auto``: this process' CUDA device when there is one, else the CPU);
+    ``ValueError`` for a name that is not a device, or a CUDA device this machine does not have."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: no CUDA device is available on this machine (use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type not in ("cpu", "mps"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    return device

@@ -1,0 +1,86 @@
+"""What the training loop sets up before its first step: the data and tokenizer of the run, the model
+config, bf16 autocast, the optimizer and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from ..data import ReadReport, Tokenizer, train_tokenizer
+from ..models import ModelConfig, get_config
+from .config import TrainConfig
+from .schedule import lr_multiplier
+
+SPLITS = ("train", "valid", "test")
+
+
+def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dict[str, list], Tokenizer]:
+    """Read the corpus, split it, train the tokenizer; store all three in the run folder (atomically).
+    On a resumed run, read them back instead, so the splits and vocabulary never change mid-run."""
+    from ..runs import atomic_output
+
+    task = cfg.task_spec
+    files = {s: task.split_path(run.data_dir, s) for s in SPLITS}
+    if all(f.is_file() for f in files.values()) and (run.tokenizer_dir / "tokenizer.json").is_file():
+        return {s: task.read_items(f) for s, f in files.items()}, Tokenizer.load(run.tokenizer_dir)
+
+    report = ReadReport()
+    items = task.read_corpus(cfg.data, strict=cfg.strict, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang, report=report)
+    split = task.split_corpus(items, valid_size=cfg.valid_size, test_size=cfg.test_size, seed=cfg.seed)
+    if report.malformed:
+        log(report.summary())
+    parts = {"train": split.train, "valid": split.valid, "test": split.test}
+    for name, part in parts.items():
+        if not part:
+            raise ValueError(f"the {name} split is empty ({split.sizes.as_dict()}): give a larger corpus or "
+                             f"change valid_size/test_size")
+    tok = Tokenizer.load(cfg.tokenizer) if cfg.tokenizer else train_tokenizer(task.tokenizer_texts(split.train),
+                                                                              cfg.vocab_size)
+    run.data_dir.mkdir(parents=True, exist_ok=True)
+    for s, part in parts.items():
+        with atomic_output(files[s]) as tmp:
+            task.write_items(part, tmp)
+    run.save_tokenizer(tok)
+    log(f"data: {split.sizes.as_dict()}, vocabulary {tok.vocab_size}")
+    return parts, tok
+
+
+def model_config(cfg: TrainConfig, tok: Tokenizer) -> ModelConfig:
+    """The preset's config for the task, with the tokenizer's vocabulary and special ids."""
+    mcfg = get_config(cfg.preset, task=cfg.task, vocab_size=tok.vocab_size)
+    changes: dict[str, Any] = {"pad_id": tok.pad_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    if cfg.dropout is not None:
+        changes["dropout"] = cfg.dropout
+    if mcfg.max_positions < cfg.max_len + 2:
+        changes["max_positions"] = cfg.max_len + 2
+    return mcfg.replace(**changes)
+
+
+def autocast_for(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
+    """A context-manager factory: bf16 autocast when ``cfg.bf16`` asks for it, else nothing."""
+    on = cfg.bf16 == "on" or (cfg.bf16 == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    if on:
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def optimizer_and_schedule(cfg: TrainConfig, params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW at the peak learning rate, and the schedule that multiplies it by ``lr_multiplier(step)``."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.resolved_lr, betas=cfg.betas, eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
+        s, schedule=cfg.resolved_schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps))
+    return optimizer, schedule
+
+
+def forever(loader):
+    """The batches of ``loader``, epoch after epoch (the sampler reshuffles each epoch)."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the training split gives no batch: give more data or a larger max_tokens")

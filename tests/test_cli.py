@@ -1,0 +1,171 @@
+"""The ``headmix`` command: flags generated from TrainConfig, and one-line errors with exit code 2 for a
+bad command line and 1 for a failed run, never a traceback for an expected failure."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from headmix.cli.main import build_parser, dataclass_from_args, main
+from headmix.data import load_embedded_translation, write_tsv_pairs
+from headmix.training import TrainConfig
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
+    write_tsv_pairs(load_embedded_translation()[:600], path)
+    return path
+
+
+def tiny(out: Path, data: Path, *extra: str, task: str = "translation") -> list[str]:
+    return ["train", task, "--preset", "tiny-mha", "--out", str(out), "--data", str(data), "--vocab-size", "300",
+            "--max-steps", "2", "--max-tokens", "600", "--max-len", "32", "--warmup-steps", "1", "--log-every", "1",
+            "--save-every", "2", "--eval-every", "100", "--average-last", "1", "--valid-size", "0.05",
+            "--test-size", "0.05", "--no-progress", *extra]
+
+
+def one_line_error(capsys, *needles: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("[headmix]")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------- generated flags
+def parse_train(*argv: str):
+    return build_parser().parse_args(["train", *argv])
+
+
+def test_every_train_config_field_is_a_flag_with_its_default_and_help():
+    args = parse_train("translation", "--out", "R")
+    assert dataclass_from_args(TrainConfig, args) == TrainConfig(task="translation", out="R")
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata["help"] and " ".join(f.metadata["help"].split())[:30] in " ".join(help_text.split()), f.name
+        if f.metadata.get("cli") != "positional" and f.type != "bool":
+            assert "--" + f.name.replace("_", "-") in help_text, f.name
+    assert "--no-progress" in help_text and "--strict" in help_text
+
+
+def test_flags_reach_the_config():
+    cfg = dataclass_from_args(TrainConfig, parse_train(
+        "lm", "--out", "R", "--lr", "0.01", "--betas", "0.8", "0.9", "--data", "a.jsonl", "--strict", "--no-progress",
+        "--schedule", "constant", "--max-time", "5"))
+    assert (cfg.task, cfg.lr, cfg.betas, cfg.data, cfg.strict, cfg.progress, cfg.schedule, cfg.max_time) == \
+        ("lm", 0.01, (0.8, 0.9), ["a.jsonl"], True, False, "constant", 5.0)
+
+
+def test_learning_rate_default_is_the_tasks():
+    assert TrainConfig(task="translation").resolved_lr == 7e-4
+    assert TrainConfig(task="lm").resolved_lr == 5e-4 and TrainConfig(task="mlm").resolved_lr == 5e-4
+    assert TrainConfig(task="lm", lr=1e-3).resolved_lr == 1e-3
+    assert TrainConfig(task="translation").resolved_schedule == "inverse_sqrt"
+    assert TrainConfig(task="mlm").resolved_schedule == "linear"
+
+
+# ---------------------------------------------------------------------------------------- bad usage
+@pytest.mark.parametrize("argv, needles", [
+    (["--lr", "0"], ["lr must be a number > 0, got 0.0"]),
+    (["--seed", "-1"], ["seed must be a non-negative integer, got -1"]),
+    (["--max-time", "0"], ["max_time must be a number > 0, got 0.0"]),
+    (["--device", "gpu"], ["device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"]),
+    (["--max-steps", "0"], ["max_steps must be a positive integer"]),
+    (["--schedule", "cosine"], ["--schedule", "invalid choice"]),
+    (["--vocab-size", "many"], ["--vocab-size", "invalid int value"]),
+])
+def test_bad_train_option_is_one_line_and_exit_2(tmp_path, pairs_file, capsys, argv, needles):
+    out = tmp_path / "r"
+    assert main(tiny(out, pairs_file, *argv)) == 2
+    one_line_error(capsys, *needles)
+    assert not out.exists()  # nothing written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_device_cuda_without_a_gpu(tmp_path, pairs_file, capsys):
+    assert main(tiny(tmp_path / "r", pairs_file, "--device", "cuda")) == 2
+    one_line_error(capsys, "no CUDA device is available")
+
+
+def test_out_naming_a_file(tmp_path, pairs_file, capsys):
+    out = tmp_path / "file"
+    out.write_text("mine")
+    assert main(tiny(out, pairs_file)) == 2
+    one_line_error(capsys, "is a file, expected a run folder")
+    assert out.read_text() == "mine"
+
+
+def test_missing_data_file(tmp_path, capsys):
+    assert main(tiny(tmp_path / "r", tmp_path / "missing.tsv")) == 2
+    one_line_error(capsys, "data file not found", "missing.tsv")
+
+
+def test_subprocess_bad_device_exit_code_and_one_line(tmp_path, pairs_file):
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-m", "headmix.cli.main", *tiny(tmp_path / "r", pairs_file, "--device", "gpu")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("headmix train: error: device must be")
+
+
+# ------------------------------------------------------------------------------------- failed runs
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, pairs_file) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "run"
+    assert main(tiny(out, pairs_file)) == 0
+    return out
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("change, field", [
+    (["--preset", "tiny-moa"], "preset"),
+    (["--vocab-size", "301"], "vocab_size"),
+    (["--seed", "2"], "seed"),
+    (["--max-len", "30"], "max_len"),
+])
+def test_resuming_with_another_identity_is_refused_and_writes_nothing(finished_run, pairs_file, capsys, change, field):
+    before = snapshot(finished_run)
+    assert main(tiny(finished_run, pairs_file, *change)) == 2
+    one_line_error(capsys, field)
+    assert snapshot(finished_run) == before
+
+
+def test_resuming_with_another_task_or_data_is_refused(finished_run, pairs_file, tmp_path, capsys):
+    before = snapshot(finished_run)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "In the beginning.", "id": "a"}\n' * 30)
+    assert main(tiny(finished_run, docs, task="mlm")) == 2
+    one_line_error(capsys, "task")
+    other = tmp_path / "other.tsv"
+    other.write_bytes(pairs_file.read_bytes() + b"One more.\tNoch einer.\n")
+    assert main(tiny(finished_run, other)) == 2
+    one_line_error(capsys, "data")
+    assert snapshot(finished_run) == before
+
+
+def test_nonfinite_loss_is_one_line_and_exit_1(tmp_path, pairs_file, capsys, monkeypatch):
+    from headmix.training.distributed import Parallel
+
+    monkeypatch.setattr(Parallel, "clip_grad_norm", lambda self, max_norm: torch.tensor(float("nan")))
+    assert main(tiny(tmp_path / "r", pairs_file)) == 1
+    one_line_error(capsys, "non-finite loss", "at step 1")
+
+
+def test_evaluate_limit_must_be_positive(finished_run, capsys):
+    for limit in ("0", "-1"):
+        assert main(["evaluate", str(finished_run), "--limit", limit]) == 2
+        one_line_error(capsys, "--limit", "expected a positive integer")
