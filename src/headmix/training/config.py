@@ -29,7 +29,7 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple
 
 #: Fields that define a run: resuming with another value is refused (headmix.runs.RunMismatchError).
 IDENTITY = ("task", "preset", "data", "src_lang", "tgt_lang", "tokenizer", "vocab_size", "valid_size",
-            "test_size", "max_len", "seed")
+            "test_size", "max_len", "seed", "split_seed")
 
 
 @dataclass
@@ -67,7 +67,9 @@ class TrainConfig:
     clip_norm: float = option(0.0, "clip the gradient norm to this (0: no clipping, fairseq's default)")
     dropout: float | None = option(None, "override the preset's dropout")
     bf16: str = option("auto", "bf16 autocast (auto: on for CUDA devices that support it)", choices=("auto", "on", "off"))
-    seed: int = option(1, "seed of the split, the initialisation, the batches and dropout")
+    seed: int = option(1, "seed of the initialisation, the batches, dropout and (unless --split-seed) the split")
+    split_seed: int | None = option(None, "seed of the train/valid/test split (default: --seed); runs that "
+                                          "differ only in --seed then share one split, as a study's seeds do")
     log_every: int = option(20, "steps between training records in metrics.jsonl")
     eval_every: int = option(200, "steps between validations")
     save_every: int = option(200, "steps between checkpoints")
@@ -81,6 +83,10 @@ class TrainConfig:
     def task_spec(self):
         """The :class:`headmix.tasks.Task` of ``task``."""
         return get_task(self.task)
+
+    @property
+    def resolved_split_seed(self) -> int:
+        return self.seed if self.split_seed is None else self.split_seed
 
     @property
     def resolved_lr(self) -> float:
@@ -102,6 +108,9 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.split_seed is not None and (isinstance(self.split_seed, bool) or not isinstance(self.split_seed, int)
+                                            or self.split_seed < 0):
+            raise ValueError(f"split_seed must be a non-negative integer, got {self.split_seed!r}")
         for name in ("seed", "warmup_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

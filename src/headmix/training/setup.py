@@ -4,6 +4,7 @@ config, bf16 autocast, the optimizer and the learning-rate schedule."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -28,7 +29,8 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
 
     report = ReadReport()
     items = task.read_corpus(cfg.data, strict=cfg.strict, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang, report=report)
-    split = task.split_corpus(items, valid_size=cfg.valid_size, test_size=cfg.test_size, seed=cfg.seed)
+    split = task.split_corpus(items, valid_size=cfg.valid_size, test_size=cfg.test_size,
+                              seed=cfg.resolved_split_seed)
     if report.malformed:
         log(report.summary())
     parts = {"train": split.train, "valid": split.valid, "test": split.test}
@@ -45,6 +47,18 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
     run.save_tokenizer(tok)
     log(f"data: {split.sizes.as_dict()}, vocabulary {tok.vocab_size}")
     return parts, tok
+
+
+def prepare_shared_data(cfg: TrainConfig, log: Callable[[str], None]) -> Path:
+    """Split the corpus and train the tokenizer once, in the run folder ``cfg.out`` (locked while it is
+    written), for several runs to share: they pass the returned tokenizer folder as ``tokenizer`` and the
+    same ``split_seed`` (the demo's two models, a study's runs). A second call reads them back."""
+    from ..runs import Run
+    from .config import IDENTITY
+
+    with Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY) as run:
+        prepare_data(cfg, run, log)
+        return run.tokenizer_dir
 
 
 def model_config(cfg: TrainConfig, tok: Tokenizer) -> ModelConfig:
