@@ -111,15 +111,15 @@ def test_tiny_study_end_to_end_with_resume(tmp_path, docs_file, monkeypatch):
     out = tmp_path / "study"
     first = run_study(spec, out, log=lambda m: None)
     assert trained == [("MHA", 1), ("MoA", 1)] and len(first) == 2
-    # the runs share one split and one tokenizer
-    splits = {(out / r.folder / "data" / "valid.jsonl").read_bytes() for r in first}
-    assert len(splits) == 1
 
     # a second seed: the finished runs are read, not retrained
     spec2 = _spec(docs_file, seeds=[1, 2])
     trained.clear()
     results = run_study(spec2, out, log=lambda m: None)
     assert trained == [("MHA", 2), ("MoA", 2)] and len(results) == 4
+    # every run, whatever its seed, has the same split and the same tokenizer
+    for name in ("data/valid.jsonl", "data/train.jsonl", "tokenizer/tokenizer.json"):
+        assert len({(out / r.folder / name).read_bytes() for r in results}) == 1, name
     table = write_report(spec2, plan(spec2), results, out)
 
     # the statistics in the table, by hand from the runs' summaries
