@@ -186,3 +186,25 @@ def test_cli_plan_and_list(capsys):
     assert rows[0]["name"] == "MHA" and all(abs(r["attention_macs_ratio"] - 1) <= 0.02 for r in rows)
     assert main(["study", "nope"]) == 2
     assert "unknown study" in capsys.readouterr().err
+
+
+def test_demo_pair_is_matched_and_the_paired_bleu_test_is_sacrebleus():
+    import sacrebleu
+
+    from headmix.training.demo import demo_models, paired_bleu
+
+    models = demo_models()
+    moa, mha = models["moa"].decoder_self_attention, models["mha"].decoder_self_attention
+    assert (moa.kind, moa.num_experts, moa.top_k) == ("moa", 16, 4) and mha.kind == "mha"
+    att = {n: sum(v for k, v in analytic_macs(c).full.items() if k.endswith("attention")) for n, c in models.items()}
+    assert abs(att["moa"] / att["mha"] - 1) <= 0.02
+    refs = ["the cat sat on the mat", "there is a dog in the garden", "open the file menu", "save the document now"]
+    good = ["the cat sat on the mat", "there is a dog in the garden", "open the file menu", "save the document"]
+    bad = ["a cat sits on a mat", "a dog is in a garden", "the menu file", "document save"]
+    result = paired_bleu(good, bad, refs, samples=200)
+    expected = sacrebleu.corpus_bleu(good, [refs]).score - sacrebleu.corpus_bleu(bad, [refs]).score
+    assert result["bleu_difference"] == pytest.approx(expected)
+    same = paired_bleu(bad, bad, refs, samples=200)
+    assert same["bleu_difference"] == 0.0 and same["distinguishable"] is False
+    with pytest.raises(ValueError, match="same length"):
+        paired_bleu(good, bad[:2], refs)

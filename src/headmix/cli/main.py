@@ -203,10 +203,11 @@ def _run_evaluate(args) -> int:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="train MoA and an MHA baseline of equal MACs on the embedded corpus and compare")
+    p = sub.add_parser("demo", help="train MoA (4 of 16 experts) and an MHA baseline of equal attention MACs on the "
+                                    "embedded corpus and compare")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--train-seconds", type=float, default=260.0,
-                   help="MoA's training time; MHA then trains for the same number of steps")
+    p.add_argument("--steps", type=_positive_int, default=400,
+                   help="training steps of each model (steps, not seconds: a seed gives the same numbers everywhere)")
     p.add_argument("--eval-sentences", type=_positive_int, default=400)
     p.add_argument("--beam", type=_positive_int, default=4)
     p.add_argument("--seed", type=int, default=1)
@@ -217,7 +218,7 @@ def _run_demo(args) -> int:
     from ..training.demo import run_demo
 
     with stop_on_signals() as stop:
-        report = run_demo(args.out, train_seconds=args.train_seconds, eval_sentences=args.eval_sentences,
+        report = run_demo(args.out, steps=args.steps, eval_sentences=args.eval_sentences,
                           beam_size=args.beam, seed=args.seed, progress=not args.no_progress, stop=stop)
     if report.get("stopped_by", "").startswith("signal "):
         signum = int(report["stopped_by"].split()[1])

@@ -165,10 +165,10 @@ def _evaluate(spec: StudySpec, folder: Path, log: Callable[[str], None]) -> dict
     path = folder / "study_eval.json"
     if path.is_file():
         return json.loads(path.read_text())
-    from ..evaluation import evaluate_translation
+    from ..evaluation import evaluate_run
 
     log(f"study {spec.name}: BLEU of {folder}")
-    scores = evaluate_translation(folder, split="test", beam_size=spec.bleu_beam, limit=spec.bleu_sentences)
+    scores = evaluate_run(folder, split="test", beam_size=spec.bleu_beam, limit=spec.bleu_sentences)
     result = {k: scores[k] for k in ("bleu", "chrf", "sentences", "bleu_signature")}
     atomic_write(path, json.dumps(result, indent=2) + "\n")
     return result

@@ -1,10 +1,14 @@
-"""``headmix demo``: MoA against a standard Transformer of about the same MACs, trained and evaluated
-on the embedded English-German corpus, on CPU, in about ten minutes.
+"""``headmix demo``: MoA with more experts than it chooses against a standard Transformer of the same
+attention MACs, trained and evaluated on the embedded English-German corpus, on CPU, in under ten minutes.
 
-The comparison is the paper's: the same data, tokenizer, batches, schedule and number of updates, at
-about equal MACs per token (``mini-moa`` = 6K8E32D against ``mini-mha``, 4 heads of 32: MoA's shared
-key/value head makes it cheaper at equal ``k * head_dim``, so it gets 6 heads). MoA trains for
-``train_seconds``; MHA then trains for exactly as many steps, and both wall times are reported.
+The comparison is the paper's: the same data, tokenizer, batches, schedule and number of updates
+(``steps``, not seconds, so a seed gives the same numbers on any machine of the same software), at equal
+attention MACs. The baseline is ``mini-mha`` (4 heads of 32); the MoA model chooses ``k = 4`` of 16
+experts per token, its head size solved by :func:`headmix.study.match_attention` so that its attention
+costs the baseline's MACs within 2% (the ``lm-en`` / ``translation-en-de`` studies' MoA rows, see
+``docs/study.md``). Both are evaluated on the same test sentences with beam search and sacrebleu; a
+paired bootstrap over those sentences (sacrebleu's ``PairedTest``) says whether the two BLEU scores can
+be told apart at this budget, and the printout says so rather than implying a winner.
 
 It writes ``OUT/report.json``, ``OUT/loss_curves.png`` and ``OUT/expert_load.png`` and the two runs
 (``OUT/moa``, ``OUT/mha``), which the ``headmix evaluate`` / ``headmix analyze`` commands accept.
@@ -23,56 +27,112 @@ from ..models import analytic_macs, get_config
 from ..runs.files import atomic_write
 from .config import TrainConfig
 from .metrics import read_metrics
+from .setup import prepare_shared_data
 from .trainer import train
 
-DEMO_MODELS = {"moa": "mini-moa", "mha": "mini-mha"}
+BASELINE = "mini-mha"
+#: the MoA model's fixed fields; its head size is solved to the baseline's attention MACs
+MOA = {"kind": "moa", "num_experts": 16, "top_k": 4}
 LABELS = {"moa": "MoA", "mha": "MHA"}
+#: the full comparison, with seeds and confidence intervals
+STUDY_DOC = "docs/study.md"
 
 
-def run_demo(out: str | os.PathLike = "runs/demo", *, train_seconds: float = 260.0, eval_sentences: int = 400,
+def demo_models(tolerance: float = 0.02) -> dict[str, Any]:
+    """The demo's two model configs (translation): ``mha`` = ``mini-mha`` and ``moa`` with the attention
+    :data:`MOA` sized to ``mini-mha``'s attention MACs."""
+    from ..study.matching import match_attention, with_attention
+
+    base = get_config(BASELINE, task="translation")
+    match = match_attention(base, MOA, ["head_dim"], prefer={"head_dim": 32}, tolerance=tolerance)
+    return {"moa": with_attention(base, match.attention), "mha": base}
+
+
+def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 400, eval_sentences: int = 400,
              beam_size: int = 4, seed: int = 1, progress: bool = True,
              stop: Callable[[], str | None] | None = None) -> dict[str, Any]:
-    """Train ``mini-moa`` for ``train_seconds`` and ``mini-mha`` for as many steps (same data, tokenizer,
-    batches and schedule), evaluate both on the held-out test split, write the report and plots.
-    ``stop``: as for :func:`headmix.training.train`; a stopped demo returns ``{"stopped_by": reason}``."""
+    """Train both models for ``steps`` updates (same split, tokenizer, batches and schedule), evaluate both on
+    the first ``eval_sentences`` test sentences, compare them with a paired bootstrap, write the report and
+    plots. ``stop``: as for :func:`headmix.training.train`; a stopped demo returns ``{"stopped_by": reason}``
+    and resumes when called again."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"setup": {
-        "corpus": "LibreOffice help En-De (embedded, MPL-2.0)", "moa_train_seconds": train_seconds,
-        "eval_sentences": eval_sentences, "beam_size": beam_size, "seed": seed,
-        "machine": f"{os.cpu_count()} CPU threads" + _torch_threads(),
+        "corpus": "LibreOffice help En-De (embedded, MPL-2.0)", "steps": steps, "eval_sentences": eval_sentences,
+        "beam_size": beam_size, "seed": seed, "machine": f"{os.cpu_count()} CPU threads" + _torch_threads(),
     }}
-    steps = None
-    for name, preset in DEMO_MODELS.items():
-        budget = f"for {train_seconds:.0f}s" if steps is None else f"for {steps} steps"
-        print(f"[headmix] training {name} ({preset}) {budget}", flush=True)
-        # The same split (same corpus and seed) for both; MHA reuses the tokenizer MoA's run trained.
-        tokenizer = None if steps is None else str(out / "moa" / "tokenizer")
-        cfg = TrainConfig(task="translation", preset=preset, out=str(out / name), tokenizer=tokenizer,
-                          seed=seed, max_steps=steps or 100_000, max_time=None if steps else train_seconds,
-                          max_tokens=2000, warmup_steps=100, lr=2e-3, log_every=10, eval_every=10**9, save_every=25,
-                          keep_checkpoints=5, average_last=5, progress=progress)
+    options = dict(task="translation", seed=seed, split_seed=seed, max_tokens=2000, max_len=128)
+    tokenizer = prepare_shared_data(TrainConfig(out=str(out / "shared"), **options), _log)
+    hypotheses: dict[str, list[str]] = {}
+    for name, config in demo_models().items():
+        config_path = out / f"{name}_config.json"
+        atomic_write(config_path, config.to_json())
+        _log(f"training {name} ({_describe(config)}) for {steps} steps")
+        cfg = TrainConfig(preset=str(config_path), out=str(out / name), tokenizer=str(tokenizer), max_steps=steps,
+                          warmup_steps=100, lr=2e-3, log_every=10, eval_every=10**9, save_every=25,
+                          keep_checkpoints=5, average_last=5, progress=progress, **options)
         summary = train(cfg, stop=stop)
         if "valid" not in summary:  # stopped before the end
             return {"stopped_by": summary["stopped_by"]}
-        steps = summary["steps"]
         t0 = time.time()
-        scores = evaluate_run(out / name, split="test", beam_size=beam_size, limit=eval_sentences)
-        macs = analytic_macs(get_config(out / name / "config.json"))
+        hyp_path = out / name / "test_hypotheses.txt"
+        scores = evaluate_run(out / name, split="test", beam_size=beam_size, limit=eval_sentences, output=hyp_path)
+        hypotheses[name] = hyp_path.read_text(encoding="utf-8").splitlines()
+        macs = analytic_macs(config)
         report[name] = {
-            "preset": preset, "bleu": scores["bleu"], "chrf": scores["chrf"], "valid_loss": summary["valid"]["loss"],
-            "valid_ppl": summary["valid"]["ppl"], "macs": macs.total, "macs_paper_formula": macs.paper_total,
-            "parameters": summary["parameters"], "train_seconds": summary["train_seconds"], "steps": summary["steps"],
-            "train_tokens": summary["tokens"], "eval_seconds": time.time() - t0, "examples": scores["examples"],
+            "model": _describe(config), "bleu": scores["bleu"], "chrf": scores["chrf"],
+            "valid_loss": summary["valid"]["loss"], "valid_ppl": summary["valid"]["ppl"], "macs": macs.total,
+            "attention_macs": sum(v for k, v in macs.full.items() if k.endswith("attention")),
+            "macs_paper_formula": macs.paper_total, "parameters": summary["parameters"],
+            "train_seconds": summary["train_seconds"], "steps": summary["steps"], "train_tokens": summary["tokens"],
+            "eval_seconds": time.time() - t0, "examples": scores["examples"],
             "expert_load": summary["valid"].get("expert_load", {}),
         }
     report["bleu_signature"] = scores["bleu_signature"]
+    from ..tasks import get_task
+
+    task = get_task("translation")
+    references = [p.tgt for p in task.read_items(task.split_path(out / "mha" / "data", "test"))[:eval_sentences]]
+    report["comparison"] = paired_bleu(hypotheses["moa"], hypotheses["mha"], references)
+    report["study"] = STUDY_DOC
     atomic_write(out / "report.json", json.dumps(report, indent=2, ensure_ascii=False))
-    loss_curves_figure({n: read_metrics(out / n) for n in DEMO_MODELS}).savefig(out / "loss_curves.png", dpi=100)
+    loss_curves_figure({n: read_metrics(out / n) for n in ("moa", "mha")}).savefig(out / "loss_curves.png", dpi=100)
     if report["moa"]["expert_load"]:
         expert_load_figure(report["moa"]["expert_load"]).savefig(out / "expert_load.png", dpi=100)
     print(format_comparison(report))
     return report
+
+
+def paired_bleu(system: list[str], baseline: list[str], references: list[str], samples: int = 1000) -> dict[str, Any]:
+    """BLEU of ``system`` minus ``baseline`` on the same sentences, with sacrebleu's paired bootstrap
+    resampling (Koehn 2004; ``samples`` resamples, sacrebleu's fixed seed): the 95% interval of the system's
+    BLEU and the p-value of the difference. ``distinguishable`` is True when p < 0.05."""
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+
+    if not len(system) == len(baseline) == len(references):
+        raise ValueError(f"system, baseline and references must have the same length, got {len(system)}, "
+                         f"{len(baseline)} and {len(references)}")
+    test = PairedTest([("baseline", baseline), ("system", system)], {"BLEU": BLEU()}, [references],
+                      test_type="bs", n_samples=samples)
+    _, scores = test()
+    base, sys_ = scores["BLEU"]
+    return {"bleu_difference": sys_.score - base.score, "system_bleu": sys_.score, "baseline_bleu": base.score,
+            "system_interval": [float(sys_.mean - sys_.ci), float(sys_.mean + sys_.ci)],
+            "baseline_interval": [float(base.mean - base.ci), float(base.mean + base.ci)],
+            "p_value": float(sys_.p_value), "distinguishable": bool(sys_.p_value < 0.05), "samples": samples,
+            "sentences": len(references)}
+
+
+def _log(message: str) -> None:
+    print(f"[headmix] {message}", flush=True)
+
+
+def _describe(config) -> str:
+    att = config.decoder_self_attention
+    if att.kind == "moa":
+        return f"MoA {att.top_k}K{att.num_experts}E{att.head_dim}D"
+    return f"MHA {att.num_heads} heads of {att.resolved_head_dim(config.d_model)}"
 
 
 def _torch_threads() -> str:
@@ -82,13 +142,23 @@ def _torch_threads() -> str:
 
 def format_comparison(report: dict[str, Any]) -> str:
     rows = [("", "MoA", "MHA")]
-    for key, label, fmt in (("bleu", "BLEU", "{:.2f}"), ("chrf", "chrF", "{:.2f}"), ("valid_ppl", "valid ppl", "{:.2f}"),
+    for key, label, fmt in (("model", "attention", "{}"), ("bleu", "BLEU", "{:.2f}"), ("chrf", "chrF", "{:.2f}"),
+                            ("valid_ppl", "valid ppl", "{:.2f}"), ("attention_macs", "attention MACs (10+10 tokens)", "{:,}"),
                             ("macs", "MACs (10+10 tokens)", "{:,}"), ("parameters", "parameters", "{:,}"),
                             ("steps", "steps", "{}"), ("train_seconds", "train seconds", "{:.0f}")):
         rows.append((label, fmt.format(report["moa"][key]), fmt.format(report["mha"][key])))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join([f"headmix demo: {report['moa']['preset']} vs {report['mha']['preset']}"] + lines)
+    c = report["comparison"]
+    low, high = c["system_interval"]
+    verdict = (f"MoA {'beats' if c['bleu_difference'] > 0 else 'trails'} MHA by {abs(c['bleu_difference']):.2f} BLEU "
+               f"(paired bootstrap p = {c['p_value']:.3f})" if c["distinguishable"] else
+               f"at this budget the two cannot be told apart: BLEU difference {c['bleu_difference']:+.2f}, "
+               f"paired bootstrap p = {c['p_value']:.3f} over {c['sentences']} sentences")
+    return "\n".join([f"headmix demo: {report['moa']['model']} vs {report['mha']['model']}, equal attention MACs"]
+                     + lines + [f"MoA BLEU 95% interval [{low:.2f}, {high:.2f}]; {verdict}.",
+                                f"One seed and {report['setup']['steps']} steps; the comparison with seeds and "
+                                f"confidence intervals is in {report['study']} (headmix study --list)."])
 
 
 def loss_curves_figure(metrics: dict[str, list[dict[str, Any]]]):
