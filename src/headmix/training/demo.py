@@ -106,7 +106,9 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 400, eval_sen
 def paired_bleu(system: list[str], baseline: list[str], references: list[str], samples: int = 1000) -> dict[str, Any]:
     """BLEU of ``system`` minus ``baseline`` on the same sentences, with sacrebleu's paired bootstrap
     resampling (Koehn 2004; ``samples`` resamples, sacrebleu's fixed seed): the 95% interval of the system's
-    BLEU and the p-value of the difference. ``distinguishable`` is True when p < 0.05."""
+    BLEU and the p-value of the difference. ``distinguishable`` is True when p < 0.05 and the difference is
+    not zero (sacrebleu's p-value is ``1 / (samples + 1)`` for two identical systems, whose every resample
+    differs by zero; a zero difference favours neither)."""
     from sacrebleu.metrics import BLEU
     from sacrebleu.significance import PairedTest
 
@@ -120,7 +122,7 @@ def paired_bleu(system: list[str], baseline: list[str], references: list[str], s
     return {"bleu_difference": sys_.score - base.score, "system_bleu": sys_.score, "baseline_bleu": base.score,
             "system_interval": [float(sys_.mean - sys_.ci), float(sys_.mean + sys_.ci)],
             "baseline_interval": [float(base.mean - base.ci), float(base.mean + base.ci)],
-            "p_value": float(sys_.p_value), "distinguishable": bool(sys_.p_value < 0.05), "samples": samples,
+            "p_value": float(sys_.p_value), "distinguishable": bool(sys_.p_value < 0.05 and sys_.score != base.score), "samples": samples,
             "sentences": len(references)}
 
 
