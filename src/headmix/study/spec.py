@@ -156,7 +156,10 @@ class StudySpec:
             raise FileNotFoundError(f"study spec not found: {path}")
         text = path.read_text()
         if path.suffix == ".toml":
-            import tomllib
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
+                import tomli as tomllib
 
             try:
                 data = tomllib.loads(text)
