@@ -102,12 +102,15 @@ class AttentionLayer(nn.Module):
         return query, key, value
 
     def _keys_values(
-        self, query: Tensor, key: Tensor | None, value: Tensor | None, use_cache: bool, cache: KVCache | None
+        self, query: Tensor, key: Tensor | None, value: Tensor | None, use_cache: bool, cache: KVCache | None,
+        project=None,
     ) -> tuple[Tensor, Tensor, KVCache | None, int]:
         """Project (or fetch from the cache) the keys and values this call attends to.
 
         Returns ``k, v, new_cache, past_len``, where ``past_len`` is the number of positions that precede
-        the queries of this call (for causal masks in incremental decoding).
+        the queries of this call (for causal masks in incremental decoding). ``project(key, value) -> (k, v)``
+        replaces ``self._project_kv`` for this call (SwitchHead passes a closure that also keeps the
+        value-side routing of the call).
         """
         if cache is not None:
             if not isinstance(cache, KVCache):
@@ -121,7 +124,7 @@ class AttentionLayer(nn.Module):
         if cache is not None and cache.static:
             return cache.key, cache.value, (cache if use_cache else None), 0
         self_attention = key is None
-        k, v = self._project_kv(query if self_attention else key, query if self_attention else value)
+        k, v = (project or self._project_kv)(query if self_attention else key, query if self_attention else value)
         past_len = 0
         if cache is not None:
             if not self_attention:
