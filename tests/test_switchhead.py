@@ -1,0 +1,381 @@
+"""SwitchHead (arXiv 2312.07987) against its plain reference, its one-expert special case, the masks,
+the cache, the expert kernels and, when their code is at hand, the authors' module."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headmix import SwitchHeadAttention, SwitchHeadRouting
+from headmix.attention.reference import reference_switchhead
+from headmix.kernels import IMPLS
+
+D = 16
+
+
+def make(num_heads=2, num_experts=4, top_k=2, head_dim=6, **kw) -> SwitchHeadAttention:
+    torch.manual_seed(0)
+    layer = SwitchHeadAttention(D, num_heads, num_experts, top_k, head_dim, **kw).eval()
+    with torch.no_grad():  # selectors with clear margins, so the top-k does not hinge on rounding
+        for sel in (layer.value_selector, layer.output_selector):
+            if sel is not None:
+                sel.weight.normal_()
+    return layer
+
+
+CONFIGS = {
+    "2h4e2k": {},
+    "3h3e1k_bias": dict(num_heads=3, num_experts=3, top_k=1, head_dim=5, bias=True),
+    "2h1e1k": dict(num_experts=1, top_k=1),
+    "1h3e3k": dict(num_heads=1, num_experts=3, top_k=3),
+}
+
+
+def inputs_for(case: str, batch=2, tgt=5, src=7):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(batch, tgt, D, generator=g)
+    kw: dict = {}
+    mem = None
+    if case == "padding":
+        kpm = torch.zeros(batch, tgt, dtype=torch.bool)
+        kpm[1, 3:] = True
+        kw["key_padding_mask"] = kpm
+    elif case == "causal":
+        kw["is_causal"] = True
+    elif case == "cross":
+        mem = torch.randn(batch, src, D, generator=g)
+        kpm = torch.zeros(batch, src, dtype=torch.bool)
+        kpm[0, 5:] = True
+        kw["key_padding_mask"] = kpm
+    elif case == "float_mask":
+        kw["attn_mask"] = torch.randn(tgt, tgt, generator=g)
+    elif case == "bool_mask_per_batch":
+        kw["attn_mask"] = torch.rand(batch, tgt, tgt, generator=g) < 0.3
+    elif case == "fully_masked_row":
+        m = torch.zeros(tgt, tgt, dtype=torch.bool)
+        m[2, :] = True
+        kw["attn_mask"] = m
+    return x, mem, kw
+
+
+def run_with_grads(fn, layer, x, mem, kw, w):
+    x = x.clone().requires_grad_()
+    mem = None if mem is None else mem.clone().requires_grad_()
+    out = fn(layer, x, mem, **kw)
+    (out * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad()
+    return out, x.grad, None if mem is None else mem.grad, grads
+
+
+def layer_output(layer, x, mem, **kw):
+    return layer(x, mem, **kw).output
+
+
+# --------------------------------------------------------------------------- against the reference
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("case", ["none", "padding", "causal", "cross", "float_mask", "bool_mask_per_batch",
+                                  "fully_masked_row"])
+def test_matches_reference_outputs_and_gradients(config, case):
+    layer = make(**CONFIGS[config])
+    x, mem, kw = inputs_for(case)
+    w = torch.randn(x.shape)
+    out, gx, gm, grads = run_with_grads(layer_output, layer, x, mem, kw, w)
+    ref, rx, rm, rgrads = run_with_grads(reference_switchhead, layer, x, mem, kw, w)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(gx, rx, atol=2e-6, rtol=1e-5)
+    if mem is not None:
+        torch.testing.assert_close(gm, rm, atol=2e-6, rtol=1e-5)
+    assert grads.keys() == rgrads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], rgrads[n], atol=5e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    # every expert bank and selector learns
+    for n in ("value_experts", "output_experts", "output_selector.weight", "q_proj.weight", "k_proj.weight"):
+        assert grads[n].abs().sum() > 0, n
+    if layer.value_selector is not None:
+        assert grads["value_selector.weight"].abs().sum() > 0
+
+
+def test_fully_masked_row_gives_zeros_and_finite_gradients():
+    layer = make(bias=True)
+    x, _, kw = inputs_for("fully_masked_row")
+    x = x.requires_grad_()
+    out = layer(x, **kw).output
+    assert out[:, 2].eq(layer.out_bias).all()
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
+
+
+def sigmoid_gated_attention(x: torch.Tensor, wq, wk, wv, wo, gate, num_heads: int, causal: bool) -> torch.Tensor:
+    """Multi-head attention whose head outputs are scaled by ``sigmoid(x gate_h)`` before the output
+    projection, written independently of headmix: ``y = sum_h sigmoid(x g_h) o^h W_o^h``."""
+    b, t, _ = x.shape
+
+    def heads(z):
+        return z.view(b, t, num_heads, -1).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(heads(x @ wq), heads(x @ wk), heads(x @ wv), is_causal=causal)
+    o = o * torch.sigmoid(x @ gate).transpose(1, 2).unsqueeze(-1)           # (b, h, t, d_h) * (b, h, t, 1)
+    return o.transpose(1, 2).reshape(b, t, -1) @ wo
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_expert_is_attention_with_a_sigmoid_output_gate_per_head(causal):
+    h, dh = 4, 3
+    layer = SwitchHeadAttention(D, h, 1, 1, dh).eval()
+    assert layer.value_selector is None
+    x = torch.randn(2, 6, D)
+    wq, wk = layer.q_proj.weight.T, layer.k_proj.weight.T
+    wv = layer.value_experts.permute(1, 0, 2).reshape(D, h * dh)             # [W_v^0 | W_v^1 | ...]
+    wo = layer.output_experts.reshape(h * dh, D)                             # [W_o^0; W_o^1; ...]
+    expected = sigmoid_gated_attention(x, wq, wk, wv, wo, layer.output_selector.weight.T, h, causal)
+    torch.testing.assert_close(layer(x, is_causal=causal).output, expected, atol=2e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- routing state
+
+def test_routing_state_per_side_and_head():
+    layer = make(num_heads=3, num_experts=4, top_k=2)
+    x, mem = torch.randn(2, 5, D), torch.randn(2, 7, D)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[1, 4:] = True
+    r = layer(x, mem, key_padding_mask=kpm).routing
+    assert isinstance(r, SwitchHeadRouting) and (r.num_heads, r.num_experts) == (3, 4)
+    assert r.value.batch_shape == (2, 7) and r.output.batch_shape == (2, 5)
+    assert r.value.num_experts == r.output.num_experts == 12
+    # slot h * k + j holds an expert of head h, and the k experts of a head are distinct
+    for side, src in ((r.value, mem), (r.output, x)):
+        heads = side.expert_index.view(-1, 3, 2) // 4
+        assert heads.eq(torch.arange(3)[:, None]).all()
+        assert (side.expert_index.view(-1, 3, 2)[..., 0] != side.expert_index.view(-1, 3, 2)[..., 1]).all()
+        sel = layer.value_selector if side is r.value else layer.output_selector
+        s = torch.sigmoid(src.reshape(-1, D) @ sel.weight.T)
+        # the weights are the selected sigmoids, not renormalised, and they are the top-k per head
+        torch.testing.assert_close(side.gates, s.gather(-1, side.expert_index))
+        top = s.view(-1, 3, 4).topk(2, -1).values.view(-1, 6)
+        torch.testing.assert_close(side.gates, top)
+    # value side: the padded memory tokens are marked; output side: every query is real
+    assert r.value.token_mask.tolist() == (~kpm).reshape(-1).tolist()
+    assert r.output.token_mask is None
+    counts = r.expert_counts()
+    assert counts.shape == (24,) and counts[:12].sum() == 2 * 3 * (7 + 4) and counts[12:].sum() == 10 * 3 * 2
+    assert not hasattr(layer, "routing") and layer(x).aux_loss.item() == 0.0
+
+
+def test_one_expert_has_no_value_routing():
+    r = make(num_experts=1, top_k=1)(torch.randn(1, 3, D)).routing
+    assert r.value is None and r.output.gates.shape == (3, 2)
+    assert r.expert_counts().tolist() == [0, 0, 3, 3]
+
+
+def test_expert_dropout_only_changes_the_choice_in_training():
+    layer = make(num_heads=2, num_experts=8, top_k=2, expert_dropout=0.5)
+    x = torch.randn(4, 16, D)
+    eval_routing = layer(x).routing
+    torch.manual_seed(1)
+    layer.train()
+    train_routing = layer(x).routing.output
+    plain = eval_routing.output
+    # some choices move away from the plain top-k, yet the weights are always the undropped sigmoids
+    assert not torch.equal(train_routing.expert_index, plain.expert_index)
+    torch.testing.assert_close(train_routing.gates, train_routing.probs.gather(-1, train_routing.expert_index))
+    torch.testing.assert_close(train_routing.probs, plain.probs)
+    layer.eval()
+    assert torch.equal(layer(x).routing.output.expert_index, plain.expert_index)
+
+
+# --------------------------------------------------------------------------- caches
+
+@pytest.mark.parametrize("config", ["2h4e2k", "2h1e1k"])
+def test_step_by_step_decoding_equals_full_causal_forward(config):
+    layer = make(**CONFIGS[config])
+    x = torch.randn(2, 6, D)
+    full = layer(x, is_causal=True).output
+    out = layer(x[:, :2], is_causal=True, use_cache=True)
+    steps, cache = [out.output], out.cache
+    for t in range(2, 6):
+        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
+        steps.append(out.output)
+        cache = out.cache
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-6, rtol=1e-5)
+    assert cache.length == 6 and cache.value.shape == (2, layer.num_heads, 6, layer.head_dim)
+
+
+def test_cache_holds_values_after_the_expert_mixing():
+    layer = make()
+    x = torch.randn(2, 5, D)
+    cache = layer(x, use_cache=True).cache
+    _, w_v = __import__("headmix.attention.reference", fromlist=["x"]).reference_switchhead_selection(
+        layer, x, layer.value_selector)
+    for h in range(layer.num_heads):
+        v_h = sum(w_v[..., h, e:e + 1] * (x @ layer.value_experts[h * 4 + e]) for e in range(4))
+        torch.testing.assert_close(cache.value[:, h], v_h, atol=2e-6, rtol=1e-5)
+
+
+def test_cross_attention_static_cache():
+    layer = make()
+    x, mem = torch.randn(2, 4, D), torch.randn(2, 7, D)
+    full = layer(x, mem).output
+    first = layer(x[:, :1], mem, use_cache=True)
+    assert first.cache.static
+    rest = layer(x[:, 1:], mem, use_cache=True, cache=first.cache)
+    assert rest.routing.value is None  # the memory's values come from the cache, not reselected
+    torch.testing.assert_close(torch.cat([first.output, rest.output], 1), full, atol=2e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- kernels
+
+def _cpu_impls() -> list[str]:
+    from headmix.kernels.grouped_triton import can_run_on_cpu, triton_available
+
+    impls = [i for i in IMPLS if i != "triton"]
+    if triton_available() and can_run_on_cpu():
+        impls.append("triton")
+    return impls
+
+
+@pytest.mark.parametrize("impl", _cpu_impls())
+def test_every_expert_impl_agrees(impl):
+    base = make(num_heads=2, num_experts=5, top_k=2, expert_impl="reference")
+    layer = make(num_heads=2, num_experts=5, top_k=2, expert_impl=impl)
+    x, mem, kw = inputs_for("cross")
+    w = torch.randn(x.shape)
+    out, gx, gm, grads = run_with_grads(layer_output, layer, x, mem, kw, w)
+    ref, rx, rm, rgrads = run_with_grads(layer_output, base, x, mem, kw, w)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(gx, rx, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(gm, rm, atol=2e-6, rtol=1e-5)
+    for n in grads:
+        torch.testing.assert_close(grads[n], rgrads[n], atol=5e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    with torch.no_grad():  # no-grad decoding path (``gather`` is chosen there by ``auto``)
+        torch.testing.assert_close(layer(x[:1, :1], mem[:1]).output, base(x[:1, :1], mem[:1]).output,
+                                   atol=2e-6, rtol=1e-5)
+
+
+def test_bf16_autocast_close_to_float32():
+    layer = make()
+    x = torch.randn(2, 5, D)
+    ref = layer(x).output
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x).output
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)
+
+
+# --------------------------------------------------------------------------- arguments
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_heads=0), "num_heads must be a positive integer"),
+    (dict(num_experts=0), "num_experts must be a positive integer"),
+    (dict(top_k=0), "top_k must be a positive integer"),
+    (dict(num_experts=2, top_k=3), r"top_k \(3\) must not exceed num_experts \(2\)"),
+    (dict(head_dim=0), "head_dim must be a positive integer"),
+    (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
+    (dict(expert_dropout=-0.1), r"expert_dropout must be in \[0, 1\)"),
+    (dict(init_scale=0.0), "init_scale must be a positive number"),
+    (dict(expert_impl="fast"), "expert_impl must be one of"),
+])
+def test_bad_arguments_give_one_line_errors(kwargs, message):
+    args = dict(num_heads=2, num_experts=4, top_k=2, head_dim=4) | kwargs
+    with pytest.raises(ValueError, match=message) as err:
+        SwitchHeadAttention(D, args.pop("num_heads"), args.pop("num_experts"), args.pop("top_k"), args.pop("head_dim"),
+                            **args)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_inputs_give_one_line_errors():
+    layer = make()
+    with pytest.raises(ValueError, match=r"query must have shape \(batch, time, 16\)"):
+        layer(torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        layer(torch.randn(2, 3, D), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="embed_dim .* must be divisible by num_heads"):
+        SwitchHeadAttention(D, 3, 2, 1)
+
+
+def test_init_scale_scales_the_weights():
+    small = SwitchHeadAttention(64, 2, 4, 2, 16, init_scale=0.25)
+    torch.manual_seed(0)
+    unit = SwitchHeadAttention(64, 2, 4, 2, 16)
+    assert abs(unit.value_experts.std().item() - 64 ** -0.5) < 0.1 * 64 ** -0.5
+    assert abs(unit.output_experts.std().item() - 32 ** -0.5) < 0.1 * 32 ** -0.5
+    ratio = small.value_experts.std() / unit.value_experts.std()
+    assert abs(ratio.item() - 0.25) < 0.03
+
+
+# --------------------------------------------------------------------------- the authors' module
+
+def _authors_switchhead():
+    """The authors' ``switchhead`` package (RobertCsordas/switchhead): importable, or from the folder
+    named by ``HEADMIX_SWITCHHEAD_SRC``; the test is skipped otherwise."""
+    path = os.environ.get("HEADMIX_SWITCHHEAD_SRC")
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    try:
+        return importlib.import_module("switchhead.switchhead")
+    except ImportError as err:  # pragma: no cover - depends on the machine
+        pytest.skip(f"the authors' switchhead package is not importable ({err}); set HEADMIX_SWITCHHEAD_SRC")
+
+
+def torch_cvmm(x, sel, keys):
+    """A plain-torch stand-in for the authors' ``cvmm`` Triton kernel (which needs CUDA): row ``m`` of the
+    sorted selection multiplies input row ``sel.sel_index[m]`` by ``keys[sel.sel[m]]`` and lands at
+    ``sel.out_index[m]``; a ``reduction_weight`` then sums the selections of a row with those weights."""
+    flat = x.flatten(end_dim=-2)
+    experts = sel.sel.flatten()
+    prod = torch.bmm(flat[sel.sel_index].unsqueeze(1), keys[experts]).squeeze(1)
+    out = torch.empty_like(prod).index_copy(0, sel.out_index, prod)
+    if sel.reduction_weight is None:
+        return out.view(*sel.raw_sel.shape, -1)
+    out = out.view(*sel.reduction_weight.shape, -1)
+    return (sel.reduction_weight.unsqueeze(-2).type_as(out) @ out).squeeze(-2)
+
+
+@pytest.mark.parametrize("num_experts, top_k", [(4, 2), (1, 1)])
+def test_matches_the_authors_module(monkeypatch, num_experts, top_k):
+    theirs_mod = _authors_switchhead()
+    monkeypatch.setattr(theirs_mod, "cvmm", torch_cvmm)
+    h, dh = 2, 6
+    torch.manual_seed(0)
+    theirs = theirs_mod.SwitchHeadRope(D, h, num_experts, d_head=dh, moe_k=top_k, rotate_fraction=0.0).eval()
+    ours = SwitchHeadAttention(D, h, num_experts, top_k, dh).eval()
+    with torch.no_grad():
+        ours.q_proj.weight.copy_(theirs.q.weight)
+        ours.k_proj.weight.copy_(theirs.k.weight)
+        ours.output_selector.weight.copy_(theirs.sel_o)
+        if num_experts > 1:
+            ours.value_selector.weight.copy_(theirs.sel_v)
+            ours.value_experts.copy_(theirs.v)
+            ours.output_experts.copy_(theirs.o)
+        else:
+            ours.value_experts.copy_(theirs.v.view(h, dh, D).transpose(1, 2))
+            ours.output_experts.copy_(theirs.o.T.reshape(h, dh, D))
+    x, mem = torch.randn(2, 6, D), torch.randn(2, 6, D)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    cases = [  # (our call, their call); their masks: True = masked, None = causal
+        (lambda: ours(x, is_causal=True).output, lambda: theirs(x, x, x, None)[0]),
+        (lambda: ours(x, mem, key_padding_mask=kpm).output,
+         lambda: theirs(x, mem, mem, theirs_mod.AttentionMask(None, kpm))[0]),
+    ]
+    for ours_call, theirs_call in cases:
+        torch.testing.assert_close(ours_call(), theirs_call(), atol=2e-6, rtol=1e-5)
+    # gradients of the whole layer, causal self-attention
+    w = torch.randn(2, 6, D)
+    (ours(x, is_causal=True).output * w).sum().backward()
+    (theirs(x, x, x, None)[0] * w).sum().backward()
+    torch.testing.assert_close(ours.q_proj.weight.grad, theirs.q.weight.grad, atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.output_selector.weight.grad, theirs.sel_o.grad, atol=5e-6, rtol=1e-5)
+    if num_experts > 1:
+        torch.testing.assert_close(ours.value_experts.grad, theirs.v.grad, atol=5e-6, rtol=1e-5)
+        torch.testing.assert_close(ours.value_selector.weight.grad, theirs.sel_v.grad, atol=5e-6, rtol=1e-5)
+        torch.testing.assert_close(ours.output_experts.grad, theirs.o.grad, atol=5e-6, rtol=1e-5)
+    assert math.isfinite(float(ours.k_proj.weight.grad.sum()))
