@@ -379,3 +379,83 @@ def test_matches_the_authors_module(monkeypatch, num_experts, top_k):
         torch.testing.assert_close(ours.value_selector.weight.grad, theirs.sel_v.grad, atol=5e-6, rtol=1e-5)
         torch.testing.assert_close(ours.output_experts.grad, theirs.o.grad, atol=5e-6, rtol=1e-5)
     assert math.isfinite(float(ours.k_proj.weight.grad.sum()))
+
+
+# --------------------------------------------------------------------------- models, counting
+
+def test_config_kind_builds_the_layer_in_every_task():
+    from headmix.models import build_model, get_config
+
+    for task in ("translation", "mlm", "lm"):
+        cfg = get_config("tiny-switchhead", task=task)
+        model = build_model(cfg)
+        layers = [m for m in model.modules() if isinstance(m, SwitchHeadAttention)]
+        assert len(layers) == {"translation": 6, "mlm": 2, "lm": 2}[task]
+        assert {(l.num_heads, l.num_experts, l.top_k, l.head_dim, l.out_bias) for l in layers} == {(2, 4, 2, 22, None)}
+        ids = torch.randint(3, cfg.vocab_size, (2, 5))
+        out = model(ids, ids) if task == "translation" else model(ids)
+        assert out.aux_loss.item() == 0.0
+        assert all(isinstance(r, SwitchHeadRouting) for _, r in out.routing) and len(out.routing) == len(layers)
+
+
+def test_config_switchhead_fields_and_errors():
+    from headmix.models.config import AttentionConfig
+
+    att = AttentionConfig(kind="switchhead", num_heads=2, num_experts=4, top_k=2, expert_dropout=0.25, init_scale=0.5,
+                          expert_impl="sorted")
+    layer = att.build(16)
+    assert (layer.head_dim, layer.expert_dropout, layer.init_scale, layer.expert_impl) == (8, 0.25, 0.5, "sorted")
+    assert AttentionConfig.from_dict(att.to_dict()) == att
+    with pytest.raises(ValueError, match="attention.num_experts is required for kind 'switchhead'"):
+        AttentionConfig(kind="switchhead", num_heads=2, top_k=1)
+    with pytest.raises(ValueError, match="attention.top_k K=3 exceeds num_experts E=2"):
+        AttentionConfig(kind="switchhead", num_heads=2, num_experts=2, top_k=3)
+    with pytest.raises(ValueError, match=r"attention.expert_dropout must be a number in \[0, 1\)"):
+        AttentionConfig(kind="switchhead", num_heads=2, num_experts=2, top_k=1, expert_dropout=1.0)
+    with pytest.raises(ValueError, match="attention.init_scale must be a positive number"):
+        AttentionConfig(kind="switchhead", num_heads=2, num_experts=2, top_k=1, init_scale=0)
+    with pytest.raises(ValueError, match="attention.expert_dropout applies to kind 'switchhead' only"):
+        AttentionConfig(kind="moa", num_experts=2, top_k=1, head_dim=4, expert_dropout=0.1)
+
+
+@pytest.mark.parametrize("num_experts, top_k, bias", [(4, 2, False), (1, 1, True)])
+def test_paper_counts_of_one_layer(num_experts, top_k, bias):
+    from headmix.models.config import AttentionConfig
+    from headmix.models.counting import attention_macs, attention_parameters
+
+    d, h, dh, t, s = 64, 2, 24, 10, 7
+    att = AttentionConfig(kind="switchhead", num_heads=h, num_experts=num_experts, top_k=top_k, head_dim=dh, bias=bias)
+    layer = att.build(d)
+    weights = layer.q_proj.weight.numel() + layer.k_proj.weight.numel() + layer.value_experts.numel() \
+        + layer.output_experts.numel()
+    assert weights == 2 * h * (num_experts + 1) * dh * d
+    assert attention_parameters(att, d) == (sum(p.numel() for p in layer.parameters()), weights)
+    full, paper = attention_macs(att, d, t, t)
+    assert paper == 2 * h * t * dh * (d * (1 + top_k) + t)                  # self-attention form
+    selectors = t * d * h * num_experts * (2 if num_experts > 1 else 1)
+    assert full == paper + selectors
+    # cross-attention: K and V projections over the S source tokens
+    _, paper_cross = attention_macs(att, d, t, s)
+    assert paper_cross == h * ((t + s) * d * dh + top_k * (s + t) * d * dh + 2 * t * s * dh)
+
+
+def test_macs_cli_shows_switchhead(capsys):
+    import json
+
+    from headmix.cli.main import main
+    from headmix.models import analytic_macs, get_config
+
+    assert main(["macs", "tiny-switchhead", "--task", "lm", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["macs_measured"] == out["macs"] == analytic_macs(get_config("tiny-switchhead", task="lm")).total
+    assert out["macs_paper"] < out["macs"]
+
+
+@pytest.mark.parametrize("size", ["tiny", "mini"])
+def test_presets_are_near_the_mha_presets_macs(size):
+    from headmix.models import analytic_macs, get_config
+
+    for task, lengths in (("translation", dict(src_len=32, tgt_len=32)), ("lm", dict(tgt_len=64))):
+        mha = analytic_macs(get_config(f"{size}-mha", task=task), **lengths).total
+        sh = analytic_macs(get_config(f"{size}-switchhead", task=task), **lengths).total
+        assert abs(sh - mha) / mha < 0.05
