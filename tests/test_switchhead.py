@@ -459,3 +459,57 @@ def test_presets_are_near_the_mha_presets_macs(size):
         mha = analytic_macs(get_config(f"{size}-mha", task=task), **lengths).total
         sh = analytic_macs(get_config(f"{size}-switchhead", task=task), **lengths).total
         assert abs(sh - mha) / mha < 0.05
+
+
+# --------------------------------------------------------------------------- analysis
+
+def test_expert_load_per_head_value_and_output_sides():
+    from headmix.analysis import expert_load, routed_layers
+    from headmix.models import build_model, get_config
+
+    torch.manual_seed(0)
+    model = build_model(get_config("tiny-switchhead", vocab_size=50)).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SwitchHeadAttention):
+                for sel in (m.value_selector, m.output_selector):
+                    sel.weight.normal_()
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(3, 50, (3, 7), generator=g), torch.randint(3, 50, (3, 5), generator=g)
+    src[2, 5:] = 0  # padding: never counted
+    tgt[1, 4:] = 0
+    names = [l.name for l in routed_layers(model)]
+    assert names[:2] == ["encoder.layers.0.self_attn:value", "encoder.layers.0.self_attn:output"]
+    assert len(names) == 2 * 6 and "decoder.layers.1.cross_attn:value" in names
+    report = expert_load(model, [{"src": src, "tgt_in": tgt}])
+    # expected: the model's own routing, counted by hand per side over that side's real tokens
+    with torch.no_grad():
+        enc = model.encode(src)
+        dec = model.decode(tgt, enc)
+    state = dict(enc.routing + dec.routing)
+    for layer in report.layers:
+        module, side = layer.name.split(":")
+        r = getattr(state[module], side)
+        ids = src if module.startswith("encoder") or (side == "value" and module.endswith("cross_attn")) else tgt
+        real = ids.reshape(-1) != 0
+        expected = torch.bincount(r.expert_index[real].reshape(-1), minlength=8)
+        assert layer.counts == expected.tolist(), layer.name
+        assert layer.num_tokens == int(real.sum()) and (layer.num_heads, layer.top_k, layer.num_experts) == (2, 2, 8)
+        assert layer.labels[:5] == ["h0.E0", "h0.E1", "h0.E2", "h0.E3", "h1.E0"]
+        for h, head in enumerate(layer.heads):
+            c_h = expected.view(2, 4)[h].double()
+            assert head["share"] == pytest.approx((c_h / c_h.sum()).tolist())
+            assert head["max_share"] == pytest.approx(float(c_h.max() / c_h.sum()))
+    text = report.to_markdown()
+    assert "Per head" in text and "| decoder.layers.1.cross_attn:value | h1 | 4 |" in text
+
+
+def test_one_expert_layers_have_only_an_output_side():
+    from headmix.analysis import routed_layers
+    from headmix.models import build_model
+    from headmix.models.config import AttentionConfig
+    from headmix.models.presets import cpu_model
+
+    att = AttentionConfig(kind="switchhead", num_heads=2, num_experts=1, top_k=1)
+    model = build_model(cpu_model("lm", att, 50, d_model=16, ffn_dim=32, layers=1, max_positions=16))
+    assert [l.name for l in routed_layers(model)] == ["decoder.layers.0.self_attn:output"]
