@@ -103,6 +103,17 @@ def test_matches_reference_outputs_and_gradients(config, case):
         assert grads["value_selector.weight"].abs().sum() > 0
 
 
+def test_value_selector_reads_the_key_and_experts_project_the_value():
+    """With different key and value inputs: the value-side selector reads the key source (as the
+    authors' ``sel_v`` reads ``k_src``), the value experts project the value source."""
+    layer = make()
+    x, key, value = torch.randn(2, 4, D), torch.randn(2, 6, D), torch.randn(2, 6, D)
+    out = layer(x, key, value)
+    torch.testing.assert_close(out.output, reference_switchhead(layer, x, key, value), atol=2e-6, rtol=1e-5)
+    s = torch.sigmoid(key.reshape(-1, D) @ layer.value_selector.weight.T)
+    torch.testing.assert_close(out.routing.value.gates, s.gather(-1, out.routing.value.expert_index))
+
+
 def test_fully_masked_row_gives_zeros_and_finite_gradients():
     layer = make(bias=True)
     x, _, kw = inputs_for("fully_masked_row")
