@@ -144,6 +144,14 @@ def check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def check_experts(num_experts: int, top_k: int) -> None:
+    """``num_experts`` and ``top_k`` positive integers with ``top_k <= num_experts``."""
+    check_positive("num_experts", num_experts)
+    check_positive("top_k", top_k)
+    if top_k > num_experts:
+        raise ValueError(f"top_k ({top_k}) must not exceed num_experts ({num_experts})")
+
+
 def check_embed_input(name: str, x: Tensor, embed_dim: int) -> None:
     if not isinstance(x, Tensor):
         raise ValueError(f"{name} must be a tensor of shape (batch, time, {embed_dim}), got {type(x).__name__}")

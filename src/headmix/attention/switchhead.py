@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
 from ..routing import Routing
 from ..routing.router import router_dtype
-from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product, zero_loss
+from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, scaled_dot_product, zero_loss
 from .mha import resolve_head_dims, split_heads
 from .moa import autocast_dtype, real_token_mask
 
@@ -81,10 +81,7 @@ class SwitchHeadAttention(AttentionLayer):
                  expert_impl: str = "auto"):
         super().__init__(embed_dim)
         self.head_dim, _ = resolve_head_dims(embed_dim, num_heads, head_dim, None)
-        check_positive("num_experts", num_experts)
-        check_positive("top_k", top_k)
-        if top_k > num_experts:
-            raise ValueError(f"top_k ({top_k}) must not exceed num_experts ({num_experts})")
+        check_experts(num_experts, top_k)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if not 0.0 <= expert_dropout < 1.0:

@@ -110,15 +110,16 @@ class AttentionConfig:
             if self.kind not in kinds and getattr(self, fname) is not None:
                 raise ValueError(f"{name}.{fname} applies to kind {' / '.join(repr(k) for k in kinds)} only; "
                                  f"it must be unset (None) for kind {self.kind!r}, got {getattr(self, fname)!r}")
-        if self.kind == "moa":
-            for fname in ("num_experts", "top_k", "head_dim"):
+        if self.kind in ("moa", "switchhead"):
+            required = ("num_experts", "top_k", "head_dim") if self.kind == "moa" else ("num_experts", "top_k")
+            for fname in required:
                 if getattr(self, fname) is None:
-                    raise ValueError(f"{name}.{fname} is required for kind 'moa'")
+                    raise ValueError(f"{name}.{fname} is required for kind {self.kind!r}")
                 _positive_int(f"{name}.{fname}", getattr(self, fname))
             if self.top_k > self.num_experts:
                 raise ValueError(f"{name}.top_k K={self.top_k} exceeds num_experts E={self.num_experts}")
             _choice(f"{name}.expert_impl", self.expert_impl, EXPERT_IMPLS)
-        else:
+        if self.kind != "moa":
             if self.num_heads is None:
                 raise ValueError(f"{name}.num_heads is required for kind {self.kind!r}")
             _positive_int(f"{name}.num_heads", self.num_heads)
@@ -137,13 +138,6 @@ class AttentionConfig:
             if self.top_k > routed:
                 raise ValueError(f"{name}.top_k K={self.top_k} exceeds the {routed} routed heads (num_heads - num_shared_heads)")
         if self.kind == "switchhead":
-            for fname in ("num_experts", "top_k"):
-                if getattr(self, fname) is None:
-                    raise ValueError(f"{name}.{fname} is required for kind 'switchhead'")
-                _positive_int(f"{name}.{fname}", getattr(self, fname))
-            if self.top_k > self.num_experts:
-                raise ValueError(f"{name}.top_k K={self.top_k} exceeds num_experts E={self.num_experts}")
-            _choice(f"{name}.expert_impl", self.expert_impl, EXPERT_IMPLS)
             if self.expert_dropout is not None:
                 _fraction(f"{name}.expert_dropout", self.expert_dropout)
             if self.init_scale is not None and (not isinstance(self.init_scale, (int, float))
