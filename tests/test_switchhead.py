@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from headmix import SwitchHeadAttention, SwitchHeadRouting
 from headmix.attention.reference import reference_switchhead
 from headmix.kernels import IMPLS
+from kernel_cases import define_interpreted_kernels
 from test_attention import D, inputs_for as attention_inputs_for
 
 
@@ -225,10 +226,11 @@ def test_cross_attention_static_cache():
 # --------------------------------------------------------------------------- kernels
 
 def _cpu_impls() -> list[str]:
-    from headmix.kernels.grouped_triton import can_run_on_cpu, triton_available
+    """Every implementation, ``triton`` in the Triton interpreter unless its kernels are compiled for a GPU."""
+    from headmix.kernels.grouped_triton import triton_available
 
     impls = [i for i in IMPLS if i != "triton"]
-    if triton_available() and can_run_on_cpu():
+    if triton_available() and define_interpreted_kernels():
         impls.append("triton")
     return impls
 
