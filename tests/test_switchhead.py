@@ -106,6 +106,32 @@ def test_fully_masked_row_gives_zeros_and_finite_gradients():
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("length", [0, 1])
+def test_length_zero_and_one(length):
+    layer = make()
+    x = torch.randn(2, length, D, requires_grad=True)
+    out = layer(x, is_causal=True).output
+    assert out.shape == (2, length, D)
+    out.sum().backward()
+    if length:
+        torch.testing.assert_close(out, reference_switchhead(layer, x, is_causal=True), atol=2e-6, rtol=1e-5)
+    assert layer(torch.randn(2, 3, D), torch.randn(2, 0, D)).output.abs().max() == 0  # no keys: zeros
+
+
+def test_gradcheck_float64():
+    layer = make(num_heads=2, num_experts=3, top_k=2, head_dim=3, bias=True).double()
+    x = torch.randn(1, 3, D, dtype=torch.float64, requires_grad=True)
+    mem = torch.randn(1, 4, D, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: layer(a, b).output, (x, mem))
+
+
+def test_query_padding_mask_marks_the_output_side():
+    qpm = torch.zeros(2, 3, dtype=torch.bool)
+    qpm[0, 2] = True
+    r = make()(torch.randn(2, 3, D), torch.randn(2, 4, D), query_padding_mask=qpm).routing
+    assert r.output.token_mask.tolist() == [True, True, False, True, True, True] and r.value.token_mask is None
+
+
 def sigmoid_gated_attention(x: torch.Tensor, wq, wk, wv, wo, gate, num_heads: int, causal: bool) -> torch.Tensor:
     """Multi-head attention whose head outputs are scaled by ``sigmoid(x gate_h)`` before the output
     projection, written independently of headmix: ``y = sum_h sigmoid(x g_h) o^h W_o^h``."""

@@ -158,8 +158,9 @@ class SwitchHeadAttention(AttentionLayer):
         info = expert_routing(index, h * self.num_experts)
         # x_t W_v^{h,e} for the k selected experts of every head: (N, H * k, head_dim).
         v = expert_map(value.reshape(n, dim).to(compute), self.value_experts.to(compute), info, impl=self.expert_impl)
-        v = v.view(n, h, -1, dh)
-        v = v.squeeze(2) if gates is None else (v * gates.view(n, h, -1, 1).to(v.dtype)).sum(2)
+        k_v = 1 if gates is None else self.top_k
+        v = v.view(n, h, k_v, dh)
+        v = v.squeeze(2) if gates is None else (v * gates.view(n, h, k_v, 1).to(v.dtype)).sum(2)
         return k, v.view(batch, src, h, dh).transpose(1, 2), routing
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
