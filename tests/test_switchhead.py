@@ -513,6 +513,18 @@ def test_expert_load_per_head_value_and_output_sides():
     assert "Per head" in text and "| decoder.layers.1.cross_attn:value | h1 | 4 |" in text
 
 
+def test_token_expert_pmi_on_a_switchhead_side():
+    from headmix.analysis import token_expert_pmi
+    from headmix.models import build_model, get_config
+
+    torch.manual_seed(0)
+    model = build_model(get_config("tiny-switchhead", task="lm", vocab_size=40)).eval()
+    ids = torch.randint(3, 40, (4, 12), generator=torch.Generator().manual_seed(2))
+    report = token_expert_pmi(model, [ids], layer="decoder.layers.1.self_attn:output", min_count=1)
+    assert report.name == "decoder.layers.1.self_attn:output" and report.num_slots == 2 * 2 * ids.numel()
+    assert "SwitchHead layer with 8 experts, top-2" in report.to_markdown()
+
+
 def test_one_expert_layers_have_only_an_output_side():
     from headmix.analysis import routed_layers
     from headmix.models import build_model
