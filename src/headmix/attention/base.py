@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +103,7 @@ class AttentionLayer(nn.Module):
 
     def _keys_values(
         self, query: Tensor, key: Tensor | None, value: Tensor | None, use_cache: bool, cache: KVCache | None,
-        project=None,
+        project: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
     ) -> tuple[Tensor, Tensor, KVCache | None, int]:
         """Project (or fetch from the cache) the keys and values this call attends to.
 
