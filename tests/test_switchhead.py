@@ -534,3 +534,23 @@ def test_one_expert_layers_have_only_an_output_side():
     att = AttentionConfig(kind="switchhead", num_heads=2, num_experts=1, top_k=1)
     model = build_model(cpu_model("lm", att, 50, d_model=16, ffn_dim=32, layers=1, max_positions=16))
     assert [l.name for l in routed_layers(model)] == ["decoder.layers.0.self_attn:output"]
+
+
+# --------------------------------------------------------------------------- bench attention
+
+def test_bench_attention_switchhead_spec_and_rows():
+    from headmix.bench.attention import bench_decoding, bench_layers, parse_switchhead
+
+    assert parse_switchhead("2H4E2K", 512) == (2, 4, 2, 171)          # 2 H d_h d_m (1 + k) ~= 4 d_m^2
+    assert parse_switchhead("3H8E1K64D", 512) == (3, 8, 1, 64)
+    for bad in ("2H4E", "2H2E3K", "0H4E2K"):
+        with pytest.raises(ValueError, match="--switchhead"):
+            parse_switchhead(bad, 512)
+    specs = [(2, 3, 2, 8)]
+    rows = bench_layers([8], [4], embed_dim=16, top_k=2, head_dim=8, batch_tokens=16, batch=None, repeats=1, warmup=0,
+                        device=torch.device("cpu"), dtype=torch.float32, switchheads=specs)
+    assert [r["layer"] for r in rows] == ["torch MHA", "headmix MHA", "MoA 2K4E8D", "SwitchHead 2H3E2K8D"]
+    dec = bench_decoding(embed_dim=16, top_k=2, head_dim=8, experts=[], batch=2, prompt=3, steps=2, repeats=1,
+                         device=torch.device("cpu"), dtype=torch.float32, switchheads=specs)
+    assert dec[-1]["layer"] == "SwitchHead 2H3E2K8D"
+    assert dec[-1]["cache_bytes_per_token"] == 2 * 2 * 8 * 4                 # keys and mixed values, 2 heads of 8
