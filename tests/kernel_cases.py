@@ -1,14 +1,34 @@
 """Cases and helpers shared by the expert map / reduce tests (MoA eq. 10, 12, 6).
 
-Used by test_kernels.py (CPU implementations), test_kernels_triton.py (Triton interpreter) and
-test_gpu.py (Triton compiled for a GPU).
+Used by test_kernels.py (CPU implementations), test_kernels_triton.py (Triton interpreter),
+test_switchhead.py (every implementation) and test_gpu.py (Triton compiled for a GPU).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from headmix.kernels import expert_map, expert_reduce, expert_routing
+
+
+def define_interpreted_kernels() -> bool:
+    """Define headmix's Triton kernels for the Triton interpreter (CPU tensors), if they are not defined
+    yet: ``TRITON_INTERPRET=1`` is set only while they are defined (the interpreter is chosen when a
+    ``@triton.jit`` function is created) and then restored. False when they were already compiled for a
+    GPU in this process."""
+    from headmix.kernels import grouped_triton
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return grouped_triton.kernels_interpreted()  # defines the kernels on first call
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
 
 
 def einsum_map(x, weight, expert_index):

@@ -382,7 +382,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     tok = Tokenizer.load(out["tiny-moa"] / "tokenizer")
     docs = load_embedded_documents(sources="kjv-bible")[:8]
     for name, preset, task in (("talking", "tiny-talking-heads", "translation"), ("lm", "tiny-moa", "lm"),
-                               ("mlm", "tiny-moa", "mlm")):
+                               ("mlm", "tiny-moa", "mlm"), ("switchhead", "tiny-switchhead", "translation")):
         run = root / name
         torch.manual_seed(0)
         build_model(get_config(preset, task=task, vocab_size=tok.vocab_size)).save_pretrained(run)
@@ -414,6 +414,21 @@ def test_cli_load_writes_json_markdown_and_pngs(runs, tmp_path, capsys):
                  "--limit", "5", "--out", str(out2)]) == 0
     data2 = json.loads((out2 / "load.json").read_text())
     assert data2["layers"][0]["num_tokens"] < data["layers"][0]["num_tokens"]
+
+
+def test_cli_load_switchhead_per_head_and_side(runs, tmp_path, capsys):
+    out = tmp_path / "load_sh"
+    assert main(["analyze", "load", str(runs["switchhead"]), "--out", str(out)]) == 0
+    data = json.loads((out / "load.json").read_text())
+    # 6 attention layers, each with a value and an output side, 2 heads of 4 experts
+    assert len(data["layers"]) == 12 and data["layers"][1]["name"] == "encoder.layers.0.self_attn:output"
+    for layer in data["layers"]:
+        assert layer["kind"] == "switchhead" and len(layer["heads"]) == 2 and layer["num_tokens"] > 0
+        assert sum(layer["counts"]) == 2 * 2 * layer["num_tokens"]  # k = 2 slots per head per token
+        for head in layer["heads"]:
+            assert math.isclose(sum(head["share"]), 1.0, rel_tol=1e-9)
+    assert len(list((out / "load_layers").glob("*.png"))) == 12
+    assert "decoder.layers.0.cross_attn:value" in capsys.readouterr().out
 
 
 def test_cli_pmi_table_shows_token_text(runs, tmp_path, capsys):

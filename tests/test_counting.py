@@ -12,7 +12,8 @@ from headmix.models import analytic_macs, analytic_parameters, build_model, coun
 from headmix.models.counting import attention_macs, attention_parameters
 from headmix.models.presets import PAPER_MLM, PAPER_TRANSLATION
 
-CPU_PRESETS = [(n, t) for n in ("tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads", "mini-mha", "mini-moa", "small-mha", "small-moa")
+CPU_PRESETS = [(n, t) for n in ("tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads", "tiny-switchhead", "mini-mha",
+                                "mini-moa", "mini-switchhead", "small-mha", "small-moa")
                for t in ("translation", "mlm", "lm")]
 PAPER_PRESETS = [(n, "translation") for n in PAPER_TRANSLATION] + [(n, "mlm") for n in PAPER_MLM]
 
@@ -90,7 +91,7 @@ def test_measured_macs_equal_analytic(name, task):
     _assert_measured_equals_analytic(name, task)
 
 
-@pytest.mark.parametrize("name", ["tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads"])
+@pytest.mark.parametrize("name", ["tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads", "tiny-switchhead"])
 def test_measured_macs_other_lengths_and_batch(name):
     _assert_measured_equals_analytic(name, "translation", src_len=13, tgt_len=6)
     _assert_measured_equals_analytic(name, "mlm", src_len=33)
@@ -108,12 +109,12 @@ def test_moa_compute_does_not_grow_with_experts():
     assert analytic_parameters(big).total > 2 * analytic_parameters(small).total
 
 
-@pytest.mark.parametrize("size", ["mini", "small"])
-def test_matched_pairs_have_nearly_equal_macs(size):
+@pytest.mark.parametrize("size, kind", [("mini", "moa"), ("small", "moa"), ("tiny", "switchhead"), ("mini", "switchhead")])
+def test_matched_pairs_have_nearly_equal_macs(size, kind):
     for task, lengths in (("translation", dict(src_len=32, tgt_len=32)), ("lm", dict(tgt_len=64))):
         mha = analytic_macs(get_config(f"{size}-mha", task=task), **lengths).total
-        moa = analytic_macs(get_config(f"{size}-moa", task=task), **lengths).total
-        assert abs(moa - mha) / mha < 0.05
+        other = analytic_macs(get_config(f"{size}-{kind}", task=task), **lengths).total
+        assert abs(other - mha) / mha < 0.05
 
 
 def test_length_arguments():

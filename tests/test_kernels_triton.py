@@ -15,26 +15,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import NAMES, assert_all_close, make_case, run, run_einsum
+from kernel_cases import NAMES, assert_all_close, define_interpreted_kernels, make_case, run, run_einsum
 
 from headmix.kernels import expert_map, expert_reduce, expert_routing, grouped_triton
 
 _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
 
 
-def _define_interpreted_kernels() -> bool:
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return grouped_triton.kernels_interpreted()  # defines the kernels on first call
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-if not _define_interpreted_kernels():
+if not define_interpreted_kernels():
     pytest.skip("Triton kernels were already compiled for a GPU in this process", allow_module_level=True)
 
 

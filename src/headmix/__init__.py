@@ -14,6 +14,8 @@ from .attention import (
     MixtureOfAttentionHeads,
     MixtureOfHeadsAttention,
     MultiHeadAttention,
+    SwitchHeadAttention,
+    SwitchHeadRouting,
     TalkingHeadsAttention,
 )
 from .routing import Routing, TopKRouter
@@ -26,6 +28,8 @@ __all__ = [
     "MixtureOfAttentionHeads",
     "MixtureOfHeadsAttention",
     "MultiHeadAttention",
+    "SwitchHeadAttention",
+    "SwitchHeadRouting",
     "TalkingHeadsAttention",
     "Routing",
     "TopKRouter",

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..attention.moa import real_token_mask
 from ..models import CausalLanguageModel, EncoderDecoderModel, MaskedLanguageModel
 from ..routing import Routing
-from .layers import RoutedLayer, _unwrap, layer_token_ids, require_routed
+from .layers import RoutedLayer, _unwrap, layer_routings, layer_token_ids, require_routed
 
 TRANSLATION_INPUTS = ("src", "tgt_in")
 LM_INPUTS = ("input_ids",)
@@ -188,9 +188,14 @@ def as_model_inputs(model: nn.Module, batch: Any) -> dict[str, Tensor]:
 
 
 def model_routing(model: nn.Module, inputs: dict[str, Tensor]) -> list[tuple[str, Routing]]:
-    """The ``(layer name, Routing)`` list of one forward pass. For the headmix models only the encoder
+    """The ``(layer name, Routing)`` list of one forward pass (a SwitchHead layer gives its two sides,
+    see :func:`~headmix.analysis.layers.layer_routings`). For the headmix models only the encoder
     and decoder stacks run: the routing does not depend on the output projection, the largest matmul
     of a small model (``d_model x vocab`` per token), so it is skipped."""
+    return [pair for name, routing in _model_routing(model, inputs) for pair in layer_routings(name, routing)]
+
+
+def _model_routing(model: nn.Module, inputs: dict[str, Tensor]) -> list[tuple[str, Any]]:
     inner = _unwrap(model)
     if isinstance(inner, EncoderDecoderModel):
         enc = inner.encode(inputs["src"])
@@ -241,7 +246,8 @@ def collect_routing(model: nn.Module, batches: Iterable[Any], *, layers: Iterabl
     if cooc and vocab is None:
         raise ValueError("the model has no config.vocab_size: cannot size the token x expert counts")
     stats = RoutingStats([by_name[n] for n in wanted],
-                         {n: LayerCounts(n, by_name[n].num_experts, vocab if n in cooc else None, by_name[n].top_k)
+                         {n: LayerCounts(n, by_name[n].num_experts, vocab if n in cooc else None,
+                                         by_name[n].slots_per_token)
                           for n in dict.fromkeys(wanted + sorted(cooc))})
     handles = []
     if heads:

@@ -7,6 +7,11 @@ heads (MoH; its "experts" are the routed heads, counted from 0 after the ``num_s
 heads). The layer names are the module names, which are also the names under which the models report
 their routing (``ModelOutput.routing``), e.g. ``encoder.layers.0.self_attn``,
 ``decoder.layers.3.cross_attn``.
+
+A :class:`~headmix.attention.SwitchHeadAttention` routes on two sides, so it is two routed layers,
+``<module>:value`` (the value-side selection over the key/value tokens; absent with one expert per head)
+and ``<module>:output`` (the output-side selection over the query tokens), each over the
+``num_heads * num_experts`` experts ``h * E + e`` with ``top_k`` slots per head.
 """
 
 from __future__ import annotations
@@ -16,9 +21,13 @@ from typing import Any, Mapping
 
 from torch import Tensor, nn
 
-from ..attention import AttentionLayer, MixtureOfAttentionHeads, MixtureOfHeadsAttention
+from ..attention import AttentionLayer, MixtureOfAttentionHeads, MixtureOfHeadsAttention, SwitchHeadAttention
+from ..attention.switchhead import SwitchHeadRouting
+from ..routing import Routing
 
-KIND_NAMES = {"moa": "MoA", "moh": "MoH"}
+KIND_NAMES = {"moa": "MoA", "moh": "MoH", "switchhead": "SwitchHead"}
+#: The two routed sides of a SwitchHead layer, as name suffixes.
+SWITCHHEAD_SIDES = (":value", ":output")
 
 
 @dataclass(frozen=True)
@@ -26,7 +35,9 @@ class RoutedLayer:
     """One routed layer: ``index`` in the model's routed-layer order, module ``name``, ``kind``
     (``"moa"`` or ``"moh"``), ``num_experts`` (MoA experts ``E``, or MoH routed heads ``R``), ``top_k``
     and, for MoH, ``num_shared_heads`` (the shared heads come first, so routed head ``i`` is head
-    ``num_shared_heads + i`` of the layer)."""
+    ``num_shared_heads + i`` of the layer). For SwitchHead (``kind="switchhead"``, one routed layer per
+    side), ``num_experts`` is ``num_heads * E``, ``top_k`` the experts per head and ``num_heads`` the
+    heads: a token fills ``num_heads * top_k`` slots."""
 
     index: int
     name: str
@@ -35,6 +46,16 @@ class RoutedLayer:
     top_k: int
     num_shared_heads: int = 0
     module: nn.Module | None = field(default=None, repr=False, compare=False)
+    num_heads: int = 1
+
+    @property
+    def slots_per_token(self) -> int:
+        """Routing slots one token fills: ``top_k``, or ``num_heads * top_k`` for SwitchHead."""
+        return self.num_heads * self.top_k
+
+    @property
+    def experts_per_head(self) -> int:
+        return self.num_experts // self.num_heads
 
     @property
     def role(self) -> str:
@@ -47,16 +68,22 @@ class RoutedLayer:
         layer (``h1 .. h3`` with one shared head)."""
         if self.kind == "moh":
             return [f"h{self.num_shared_heads + i}" for i in range(self.num_experts)]
+        if self.kind == "switchhead":
+            e = self.experts_per_head
+            return [f"h{i // e}.E{i % e}" for i in range(self.num_experts)]
         return [f"E{i}" for i in range(self.num_experts)]
 
     def describe(self) -> dict[str, Any]:
         return {"index": self.index, "name": self.name, "kind": self.kind, "role": self.role,
-                "num_experts": self.num_experts, "top_k": self.top_k, "num_shared_heads": self.num_shared_heads}
+                "num_experts": self.num_experts, "top_k": self.top_k, "num_shared_heads": self.num_shared_heads,
+                "num_heads": self.num_heads}
 
 
 def layer_role(name: str) -> str:
     """The role of an attention layer from its module name: ``"encoder self-attention"``,
-    ``"decoder self-attention"`` or ``"cross-attention"``."""
+    ``"decoder self-attention"`` or ``"cross-attention"`` (a SwitchHead side's suffix ``:value`` /
+    ``:output`` is ignored)."""
+    name = name.split(":")[0]
     if name.endswith("cross_attn"):
         return "cross-attention"
     return ("encoder" if name.startswith("encoder.") else "decoder") + " self-attention"
@@ -88,7 +115,20 @@ def routed_layers(model: nn.Module) -> list[RoutedLayer]:
             out.append(RoutedLayer(len(out), name, "moa", m.num_experts, m.top_k, 0, m))
         elif isinstance(m, MixtureOfHeadsAttention) and m.num_routed_heads > 0:
             out.append(RoutedLayer(len(out), name, "moh", m.num_routed_heads, m.top_k, m.num_shared_heads, m))
+        elif isinstance(m, SwitchHeadAttention):
+            for side in SWITCHHEAD_SIDES if m.value_selector is not None else SWITCHHEAD_SIDES[1:]:
+                out.append(RoutedLayer(len(out), name + side, "switchhead", m.num_heads * m.num_experts, m.top_k,
+                                       0, m, m.num_heads))
     return out
+
+
+def layer_routings(name: str, routing: Routing | SwitchHeadRouting) -> list[tuple[str, Routing]]:
+    """``(routed layer name, Routing)`` pairs of one layer's reported routing: itself, or a SwitchHead
+    layer's two sides as ``name:value`` (when it selected values in this call) and ``name:output``."""
+    if isinstance(routing, SwitchHeadRouting):
+        sides = [(name + ":value", routing.value), (name + ":output", routing.output)]
+        return [(n, r) for n, r in sides if r is not None]
+    return [(name, routing)]
 
 
 def describe_routed(layers: list[RoutedLayer]) -> str:
@@ -102,7 +142,7 @@ def require_routed(model: nn.Module, what: str = "this analysis") -> list[Routed
     """The routed layers, or a ``ValueError`` naming the attention layers the model has instead."""
     layers = routed_layers(model)
     if not layers:
-        raise ValueError(f"{what} needs a routed attention layer (MoA, or MoH with routed heads), but this "
+        raise ValueError(f"{what} needs a routed attention layer (MoA, SwitchHead, or MoH with routed heads), but this "
                          f"model has none; its attention layers are: {describe_attention(model)}")
     return layers
 
@@ -139,7 +179,9 @@ def select_layer(model: nn.Module, layer: int | str | None) -> RoutedLayer:
 def layer_token_ids(name: str, inputs: Mapping[str, Tensor]) -> Tensor:
     """The token ids of a layer's queries, ``(B, T)``: the encoder's input (``src``) for encoder layers,
     the decoder's input (``tgt_in``) for decoder self- and cross-attention, ``input_ids`` for the
-    language models."""
+    language models. A SwitchHead cross-attention's value side selects over the memory: ``src``."""
     if "src" in inputs:
+        if name.endswith(":value") and name.split(":")[0].endswith("cross_attn"):
+            return inputs["src"]
         return inputs["src"] if name.startswith("encoder.") else inputs["tgt_in"]
     return inputs["input_ids"]

@@ -15,6 +15,12 @@ dataset (a token routed to ``k`` experts fills ``k`` slots):
 - summaries: ``max_share``, ``min_share``, the coefficient of variation ``cv = std(share) / mean(share)``
   (0 = perfectly even) and ``norm_entropy = H(share) / log E`` (1 = perfectly even), the same
   definitions as the training log's ``load_*`` fields.
+
+SwitchHead (arXiv 2312.07987) layers appear twice, ``<module>:value`` and ``<module>:output`` (see
+:mod:`headmix.analysis.layers`), each over the ``H * E`` experts ``h{h}.E{e}``; every head fills ``k``
+slots per token, so the load that matters is the load inside each head: ``heads`` lists, per head,
+the shares of its ``E`` experts among that head's slots and their summaries. ``gate_share`` is the share
+of the summed sigmoid weights and ``mean_prob`` the mean sigmoid ``s`` (not a distribution).
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class LayerLoad:
     min_share: float
     cv: float
     norm_entropy: float
+    num_heads: int = 1
+    heads: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_counts(cls, layer: RoutedLayer, counts: LayerCounts) -> LayerLoad:
@@ -62,9 +70,16 @@ class LayerLoad:
         total, tokens = float(c.sum()), counts.num_tokens
         gates = float(counts.gate_sum.sum())
         summary = load_summary(counts.counts)
+        heads = []
+        if layer.kind == "switchhead":
+            for h, c_h in enumerate(counts.counts.view(layer.num_heads, -1)):
+                total_h = float(c_h.sum())
+                heads.append({"head": h, "share": (c_h.double() / total_h).tolist() if total_h else [0.0] * len(c_h),
+                              **load_summary(c_h)})
         return cls(
             name=layer.name, kind=layer.kind, role=layer.role, num_experts=layer.num_experts,
-            top_k=counts.top_k or layer.top_k, num_shared_heads=layer.num_shared_heads, labels=layer.expert_labels,
+            top_k=(counts.top_k or layer.slots_per_token) // layer.num_heads, num_shared_heads=layer.num_shared_heads,
+            labels=layer.expert_labels, num_heads=layer.num_heads, heads=heads,
             num_tokens=tokens, counts=[int(x) for x in counts.counts],
             share=(c / total).tolist() if total else [0.0] * layer.num_experts,
             token_fraction=(c / tokens).tolist() if tokens else [0.0] * layer.num_experts,
@@ -127,6 +142,14 @@ class LoadReport:
             for l in self.layers:
                 cells = [f"{l.labels[i]} {100 * l.share[i]:.1f}%" if i < l.num_experts else "" for i in range(width)]
                 lines.append(f"| {l.name} | {100 / l.num_experts:.1f}% | " + " | ".join(cells) + " |")
+        per_head = [l for l in self.layers if l.heads]
+        if per_head:
+            lines += ["", "Per head (shares of the head's own slots):", "",
+                      "| layer | head | E | max share | min share | CV | entropy/log E |", "|---|---|---|---|---|---|---|"]
+            for l in per_head:
+                for h in l.heads:
+                    lines.append(f"| {l.name} | h{h['head']} | {len(h['share'])} | {100 * h['max_share']:.2f}% | "
+                                 f"{100 * h['min_share']:.2f}% | {h['cv']:.3f} | {h['norm_entropy']:.3f} |")
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------------------------- plots

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from . import plotting
 from .counts import LayerCounts, collect_routing
 from .data import write_json
-from .layers import RoutedLayer, select_layer
+from .layers import KIND_NAMES, RoutedLayer, select_layer
 
 SPACE_MARK = "\u2581"  # "▁": the token starts with a space (a word start), as SentencePiece shows it
 
@@ -184,7 +184,7 @@ class PMIReport:
     def to_markdown(self, details: bool = True) -> str:
         """A table like the MoA paper's Table 4 (one row per expert: its share and its top tokens by PMI)
         and, with ``details``, each ranked token's PMI, log PMI and counts."""
-        kind = {"moa": "MoA", "moh": "MoH"}.get(self.layer.get("kind", ""), "")
+        kind = KIND_NAMES.get(self.layer.get("kind", ""), "")
         unit = "routed head" if self.layer.get("kind") == "moh" else "expert"
         out = [f"### Top tokens per {unit} by PMI: `{self.name}`",
                "",

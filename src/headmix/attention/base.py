@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -102,12 +102,15 @@ class AttentionLayer(nn.Module):
         return query, key, value
 
     def _keys_values(
-        self, query: Tensor, key: Tensor | None, value: Tensor | None, use_cache: bool, cache: KVCache | None
+        self, query: Tensor, key: Tensor | None, value: Tensor | None, use_cache: bool, cache: KVCache | None,
+        project: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
     ) -> tuple[Tensor, Tensor, KVCache | None, int]:
         """Project (or fetch from the cache) the keys and values this call attends to.
 
         Returns ``k, v, new_cache, past_len``, where ``past_len`` is the number of positions that precede
-        the queries of this call (for causal masks in incremental decoding).
+        the queries of this call (for causal masks in incremental decoding). ``project(key, value) -> (k, v)``
+        replaces ``self._project_kv`` for this call (SwitchHead passes a closure that also keeps the
+        value-side routing of the call).
         """
         if cache is not None:
             if not isinstance(cache, KVCache):
@@ -121,7 +124,7 @@ class AttentionLayer(nn.Module):
         if cache is not None and cache.static:
             return cache.key, cache.value, (cache if use_cache else None), 0
         self_attention = key is None
-        k, v = self._project_kv(query if self_attention else key, query if self_attention else value)
+        k, v = (project or self._project_kv)(query if self_attention else key, query if self_attention else value)
         past_len = 0
         if cache is not None:
             if not self_attention:
@@ -139,6 +142,14 @@ class AttentionLayer(nn.Module):
 def check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_experts(num_experts: int, top_k: int) -> None:
+    """``num_experts`` and ``top_k`` positive integers with ``top_k <= num_experts``."""
+    check_positive("num_experts", num_experts)
+    check_positive("top_k", top_k)
+    if top_k > num_experts:
+        raise ValueError(f"top_k ({top_k}) must not exceed num_experts ({num_experts})")
 
 
 def check_embed_input(name: str, x: Tensor, embed_dim: int) -> None:

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import TopKRouter, routing_losses
-from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product
+from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, check_positive, scaled_dot_product
 
 
 class MixtureOfAttentionHeads(AttentionLayer):
@@ -35,11 +35,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
                  dropout: float = 0.0, router: str = "softmax", renormalize: str = "detached",
                  load_balance_weight: float = 0.01, z_loss_weight: float = 0.001, expert_impl: str = "auto"):
         super().__init__(embed_dim)
-        check_positive("num_experts", num_experts)
-        check_positive("top_k", top_k)
+        check_experts(num_experts, top_k)
         check_positive("head_dim", head_dim)
-        if top_k > num_experts:
-            raise ValueError(f"top_k ({top_k}) must not exceed num_experts ({num_experts})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         for name, w in (("load_balance_weight", load_balance_weight), ("z_loss_weight", z_loss_weight)):

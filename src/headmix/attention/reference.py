@@ -16,6 +16,7 @@ from torch import Tensor
 from .moa import MixtureOfAttentionHeads
 from .mha import MultiHeadAttention
 from .moh import MixtureOfHeadsAttention
+from .switchhead import SwitchHeadAttention
 from .talking_heads import TalkingHeadsAttention
 
 
@@ -181,4 +182,44 @@ def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | N
         y = y + g[..., i:i + 1].to(query.dtype) * (h_i @ w_o[sl])
     if layer.out_proj.bias is not None:
         y = y + layer.out_proj.bias
+    return y
+
+
+def reference_switchhead_selection(layer: SwitchHeadAttention, x: Tensor, selector: torch.nn.Linear) -> tuple[Tensor, Tensor]:
+    """SwitchHead's selection for every head: ``(s, w)`` of shape ``(batch, time, heads, experts)``, the
+    sigmoids ``s = sigmoid(x W_sel)`` and the weights ``w`` (``s`` on the ``top_k`` largest, 0 elsewhere;
+    no softmax, no renormalisation)."""
+    b, t, _ = x.shape
+    s = torch.sigmoid(x @ selector.weight.T).view(b, t, layer.num_heads, layer.num_experts)
+    chosen = torch.zeros_like(s, dtype=torch.bool).scatter(-1, s.detach().double().topk(layer.top_k, dim=-1).indices, True)
+    return s, s * chosen
+
+
+def reference_switchhead(layer: SwitchHeadAttention, query: Tensor, key: Tensor | None = None,
+                         value: Tensor | None = None, **masks) -> Tensor:
+    """SwitchHead, one head and one expert at a time: ``v_t^h = sum_e w_{t,e}^h x_t W_v^{h,e}``,
+    ``o^h = softmax(q W_q^h (K W_k^h)^T / sqrt(d_h)) V^h``, ``y_t = sum_h sum_e w'^h_{t,e} o_t^h W_o^{h,e}``
+    (every expert evaluated, unselected ones weighted 0). With one expert there is no value selector."""
+    key, value = _inputs(query, key, value)
+    n_h, n_e, d = layer.num_heads, layer.num_experts, layer.head_dim
+    allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
+    if layer.value_selector is not None:
+        _, w_v = reference_switchhead_selection(layer, key, layer.value_selector)
+    else:
+        w_v = torch.ones(*key.shape[:2], n_h, 1, dtype=query.dtype)
+    _, w_o = reference_switchhead_selection(layer, query, layer.output_selector)
+    y = torch.zeros_like(query)
+    for h in range(n_h):
+        sl = slice(h * d, (h + 1) * d)
+        q_h = query @ layer.q_proj.weight[sl].T + (layer.q_proj.bias[sl] if layer.q_proj.bias is not None else 0)
+        k_h = key @ layer.k_proj.weight[sl].T + (layer.k_proj.bias[sl] if layer.k_proj.bias is not None else 0)
+        v_h = torch.zeros(*value.shape[:2], d, dtype=query.dtype)
+        for e in range(n_e):
+            v_h = v_h + w_v[..., h, e:e + 1] * (value @ layer.value_experts[h * n_e + e])
+        o_h = reference_softmax_attention(q_h.unsqueeze(1), k_h.unsqueeze(1), v_h.unsqueeze(1), allowed, added,
+                                          1.0 / math.sqrt(d)).squeeze(1)
+        for e in range(n_e):
+            y = y + w_o[..., h, e:e + 1] * (o_h @ layer.output_experts[h * n_e + e])
+    if layer.out_bias is not None:
+        y = y + layer.out_bias
     return y

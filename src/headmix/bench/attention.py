@@ -1,4 +1,4 @@
-"""``headmix bench attention``: MoA and headmix MHA against ``torch.nn.MultiheadAttention``.
+"""``headmix bench attention``: MoA, SwitchHead and headmix MHA against ``torch.nn.MultiheadAttention``.
 
 For each sequence length and number of experts it times, in one process and interleaved (every repeat
 runs each layer once, in turn; the median over repeats is reported):
@@ -9,20 +9,25 @@ runs each layer once, in turn; the median over repeats is reported):
   allocator statistics) the bytes of the tensors autograd saves for backward, the activation memory;
 
 and the ratio of each to ``torch.nn.MultiheadAttention(embed_dim, heads=top_k)``, whose
-``heads * head_dim = top_k * head_dim`` matches MoA's. A decoding table follows: tokens per second
-generating one token at a time with the cache, and the cache's bytes per token, for MoA and headmix MHA.
+``heads * head_dim = top_k * head_dim`` matches MoA's. SwitchHead layers (``--switchhead``, e.g.
+``2H4E2K``: 2 heads, top 2 of 4 value/output experts each) get by default the head size that gives them
+the baseline's projection MACs, ``2 H d_h d_m (1 + k) = 4 d_m^2`` (``d_h = 2 d_m / (H (1 + k))``, 170 for
+``2H4E2K`` at ``d_m = 512``); with fewer heads they then compute fewer attention matrices (the paper's
+point), so their attention MACs are lower. A decoding table follows: tokens per second generating one
+token at a time with the cache, and the cache's bytes per token, for MoA, SwitchHead and headmix MHA.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ..attention import MixtureOfAttentionHeads, MultiHeadAttention
+from ..attention import MixtureOfAttentionHeads, MultiHeadAttention, SwitchHeadAttention
 from .timing import interleaved_timings
 
 
@@ -61,7 +66,30 @@ class Case:
     call: Callable[[torch.Tensor], torch.Tensor]
 
 
-def make_cases(embed_dim: int, top_k: int, head_dim: int, experts: list[int], device, dtype) -> list[Case]:
+SWITCHHEAD_SPEC = re.compile(r"^(\d+)H(\d+)E(\d+)K(?:(\d+)D)?$")
+
+
+def parse_switchhead(spec: str, embed_dim: int) -> tuple[int, int, int, int]:
+    """``"2H4E2K"`` or ``"2H4E2K64D"`` -> ``(heads, experts, top_k, head_dim)``; without ``D`` the head
+    size whose projection MACs equal MHA's ``4 d_m^2``: ``2 d_m / (H (1 + k))`` (at least 1)."""
+    m = SWITCHHEAD_SPEC.match(spec)
+    if m is None:
+        raise ValueError(f"--switchhead must look like 2H4E2K or 2H4E2K64D (heads, experts, top_k, head_dim), got {spec!r}")
+    h, e, k = (int(g) for g in m.groups()[:3])
+    if min(h, e, k) <= 0 or k > e:
+        raise ValueError(f"--switchhead {spec!r}: heads, experts and top_k must be positive and top_k <= experts")
+    d = int(m.group(4)) if m.group(4) else max(1, round(2 * embed_dim / (h * (1 + k))))
+    if d <= 0:
+        raise ValueError(f"--switchhead {spec!r}: head_dim must be positive")
+    return h, e, k, d
+
+
+def switchhead_name(h: int, e: int, k: int, d: int) -> str:
+    return f"SwitchHead {h}H{e}E{k}K{d}D"
+
+
+def make_cases(embed_dim: int, top_k: int, head_dim: int, experts: list[int], device, dtype,
+               switchheads: list[tuple[int, int, int, int]] = ()) -> list[Case]:
     torch_mha = nn.MultiheadAttention(embed_dim, top_k, batch_first=True, device=device, dtype=dtype)
     if top_k * head_dim != torch_mha.embed_dim:
         raise ValueError(f"top_k * head_dim ({top_k} * {head_dim}) must equal embed_dim ({embed_dim}) for the baseline")
@@ -71,14 +99,17 @@ def make_cases(embed_dim: int, top_k: int, head_dim: int, experts: list[int], de
     for e in experts:
         moa = MixtureOfAttentionHeads(embed_dim, e, top_k, head_dim).to(device, dtype)
         cases.append(Case(f"MoA {top_k}K{e}E{head_dim}D", moa, lambda x, m=moa: m(x).output))
+    for h, e, k, d in switchheads:
+        sh = SwitchHeadAttention(embed_dim, h, e, k, d).to(device, dtype)
+        cases.append(Case(switchhead_name(h, e, k, d), sh, lambda x, m=sh: m(x).output))
     return cases
 
 
 def bench_layers(seq_lens: list[int], experts: list[int], *, embed_dim: int, top_k: int, head_dim: int,
                  batch_tokens: int, batch: int | None, repeats: int, warmup: int, device: torch.device,
-                 dtype: torch.dtype) -> list[dict]:
+                 dtype: torch.dtype, switchheads: list[tuple[int, int, int, int]] = ()) -> list[dict]:
     rows = []
-    cases = make_cases(embed_dim, top_k, head_dim, experts, device, dtype)
+    cases = make_cases(embed_dim, top_k, head_dim, experts, device, dtype, switchheads)
     for seq in seq_lens:
         b = batch or max(1, batch_tokens // seq)
         x = torch.randn(b, seq, embed_dim, device=device, dtype=dtype)
@@ -107,11 +138,14 @@ def bench_layers(seq_lens: list[int], experts: list[int], *, embed_dim: int, top
 
 @torch.no_grad()
 def bench_decoding(*, embed_dim: int, top_k: int, head_dim: int, experts: list[int], batch: int, prompt: int,
-                   steps: int, repeats: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
+                   steps: int, repeats: int, device: torch.device, dtype: torch.dtype,
+                   switchheads: list[tuple[int, int, int, int]] = ()) -> list[dict]:
     """Tokens per second of one-token-at-a-time decoding with the cache, and cache bytes per token."""
     layers = {"headmix MHA": MultiHeadAttention(embed_dim, top_k).to(device, dtype).eval()}
     for e in experts:
         layers[f"MoA {top_k}K{e}E{head_dim}D"] = MixtureOfAttentionHeads(embed_dim, e, top_k, head_dim).to(device, dtype).eval()
+    for h, e, k, d in switchheads:
+        layers[switchhead_name(h, e, k, d)] = SwitchHeadAttention(embed_dim, h, e, k, d).to(device, dtype).eval()
     x = torch.randn(batch, prompt + steps, embed_dim, device=device, dtype=dtype)
     result: dict[str, dict] = {}
 
@@ -154,6 +188,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--seq", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
+    p.add_argument("--switchhead", nargs="*", default=["2H4E2K"], metavar="SPEC",
+                   help="SwitchHead layers as {H}H{E}E{K}K[{D}D] (default 2H4E2K: head size matching MHA's "
+                        "projection MACs); give the option without a value for none")
     p.add_argument("--batch-tokens", type=int, default=4096, help="batch = batch_tokens // seq (unless --batch)")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--repeats", type=int, default=7)
@@ -168,18 +205,20 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    switchheads = [parse_switchhead(spec, args.embed_dim) for spec in args.switchhead]
     print(f"# headmix bench attention: {device} ({_device_name(device)}), {dtype}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; embed {args.embed_dim}, k {args.top_k}, head_dim {args.head_dim}; "
           f"median of {args.repeats} interleaved runs")
     rows = bench_layers(args.seq, args.experts, embed_dim=args.embed_dim, top_k=args.top_k, head_dim=args.head_dim,
                         batch_tokens=args.batch_tokens, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
-                        device=device, dtype=dtype)
+                        device=device, dtype=dtype, switchheads=switchheads)
     print(format_rows(rows, LAYER_COLUMNS))
     if not args.no_decode:
         print()
         print("# decoding: batch 8, prompt 128, then 64 steps of one token with the cache")
         dec = bench_decoding(embed_dim=args.embed_dim, top_k=args.top_k, head_dim=args.head_dim, experts=args.experts,
-                             batch=8, prompt=128, steps=64, repeats=3, device=device, dtype=dtype)
+                             batch=8, prompt=128, steps=64, repeats=3, device=device, dtype=dtype,
+                             switchheads=switchheads)
         print(format_rows(dec, DECODE_COLUMNS))
     return 0
 

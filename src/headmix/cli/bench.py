@@ -10,7 +10,7 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("bench", help="benchmarks against torch.nn.MultiheadAttention")
     what = p.add_subparsers(dest="bench", required=True)
-    attention.add_arguments(what.add_parser("attention", help="MoA vs torch MHA: time, memory, decoding",
+    attention.add_arguments(what.add_parser("attention", help="MoA and SwitchHead vs torch MHA: time, memory, decoding",
                                             description=attention.__doc__,
                                             formatter_class=argparse.RawDescriptionHelpFormatter))
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import attention
 
-ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads")
+ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead")
 TASKS = ("translation", "mlm", "lm")
 NORMS = ("pre", "post")
 POSITIONS = ("sinusoidal", "learned")
@@ -28,11 +28,13 @@ EXPERT_IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
 
 # Fields that only mean something for some kinds; they must be None (unset) for the others.
 _KIND_FIELDS = {
-    "num_experts": ("moa",),
-    "top_k": ("moa", "moh"),
+    "num_experts": ("moa", "switchhead"),
+    "top_k": ("moa", "moh", "switchhead"),
     "num_shared_heads": ("moh",),
-    "num_heads": ("mha", "moh", "talking_heads"),
+    "num_heads": ("mha", "moh", "talking_heads", "switchhead"),
     "key_dim": ("mha", "talking_heads"),
+    "expert_dropout": ("switchhead",),
+    "init_scale": ("switchhead",),
 }
 
 
@@ -69,6 +71,11 @@ class AttentionConfig:
       of the others routed per token.
     - ``"talking_heads"``: ``num_heads`` heads mixed by learned ``h x h`` maps before (``pre_softmax``)
       and/or after (``post_softmax``) the softmax.
+    - ``"switchhead"``: SwitchHead (arXiv 2312.07987): ``num_heads`` heads of ``head_dim`` (default
+      ``d_model // num_heads``), each with ``num_experts`` value and output projections of which ``top_k``
+      are selected per token by sigmoid selectors; ``expert_dropout`` (default 0), ``init_scale`` (default
+      1) and ``expert_impl`` apply to it. Its ``bias`` adds query/key and output biases (the authors' layer
+      has none: the presets set ``bias=False``).
 
     ``dropout`` is the dropout on the attention probabilities.
     """
@@ -89,6 +96,8 @@ class AttentionConfig:
     dropout: float = 0.0
     expert_impl: str = "auto"
     bias: bool = True
+    expert_dropout: float | None = None
+    init_scale: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,15 +110,16 @@ class AttentionConfig:
             if self.kind not in kinds and getattr(self, fname) is not None:
                 raise ValueError(f"{name}.{fname} applies to kind {' / '.join(repr(k) for k in kinds)} only; "
                                  f"it must be unset (None) for kind {self.kind!r}, got {getattr(self, fname)!r}")
-        if self.kind == "moa":
-            for fname in ("num_experts", "top_k", "head_dim"):
+        if self.kind in ("moa", "switchhead"):
+            required = ("num_experts", "top_k", "head_dim") if self.kind == "moa" else ("num_experts", "top_k")
+            for fname in required:
                 if getattr(self, fname) is None:
-                    raise ValueError(f"{name}.{fname} is required for kind 'moa'")
+                    raise ValueError(f"{name}.{fname} is required for kind {self.kind!r}")
                 _positive_int(f"{name}.{fname}", getattr(self, fname))
             if self.top_k > self.num_experts:
                 raise ValueError(f"{name}.top_k K={self.top_k} exceeds num_experts E={self.num_experts}")
             _choice(f"{name}.expert_impl", self.expert_impl, EXPERT_IMPLS)
-        else:
+        if self.kind != "moa":
             if self.num_heads is None:
                 raise ValueError(f"{name}.num_heads is required for kind {self.kind!r}")
             _positive_int(f"{name}.num_heads", self.num_heads)
@@ -127,6 +137,12 @@ class AttentionConfig:
             _positive_int(f"{name}.top_k", self.top_k)
             if self.top_k > routed:
                 raise ValueError(f"{name}.top_k K={self.top_k} exceeds the {routed} routed heads (num_heads - num_shared_heads)")
+        if self.kind == "switchhead":
+            if self.expert_dropout is not None:
+                _fraction(f"{name}.expert_dropout", self.expert_dropout)
+            if self.init_scale is not None and (not isinstance(self.init_scale, (int, float))
+                                                or isinstance(self.init_scale, bool) or not self.init_scale > 0):
+                raise ValueError(f"{name}.init_scale must be a positive number, got {self.init_scale!r}")
         if self.kind == "talking_heads" and not (self.pre_softmax or self.post_softmax):
             raise ValueError(f"{name}: talking_heads needs pre_softmax or post_softmax (otherwise use kind 'mha')")
         _fraction(f"{name}.dropout", self.dropout)
@@ -145,7 +161,7 @@ class AttentionConfig:
 
     @property
     def routed(self) -> bool:
-        return self.kind in ("moa", "moh")
+        return self.kind in ("moa", "moh", "switchhead")
 
     def build(self, embed_dim: int) -> nn.Module:
         """The attention layer this config describes, for model width ``embed_dim``."""
@@ -162,6 +178,11 @@ class AttentionConfig:
             return attention.MixtureOfHeadsAttention(
                 embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim, bias=self.bias,
                 dropout=self.dropout, load_balance_weight=self.load_balance_weight)
+        if self.kind == "switchhead":
+            return attention.SwitchHeadAttention(
+                embed_dim, self.num_heads, self.num_experts, self.top_k, self.head_dim, bias=self.bias,
+                dropout=self.dropout, expert_dropout=self.expert_dropout or 0.0,
+                init_scale=1.0 if self.init_scale is None else self.init_scale, expert_impl=self.expert_impl)
         return attention.TalkingHeadsAttention(
             embed_dim, self.num_heads, self.pre_softmax, self.post_softmax, head_dim=self.head_dim,
             key_dim=self.key_dim, bias=self.bias, dropout=self.dropout)

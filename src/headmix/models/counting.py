@@ -10,13 +10,18 @@ Three numbers per model:
   eq. 18 ``C_MoA = k T^2 d_h + 2(k+1) T d_h d_m`` (one ``T^2`` term, router aside) and eq. 19
   ``C_MHA = T^2 d_m + 4 T d_m^2``. For cross-attention ``T^2`` becomes ``T S`` and the projection term
   keeps the query length ``T``, as printed (with Appendix E's ``S = T = 10`` this is the formula itself).
-  MoH and Talking-Heads have no formula in the paper; the column uses eq. 19 for them.
+  MoH and Talking-Heads have no formula in the paper; the column uses eq. 19 for them. SwitchHead
+  (arXiv 2312.07987) is costed the way its paper counts: per head, dense Q and K projections, ``k``
+  value and ``k`` output expert projections, and both attention products,
+  ``C_SH = H (T d_m d_h + S d_m d_h + k S d_m d_h + k T d_h d_m + 2 T S d_h)`` (``= 2 H T d_h (d_m (1 + k) + T)``
+  for self-attention), selectors aside (as MoA's router is left out of eq. 18).
 - ``measured``: run the model once under ``torch.utils.flop_counter.FlopCounterMode`` (MACs =
   FLOPs / 2), with MoA layers on ``expert_impl="sorted"`` so that only the ``k`` selected experts per
   token are computed (and counted).
 
 Parameters: ``full`` is the exact ``sum(p.numel())``; ``paper`` uses eq. 20 for attention,
-``M_MoA = (2E + 2) d_h d_m`` and ``M_MHA = 4 d_m^2`` (no router, no biases).
+``M_MoA = (2E + 2) d_h d_m`` and ``M_MHA = 4 d_m^2`` (no router, no biases), and for SwitchHead
+``M_SH = 2 H (E + 1) d_h d_m`` (Q, K, and E value and E output experts per head; no selectors, no biases).
 
 Appendix E setup (the defaults here): batch 1, source and target length 10 for translation, length 128
 for the masked LM (and for the causal LM).
@@ -74,6 +79,11 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
                 + k * t * dh * d)    # expert output projections (eq. 12)
         paper = k * t * s * dh + 2 * (k + 1) * t * dh * d  # eq. 18
         return full, paper
+    if att.kind == "switchhead":
+        h, e, k, dh = att.num_heads, att.num_experts, att.top_k, att.resolved_head_dim(d)
+        paper = h * (t * d * dh + s * d * dh + k * s * d * dh + k * t * dh * d + 2 * t * s * dh)
+        selectors = t * d * h * e + (s * d * h * e if e > 1 else 0)  # sigmoid(x W_sel), output and value side
+        return paper + selectors, paper
     h = att.num_heads
     dv = att.resolved_head_dim(d)
     dk = att.resolved_key_dim(d)
@@ -96,6 +106,11 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
         router = d * e * (2 if att.router == "noisy_topk" else 1)
         bias = (2 * dh + d) if att.bias else 0
         return paper + router + bias, paper
+    if att.kind == "switchhead":
+        h, e, dh = att.num_heads, att.num_experts, att.resolved_head_dim(d)
+        paper = 2 * h * (e + 1) * dh * d
+        selectors = d * h * e * (2 if e > 1 else 1)
+        return paper + selectors + ((2 * h * dh + d) if att.bias else 0), paper
     h = att.num_heads
     dv = att.resolved_head_dim(d)
     dk = att.resolved_key_dim(d)
@@ -219,11 +234,12 @@ def _flop_counter():
 
 
 def with_sorted_experts(config: ModelConfig) -> ModelConfig:
-    """A copy whose MoA layers use ``expert_impl="sorted"`` (exactly ``k`` expert projections per token)."""
+    """A copy whose MoA and SwitchHead layers use ``expert_impl="sorted"`` (exactly ``k`` expert
+    projections per token)."""
     changes = {}
     for role in config.attention_roles():
         att = getattr(config, role)
-        if att.kind == "moa":
+        if att.kind in ("moa", "switchhead"):
             changes[role] = dataclasses.replace(att, expert_impl="sorted")
     return config.replace(**changes) if changes else config
 

@@ -8,9 +8,10 @@ CPU work.
   encoder self-attention, decoder self-attention and cross-attention (task ``translation``), or RoBERTa
   medium with MoA self-attention (task ``mlm``).
 - Masked LM: ``roberta-medium`` (embedding 512, FFN 2048, 8 heads, 8 layers).
-- CPU presets for every task: ``tiny-mha``, ``tiny-moa``, ``tiny-moh``, ``tiny-talking-heads``
-  (d_model 64, 2 (+2) layers), and two MHA / MoA pairs of nearly equal MACs: ``mini-*`` (d_model 128,
-  3 (+3) layers; the demo's) and ``small-*`` (d_model 256, 3 (+3) layers).
+- CPU presets for every task: ``tiny-mha``, ``tiny-moa``, ``tiny-moh``, ``tiny-talking-heads``,
+  ``tiny-switchhead`` (d_model 64, 2 (+2) layers), and two MHA / MoA pairs of nearly equal MACs: ``mini-*``
+  (d_model 128, 3 (+3) layers; the demo's; ``mini-switchhead`` too) and ``small-*`` (d_model 256, 3 (+3)
+  layers).
 
 :func:`get_config` takes a preset name, a ``{K}K{E}E{D}D`` string or a path to a JSON config.
 """
@@ -125,6 +126,19 @@ class Preset:
 SMALL_MOA = (6, 8, 64)
 #: mini-moa's attention, chosen the same way against mini-mha (4 heads of 32): the demo's pair.
 MINI_MOA = (6, 8, 32)
+#: SwitchHead presets (arXiv 2312.07987) as ``(num_heads, num_experts, top_k, head_dim)``: 2 heads (half
+#: the attention matrices of tiny-/mini-mha's 4), each with 4 value and 4 output experts of which 2 are
+#: used per token; head_dim chosen so the attention MACs are within ~2% of the MHA preset's on 32+32-token
+#: translation batches (see docs/models.md).
+TINY_SWITCHHEAD = (2, 4, 2, 22)
+MINI_SWITCHHEAD = (2, 4, 2, 44)
+
+
+def switchhead(num_heads: int, num_experts: int, top_k: int, head_dim: int, dropout: float = 0.0) -> AttentionConfig:
+    """SwitchHead as the authors build it: no biases, no expert dropout, init scale 1."""
+    return AttentionConfig(kind="switchhead", num_heads=num_heads, num_experts=num_experts, top_k=top_k,
+                           head_dim=head_dim, dropout=dropout, bias=False)
+
 
 _PRESETS = [
     Preset("transformer-base", ("translation",), None, lambda t, v: transformer_base(v),
@@ -144,9 +158,15 @@ _PRESETS = [
            "d 64, FFN 256, 2(+2) layers, MoH 4 heads of 16 (1 shared, top 2 of 3 routed)"),
     Preset("tiny-talking-heads", TASKS, 1000, _tiny(AttentionConfig(kind="talking_heads", num_heads=4)),
            "d 64, FFN 256, 2(+2) layers, Talking-Heads 4 heads of 16 (pre and post softmax)"),
+    Preset("tiny-switchhead", TASKS, 1000, _tiny(switchhead(*TINY_SWITCHHEAD)),
+           "d 64, FFN 256, 2(+2) layers, SwitchHead {} heads of {}, top {} of {} V/O experts".format(
+               TINY_SWITCHHEAD[0], TINY_SWITCHHEAD[3], TINY_SWITCHHEAD[2], TINY_SWITCHHEAD[1])),
     Preset("mini-mha", TASKS, SMALL_VOCAB, _mini(mha(4)), "d 128, FFN 512, 3(+3) layers, MHA 4 heads of 32"),
     Preset("mini-moa", TASKS, SMALL_VOCAB, _mini(moa(*MINI_MOA)),
            "d 128, FFN 512, 3(+3) layers, MoA {}K{}E{}D".format(*MINI_MOA)),
+    Preset("mini-switchhead", TASKS, SMALL_VOCAB, _mini(switchhead(*MINI_SWITCHHEAD)),
+           "d 128, FFN 512, 3(+3) layers, SwitchHead {} heads of {}, top {} of {} V/O experts".format(
+               MINI_SWITCHHEAD[0], MINI_SWITCHHEAD[3], MINI_SWITCHHEAD[2], MINI_SWITCHHEAD[1])),
     Preset("small-mha", TASKS, SMALL_VOCAB, _small(mha(4)), "d 256, FFN 1024, 3(+3) layers, MHA 4 heads of 64"),
     Preset("small-moa", TASKS, SMALL_VOCAB, _small(moa(*SMALL_MOA)),
            "d 256, FFN 1024, 3(+3) layers, MoA {}K{}E{}D".format(*SMALL_MOA)),

@@ -1,0 +1,222 @@
+"""SwitchHead: mixture-of-experts values and outputs per head (Csordás, Piękos, Irie, Schmidhuber,
+NeurIPS 2024, arXiv 2312.07987; the authors' code is RobertCsordas/switchhead)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
+from ..routing import Routing
+from ..routing.router import router_dtype
+from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, scaled_dot_product, zero_loss
+from .mha import resolve_head_dims, split_heads
+from .moa import autocast_dtype, real_token_mask
+
+
+@dataclass
+class SwitchHeadRouting:
+    """The routing of one :class:`SwitchHeadAttention` call, per side.
+
+    ``value``: the value-side selection over the key/value tokens (``None`` with one expert per head,
+    which has no value selector); ``output``: the output-side selection over the query tokens. Each is a
+    :class:`~headmix.routing.Routing` over ONE expert index space of ``num_heads * num_experts``
+    experts: expert ``h * num_experts + e`` is expert ``e`` of head ``h``, and a token fills
+    ``num_heads * top_k`` slots (``top_k`` per head, head-major). In these routings ``probs`` holds the
+    selector's sigmoids ``s = sigmoid(x W_sel)`` (not a distribution: they do not sum to 1), ``logits``
+    the pre-sigmoid scores and ``gates`` the selected sigmoids, the weights SwitchHead uses.
+    """
+
+    value: Routing | None
+    output: Routing
+    num_heads: int
+    num_experts: int
+
+    def expert_counts(self) -> Tensor:
+        """Slots per expert of both sides, ``(2 H E,)`` long: the value side's ``H E`` counts (zeros
+        without a value selector), then the output side's, each in the ``h * E + e`` order."""
+        out = self.output.expert_counts()
+        value = self.value.expert_counts() if self.value is not None else torch.zeros_like(out)
+        return torch.cat([value, out])
+
+
+class SwitchHeadAttention(AttentionLayer):
+    """SwitchHead attention: a few heads, each with ``num_experts`` value and output projections.
+
+    Per head ``h`` (``W_q^h, W_k^h`` dense, ``embed_dim x head_dim``):
+
+    - selectors: ``s_t^h = sigmoid(x_t W_S^h)`` on the key/value source (value side) and
+      ``s'_t^h = sigmoid(q_t W_D^h)`` on the query source (output side), ``W_S^h, W_D^h`` of
+      ``embed_dim x num_experts``; each side keeps the ``top_k`` experts with the largest sigmoid and
+      weights them by the sigmoid itself (no softmax competition, no renormalisation);
+    - values: ``v_t^h = sum_{e in topk(s_t^h)} s_{t,e}^h x_t W_v^{h,e}``;
+    - attention: ``o_t^h = softmax(q_t W_q^h (K W_k^h)^T / sqrt(d_h)) V^h``;
+    - output: ``y_t = sum_h sum_{e in topk(s'_t^h)} s'^h_{t,e} o_t^h W_o^{h,e}``.
+
+    With ``num_experts=1`` there is no value selector (as in the authors' code) and the layer is
+    multi-head attention with a learned sigmoid gate per head on the output,
+    ``y_t = sum_h sigmoid(q_t w_h) o_t^h W_o^h``.
+
+    ``expert_dropout`` (training only, as the authors): each expert is excluded from the top-k choice
+    with this probability per token and head; the weights stay the undropped sigmoids. There is no
+    auxiliary loss (the authors use none): ``aux_loss`` is zero. ``dropout`` is the dropout on the
+    attention probabilities, as in the other headmix layers (the authors' code drops the queries).
+    ``init_scale`` scales the initial weights as the authors' ``reset_parameters(init_scale)``: normal
+    with std ``init_scale / sqrt(fan_in)`` (``fan_in = num_heads * head_dim`` for ``W_o``), the selector
+    rows renormalised as theirs. ``bias`` adds biases to the query and key projections and to the output
+    (the authors' layer has none, the default). ``expert_impl`` picks the kernel of the grouped
+    value/output projections (see :mod:`headmix.kernels`), run over one expert index space of
+    ``num_heads * num_experts`` (token ``t``, head ``h`` uses expert ``h * num_experts + e``).
+
+    The cache holds the keys and the values after the expert mixing, ``(batch, num_heads, S, head_dim)``.
+    ``routing`` is a :class:`SwitchHeadRouting`.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, num_experts: int, top_k: int, head_dim: int | None = None, *,
+                 bias: bool = False, dropout: float = 0.0, expert_dropout: float = 0.0, init_scale: float = 1.0,
+                 expert_impl: str = "auto"):
+        super().__init__(embed_dim)
+        self.head_dim, _ = resolve_head_dims(embed_dim, num_heads, head_dim, None)
+        check_experts(num_experts, top_k)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if not 0.0 <= expert_dropout < 1.0:
+            raise ValueError(f"expert_dropout must be in [0, 1), got {expert_dropout}")
+        if not isinstance(init_scale, (int, float)) or isinstance(init_scale, bool) or not init_scale > 0:
+            raise ValueError(f"init_scale must be a positive number, got {init_scale!r}")
+        if expert_impl not in IMPLS:
+            raise ValueError(f"expert_impl must be one of {IMPLS}, got {expert_impl!r}")
+        self.num_heads, self.num_experts, self.top_k = num_heads, num_experts, top_k
+        self.dropout, self.expert_dropout, self.init_scale = dropout, expert_dropout, float(init_scale)
+        self.expert_impl = expert_impl
+        h, e, dh = num_heads, num_experts, self.head_dim
+        self.q_proj = nn.Linear(embed_dim, h * dh, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, h * dh, bias=bias)
+        # W_v^{h,e} and W_o^{h,e} stacked head-major: row h * E + e.
+        self.value_experts = nn.Parameter(torch.empty(h * e, embed_dim, dh))
+        self.output_experts = nn.Parameter(torch.empty(h * e, dh, embed_dim))
+        self.value_selector = nn.Linear(embed_dim, h * e, bias=False) if e > 1 else None
+        self.output_selector = nn.Linear(embed_dim, h * e, bias=False)
+        self.out_bias = nn.Parameter(torch.zeros(embed_dim)) if bias else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std_in = self.init_scale / math.sqrt(self.embed_dim)
+        for w in (self.q_proj.weight, self.k_proj.weight, self.value_experts):
+            nn.init.normal_(w, 0.0, std_in)
+        nn.init.normal_(self.output_experts, 0.0, self.init_scale / math.sqrt(self.num_heads * self.head_dim))
+        for lin in (self.q_proj, self.k_proj):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        if self.out_bias is not None:
+            nn.init.zeros_(self.out_bias)
+        for sel in (self.value_selector, self.output_selector):
+            if sel is not None:
+                nn.init.normal_(sel.weight, 0.0, std_in)
+                _renormalise_rows(sel.weight)
+
+    # ---------------------------------------------------------------------------------- selection
+    def select(self, x: Tensor, selector: nn.Linear, token_mask: Tensor | None) -> Routing:
+        """Top-k of ``sigmoid(x W_sel)`` per head over ``x`` ``(batch, time, embed_dim)``, as a
+        :class:`~headmix.routing.Routing` in the ``h * E + e`` expert space (see
+        :class:`SwitchHeadRouting`). Runs in (at least) float32, also under autocast."""
+        batch, time, dim = x.shape
+        n, h, e, k = batch * time, self.num_heads, self.num_experts, self.top_k
+        flat = x.reshape(n, dim).to(router_dtype(x))
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(flat, selector.weight.to(flat.dtype))
+            s = logits.sigmoid().view(n, h, e)
+            with torch.no_grad():
+                pick = s
+                if self.training and self.expert_dropout > 0:
+                    pick = s.masked_fill(torch.rand_like(s) < self.expert_dropout, float("-inf"))
+                index = pick.topk(k, dim=-1).indices                               # (N, H, k)
+            gates = s.gather(-1, index)                                             # selected sigmoids
+            index = index + torch.arange(h, device=x.device)[:, None] * e           # expert h * E + e
+        mask = None if token_mask is None else token_mask.reshape(n)
+        return Routing(logits, s.view(n, h * e), index.view(n, h * k), gates.view(n, h * k), mask, (batch, time))
+
+    def _project_kv_routed(self, key: Tensor, value: Tensor, token_mask: Tensor | None) -> tuple[Tensor, Tensor, Routing | None]:
+        """Keys ``(batch, H, S, head_dim)``, the mixed values ``v^h`` of the same shape and the value-side
+        routing (``None`` with one expert per head)."""
+        batch, src, dim = value.shape
+        n, h, dh = batch * src, self.num_heads, self.head_dim
+        k = split_heads(self.k_proj(key), h)
+        compute = autocast_dtype(value) or value.dtype
+        if self.value_selector is None:
+            routing = None
+            index = torch.arange(h, device=value.device).expand(n, h)
+            gates = None
+        else:
+            routing = self.select(key, self.value_selector, token_mask)
+            index, gates = routing.expert_index, routing.gates
+        info = expert_routing(index, h * self.num_experts)
+        # x_t W_v^{h,e} for the k selected experts of every head: (N, H * k, head_dim).
+        v = expert_map(value.reshape(n, dim).to(compute), self.value_experts.to(compute), info, impl=self.expert_impl)
+        k_v = 1 if gates is None else self.top_k
+        v = v.view(n, h, k_v, dh)
+        v = v.squeeze(2) if gates is None else (v * gates.view(n, h, k_v, 1).to(v.dtype)).sum(2)
+        return k, v.view(batch, src, h, dh).transpose(1, 2), routing
+
+    def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        k, v, _ = self._project_kv_routed(key, value, None)
+        return k, v
+
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
+                use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        query, key, value = self._check_inputs(query, key, value)
+        batch, tgt, dim = query.shape
+        h, k = self.num_heads, self.top_k
+        value_routing: list[Routing | None] = [None]
+
+        def project(key_src: Tensor, value_src: Tensor) -> tuple[Tensor, Tensor]:
+            keys, values, value_routing[0] = self._project_kv_routed(
+                key_src, value_src, _new_key_mask(key_padding_mask, key_src.shape[:2]))
+            return keys, values
+
+        keys, values, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache, project=project)
+        q = split_heads(self.q_proj(query), h)
+        bias, empty, causal = attention_bias(batch, h, tgt, keys.shape[2], key_padding_mask=key_padding_mask,
+                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
+                                             dtype=q.dtype, device=q.device)
+        o = scaled_dot_product(q, keys, values, bias, empty, self.dropout if self.training else 0.0, causal=causal)
+
+        token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
+        routing = self.select(query, self.output_selector, token_mask)
+        info = expert_routing(routing.expert_index, h * self.num_experts)
+        compute = autocast_dtype(query) or query.dtype
+        n = batch * tgt
+        # o_t^h once per selected expert of head h (slot h * k + j), then sum_{h, j} s' o_t^h W_o^{h,e}.
+        o = o.transpose(1, 2).reshape(n, h, 1, self.head_dim).expand(n, h, k, self.head_dim)
+        o = o.reshape(n, h * k, self.head_dim).to(compute)
+        y = expert_reduce(o, self.output_experts.to(compute), routing.gates.to(compute), info,
+                          impl=self.expert_impl).view(batch, tgt, dim)
+        if self.out_bias is not None:
+            y = y + self.out_bias.to(y.dtype)
+        state = SwitchHeadRouting(value_routing[0], routing, h, self.num_experts)
+        return AttentionOutput(y, zero_loss(query), new_cache, state)
+
+
+def _new_key_mask(key_padding_mask: Tensor | None, shape: tuple[int, int]) -> Tensor | None:
+    """``(batch, S_new)`` True for the real tokens among the keys projected in this call (the last
+    ``S_new`` columns of a boolean ``key_padding_mask``), or None."""
+    if key_padding_mask is None or key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2:
+        return None
+    batch, new = shape
+    if key_padding_mask.shape[0] != batch or key_padding_mask.shape[1] < new:
+        return None
+    return ~key_padding_mask[:, key_padding_mask.shape[1] - new:]
+
+
+def _renormalise_rows(w: Tensor) -> None:
+    """The authors' selector initialisation, in place: each row scaled to unit norm, then every row
+    multiplied by its former standard deviation over the standard deviation of the unit-norm matrix."""
+    row_std = w.std(dim=-1, keepdim=True)
+    unit = w / w.norm(dim=-1, keepdim=True)
+    w.copy_(unit * (row_std / unit.std()))
