@@ -29,6 +29,7 @@ EXPERT_IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
 # Fields that only mean something for some kinds; they must be None (unset) for the others.
 _KIND_FIELDS = {
     "num_experts": ("moa",),
+    "kv_heads": ("moa",),
     "top_k": ("moa", "moh"),
     "num_shared_heads": ("moh",),
     "num_heads": ("mha", "moh", "talking_heads"),
@@ -64,7 +65,8 @@ class AttentionConfig:
     - ``"moa"``: Mixture of Attention Heads (eq. 6-12): ``num_experts`` experts of size ``head_dim``, the
       router selects ``top_k`` per token; the paper's ``{K}K{E}E{D}D`` is ``top_k=K, num_experts=E,
       head_dim=D``. ``router``, ``renormalize`` (eq. 9), ``load_balance_weight`` (alpha, eq. 17),
-      ``z_loss_weight`` (beta) and ``expert_impl`` (the grouped-projection kernel) apply to it.
+      ``z_loss_weight`` (beta) and ``expert_impl`` (the grouped-projection kernel) apply to it;
+      ``kv_heads`` (default 1, the paper's single shared K/V head) gives JetMoE's grouped K/V heads.
     - ``"moh"``: Mixture-of-Head attention: ``num_heads`` heads, ``num_shared_heads`` always on, ``top_k``
       of the others routed per token.
     - ``"talking_heads"``: ``num_heads`` heads mixed by learned ``h x h`` maps before (``pre_softmax``)
@@ -81,6 +83,7 @@ class AttentionConfig:
     head_dim: int | None = None
     key_dim: int | None = None
     num_experts: int | None = None
+    kv_heads: int | None = None
     top_k: int | None = None
     num_shared_heads: int | None = None
     router: str = "softmax"
@@ -112,6 +115,8 @@ class AttentionConfig:
                 if getattr(self, fname) is None:
                     raise ValueError(f"{name}.{fname} is required for kind 'moa'")
                 _positive_int(f"{name}.{fname}", getattr(self, fname))
+            if self.kv_heads is not None:
+                _positive_int(f"{name}.kv_heads", self.kv_heads)
             if self.top_k > self.num_experts:
                 raise ValueError(f"{name}.top_k K={self.top_k} exceeds num_experts E={self.num_experts}")
             _choice(f"{name}.expert_impl", self.expert_impl, EXPERT_IMPLS)
@@ -174,7 +179,7 @@ class AttentionConfig:
             return attention.MixtureOfAttentionHeads(
                 embed_dim, self.num_experts, self.top_k, self.head_dim, router=self.router,
                 renormalize=self.renormalize, load_balance_weight=self.load_balance_weight,
-                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, **common)
+                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, kv_heads=self.kv_heads or 1, **common)
         if self.kind == "moh":
             return attention.MixtureOfHeadsAttention(
                 embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,

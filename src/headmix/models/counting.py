@@ -66,7 +66,8 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     (``src_len == tgt_len`` for self-attention), batch 1, inference (no router noise)."""
     d, t, s = d_model, tgt_len, src_len
     if att.kind == "moa":
-        k, e, dh = att.top_k, att.num_experts, att.head_dim
+        # kv_heads G: every expert is G heads of d_h (one per K/V head), i.e. eq. 10-12 with d_h -> G d_h
+        k, e, dh = att.top_k, att.num_experts, att.head_dim * (att.kv_heads or 1)
         full = (t * d * e            # router logits x W_g (eq. 7)
                 + k * t * d * dh     # expert query projections (eq. 10), k per token
                 + 2 * s * d * dh     # shared K and V projections, once
@@ -91,7 +92,7 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
     """``(full, paper)`` parameters of one attention layer; ``paper`` is eq. 20."""
     d = d_model
     if att.kind == "moa":
-        e, dh = att.num_experts, att.head_dim
+        e, dh = att.num_experts, att.head_dim * (att.kv_heads or 1)
         paper = (2 * e + 2) * dh * d
         router = d * e * (2 if att.router == "noisy_topk" else 1)
         bias = (2 * dh + d) if att.bias else 0
