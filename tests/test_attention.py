@@ -539,3 +539,53 @@ def test_attention_config_kv_heads():
         AttentionConfig(kind="mha", num_heads=4, kv_heads=2)
     with pytest.raises(ValueError, match="attention.kv_heads must be a positive integer"):
         AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4, kv_heads=0)
+
+
+BIAS_CASES = [dict(bias=True, kv_bias=False), dict(bias=False, out_bias=True), dict(bias=False, q_bias=True),
+              dict(bias=True, q_bias=False, out_bias=False)]
+
+
+@pytest.mark.parametrize("kind", ["mha", "moa_kv", "moh", "th"])
+@pytest.mark.parametrize("case", range(len(BIAS_CASES)))
+def test_separate_bias_options(kind, case):
+    from headmix.models.config import AttentionConfig
+    from headmix.models.counting import attention_parameters
+
+    kw = dict(BIAS_CASES[case])
+    if kind.startswith("moa"):
+        if "q_bias" in kw:
+            with pytest.raises(TypeError):  # MoA's expert queries have no bias: no such option
+                make(kind, **kw)
+            return
+    layer = make(kind, **kw)
+    want = {name: kw.get(name, kw["bias"]) for name in ("q_bias", "kv_bias", "out_bias")}
+    has_out = (layer.out_bias if kind.startswith("moa") else layer.out_proj.bias) is not None
+    assert layer.k_proj.bias is not None and layer.v_proj.bias is not None if want["kv_bias"] else \
+        layer.k_proj.bias is None and layer.v_proj.bias is None
+    assert has_out == want["out_bias"]
+    if not kind.startswith("moa"):
+        assert (layer.q_proj.bias is not None) == want["q_bias"]
+    x = torch.randn(2, 5, D)
+    torch.testing.assert_close(layer(x, is_causal=True).output, reference_for(kind)(layer, x, is_causal=True),
+                               atol=2e-6, rtol=1e-5)
+    # the config builds the same layer and counts its parameters exactly
+    cfg_kind = {"moa_kv": "moa", "th": "talking_heads"}.get(kind, kind)
+    sizes = dict(num_experts=5, top_k=2, head_dim=4, kv_heads=3) if cfg_kind == "moa" else dict(num_heads=4)
+    if cfg_kind == "moh":
+        sizes.update(num_shared_heads=1, top_k=2)
+    cfg = AttentionConfig(kind=cfg_kind, **sizes, **kw)
+    built = cfg.build(D)
+    assert {n: p.shape for n, p in built.named_parameters()} == {n: p.shape for n, p in layer.named_parameters()}
+    assert attention_parameters(cfg, D)[0] == sum(p.numel() for p in built.parameters())
+
+
+def test_bias_options_reject_non_bools():
+    with pytest.raises(ValueError, match="kv_bias must be True, False or None"):
+        MultiHeadAttention(D, 4, kv_bias=1)
+    with pytest.raises(ValueError, match="out_bias must be True, False or None"):
+        MixtureOfAttentionHeads(D, 4, 2, 4, out_bias="no")
+    from headmix.models.config import AttentionConfig
+    with pytest.raises(ValueError, match="attention.q_bias applies to kind"):
+        AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4, q_bias=True)
+    with pytest.raises(ValueError, match="attention.out_bias must be true, false or null"):
+        AttentionConfig(kind="mha", num_heads=4, out_bias=0)

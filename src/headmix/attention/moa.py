@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import TopKRouter, routing_losses
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product
-from .mha import split_heads
+from .mha import resolve_bias, split_heads
 from .rotary import RotaryEmbedding, make_rotary
 
 
@@ -27,7 +27,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
     - Auxiliary loss (eq. 13-17): ``load_balance_weight * L_a + z_loss_weight * L_z`` over real tokens,
       returned as ``aux_loss``; the unweighted parts are in ``AttentionOutput.losses``.
     - Parameters (eq. 20): ``(2E + 2) d_h d_m`` weights, plus the router's ``E d_m`` and, with ``bias``,
-      ``2 d_h + d_m`` biases.
+      ``2 d_h + d_m`` biases: ``kv_bias`` (the K/V projections' ``2 d_h``) and ``out_bias`` (the ``d_m``
+      output bias), when given, override ``bias`` for their part (JetMoE: ``kv_bias=False, out_bias=True``).
 
     ``kv_heads=G`` (grouped K/V heads, the JetMoE form): ``W_k`` and ``W_v`` give ``G`` key/value heads
     (``embed_dim x G d_h``), each expert's ``W_q^i`` gives one query head per K/V head
@@ -49,7 +50,7 @@ class MixtureOfAttentionHeads(AttentionLayer):
                  dropout: float = 0.0, router: str = "softmax", renormalize: str = "detached",
                  load_balance_weight: float = 0.01, z_loss_weight: float = 0.001, expert_impl: str = "auto",
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
-                 kv_heads: int = 1):
+                 kv_heads: int = 1, kv_bias: bool | None = None, out_bias: bool | None = None):
         super().__init__(embed_dim)
         check_positive("num_experts", num_experts)
         check_positive("top_k", top_k)
@@ -69,9 +70,10 @@ class MixtureOfAttentionHeads(AttentionLayer):
         self.router = TopKRouter(embed_dim, num_experts, top_k, router=router, renormalize=renormalize)
         self.query_experts = nn.Parameter(torch.empty(num_experts, embed_dim, kv_heads * head_dim))
         self.output_experts = nn.Parameter(torch.empty(num_experts, kv_heads * head_dim, embed_dim))
-        self.k_proj = nn.Linear(embed_dim, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(embed_dim, kv_heads * head_dim, bias=bias)
-        self.out_bias = nn.Parameter(torch.zeros(embed_dim)) if bias else None
+        kv_bias, out_bias = resolve_bias("kv_bias", kv_bias, bias), resolve_bias("out_bias", out_bias, bias)
+        self.k_proj = nn.Linear(embed_dim, kv_heads * head_dim, bias=kv_bias)
+        self.v_proj = nn.Linear(embed_dim, kv_heads * head_dim, bias=kv_bias)
+        self.out_bias = nn.Parameter(torch.zeros(embed_dim)) if out_bias else None
         self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, head_dim)
         self.reset_parameters()
 

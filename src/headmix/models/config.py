@@ -34,6 +34,7 @@ _KIND_FIELDS = {
     "num_shared_heads": ("moh",),
     "num_heads": ("mha", "moh", "talking_heads"),
     "key_dim": ("mha", "talking_heads"),
+    "q_bias": ("mha", "moh", "talking_heads"),
 }
 
 
@@ -74,6 +75,9 @@ class AttentionConfig:
 
     ``dropout`` is the dropout on the attention probabilities.
 
+    ``bias`` switches all the layer's biases; ``q_bias`` (not for MoA, whose experts have none), ``kv_bias``
+    and ``out_bias``, when set, override it for the query, key/value and output projections.
+
     ``rotary`` rotates queries and keys of self-attention by position (RoPE, any kind; ``rotary_base`` is the
     ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated).
     """
@@ -95,6 +99,9 @@ class AttentionConfig:
     dropout: float = 0.0
     expert_impl: str = "auto"
     bias: bool = True
+    q_bias: bool | None = None
+    kv_bias: bool | None = None
+    out_bias: bool | None = None
     rotary: bool = False
     rotary_base: float = 10000.0
     rotary_fraction: float = 1.0
@@ -141,6 +148,11 @@ class AttentionConfig:
         if self.kind == "talking_heads" and not (self.pre_softmax or self.post_softmax):
             raise ValueError(f"{name}: talking_heads needs pre_softmax or post_softmax (otherwise use kind 'mha')")
         _fraction(f"{name}.dropout", self.dropout)
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"{name}.bias must be true or false, got {self.bias!r}")
+        for fname in ("q_bias", "kv_bias", "out_bias"):
+            if getattr(self, fname) is not None and not isinstance(getattr(self, fname), bool):
+                raise ValueError(f"{name}.{fname} must be true, false or null (follow bias), got {getattr(self, fname)!r}")
         if not isinstance(self.rotary, bool):
             raise ValueError(f"{name}.rotary must be true or false, got {self.rotary!r}")
         if not isinstance(self.rotary_base, (int, float)) or isinstance(self.rotary_base, bool) or not self.rotary_base > 1:
@@ -155,6 +167,12 @@ class AttentionConfig:
             v = getattr(self, fname)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}.{fname} must be a non-negative number, got {v!r}")
+
+    def resolved_biases(self) -> tuple[bool, bool, bool]:
+        """``(q_bias, kv_bias, out_bias)`` with unset ones following ``bias`` (``q_bias`` False for MoA)."""
+        def pick(value: bool | None) -> bool:
+            return self.bias if value is None else value
+        return (pick(self.q_bias) if self.kind != "moa" else False), pick(self.kv_bias), pick(self.out_bias)
 
     def resolved_head_dim(self, embed_dim: int) -> int:
         """Value size per head (per expert for MoA)."""
@@ -172,7 +190,9 @@ class AttentionConfig:
         """The attention layer this config describes, for model width ``embed_dim``."""
         self.validate(embed_dim)
         common = dict(bias=self.bias, dropout=self.dropout, rotary=self.rotary, rotary_base=self.rotary_base,
-                      rotary_fraction=self.rotary_fraction)
+                      rotary_fraction=self.rotary_fraction, kv_bias=self.kv_bias, out_bias=self.out_bias)
+        if self.kind != "moa":
+            common["q_bias"] = self.q_bias
         if self.kind == "mha":
             return attention.MultiHeadAttention(embed_dim, self.num_heads, self.head_dim, self.key_dim, **common)
         if self.kind == "moa":

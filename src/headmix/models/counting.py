@@ -95,13 +95,15 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
         e, dh = att.num_experts, att.head_dim * (att.kv_heads or 1)
         paper = (2 * e + 2) * dh * d
         router = d * e * (2 if att.router == "noisy_topk" else 1)
-        bias = (2 * dh + d) if att.bias else 0
+        _, kv_bias, out_bias = att.resolved_biases()
+        bias = 2 * dh * kv_bias + d * out_bias
         return paper + router + bias, paper
     h = att.num_heads
     dv = att.resolved_head_dim(d)
     dk = att.resolved_key_dim(d)
     paper = 2 * d * h * dk + 2 * d * h * dv  # = 4 d_m^2
-    full = paper + ((2 * h * dk + h * dv + d) if att.bias else 0)
+    q_bias, kv_bias, out_bias = att.resolved_biases()
+    full = paper + h * dk * q_bias + (h * dk + h * dv) * kv_bias + d * out_bias
     if att.kind == "talking_heads":
         full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h
     if att.kind == "moh":
