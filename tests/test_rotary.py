@@ -228,3 +228,15 @@ def test_attention_config_rotary_fields_build_round_trip_and_validate():
         AttentionConfig.from_dict(dict(kind="mha", num_heads=4, rotary_fraction=2.0), name="cross")
     with pytest.raises(ValueError, match="fewer than 2"):
         AttentionConfig(kind="mha", num_heads=8, rotary=True, rotary_fraction=0.25).build(D)
+
+
+def test_rotary_layer_built_on_meta_and_materialised_is_correct():
+    """The rotary module holds no tensor that a meta-device build would leave uninitialised."""
+    with torch.device("meta"):
+        layer = MultiHeadAttention(D, 4, rotary=True)
+    layer = layer.to_empty(device="cpu")
+    reference = MultiHeadAttention(D, 4, rotary=True)
+    layer.load_state_dict(reference.state_dict())
+    x = torch.randn(1, 5, D)
+    torch.testing.assert_close(layer(x, is_causal=True).output, reference(x, is_causal=True).output)
+    assert list(layer.rotary.buffers()) == []
