@@ -33,7 +33,8 @@ class KVCache:
 
     ``key`` and ``value`` are ``(batch, kv_heads, length, size)``: MHA keeps one head per attention
     head, MoA keeps ``kv_heads`` shared heads (one by default: eq. 10-11 share ``W_k`` and ``W_v`` across
-    experts), so its cache is ``top_k / kv_heads`` times smaller than MHA's with as many query heads.
+    experts), so its cache is ``top_k`` times smaller than that of MHA with as many (``top_k * kv_heads``)
+    query heads of the same size.
 
     ``static`` caches hold the projected memory of a cross-attention layer: later steps reuse them and
     do not append. ``layer_id`` ties the cache to the layer that made it.

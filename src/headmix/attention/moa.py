@@ -34,9 +34,10 @@ class MixtureOfAttentionHeads(AttentionLayer):
       (``query_padding_mask``, or a boolean ``key_padding_mask`` in self-attention without a cache), as the
       MoA authors' code and x-transformers do; by default those rows hold the attention output of the
       padding token, which a model ignores anyway.
-    - Parameters (eq. 20): ``(2E + 2) d_h d_m`` weights (``(2E + 2) G d_h d_m`` with ``kv_heads=G``), plus the router's ``E d_m`` and, with ``bias``,
-      ``2 d_h + d_m`` biases: ``kv_bias`` (the K/V projections' ``2 d_h``) and ``out_bias`` (the ``d_m``
-      output bias), when given, override ``bias`` for their part (JetMoE: ``kv_bias=False, out_bias=True``).
+    - Parameters (eq. 20): ``(2E + 2) d_h d_m`` weights (``(2E + 2) G d_h d_m`` with ``kv_heads=G``), plus
+      the router's ``E d_m`` and, with ``bias``, ``2 G d_h + d_m`` biases: ``kv_bias`` (the K/V projections'
+      ``2 G d_h``) and ``out_bias`` (the ``d_m`` output bias), when given, override ``bias`` for their part
+      (JetMoE: ``kv_bias=False, out_bias=True``).
 
     ``kv_heads=G`` (grouped K/V heads, the JetMoE form): ``W_k`` and ``W_v`` give ``G`` key/value heads
     (``embed_dim x G d_h``), each expert's ``W_q^i`` gives one query head per K/V head
