@@ -254,9 +254,10 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     ``k``/``v`` may have one head shared by all query heads (multi-query attention, as MoA's shared
     ``W_k``/``W_v``): it is broadcast without copies. With ``G`` key/value heads, ``1 < G < heads``
     (grouped-query attention), query head ``h`` attends with key/value head ``h // (heads // G)``, through
-    ``scaled_dot_product_attention(enable_gqa=True)`` (torch >= 2.5), which does not repeat the keys and
-    values on the flash / memory-efficient paths (older torch: a stride-0 broadcast of each K/V head over
-    its query heads, see :func:`_grouped_by_broadcast`). Uses
+    ``scaled_dot_product_attention(enable_gqa=True)`` (torch >= 2.5): headmix never copies the keys and
+    values, torch's flash kernel reads the ``G`` heads as they are, its math fallback repeats them internally
+    (older torch: a stride-0 broadcast of each K/V head over its query heads, see
+    :func:`_grouped_by_broadcast`). Uses
     ``torch.nn.functional.scaled_dot_product_attention`` so flash / memory-efficient kernels apply where they can.
     """
     if q.shape[-1] == 0:

@@ -43,8 +43,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
     (``embed_dim x G d_h``), each expert's ``W_q^i`` gives one query head per K/V head
     (``query_experts`` ``(E, d_m, G d_h)``, ``output_experts`` ``(E, G d_h, d_m)``; query head ``g`` of an
     expert is columns ``g d_h .. (g+1) d_h`` and attends with K/V head ``g``), so a token has ``k G`` query
-    heads and the cache holds ``2 G d_h`` numbers per token. Attention runs as grouped-query attention
-    without repeating K/V (see :func:`~headmix.attention.base.scaled_dot_product`). ``G = 1`` is the
+    heads and the cache holds ``2 G d_h`` numbers per token. Attention runs as grouped-query attention;
+    headmix does not repeat K/V (see :func:`~headmix.attention.base.scaled_dot_product`). ``G = 1`` is the
     paper's layer, with the same parameter names and shapes.
 
     ``rotary=True`` (RoPE, :class:`RotaryEmbedding`; ``rotary_base``, ``rotary_fraction``, or a module
