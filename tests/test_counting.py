@@ -146,3 +146,18 @@ def test_cli_macs(capsys):
     assert "| MoA 8K32E256D | translation | 8 | 32 | 256 |" in table
     assert main(["macs", "16K8E64D"]) == 2
     assert "top_k K=16 exceeds num_experts E=8 in '16K8E64D'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task", ["translation", "lm"])
+def test_moa_kv_heads_counts_are_exact(task):
+    """kv_heads G: parameters (2E + 2) G d_h d_m (+ router and biases), MACs measured == analytic."""
+    import dataclasses
+
+    cfg = get_config("tiny-moa", task=task)
+    roles = [f.name for f in dataclasses.fields(cfg) if isinstance(getattr(cfg, f.name), type(cfg.decoder_self_attention))]
+    cfg = cfg.replace(**{r: dataclasses.replace(getattr(cfg, r), kv_heads=2) for r in roles
+                         if getattr(cfg, r) is not None and getattr(cfg, r).kind == "moa"})
+    assert analytic_parameters(cfg).total == count_parameters(build_model(cfg, device="meta"))
+    assert measure_macs(cfg) == analytic_macs(cfg).full
+    att = cfg.decoder_self_attention
+    assert attention_parameters(att, cfg.d_model)[1] == (2 * att.num_experts + 2) * 2 * att.head_dim * cfg.d_model

@@ -5,6 +5,7 @@ from .base import AttentionLayer, AttentionOutput, KVCache
 from .mha import MultiHeadAttention
 from .moa import MixtureOfAttentionHeads
 from .moh import MixtureOfHeadsAttention
+from .rotary import RotaryEmbedding
 from .switchhead import SwitchHeadAttention, SwitchHeadRouting
 from .talking_heads import TalkingHeadsAttention
 
@@ -15,6 +16,7 @@ __all__ = [
     "MultiHeadAttention",
     "MixtureOfAttentionHeads",
     "MixtureOfHeadsAttention",
+    "RotaryEmbedding",
     "SwitchHeadAttention",
     "SwitchHeadRouting",
     "TalkingHeadsAttention",

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 _layer_ids = itertools.count()
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 @dataclass
@@ -31,8 +32,9 @@ class KVCache:
     """Keys and values a layer has seen, for incremental decoding.
 
     ``key`` and ``value`` are ``(batch, kv_heads, length, size)``: MHA keeps one head per attention
-    head, MoA keeps a single shared head (eq. 10-11 share ``W_k`` and ``W_v`` across experts), so its
-    cache is ``top_k`` times smaller than MHA's at equal ``top_k * head_dim``.
+    head, MoA keeps ``kv_heads`` shared heads (one by default: eq. 10-11 share ``W_k`` and ``W_v`` across
+    experts), so its cache is ``top_k`` times smaller than that of MHA with as many (``top_k * kv_heads``)
+    query heads of the same size.
 
     ``static`` caches hold the projected memory of a cross-attention layer: later steps reuse them and
     do not append. ``layer_id`` ties the cache to the layer that made it.
@@ -85,6 +87,7 @@ class AttentionLayer(nn.Module):
         check_positive("embed_dim", embed_dim)
         self.embed_dim = embed_dim
         self.layer_id = next(_layer_ids)
+        self.rotary: nn.Module | None = None  # a RotaryEmbedding, set by layers built with rotary=...
 
     def _check_inputs(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         check_embed_input("query", query, self.embed_dim)
@@ -130,6 +133,9 @@ class AttentionLayer(nn.Module):
             if not self_attention:
                 raise ValueError("a growing cache is for self-attention; cross-attention caches are static")
             past_len = cache.length
+        if self.rotary is not None and self_attention:
+            k = self.rotary(k, offset=past_len)  # new keys at positions past_len..; cached after rotation
+        if cache is not None:
             k = torch.cat([cache.key, k], dim=2)
             v = torch.cat([cache.value, v], dim=2)
         new_cache = KVCache(k, v, self.layer_id, static=not self_attention) if use_cache else None
@@ -137,6 +143,13 @@ class AttentionLayer(nn.Module):
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _rotate_queries(self, q: Tensor, key: Tensor | None, cache: KVCache | None, past_len: int) -> Tensor:
+        """Rotary positions on the ``(batch, heads, time, size)`` queries of a self-attention call (position
+        ``past_len + t``); cross-attention calls (``key`` given or a static cache) are not rotated."""
+        if self.rotary is None or key is not None or (cache is not None and cache.static):
+            return q
+        return self.rotary(q, offset=past_len)
 
 
 def check_positive(name: str, value: int) -> None:
@@ -250,23 +263,60 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     """Softmax attention ``softmax(q k^T * scale + bias) v`` over ``(batch, heads, len, size)`` tensors.
 
     ``k``/``v`` may have one head shared by all query heads (multi-query attention, as MoA's shared
-    ``W_k``/``W_v``): it is broadcast without copies. Uses ``torch.nn.functional.scaled_dot_product_attention``
-    so flash / memory-efficient kernels apply where they can.
+    ``W_k``/``W_v``): it is broadcast without copies. With ``G`` key/value heads, ``1 < G < heads``
+    (grouped-query attention), query head ``h`` attends with key/value head ``h // (heads // G)``, through
+    ``scaled_dot_product_attention(enable_gqa=True)`` (torch >= 2.5): headmix never copies the keys and
+    values, torch's flash kernel reads the ``G`` heads as they are, its math fallback repeats them internally
+    (older torch: a stride-0 broadcast of each K/V head over its query heads, see
+    :func:`_grouped_by_broadcast`). Uses
+    ``torch.nn.functional.scaled_dot_product_attention`` so flash / memory-efficient kernels apply where they can.
     """
     if q.shape[-1] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    grouped = {}
     if k.shape[1] != q.shape[1]:
-        if k.shape[1] != 1:
-            raise ValueError(f"keys must have 1 or {q.shape[1]} heads, got {k.shape[1]}")
-        k, v = _broadcast_kv(q, k, v)
+        if k.shape[1] == 1:
+            k, v = _broadcast_kv(q, k, v)
+        elif q.shape[1] % k.shape[1] == 0:
+            if not _SDPA_HAS_GQA:
+                return _grouped_by_broadcast(q, k, v, bias, empty_rows, dropout, scale, causal)
+            grouped = {"enable_gqa": True}
+        else:
+            raise ValueError(f"keys must have 1 head, {q.shape[1]} heads or a divisor of {q.shape[1]}, got {k.shape[1]}")
     if k.shape[2] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=causal, scale=scale
+        q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=causal, scale=scale, **grouped
     )
     if empty_rows is not None:
         out = out.masked_fill(empty_rows, 0.0)
     return out
+
+
+def _grouped_by_broadcast(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, empty_rows: Tensor | None,
+                          dropout: float, scale: float | None, causal: bool) -> Tensor:
+    """Grouped-query attention for torch < 2.5 (no ``enable_gqa``): the ``H`` query heads as ``(G, H/G)``
+    and each of the ``G`` key/value heads broadcast (stride 0, no copy) over its ``H/G`` query heads, in one
+    5-d ``scaled_dot_product_attention`` call."""
+    batch, heads, tgt, _ = q.shape
+    groups = k.shape[1]
+    per_group = heads // groups
+    q5 = q.reshape(batch, groups, per_group, tgt, q.shape[-1])
+    k5 = k.unsqueeze(2).expand(-1, -1, per_group, -1, -1)
+    v5 = v.unsqueeze(2).expand(-1, -1, per_group, -1, -1)
+
+    def five_d(mask: Tensor | None) -> Tensor | None:
+        if mask is None:
+            return None
+        if mask.shape[1] == heads:
+            return mask.reshape(mask.shape[0], groups, per_group, *mask.shape[2:])
+        return mask.unsqueeze(2)
+
+    out = F.scaled_dot_product_attention(q5, k5, v5, attn_mask=five_d(bias), dropout_p=dropout, is_causal=causal,
+                                         scale=scale)
+    if empty_rows is not None:
+        out = out.masked_fill(five_d(empty_rows), 0.0)
+    return out.reshape(batch, heads, tgt, v.shape[-1])
 
 
 def _broadcast_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -6,6 +6,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product, zero_loss
+from .padding import check_flag, real_token_mask, zero_padded_queries
+from .rotary import RotaryEmbedding, make_rotary
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
@@ -18,6 +20,15 @@ def merge_heads(x: Tensor) -> Tensor:
     """``(batch, heads, time, size)`` -> ``(batch, time, heads * size)``."""
     b, h, t, s = x.shape
     return x.transpose(1, 2).reshape(b, t, h * s)
+
+
+def resolve_bias(name: str, value: bool | None, default: bool) -> bool:
+    """A fine bias option (``q_bias``, ``kv_bias``, ``out_bias``): ``None`` follows ``bias``."""
+    if value is None:
+        value = default
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True, False or None (follow bias), got {value!r}")
+    return value
 
 
 def resolve_head_dims(embed_dim: int, num_heads: int, head_dim: int | None, key_dim: int | None) -> tuple[int, int]:
@@ -42,20 +53,39 @@ class MultiHeadAttention(AttentionLayer):
     Parameters: ``W_q, W_k`` of ``embed_dim x (num_heads * key_dim)``, ``W_v`` of
     ``embed_dim x (num_heads * head_dim)``, ``W_o`` of ``(num_heads * head_dim) x embed_dim``; with
     default sizes that is MoA's ``M_MHA = 4 d_m^2`` (eq. 20).
+
+    ``bias`` switches every projection's bias on or off; ``q_bias``, ``kv_bias`` (K and V) and ``out_bias``
+    (the output projection), when given, override it for their projections (Llama: all off; Qwen2: only
+    ``q_bias`` and ``kv_bias``).
+
+    ``zero_padded_queries=True`` returns 0 at padded query positions, as x-transformers does (see
+    :class:`~headmix.attention.moa.MixtureOfAttentionHeads`).
+
+    ``rotary=True`` rotates queries and keys by their positions (RoPE, :class:`RotaryEmbedding` over the
+    ``key_dim`` of each head, built from ``rotary_base`` and ``rotary_fraction``; a module instance is used
+    as given). In self-attention the queries and keys of a call start at position ``cache.length`` (0
+    without a cache) and keys are cached after rotation; cross-attention calls (``key`` given) are not
+    rotated.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int | None = None, key_dim: int | None = None,
-                 bias: bool = True, dropout: float = 0.0):
+                 bias: bool = True, dropout: float = 0.0, *, q_bias: bool | None = None, kv_bias: bool | None = None,
+                 out_bias: bool | None = None, rotary: bool | RotaryEmbedding = False,
+                 rotary_base: float = 10000.0, rotary_fraction: float = 1.0, zero_padded_queries: bool = False):
         super().__init__(embed_dim)
         self.num_heads = num_heads
         self.head_dim, self.key_dim = resolve_head_dims(embed_dim, num_heads, head_dim, key_dim)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.dropout = dropout
-        self.q_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=bias)
-        self.k_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=bias)
-        self.v_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        q_bias, kv_bias, out_bias = (resolve_bias(n, b, bias) for n, b in
+                                     (("q_bias", q_bias), ("kv_bias", kv_bias), ("out_bias", out_bias)))
+        self.q_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=q_bias)
+        self.k_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=kv_bias)
+        self.v_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=kv_bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias)
+        self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, self.key_dim)
+        self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -95,7 +125,7 @@ class MultiHeadAttention(AttentionLayer):
         the new cache, and the masks combined by :func:`attention_bias` as ``(bias, empty_rows, causal)``."""
         query, key, value = self._check_inputs(query, key, value)
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
-        q = split_heads(self.q_proj(query), self.num_heads)
+        q = self._rotate_queries(split_heads(self.q_proj(query), self.num_heads), key, cache, past_len)
         batch, _, tgt, _ = q.shape
         masks = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
                                attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
@@ -109,4 +139,12 @@ class MultiHeadAttention(AttentionLayer):
             query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
             use_cache=use_cache, cache=cache)
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
-        return AttentionOutput(self.out_proj(merge_heads(o)), zero_loss(query), new_cache)
+        y = self._zero_padded(self.out_proj(merge_heads(o)), query, key, key_padding_mask, query_padding_mask, cache)
+        return AttentionOutput(y, zero_loss(query), new_cache)
+
+    def _zero_padded(self, y: Tensor, query: Tensor, key: Tensor | None, key_padding_mask: Tensor | None,
+                     query_padding_mask: Tensor | None, cache: KVCache | None) -> Tensor:
+        """``y`` with padded query rows zeroed when ``zero_padded_queries`` is set."""
+        if not self.zero_padded_queries:
+            return y
+        return zero_padded_queries(y, real_token_mask(query, key, key_padding_mask, query_padding_mask, cache))

@@ -15,7 +15,9 @@ from ..routing import Routing
 from ..routing.router import router_dtype
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, scaled_dot_product, zero_loss
 from .mha import resolve_head_dims, split_heads
-from .moa import autocast_dtype, real_token_mask
+from .moa import autocast_dtype
+from .padding import check_flag, real_token_mask, zero_padded_queries
+from .rotary import RotaryEmbedding, make_rotary
 
 
 @dataclass
@@ -72,13 +74,19 @@ class SwitchHeadAttention(AttentionLayer):
     value/output projections (see :mod:`headmix.kernels`), run over one expert index space of
     ``num_heads * num_experts`` (token ``t``, head ``h`` uses expert ``h * num_experts + e``).
 
-    The cache holds the keys and the values after the expert mixing, ``(batch, num_heads, S, head_dim)``.
+    ``rotary=True`` (``rotary_base``, ``rotary_fraction``, or a :class:`RotaryEmbedding`) rotates each head's
+    queries and keys of self-attention by position, as in the other layers and the authors' ``SwitchHeadRope``;
+    ``zero_padded_queries=True`` returns zeros at padded queries.
+
+    The cache holds the keys (after rotation) and the values after the expert mixing, ``(batch, num_heads, S,
+    head_dim)``.
     ``routing`` is a :class:`SwitchHeadRouting`.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_experts: int, top_k: int, head_dim: int | None = None, *,
                  bias: bool = False, dropout: float = 0.0, expert_dropout: float = 0.0, init_scale: float = 1.0,
-                 expert_impl: str = "auto"):
+                 expert_impl: str = "auto", rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0,
+                 rotary_fraction: float = 1.0, zero_padded_queries: bool = False):
         super().__init__(embed_dim)
         self.head_dim, _ = resolve_head_dims(embed_dim, num_heads, head_dim, None)
         check_experts(num_experts, top_k)
@@ -102,6 +110,8 @@ class SwitchHeadAttention(AttentionLayer):
         self.value_selector = nn.Linear(embed_dim, h * e, bias=False) if e > 1 else None
         self.output_selector = nn.Linear(embed_dim, h * e, bias=False)
         self.out_bias = nn.Parameter(torch.zeros(embed_dim)) if bias else None
+        self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, dh)
+        self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -181,7 +191,7 @@ class SwitchHeadAttention(AttentionLayer):
             return keys, values
 
         keys, values, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache, project=project)
-        q = split_heads(self.q_proj(query), h)
+        q = self._rotate_queries(split_heads(self.q_proj(query), h), key, cache, past_len)
         bias, empty, causal = attention_bias(batch, h, tgt, keys.shape[2], key_padding_mask=key_padding_mask,
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=q.dtype, device=q.device)
@@ -199,6 +209,8 @@ class SwitchHeadAttention(AttentionLayer):
                           impl=self.expert_impl).view(batch, tgt, dim)
         if self.out_bias is not None:
             y = y + self.out_bias.to(y.dtype)
+        if self.zero_padded_queries:
+            y = zero_padded_queries(y, token_mask)
         state = SwitchHeadRouting(value_routing[0], routing, h, self.num_experts)
         return AttentionOutput(y, zero_loss(query), new_cache, state)
 

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from .. import attention
+from ..routing.losses import LOAD_BALANCE_FRACTIONS
 
 ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead")
 TASKS = ("translation", "mlm", "lm")
@@ -29,12 +30,17 @@ EXPERT_IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
 # Fields that only mean something for some kinds; they must be None (unset) for the others.
 _KIND_FIELDS = {
     "num_experts": ("moa", "switchhead"),
+    "kv_heads": ("moa",),
     "top_k": ("moa", "moh", "switchhead"),
     "num_shared_heads": ("moh",),
     "num_heads": ("mha", "moh", "talking_heads", "switchhead"),
     "key_dim": ("mha", "talking_heads"),
     "expert_dropout": ("switchhead",),
     "init_scale": ("switchhead",),
+    "q_bias": ("mha", "moh", "talking_heads"),
+    "kv_bias": ("mha", "moa", "moh", "talking_heads"),
+    "out_bias": ("mha", "moa", "moh", "talking_heads"),
+    "head_weighting": ("moh",),
 }
 
 
@@ -66,7 +72,8 @@ class AttentionConfig:
     - ``"moa"``: Mixture of Attention Heads (eq. 6-12): ``num_experts`` experts of size ``head_dim``, the
       router selects ``top_k`` per token; the paper's ``{K}K{E}E{D}D`` is ``top_k=K, num_experts=E,
       head_dim=D``. ``router``, ``renormalize`` (eq. 9), ``load_balance_weight`` (alpha, eq. 17),
-      ``z_loss_weight`` (beta) and ``expert_impl`` (the grouped-projection kernel) apply to it.
+      ``z_loss_weight`` (beta) and ``expert_impl`` (the grouped-projection kernel) apply to it;
+      ``kv_heads`` (default 1, the paper's single shared K/V head) gives JetMoE's grouped K/V heads.
     - ``"moh"``: Mixture-of-Head attention: ``num_heads`` heads, ``num_shared_heads`` always on, ``top_k``
       of the others routed per token.
     - ``"talking_heads"``: ``num_heads`` heads mixed by learned ``h x h`` maps before (``pre_softmax``)
@@ -78,6 +85,17 @@ class AttentionConfig:
       has none: the presets set ``bias=False``).
 
     ``dropout`` is the dropout on the attention probabilities.
+
+    ``bias`` switches all the layer's biases; ``q_bias`` (not for MoA, whose experts have none), ``kv_bias``
+    and ``out_bias``, when set, override it for the query, key/value and output projections.
+
+    ``head_weighting`` (MoH; default ``"renormalized"``, the MoH authors' code; ``"paper"``, ``"scaled"``),
+    ``load_balance_fractions`` (MoA / MoH; ``"per_token"`` is Hugging Face JetMoe's loss, ``top_k`` times
+    the default ``"normalized"``) and ``zero_padded_queries`` (zero output at padded queries) are the
+    peers' conventions, see ``docs/implementations.md``.
+
+    ``rotary`` rotates queries and keys of self-attention by position (RoPE, any kind; ``rotary_base`` is the
+    ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated).
     """
 
     kind: str = "mha"
@@ -85,6 +103,7 @@ class AttentionConfig:
     head_dim: int | None = None
     key_dim: int | None = None
     num_experts: int | None = None
+    kv_heads: int | None = None
     top_k: int | None = None
     num_shared_heads: int | None = None
     router: str = "softmax"
@@ -98,6 +117,15 @@ class AttentionConfig:
     bias: bool = True
     expert_dropout: float | None = None
     init_scale: float | None = None
+    q_bias: bool | None = None
+    kv_bias: bool | None = None
+    out_bias: bool | None = None
+    rotary: bool = False
+    rotary_base: float = 10000.0
+    rotary_fraction: float = 1.0
+    head_weighting: str | None = None
+    load_balance_fractions: str = "normalized"
+    zero_padded_queries: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +144,8 @@ class AttentionConfig:
                 if getattr(self, fname) is None:
                     raise ValueError(f"{name}.{fname} is required for kind {self.kind!r}")
                 _positive_int(f"{name}.{fname}", getattr(self, fname))
+            if self.kv_heads is not None:
+                _positive_int(f"{name}.kv_heads", self.kv_heads)
             if self.top_k > self.num_experts:
                 raise ValueError(f"{name}.top_k K={self.top_k} exceeds num_experts E={self.num_experts}")
             _choice(f"{name}.expert_impl", self.expert_impl, EXPERT_IMPLS)
@@ -146,10 +176,36 @@ class AttentionConfig:
         if self.kind == "talking_heads" and not (self.pre_softmax or self.post_softmax):
             raise ValueError(f"{name}: talking_heads needs pre_softmax or post_softmax (otherwise use kind 'mha')")
         _fraction(f"{name}.dropout", self.dropout)
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"{name}.bias must be true or false, got {self.bias!r}")
+        for fname in ("q_bias", "kv_bias", "out_bias"):
+            if getattr(self, fname) is not None and not isinstance(getattr(self, fname), bool):
+                raise ValueError(f"{name}.{fname} must be true, false or null (follow bias), got {getattr(self, fname)!r}")
+        if self.head_weighting is not None:
+            _choice(f"{name}.head_weighting", self.head_weighting, attention.moh.HEAD_WEIGHTINGS)
+        _choice(f"{name}.load_balance_fractions", self.load_balance_fractions, LOAD_BALANCE_FRACTIONS)
+        if not isinstance(self.zero_padded_queries, bool):
+            raise ValueError(f"{name}.zero_padded_queries must be true or false, got {self.zero_padded_queries!r}")
+        if not isinstance(self.rotary, bool):
+            raise ValueError(f"{name}.rotary must be true or false, got {self.rotary!r}")
+        if not isinstance(self.rotary_base, (int, float)) or isinstance(self.rotary_base, bool) or not self.rotary_base > 1:
+            raise ValueError(f"{name}.rotary_base must be a number > 1, got {self.rotary_base!r}")
+        if not isinstance(self.rotary_fraction, (int, float)) or isinstance(self.rotary_fraction, bool) \
+                or not 0 < self.rotary_fraction <= 1:
+            raise ValueError(f"{name}.rotary_fraction must be a number in (0, 1], got {self.rotary_fraction!r}")
+        if self.rotary and embed_dim is not None and int(self.resolved_key_dim(embed_dim) * self.rotary_fraction) < 2:
+            raise ValueError(f"{name}.rotary_fraction ({self.rotary_fraction}) rotates fewer than 2 of the "
+                             f"{self.resolved_key_dim(embed_dim)} query/key dimensions per head")
         for fname in ("load_balance_weight", "z_loss_weight"):
             v = getattr(self, fname)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}.{fname} must be a non-negative number, got {v!r}")
+
+    def resolved_biases(self) -> tuple[bool, bool, bool]:
+        """``(q_bias, kv_bias, out_bias)`` with unset ones following ``bias`` (``q_bias`` False for MoA)."""
+        def pick(value: bool | None) -> bool:
+            return self.bias if value is None else value
+        return (pick(self.q_bias) if self.kind != "moa" else False), pick(self.kv_bias), pick(self.out_bias)
 
     def resolved_head_dim(self, embed_dim: int) -> int:
         """Value size per head (per expert for MoA)."""
@@ -166,26 +222,35 @@ class AttentionConfig:
     def build(self, embed_dim: int) -> nn.Module:
         """The attention layer this config describes, for model width ``embed_dim``."""
         self.validate(embed_dim)
+        common = dict(bias=self.bias, dropout=self.dropout, rotary=self.rotary, rotary_base=self.rotary_base,
+                      rotary_fraction=self.rotary_fraction, kv_bias=self.kv_bias, out_bias=self.out_bias,
+                      zero_padded_queries=self.zero_padded_queries)
+        if self.routed:
+            common["load_balance_fractions"] = self.load_balance_fractions
+        if self.kind != "moa":
+            common["q_bias"] = self.q_bias
         if self.kind == "mha":
-            return attention.MultiHeadAttention(embed_dim, self.num_heads, self.head_dim, self.key_dim,
-                                                bias=self.bias, dropout=self.dropout)
+            return attention.MultiHeadAttention(embed_dim, self.num_heads, self.head_dim, self.key_dim, **common)
         if self.kind == "moa":
             return attention.MixtureOfAttentionHeads(
-                embed_dim, self.num_experts, self.top_k, self.head_dim, bias=self.bias, dropout=self.dropout,
-                router=self.router, renormalize=self.renormalize, load_balance_weight=self.load_balance_weight,
-                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl)
+                embed_dim, self.num_experts, self.top_k, self.head_dim, router=self.router,
+                renormalize=self.renormalize, load_balance_weight=self.load_balance_weight,
+                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, kv_heads=self.kv_heads or 1, **common)
         if self.kind == "moh":
             return attention.MixtureOfHeadsAttention(
-                embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim, bias=self.bias,
-                dropout=self.dropout, load_balance_weight=self.load_balance_weight)
+                embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,
+                load_balance_weight=self.load_balance_weight, head_weighting=self.head_weighting or "renormalized",
+                **common)
         if self.kind == "switchhead":
             return attention.SwitchHeadAttention(
                 embed_dim, self.num_heads, self.num_experts, self.top_k, self.head_dim, bias=self.bias,
                 dropout=self.dropout, expert_dropout=self.expert_dropout or 0.0,
-                init_scale=1.0 if self.init_scale is None else self.init_scale, expert_impl=self.expert_impl)
+                init_scale=1.0 if self.init_scale is None else self.init_scale, expert_impl=self.expert_impl,
+                rotary=self.rotary, rotary_base=self.rotary_base, rotary_fraction=self.rotary_fraction,
+                zero_padded_queries=self.zero_padded_queries)
         return attention.TalkingHeadsAttention(
             embed_dim, self.num_heads, self.pre_softmax, self.post_softmax, head_dim=self.head_dim,
-            key_dim=self.key_dim, bias=self.bias, dropout=self.dropout)
+            key_dim=self.key_dim, **common)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
