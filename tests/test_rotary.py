@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headmix import MixtureOfAttentionHeads, MultiHeadAttention, RotaryEmbedding
-from headmix.attention.reference import reference_rotary
-from test_attention import make, reference_for  # the layers of the attention tests, gates moved off init
+from headmix import MixtureOfAttentionHeads, MultiHeadAttention, RotaryEmbedding, SwitchHeadAttention
+from headmix.attention.reference import reference_rotary, reference_switchhead
+from test_attention import make as make_attention  # the layers of the attention tests, gates moved off init
+from test_attention import reference_for as attention_reference_for
 
 D = 16
 
@@ -100,7 +101,19 @@ def test_module_checks_its_arguments():
 
 # --------------------------------------------------------------------------- the layers
 
-KINDS = ["mha", "mha_key", "moa", "moa_kv", "moh", "th"]
+KINDS = ["mha", "mha_key", "moa", "moa_kv", "moh", "th", "switchhead"]
+
+
+def make(kind: str, **kw):
+    """The attention tests' layers, and SwitchHead (2 heads of 8, top 2 of 4 value/output experts)."""
+    if kind == "switchhead":
+        torch.manual_seed(0)
+        return SwitchHeadAttention(D, 2, 4, 2, 8, **kw)
+    return make_attention(kind, **kw)
+
+
+def reference_for(kind: str):
+    return reference_switchhead if kind == "switchhead" else attention_reference_for(kind)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -181,7 +194,8 @@ def test_attention_config_rotary_fields_build_round_trip_and_validate():
     assert isinstance(layer.rotary, RotaryEmbedding)
     assert (layer.rotary.base, layer.rotary.rotary_dim) == (500.0, 4)
     assert AttentionConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
-    for kind, kw in (("mha", {}), ("moh", dict(num_shared_heads=1, top_k=2)), ("talking_heads", {})):
+    for kind, kw in (("mha", {}), ("moh", dict(num_shared_heads=1, top_k=2)), ("talking_heads", {}),
+                     ("switchhead", dict(num_experts=4, top_k=2))):
         assert AttentionConfig(kind=kind, num_heads=4, rotary=True, **kw).build(D).rotary is not None
     old = AttentionConfig(kind="mha", num_heads=4).to_dict()
     for field in ("rotary", "rotary_base", "rotary_fraction"):

@@ -255,7 +255,9 @@ def reference_switchhead(layer: SwitchHeadAttention, query: Tensor, key: Tensor 
                          value: Tensor | None = None, **masks) -> Tensor:
     """SwitchHead, one head and one expert at a time: ``v_t^h = sum_e w_{t,e}^h x_t W_v^{h,e}``,
     ``o^h = softmax(q W_q^h (K W_k^h)^T / sqrt(d_h)) V^h``, ``y_t = sum_h sum_e w'^h_{t,e} o_t^h W_o^{h,e}``
-    (every expert evaluated, unselected ones weighted 0). With one expert there is no value selector."""
+    (every expert evaluated, unselected ones weighted 0). With one expert there is no value selector. Rotary
+    positions (self-attention) on each head's queries and keys, as :func:`reference_rotary`."""
+    rotary = _self_rotary(layer, key)
     key, value = _inputs(query, key, value)
     n_h, n_e, d = layer.num_heads, layer.num_experts, layer.head_dim
     allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
@@ -272,8 +274,8 @@ def reference_switchhead(layer: SwitchHeadAttention, query: Tensor, key: Tensor 
         v_h = torch.zeros(*value.shape[:2], d, dtype=query.dtype)
         for e in range(n_e):
             v_h = v_h + w_v[..., h, e:e + 1] * (value @ layer.value_experts[h * n_e + e])
-        o_h = reference_softmax_attention(q_h.unsqueeze(1), k_h.unsqueeze(1), v_h.unsqueeze(1), allowed, added,
-                                          1.0 / math.sqrt(d)).squeeze(1)
+        q_h, k_h = reference_rotary(q_h.unsqueeze(1), rotary), reference_rotary(k_h.unsqueeze(1), rotary)
+        o_h = reference_softmax_attention(q_h, k_h, v_h.unsqueeze(1), allowed, added, 1.0 / math.sqrt(d)).squeeze(1)
         for e in range(n_e):
             y = y + w_o[..., h, e:e + 1] * (o_h @ layer.output_experts[h * n_e + e])
     if layer.out_bias is not None:
