@@ -128,7 +128,9 @@ def finished_run(tmp_path_factory, pairs_file) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file of a run folder but its lock file (which says who held the lock last)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
 
 
 @pytest.mark.parametrize("change, field", [
@@ -169,3 +171,29 @@ def test_evaluate_limit_must_be_positive(finished_run, capsys):
     for limit in ("0", "-1"):
         assert main(["evaluate", str(finished_run), "--limit", limit]) == 2
         one_line_error(capsys, "--limit", "expected a positive integer")
+
+
+def test_disk_full_is_one_line_about_space_and_exit_1(tmp_path, pairs_file, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)  # the checkpoint's training state
+    out = tmp_path / "r"
+    assert main(tiny(out, pairs_file)) == 1
+    one_line_error(capsys, "no space left on device while writing", "checkpoints")
+    assert not [p for p in out.rglob("*") if p.name.startswith(".tmp")]
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+
+
+def test_a_run_in_use_is_one_line_and_exit_1(finished_run, pairs_file, capsys):
+    from headmix.runs import Run
+
+    before = snapshot(finished_run)
+    holder = Run(finished_run)
+    holder.lock()
+    try:
+        assert main(tiny(finished_run, pairs_file, "--max-steps", "3")) == 1
+    finally:
+        holder.unlock()
+    one_line_error(capsys, "is in use by process", str(os.getpid()))
+    assert snapshot(finished_run) == before
