@@ -14,17 +14,9 @@ import pytest
 import torch
 
 from headmix.cli.main import build_parser, dataclass_from_args, main
-from headmix.data import load_embedded_translation, write_tsv_pairs
 from headmix.training import TrainConfig
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-@pytest.fixture(scope="module")
-def pairs_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
-    write_tsv_pairs(load_embedded_translation()[:600], path)
-    return path
 
 
 def tiny(out: Path, data: Path, *extra: str, task: str = "translation") -> list[str]:

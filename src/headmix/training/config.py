@@ -4,7 +4,6 @@ the ``headmix train`` flags are generated from these fields (``headmix.cli.main`
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -128,21 +127,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """The config of stored options; unknown keys are ignored."""
-        cfg = cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
-        cfg.betas = tuple(cfg.betas)
-        return cfg
-
-    @classmethod
-    def load(cls, run_dir: str | os.PathLike) -> TrainConfig:
-        """The options a run was trained with (``RUN/train_config.json``)."""
-        path = Path(run_dir) / "train_config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: {run_dir} is not a headmix training run")
-        return cls.from_dict(json.loads(path.read_text()))
 
 
 def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
