@@ -69,11 +69,12 @@ def test_learning_rate_default_is_the_tasks():
 
 # ---------------------------------------------------------------------------------------- bad usage
 @pytest.mark.parametrize("argv, needles", [
-    (["--lr", "0"], ["lr must be a number > 0, got 0.0"]),
-    (["--seed", "-1"], ["seed must be a non-negative integer, got -1"]),
-    (["--max-time", "0"], ["max_time must be a number > 0, got 0.0"]),
-    (["--device", "gpu"], ["device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"]),
-    (["--max-steps", "0"], ["max_steps must be a positive integer"]),
+    (["--lr", "0"], ["error: --lr must be a number > 0, got 0.0"]),
+    (["--seed", "-1"], ["error: --seed must be a non-negative integer, got -1"]),
+    (["--max-time", "0"], ["error: --max-time must be a number > 0, got 0.0"]),
+    (["--device", "gpu"], ["error: --device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"]),
+    (["--max-steps", "0"], ["error: --max-steps must be a positive integer"]),
+    (["--valid-size", "1.5"], ["error: --valid-size must be a fraction in [0, 1), got 1.5"]),
     (["--schedule", "cosine"], ["--schedule", "invalid choice"]),
     (["--vocab-size", "many"], ["--vocab-size", "invalid int value"]),
 ])
@@ -108,7 +109,7 @@ def test_subprocess_bad_device_exit_code_and_one_line(tmp_path, pairs_file):
     done = subprocess.run([sys.executable, "-m", "headmix.cli.main", *tiny(tmp_path / "r", pairs_file, "--device", "gpu")],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("headmix train: error: device must be")
+    assert done.stderr.startswith("headmix train: error: --device must be")
 
 
 # ------------------------------------------------------------------------------------- failed runs

@@ -143,6 +143,13 @@ def _run_train(args) -> int:
     from ..training import TrainConfig, train
 
     cfg = dataclass_from_args(TrainConfig, args)
+    try:
+        cfg.validate()
+    except ValueError as err:  # name the option as it was typed: "seed must be ..." -> "--seed must be ..."
+        field, _, rest = str(err).partition(" ")
+        if field in {f.name for f in dataclasses.fields(TrainConfig)}:
+            raise ValueError(f"{_flag(field)} {rest}") from None
+        raise
     with stop_on_signals() as stop:
         summary = train(cfg, stop=stop)
     if summary.get("stopped_by", "").startswith("signal "):
