@@ -190,3 +190,23 @@ def test_a_run_in_use_is_one_line_and_exit_1(finished_run, pairs_file, capsys):
         holder.unlock()
     one_line_error(capsys, "is in use by process", str(os.getpid()))
     assert snapshot(finished_run) == before
+
+
+def test_translate_and_evaluate_a_finished_run(finished_run, tmp_path, capsys):
+    import json
+
+    from headmix.evaluation import translate
+    from headmix.runs import load_run
+
+    source = tmp_path / "in.txt"
+    source.write_text("Open the file.\nSave the document.\n")
+    capsys.readouterr()
+    assert main(["translate", str(finished_run), "--input", str(source), "--beam", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    run = load_run(finished_run)
+    assert printed == translate(run.model, run.tokenizer, ["Open the file.", "Save the document."], beam_size=2)
+    assert main(["evaluate", str(finished_run), "--limit", "3", "--beam", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["sentences"] == 3 and result["split"] == "test" and result["beam_size"] == 2
+    assert main(["evaluate", str(tmp_path / "nowhere")]) == 2
+    one_line_error(capsys, "run folder not found")

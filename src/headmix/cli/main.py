@@ -300,6 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args.command, err, RUN_FAILED)
     except (ValueError, FileNotFoundError) as err:
         return _fail(args.command, err, USAGE_ERROR)
+    except KeyboardInterrupt:  # a second SIGINT/SIGTERM: stopped at once, without a checkpoint
+        return _fail(args.command, "interrupted; the newest checkpoint is kept, run the same command to resume",
+                     128 + signal.SIGINT)
     except OSError as err:
         if err.errno == errno.ENOSPC:
             return _fail(args.command, f"no space left on device ({err.filename or err})", RUN_FAILED)
