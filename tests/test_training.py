@@ -228,8 +228,8 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes(tmp_path, pairs_file):
     cmd = [sys.executable, "-m", "headmix.cli.main", "train", "translation", "--preset", "tiny-moa", "--out", str(out),
            "--data", str(pairs_file), "--vocab-size", "300", "--max-steps", "100000", "--max-tokens", "600",
            "--max-len", "32", "--save-every", "100000", "--eval-every", "100000", "--no-progress",
-           "--valid-size", "0.05", "--test-size", "0.05"]
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+           "--valid-size", "0.05", "--test-size", "0.05", "--log-every", "1"]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").is_file() and time.time() < deadline:  # wait until it trains
