@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from headmix.data import train_tokenizer
+from headmix.data import read_tsv_pairs, train_tokenizer, write_tsv_pairs
 from headmix.models import build_model, get_config
 from headmix.runs import (
     Run,
@@ -134,6 +134,15 @@ def test_new_run_stores_config_with_absolute_paths_and_checksums(run, config, da
     assert oct(run.config_path.stat().st_mode & 0o777) == "0o644"
 
 
+def test_relative_data_paths_are_stored_resolved(tmp_path, config, data_file, monkeypatch):
+    monkeypatch.chdir(data_file.parent)
+    with Run.create_or_resume(tmp_path / "r", {**config, "data": [data_file.name]}, identity=IDENTITY) as r:
+        assert r.read_config()["data"] == [str(data_file)]
+    monkeypatch.chdir(tmp_path)  # the same file named from elsewhere is the same run
+    Run.create_or_resume(tmp_path / "r", {**config, "data": [str(Path("inputs") / data_file.name)]},
+                         identity=IDENTITY).unlock()
+
+
 CHANGES = {"task": "mlm", "preset": "tiny-mha", "vocab_size": 400, "max_len": 64, "seed": 2, "valid_size": 0.1,
            "test_size": 0.1, "src_lang": "fr", "tgt_lang": "en"}
 
@@ -141,6 +150,7 @@ CHANGES = {"task": "mlm", "preset": "tiny-mha", "vocab_size": 400, "max_len": 64
 @pytest.mark.parametrize("field", IDENTITY)
 def test_a_changed_identity_field_is_refused_and_nothing_is_written(run, config, field, tmp_path):
     run.unlock()
+    run.lock_path.write_text("an earlier holder\n")  # so that even a rewrite of the lock record is seen
     before = snapshot(run.path)
     changed = dict(config)
     if field == "data":
@@ -158,6 +168,7 @@ def test_a_changed_identity_field_is_refused_and_nothing_is_written(run, config,
 
 def test_changed_data_content_is_refused(run, config, data_file):
     run.unlock()
+    run.lock_path.write_text("an earlier holder\n")
     before = snapshot(run.path)
     data_file.write_text("x y\tz w\n")
     with pytest.raises(RunMismatchError, match=r"created with data .*pairs.tsv of sha256 \w{12}; its content has changed"):
@@ -294,9 +305,21 @@ def test_atomic_output_passes_other_errors_through(tmp_path):
             tmp.write_bytes(b"half")
             raise ValueError("a bug")
     assert not path.exists() and not leftovers(tmp_path)
-    with atomic_output(path, mode=0o644) as tmp:
-        torch.save({"a": 1}, tmp)
+    old = os.umask(0o077)
+    try:
+        with atomic_output(path, mode=0o644) as tmp:
+            torch.save({"a": 1}, tmp)
+    finally:
+        os.umask(old)
     assert torch.load(path) == {"a": 1} and oct(path.stat().st_mode & 0o777) == "0o644"
+
+
+def test_atomic_output_keeps_the_suffix_for_writers_that_read_it(tmp_path):
+    path = tmp_path / "train.tsv.gz"
+    with atomic_output(path) as tmp:
+        write_tsv_pairs([("ein Haus", "a house")], tmp)
+    assert path.read_bytes()[:2] == b"\x1f\x8b"  # gzip, chosen by write_tsv_pairs from the name
+    assert [(p.src, p.tgt) for p in read_tsv_pairs(path)] == [("ein Haus", "a house")]
 
 
 @pytest.mark.parametrize("exchange", [True, False])
@@ -322,8 +345,11 @@ def test_tokenizer_is_saved_atomically_in_its_usual_format(run, monkeypatch):
     assert (run.tokenizer_dir / "tokenizer.json").read_text() == tok.hf.to_str(pretty=True)
     assert run.load_tokenizer().encode("a small test") == tok.encode("a small test")
     before = snapshot(run.tokenizer_dir)
-    monkeypatch.setattr(type(tok.hf), "save", lambda self, path, pretty=True: (_ for _ in ()).throw(
-        OSError(errno.ENOSPC, "No space left on device")), raising=False)
+    def half_then_full(self, path, pretty=True):
+        Path(path).write_text('{"half": ')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(tok.hf), "save", half_then_full)
     other = train_tokenizer(["something else entirely"] * 5, vocab_size=270)
     with pytest.raises(RunError, match="no space left on device while writing .*tokenizer"):
         run.save_tokenizer(other)
@@ -454,6 +480,7 @@ def test_keep_counts_scheduled_checkpoints_only(run):
     assert steps(run.checkpoints()) == [4, 6, 8]
     save(run, 9, reason="signal 15", keep=3)
     assert steps(run.checkpoints()) == [4, 6, 8, 9]  # the signal checkpoint pushes nothing out
+    assert steps(run.checkpoints_to_average(3)) == [4, 6, 8]  # and never joins the average
     save(run, 10, reason="final", keep=3)
     assert steps(run.checkpoints()) == [6, 8, 10]  # and goes once a newer one exists
 

@@ -112,9 +112,9 @@ def load_run(path: str | os.PathLike, device: str | torch.device = "cpu") -> Loa
         ModelConfig.load_json(config_file)
     except (ValueError, TypeError, OSError) as e:
         raise RunError(f"{config_file} is damaged ({_short(e)}); {_rebuild_hint(run)}") from e
-    try:  # reads the header and checks the file's length: a truncated file fails here
-        with safe_open(str(weights), framework="pt") as f:
-            f.keys()
+    try:  # safe_open reads the header and checks the file's length: a truncated file fails here
+        with safe_open(str(weights), framework="pt"):
+            pass
     except Exception as e:
         raise RunError(f"{weights} is damaged ({_short(e)}); {_rebuild_hint(run)}") from e
     try:
