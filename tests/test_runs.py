@@ -539,7 +539,6 @@ def test_a_crash_at_any_system_call_leaves_a_run_that_resumes_to_the_same_files(
             _writer_work(again, tokenizer)
         assert {k: v for k, v in snapshot(cut).items() if k != ".lock"} == expected, n
         shutil.rmtree(cut)
-    print(f"{n} crash points")
     assert status == 0 and n > 20  # every call was a crash point once, then the work finished
 
 
