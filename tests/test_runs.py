@@ -9,6 +9,7 @@ import errno
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 from pathlib import Path
@@ -80,14 +81,20 @@ def _hold_lock(path: str, ready, release) -> None:
     release.wait(60)
 
 
-def test_a_second_process_gets_a_lock_error_naming_the_holder(run, config):
+def _start_holder(run: Run):
+    """Another process that takes ``run``'s lock and holds it until ``release`` is set."""
     ctx = multiprocessing.get_context("fork")
     ready, release = ctx.Event(), ctx.Event()
     run.unlock()
     child = ctx.Process(target=_hold_lock, args=(str(run.path), ready, release))
     child.start()
+    assert ready.wait(30)
+    return child, release
+
+
+def test_a_second_process_gets_a_lock_error_naming_the_holder(run, config):
+    child, release = _start_holder(run)
     try:
-        assert ready.wait(30)
         before = snapshot(run.path)
         with pytest.raises(RunLockedError, match=rf"in use by process {child.pid} on host "
                                                  rf"{socket.gethostname()} \(since 20"):
@@ -101,12 +108,7 @@ def test_a_second_process_gets_a_lock_error_naming_the_holder(run, config):
 
 
 def test_a_lock_left_by_a_killed_process_is_free(run, config):
-    ctx = multiprocessing.get_context("fork")
-    ready, release = ctx.Event(), ctx.Event()
-    run.unlock()
-    child = ctx.Process(target=_hold_lock, args=(str(run.path), ready, release))
-    child.start()
-    assert ready.wait(30)
+    child, _ = _start_holder(run)
     os.kill(child.pid, signal.SIGKILL)
     child.join(30)
     assert str(child.pid) in run.lock_path.read_text()  # the stale record is still there
@@ -459,6 +461,85 @@ def test_a_checkpoint_of_another_model_is_an_error_not_damage(run):
     save(run, 2)
     with pytest.raises(RunError, match=r"holds the weights of another model \(missing \['weight', 'bias'\]; unexpected \['count'"):
         run.latest_intact_checkpoint(nn.Linear(3, 5))
+
+
+#: The system calls at which the crash test stops a writer (the C writers inside torch.save and
+#: safetensors write into temporary names, so their own calls need no interception).
+CRASH_POINTS = ("write", "fsync", "mkdir", "rename", "replace", "unlink", "rmdir", "chmod", "fchmod", "ftruncate")
+
+
+def _writer_work(run: Run, tokenizer) -> None:
+    """What a resumed trainer writes around one save: metrics truncated, a checkpoint (which prunes a
+    signal checkpoint and, with keep=2, the oldest periodic one), a new tokenizer folder, the summary."""
+    run.truncate_metrics(6)
+    save(run, 6, keep=2)
+    run.save_tokenizer(tokenizer)
+    run.write_summary({"step": 6})
+
+
+def _crash_at_call(path: Path, config: dict, tokenizer, n: int) -> int:
+    """Run :func:`_writer_work` in a child process that dies (``os._exit``, no clean-up, like kill -9) at
+    its ``n``-th intercepted system call; the child's exit status: 17 when it died, 0 when it finished."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            calls = [0]
+
+            def crashing(real):
+                def call(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == n:
+                        os._exit(17)
+                    return real(*args, **kwargs)
+                return call
+
+            for name in CRASH_POINTS:
+                setattr(os, name, crashing(getattr(os, name)))
+            with Run.create_or_resume(path, config, identity=IDENTITY, log=lambda message: None) as run:
+                _writer_work(run, tokenizer)
+            os._exit(0)
+        finally:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_crash_at_any_system_call_leaves_a_run_that_resumes_to_the_same_files(run, config, tmp_path, monkeypatch):
+    """kill -9 at every point of the writes: each leaves only complete files (old or new), and doing the
+    work again gives byte for byte the folder of an uncut run."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # a process crash, not a power cut: flushing is not tested
+    run.save_tokenizer(train_tokenizer(["x y z"] * 3, vocab_size=262))
+    for step in (2, 4):
+        save(run, step, keep=2)
+    save(run, 5, reason="signal 15", keep=2)
+    run.write_summary({"step": 5})
+    run.metrics_path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 9)))
+    run.unlock()
+    base = snapshot(run.path)
+    tokenizer = train_tokenizer(["a b c d e f"] * 3, vocab_size=263)
+    uncut = tmp_path / "uncut"
+    shutil.copytree(run.path, uncut)
+    with Run.create_or_resume(uncut, config, identity=IDENTITY) as r:
+        _writer_work(r, tokenizer)
+    expected = {k: v for k, v in snapshot(uncut).items() if k != ".lock"}
+    old_tokenizer = base["tokenizer/tokenizer.json"]
+    n, status = 0, 17
+    while status == 17:
+        n += 1
+        cut = tmp_path / f"cut{n}"
+        shutil.copytree(run.path, cut)
+        status = _crash_at_call(cut, config, tokenizer, n)
+        with Run.create_or_resume(cut, config, identity=IDENTITY) as again:
+            assert not leftovers(cut), n
+            for path in again.checkpoints():
+                ckpt.verify_checkpoint(path)
+            assert steps(again.checkpoints())[-1] in (5, 6), n
+            assert json.loads(again.summary_path.read_text())["step"] in (5, 6), n
+            assert (cut / "tokenizer" / "tokenizer.json").read_bytes() in (old_tokenizer,
+                                                                          expected["tokenizer/tokenizer.json"]), n
+            _writer_work(again, tokenizer)
+        assert {k: v for k, v in snapshot(cut).items() if k != ".lock"} == expected, n
+        shutil.rmtree(cut)
+    assert status == 0 and n > 20  # every call was a crash point once, then the work finished
 
 
 def test_checkpoint_write_failure_leaves_the_previous_ones(run, monkeypatch):

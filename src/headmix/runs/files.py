@@ -92,9 +92,15 @@ def write_error(path: Path, err: BaseException) -> RunWriteError | None:
 
 
 def remove_path(path: Path) -> None:
-    """Remove a file or folder if it exists; errors are ignored (used for clean-up only)."""
+    """Remove a file or folder if it exists; errors are ignored (used for clean-up only). A folder is
+    first renamed to a temporary name, so that a removal cut short (``kill -9`` inside ``rmtree``)
+    leaves a ``.tmp-*`` folder, never a half-emptied one under its real name."""
     try:
         if path.is_dir() and not path.is_symlink():
+            if not path.name.startswith(TMP_PREFIX):
+                doomed = temporary_name(path)
+                os.rename(path, doomed)
+                path = doomed
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink()

@@ -74,14 +74,10 @@ def load_tokenizer(path: str | os.PathLike):
 def read_train_config(path: str | os.PathLike) -> dict[str, Any]:
     """The run's stored options (``train_config.json``, without the input files' checksums); ``{}`` when
     the folder has none (a model saved without ``headmix train``)."""
-    from .run import FINGERPRINT_KEY, Run
+    from .run import Run
 
     run = Run(path)
-    if not run.config_path.is_file():
-        return {}
-    config = run.read_config()
-    config.pop(FINGERPRINT_KEY, None)
-    return config
+    return run.read_config() if run.config_path.is_file() else {}
 
 
 @dataclass
