@@ -1,7 +1,20 @@
 """Shared test set-up."""
 
+from pathlib import Path
+
+import pytest
 import torch
+
+from headmix.data import load_embedded_translation, write_tsv_pairs
 
 # The tests use tiny models, which gain nothing from intra-op threads; on a busy 2-core machine (and
 # with one pytest-xdist worker per core) the thread pools' spinning makes them several times slower.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def pairs_file(tmp_path_factory) -> Path:
+    """600 pairs of the embedded En-De corpus as a TSV file: the training and command-line tests' data."""
+    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
+    write_tsv_pairs(load_embedded_translation()[:600], path)
+    return path

@@ -14,17 +14,9 @@ import pytest
 import torch
 
 from headmix.cli.main import build_parser, dataclass_from_args, main
-from headmix.data import load_embedded_translation, write_tsv_pairs
 from headmix.training import TrainConfig
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-@pytest.fixture(scope="module")
-def pairs_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
-    write_tsv_pairs(load_embedded_translation()[:600], path)
-    return path
 
 
 def tiny(out: Path, data: Path, *extra: str, task: str = "translation") -> list[str]:
@@ -77,11 +69,12 @@ def test_learning_rate_default_is_the_tasks():
 
 # ---------------------------------------------------------------------------------------- bad usage
 @pytest.mark.parametrize("argv, needles", [
-    (["--lr", "0"], ["lr must be a number > 0, got 0.0"]),
-    (["--seed", "-1"], ["seed must be a non-negative integer, got -1"]),
-    (["--max-time", "0"], ["max_time must be a number > 0, got 0.0"]),
-    (["--device", "gpu"], ["device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"]),
-    (["--max-steps", "0"], ["max_steps must be a positive integer"]),
+    (["--lr", "0"], ["error: --lr must be a number > 0, got 0.0"]),
+    (["--seed", "-1"], ["error: --seed must be a non-negative integer, got -1"]),
+    (["--max-time", "0"], ["error: --max-time must be a number > 0, got 0.0"]),
+    (["--device", "gpu"], ["error: --device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"]),
+    (["--max-steps", "0"], ["error: --max-steps must be a positive integer"]),
+    (["--valid-size", "1.5"], ["error: --valid-size must be a fraction in [0, 1), got 1.5"]),
     (["--schedule", "cosine"], ["--schedule", "invalid choice"]),
     (["--vocab-size", "many"], ["--vocab-size", "invalid int value"]),
 ])
@@ -116,7 +109,7 @@ def test_subprocess_bad_device_exit_code_and_one_line(tmp_path, pairs_file):
     done = subprocess.run([sys.executable, "-m", "headmix.cli.main", *tiny(tmp_path / "r", pairs_file, "--device", "gpu")],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("headmix train: error: device must be")
+    assert done.stderr.startswith("headmix train: error: --device must be")
 
 
 # ------------------------------------------------------------------------------------- failed runs
@@ -128,7 +121,9 @@ def finished_run(tmp_path_factory, pairs_file) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file of a run folder but its lock file (which says who held the lock last)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
 
 
 @pytest.mark.parametrize("change, field", [
@@ -169,3 +164,49 @@ def test_evaluate_limit_must_be_positive(finished_run, capsys):
     for limit in ("0", "-1"):
         assert main(["evaluate", str(finished_run), "--limit", limit]) == 2
         one_line_error(capsys, "--limit", "expected a positive integer")
+
+
+def test_disk_full_is_one_line_about_space_and_exit_1(tmp_path, pairs_file, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)  # the checkpoint's training state
+    out = tmp_path / "r"
+    assert main(tiny(out, pairs_file)) == 1
+    one_line_error(capsys, "no space left on device while writing", "checkpoints")
+    assert not [p for p in out.rglob("*") if p.name.startswith(".tmp")]
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+
+
+def test_a_run_in_use_is_one_line_and_exit_1(finished_run, pairs_file, capsys):
+    from headmix.runs import Run
+
+    before = snapshot(finished_run)
+    holder = Run(finished_run)
+    holder.lock()
+    try:
+        assert main(tiny(finished_run, pairs_file, "--max-steps", "3")) == 1
+    finally:
+        holder.unlock()
+    one_line_error(capsys, "is in use by process", str(os.getpid()))
+    assert snapshot(finished_run) == before
+
+
+def test_translate_and_evaluate_a_finished_run(finished_run, tmp_path, capsys):
+    import json
+
+    from headmix.evaluation import translate
+    from headmix.runs import load_run
+
+    source = tmp_path / "in.txt"
+    source.write_text("Open the file.\nSave the document.\n")
+    capsys.readouterr()
+    assert main(["translate", str(finished_run), "--input", str(source), "--beam", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    run = load_run(finished_run)
+    assert printed == translate(run.model, run.tokenizer, ["Open the file.", "Save the document."], beam_size=2)
+    assert main(["evaluate", str(finished_run), "--limit", "3", "--beam", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["sentences"] == 3 and result["split"] == "test" and result["beam_size"] == 2
+    assert main(["evaluate", str(tmp_path / "nowhere")]) == 2
+    one_line_error(capsys, "run folder not found")

@@ -9,6 +9,7 @@ import errno
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from headmix.data import train_tokenizer
+from headmix.data import read_tsv_pairs, train_tokenizer, write_tsv_pairs
 from headmix.models import build_model, get_config
 from headmix.runs import (
     Run,
@@ -80,14 +81,20 @@ def _hold_lock(path: str, ready, release) -> None:
     release.wait(60)
 
 
-def test_a_second_process_gets_a_lock_error_naming_the_holder(run, config):
+def _start_holder(run: Run):
+    """Another process that takes ``run``'s lock and holds it until ``release`` is set."""
     ctx = multiprocessing.get_context("fork")
     ready, release = ctx.Event(), ctx.Event()
     run.unlock()
     child = ctx.Process(target=_hold_lock, args=(str(run.path), ready, release))
     child.start()
+    assert ready.wait(30)
+    return child, release
+
+
+def test_a_second_process_gets_a_lock_error_naming_the_holder(run, config):
+    child, release = _start_holder(run)
     try:
-        assert ready.wait(30)
         before = snapshot(run.path)
         with pytest.raises(RunLockedError, match=rf"in use by process {child.pid} on host "
                                                  rf"{socket.gethostname()} \(since 20"):
@@ -101,12 +108,7 @@ def test_a_second_process_gets_a_lock_error_naming_the_holder(run, config):
 
 
 def test_a_lock_left_by_a_killed_process_is_free(run, config):
-    ctx = multiprocessing.get_context("fork")
-    ready, release = ctx.Event(), ctx.Event()
-    run.unlock()
-    child = ctx.Process(target=_hold_lock, args=(str(run.path), ready, release))
-    child.start()
-    assert ready.wait(30)
+    child, _ = _start_holder(run)
     os.kill(child.pid, signal.SIGKILL)
     child.join(30)
     assert str(child.pid) in run.lock_path.read_text()  # the stale record is still there
@@ -134,6 +136,15 @@ def test_new_run_stores_config_with_absolute_paths_and_checksums(run, config, da
     assert oct(run.config_path.stat().st_mode & 0o777) == "0o644"
 
 
+def test_relative_data_paths_are_stored_resolved(tmp_path, config, data_file, monkeypatch):
+    monkeypatch.chdir(data_file.parent)
+    with Run.create_or_resume(tmp_path / "r", {**config, "data": [data_file.name]}, identity=IDENTITY) as r:
+        assert r.read_config()["data"] == [str(data_file)]
+    monkeypatch.chdir(tmp_path)  # the same file named from elsewhere is the same run
+    Run.create_or_resume(tmp_path / "r", {**config, "data": [str(Path("inputs") / data_file.name)]},
+                         identity=IDENTITY).unlock()
+
+
 CHANGES = {"task": "mlm", "preset": "tiny-mha", "vocab_size": 400, "max_len": 64, "seed": 2, "valid_size": 0.1,
            "test_size": 0.1, "src_lang": "fr", "tgt_lang": "en"}
 
@@ -141,6 +152,7 @@ CHANGES = {"task": "mlm", "preset": "tiny-mha", "vocab_size": 400, "max_len": 64
 @pytest.mark.parametrize("field", IDENTITY)
 def test_a_changed_identity_field_is_refused_and_nothing_is_written(run, config, field, tmp_path):
     run.unlock()
+    run.lock_path.write_text("an earlier holder\n")  # so that even a rewrite of the lock record is seen
     before = snapshot(run.path)
     changed = dict(config)
     if field == "data":
@@ -158,6 +170,7 @@ def test_a_changed_identity_field_is_refused_and_nothing_is_written(run, config,
 
 def test_changed_data_content_is_refused(run, config, data_file):
     run.unlock()
+    run.lock_path.write_text("an earlier holder\n")
     before = snapshot(run.path)
     data_file.write_text("x y\tz w\n")
     with pytest.raises(RunMismatchError, match=r"created with data .*pairs.tsv of sha256 \w{12}; its content has changed"):
@@ -294,9 +307,21 @@ def test_atomic_output_passes_other_errors_through(tmp_path):
             tmp.write_bytes(b"half")
             raise ValueError("a bug")
     assert not path.exists() and not leftovers(tmp_path)
-    with atomic_output(path, mode=0o644) as tmp:
-        torch.save({"a": 1}, tmp)
+    old = os.umask(0o077)
+    try:
+        with atomic_output(path, mode=0o644) as tmp:
+            torch.save({"a": 1}, tmp)
+    finally:
+        os.umask(old)
     assert torch.load(path) == {"a": 1} and oct(path.stat().st_mode & 0o777) == "0o644"
+
+
+def test_atomic_output_keeps_the_suffix_for_writers_that_read_it(tmp_path):
+    path = tmp_path / "train.tsv.gz"
+    with atomic_output(path) as tmp:
+        write_tsv_pairs([("ein Haus", "a house")], tmp)
+    assert path.read_bytes()[:2] == b"\x1f\x8b"  # gzip, chosen by write_tsv_pairs from the name
+    assert [(p.src, p.tgt) for p in read_tsv_pairs(path)] == [("ein Haus", "a house")]
 
 
 @pytest.mark.parametrize("exchange", [True, False])
@@ -322,8 +347,11 @@ def test_tokenizer_is_saved_atomically_in_its_usual_format(run, monkeypatch):
     assert (run.tokenizer_dir / "tokenizer.json").read_text() == tok.hf.to_str(pretty=True)
     assert run.load_tokenizer().encode("a small test") == tok.encode("a small test")
     before = snapshot(run.tokenizer_dir)
-    monkeypatch.setattr(type(tok.hf), "save", lambda self, path, pretty=True: (_ for _ in ()).throw(
-        OSError(errno.ENOSPC, "No space left on device")), raising=False)
+    def half_then_full(self, path, pretty=True):
+        Path(path).write_text('{"half": ')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(tok.hf), "save", half_then_full)
     other = train_tokenizer(["something else entirely"] * 5, vocab_size=270)
     with pytest.raises(RunError, match="no space left on device while writing .*tokenizer"):
         run.save_tokenizer(other)
@@ -435,6 +463,85 @@ def test_a_checkpoint_of_another_model_is_an_error_not_damage(run):
         run.latest_intact_checkpoint(nn.Linear(3, 5))
 
 
+#: The system calls at which the crash test stops a writer (the C writers inside torch.save and
+#: safetensors write into temporary names, so their own calls need no interception).
+CRASH_POINTS = ("write", "fsync", "mkdir", "rename", "replace", "unlink", "rmdir", "chmod", "fchmod", "ftruncate")
+
+
+def _writer_work(run: Run, tokenizer) -> None:
+    """What a resumed trainer writes around one save: metrics truncated, a checkpoint (which prunes a
+    signal checkpoint and, with keep=2, the oldest periodic one), a new tokenizer folder, the summary."""
+    run.truncate_metrics(6)
+    save(run, 6, keep=2)
+    run.save_tokenizer(tokenizer)
+    run.write_summary({"step": 6})
+
+
+def _crash_at_call(path: Path, config: dict, tokenizer, n: int) -> int:
+    """Run :func:`_writer_work` in a child process that dies (``os._exit``, no clean-up, like kill -9) at
+    its ``n``-th intercepted system call; the child's exit status: 17 when it died, 0 when it finished."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            calls = [0]
+
+            def crashing(real):
+                def call(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == n:
+                        os._exit(17)
+                    return real(*args, **kwargs)
+                return call
+
+            for name in CRASH_POINTS:
+                setattr(os, name, crashing(getattr(os, name)))
+            with Run.create_or_resume(path, config, identity=IDENTITY, log=lambda message: None) as run:
+                _writer_work(run, tokenizer)
+            os._exit(0)
+        finally:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_crash_at_any_system_call_leaves_a_run_that_resumes_to_the_same_files(run, config, tmp_path, monkeypatch):
+    """kill -9 at every point of the writes: each leaves only complete files (old or new), and doing the
+    work again gives byte for byte the folder of an uncut run."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # a process crash, not a power cut: flushing is not tested
+    run.save_tokenizer(train_tokenizer(["x y z"] * 3, vocab_size=262))
+    for step in (2, 4):
+        save(run, step, keep=2)
+    save(run, 5, reason="signal 15", keep=2)
+    run.write_summary({"step": 5})
+    run.metrics_path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 9)))
+    run.unlock()
+    base = snapshot(run.path)
+    tokenizer = train_tokenizer(["a b c d e f"] * 3, vocab_size=263)
+    uncut = tmp_path / "uncut"
+    shutil.copytree(run.path, uncut)
+    with Run.create_or_resume(uncut, config, identity=IDENTITY) as r:
+        _writer_work(r, tokenizer)
+    expected = {k: v for k, v in snapshot(uncut).items() if k != ".lock"}
+    old_tokenizer = base["tokenizer/tokenizer.json"]
+    n, status = 0, 17
+    while status == 17:
+        n += 1
+        cut = tmp_path / f"cut{n}"
+        shutil.copytree(run.path, cut)
+        status = _crash_at_call(cut, config, tokenizer, n)
+        with Run.create_or_resume(cut, config, identity=IDENTITY) as again:
+            assert not leftovers(cut), n
+            for path in again.checkpoints():
+                ckpt.verify_checkpoint(path)
+            assert steps(again.checkpoints())[-1] in (5, 6), n
+            assert json.loads(again.summary_path.read_text())["step"] in (5, 6), n
+            assert (cut / "tokenizer" / "tokenizer.json").read_bytes() in (old_tokenizer,
+                                                                          expected["tokenizer/tokenizer.json"]), n
+            _writer_work(again, tokenizer)
+        assert {k: v for k, v in snapshot(cut).items() if k != ".lock"} == expected, n
+        shutil.rmtree(cut)
+    assert status == 0 and n > 20  # every call was a crash point once, then the work finished
+
+
 def test_checkpoint_write_failure_leaves_the_previous_ones(run, monkeypatch):
     save(run, 2)
 
@@ -454,6 +561,7 @@ def test_keep_counts_scheduled_checkpoints_only(run):
     assert steps(run.checkpoints()) == [4, 6, 8]
     save(run, 9, reason="signal 15", keep=3)
     assert steps(run.checkpoints()) == [4, 6, 8, 9]  # the signal checkpoint pushes nothing out
+    assert steps(run.checkpoints_to_average(3)) == [4, 6, 8]  # and never joins the average
     save(run, 10, reason="final", keep=3)
     assert steps(run.checkpoints()) == [6, 8, 10]  # and goes once a newer one exists
 

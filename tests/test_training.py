@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from headmix.data import load_embedded_documents, load_embedded_translation, write_jsonl_documents, write_tsv_pairs
+from headmix.data import Tokenizer, load_embedded_documents, write_jsonl_documents
 from headmix.evaluation import corpus_scores, evaluate_run
 from headmix.models import build_model, load_pretrained
 from headmix.routing import load_summary
@@ -26,16 +26,8 @@ from headmix.training import TrainConfig, TrainingError, lr_multiplier, train
 from headmix.training.demo import expert_load_figure, loss_curves_figure
 from headmix.training.metrics import read_metrics
 from headmix.training.setup import model_config
-from headmix.data import Tokenizer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-@pytest.fixture(scope="module")
-def pairs_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
-    write_tsv_pairs(load_embedded_translation()[:600], path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +228,8 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes(tmp_path, pairs_file):
     cmd = [sys.executable, "-m", "headmix.cli.main", "train", "translation", "--preset", "tiny-moa", "--out", str(out),
            "--data", str(pairs_file), "--vocab-size", "300", "--max-steps", "100000", "--max-tokens", "600",
            "--max-len", "32", "--save-every", "100000", "--eval-every", "100000", "--no-progress",
-           "--valid-size", "0.05", "--test-size", "0.05"]
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+           "--valid-size", "0.05", "--test-size", "0.05", "--log-every", "1"]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").is_file() and time.time() < deadline:  # wait until it trains

@@ -143,6 +143,13 @@ def _run_train(args) -> int:
     from ..training import TrainConfig, train
 
     cfg = dataclass_from_args(TrainConfig, args)
+    try:
+        cfg.validate()
+    except ValueError as err:  # name the option as it was typed: "seed must be ..." -> "--seed must be ..."
+        field, _, rest = str(err).partition(" ")
+        if field in {f.name for f in dataclasses.fields(TrainConfig)}:
+            raise ValueError(f"{_flag(field)} {rest}") from None
+        raise
     with stop_on_signals() as stop:
         summary = train(cfg, stop=stop)
     if summary.get("stopped_by", "").startswith("signal "):
@@ -294,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args.command, err, RUN_FAILED)
     except (ValueError, FileNotFoundError) as err:
         return _fail(args.command, err, USAGE_ERROR)
+    except KeyboardInterrupt:  # a second SIGINT/SIGTERM: stopped at once, without a checkpoint
+        return _fail(args.command, "interrupted; the newest checkpoint is kept, run the same command to resume",
+                     128 + signal.SIGINT)
     except OSError as err:
         if err.errno == errno.ENOSPC:
             return _fail(args.command, f"no space left on device ({err.filename or err})", RUN_FAILED)

@@ -1,6 +1,6 @@
 """Atomic writes: the one way every file and folder of a run is written.
 
-A file is written to a temporary name in the same folder (``.tmp-<name>-<pid>-<random>``), flushed to
+A file is written to a temporary name in the same folder (``.tmp-<pid>-<random>-<name>``), flushed to
 disk (``fsync``), renamed over its final name (``os.replace``, atomic on POSIX) and the folder's entry
 is flushed too. A reader, or a rerun after ``kill -9`` or a power cut, sees the old file or the new one,
 never a mixture; what an interrupted writer leaves is a ``.tmp-*`` name that the next run removes.
@@ -33,8 +33,9 @@ _NO_SPACE_TEXT = ("no space left on device", "storagefull", "os error 28", "disk
 
 
 def temporary_name(path: Path) -> Path:
-    """A fresh hidden name next to ``path`` for writing it: ``.tmp-<name>-<pid>-<random>``."""
-    return path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    """A fresh hidden name next to ``path`` for writing it: ``.tmp-<pid>-<random>-<name>`` (the name
+    last, so that writers choosing a format by suffix, such as ``.gz``, see the real one)."""
+    return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -91,9 +92,15 @@ def write_error(path: Path, err: BaseException) -> RunWriteError | None:
 
 
 def remove_path(path: Path) -> None:
-    """Remove a file or folder if it exists; errors are ignored (used for clean-up only)."""
+    """Remove a file or folder if it exists; errors are ignored (used for clean-up only). A folder is
+    first renamed to a temporary name, so that a removal cut short (``kill -9`` inside ``rmtree``)
+    leaves a ``.tmp-*`` folder, never a half-emptied one under its real name."""
     try:
         if path.is_dir() and not path.is_symlink():
+            if not path.name.startswith(TMP_PREFIX):
+                doomed = temporary_name(path)
+                os.rename(path, doomed)
+                path = doomed
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink()

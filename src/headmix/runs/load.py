@@ -74,14 +74,10 @@ def load_tokenizer(path: str | os.PathLike):
 def read_train_config(path: str | os.PathLike) -> dict[str, Any]:
     """The run's stored options (``train_config.json``, without the input files' checksums); ``{}`` when
     the folder has none (a model saved without ``headmix train``)."""
-    from .run import FINGERPRINT_KEY, Run
+    from .run import Run
 
     run = Run(path)
-    if not run.config_path.is_file():
-        return {}
-    config = run.read_config()
-    config.pop(FINGERPRINT_KEY, None)
-    return config
+    return run.read_config() if run.config_path.is_file() else {}
 
 
 @dataclass
@@ -112,9 +108,9 @@ def load_run(path: str | os.PathLike, device: str | torch.device = "cpu") -> Loa
         ModelConfig.load_json(config_file)
     except (ValueError, TypeError, OSError) as e:
         raise RunError(f"{config_file} is damaged ({_short(e)}); {_rebuild_hint(run)}") from e
-    try:  # reads the header and checks the file's length: a truncated file fails here
-        with safe_open(str(weights), framework="pt") as f:
-            f.keys()
+    try:  # safe_open reads the header and checks the file's length: a truncated file fails here
+        with safe_open(str(weights), framework="pt"):
+            pass
     except Exception as e:
         raise RunError(f"{weights} is damaged ({_short(e)}); {_rebuild_hint(run)}") from e
     try:

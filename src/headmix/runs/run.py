@@ -194,9 +194,10 @@ class Run:
 
         - a file at ``path``: :class:`RunError`;
         - a new folder (or an empty one): created, locked, ``train_config.json`` written;
-        - an existing run: locked (:class:`RunLockedError` names the holder), then every field named in
-          ``identity`` is compared with the stored value; the first difference is a
-          :class:`RunMismatchError` naming the field and both values, raised before anything is written.
+        - an existing run: every field named in ``identity`` is compared with the stored value, before
+          the lock is taken and again once it is held; the first difference is a
+          :class:`RunMismatchError` naming the field and both values, raised before anything is written
+          (the lock file included). Then the lock: :class:`RunLockedError` names the holder.
           Fields in ``file_fields`` (input files) are compared as absolute paths and by the sha256 of
           their content. Other fields may change: the stored configuration is then rewritten.
         - a non-empty folder that is not a run (no ``train_config.json``): :class:`RunError`.

@@ -18,6 +18,7 @@ from ..data import (
     split_pairs,
     write_tsv_pairs,
 )
+from ..runs import atomic_write
 from .base import EvaluationOptions, Task
 
 
@@ -72,7 +73,7 @@ class TranslationTask(Task):
         hyps = translate(run.model, run.tokenizer, [p.src for p in pairs], beam_size=options.beam_size,
                          length_penalty=options.length_penalty, device=options.device)
         if options.output is not None:
-            Path(options.output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+            atomic_write(options.output, "".join(h + "\n" for h in hyps))
         scores = corpus_scores(hyps, [p.tgt for p in pairs], compound_split=options.compound_split)
         return {**scores, "split": options.split, "beam_size": options.beam_size,
                 "examples": [{"src": p.src, "ref": p.tgt, "hyp": h} for p, h in zip(pairs[:3], hyps)]}

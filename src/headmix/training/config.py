@@ -4,7 +4,6 @@ the ``headmix train`` flags are generated from these fields (``headmix.cli.main`
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -50,8 +49,8 @@ class TrainConfig:
     strict: bool = option(False, "a malformed input line is an error")
     tokenizer: str | None = option(None, "use this tokenizer folder instead of training one")
     vocab_size: int = option(8000, "size of the BPE vocabulary trained on the train split")
-    valid_size: float = option(0.02, "held-out fraction (or count) for validation")
-    test_size: float = option(0.02, "held-out fraction (or count) for test")
+    valid_size: float = option(0.02, "held-out fraction for validation, in [0, 1)")
+    test_size: float = option(0.02, "held-out fraction for test, in [0, 1)")
     max_len: int = option(128, "tokens per sentence (translation) or per block (mlm/lm)")
     max_steps: int = option(1000, "optimizer steps to train")
     max_time: float | None = option(None, "stop (and save) after this many seconds of training")
@@ -121,6 +120,10 @@ class TrainConfig:
         for name in ("weight_decay", "clip_norm"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("valid_size", "test_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a fraction in [0, 1), got {value!r}")
         if self.dropout is not None and not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -137,21 +140,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """The config of stored options; unknown keys are ignored."""
-        cfg = cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
-        cfg.betas = tuple(cfg.betas)
-        return cfg
-
-    @classmethod
-    def load(cls, run_dir: str | os.PathLike) -> TrainConfig:
-        """The options a run was trained with (``RUN/train_config.json``)."""
-        path = Path(run_dir) / "train_config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: {run_dir} is not a headmix training run")
-        return cls.from_dict(json.loads(path.read_text()))
 
 
 def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
