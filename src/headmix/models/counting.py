@@ -4,8 +4,10 @@ Three numbers per model:
 
 - ``full``: every multiply-accumulate of the model's matrix products, from the config alone. Attention
   costs both ``Q K^T`` *and* ``softmax(.) V``, i.e. ``2 T S d`` per head dimension; projections,
-  routers, FFN, LM head and output projection are counted; embeddings are lookups (0 MACs). Element-wise
-  work (softmax, LayerNorm, activations, residual adds, biases, MoA's gate scaling) is not counted.
+  routers, FFN (two matmuls for the MLP, three for SwiGLU), LM head and output projection are counted;
+  embeddings are lookups (0 MACs). Element-wise work (softmax, LayerNorm / RMSNorm, activations and the
+  SwiGLU gate product, rotary position embeddings, residual adds, biases, MoA's gate scaling) is not
+  counted, as in ptflops / fvcore-style counts of matrix products.
 - ``paper``: the same, except that each attention layer is costed by the paper's formula as printed:
   eq. 18 ``C_MoA = k T^2 d_h + 2(k+1) T d_h d_m`` (one ``T^2`` term, router aside) and eq. 19
   ``C_MHA = T^2 d_m + 4 T d_m^2``. For cross-attention ``T^2`` becomes ``T S`` and the projection term
@@ -112,6 +114,11 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------
 # Whole models
 # --------------------------------------------------------------------------------------------------
+def ffn_matrices(config: ModelConfig) -> int:
+    """Weight matrices of ``d_model x ffn_dim`` in one feed-forward sublayer: 2 (MLP) or 3 (SwiGLU)."""
+    return 3 if config.ffn == "swiglu" else 2
+
+
 def resolve_lengths(config: ModelConfig, src_len: int | None = None, tgt_len: int | None = None) -> tuple[int | None, int | None]:
     """``(src_len, tgt_len)`` with Appendix E's defaults; ``None`` for the side a task does not have."""
     default_src, default_tgt = APPENDIX_E_LENGTHS[config.task]
@@ -134,10 +141,11 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
     ``src_len`` is the encoder's input length (translation, masked LM), ``tgt_len`` the decoder's
     (translation, causal LM); defaults are Appendix E's (10 and 10 for translation, 128 for the LMs).
     Per layer: FFN ``2 T d_m d_ffn``; output projection ``T d_m V``; RoBERTa LM head ``T d_m^2``; attention
-    by :func:`attention_macs`.
+    by :func:`attention_macs`. SwiGLU's FFN is ``3 T d_m d_ffn`` (gate, up and down projections).
     """
     src, tgt = resolve_lengths(config, src_len, tgt_len)
     d, f, v = config.d_model, config.ffn_dim, config.vocab_size
+    ffn_matmuls = ffn_matrices(config)
     full: dict[str, int] = {"embeddings": 0}
     paper: dict[str, int] = {"embeddings": 0}
 
@@ -148,7 +156,7 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
     if config.encoder_layers:
         a_full, a_paper = attention_macs(config.encoder_self_attention, d, src, src)
         add("encoder.self_attention", config.encoder_layers * a_full, config.encoder_layers * a_paper)
-        add("encoder.ffn", config.encoder_layers * 2 * src * d * f)
+        add("encoder.ffn", config.encoder_layers * ffn_matmuls * src * d * f)
     if config.decoder_layers:
         n = config.decoder_layers
         a_full, a_paper = attention_macs(config.decoder_self_attention, d, tgt, tgt)
@@ -156,7 +164,7 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
         if config.cross_attention is not None:
             c_full, c_paper = attention_macs(config.cross_attention, d, tgt, src)
             add("decoder.cross_attention", n * c_full, n * c_paper)
-        add("decoder.ffn", n * 2 * tgt * d * f)
+        add("decoder.ffn", n * ffn_matmuls * tgt * d * f)
     out_len = src if config.task == "mlm" else tgt
     if config.task == "mlm":
         add("lm_head", out_len * d * d)
@@ -180,7 +188,9 @@ def analytic_parameters(config: ModelConfig) -> Count:
     add("embeddings", v * d * (1 if config.share_embeddings else len(stacks)))
     if config.positions == "learned":
         add("positions", len(stacks) * config.max_positions * d)
-    layer_norm = 2 * d
+    layer_norm = d if config.norm_type == "rmsnorm" or not config.bias else 2 * d  # gain (+ bias)
+    ffn_matmuls = ffn_matrices(config)
+    ffn_biases = (ffn_matmuls - 1) * f + d if config.bias else 0
     for stack in stacks:
         n = getattr(config, f"{stack}_layers")
         roles = ["self_attention"] + (["cross_attention"] if stack == "decoder" and config.cross_attention else [])
@@ -188,11 +198,11 @@ def analytic_parameters(config: ModelConfig) -> Count:
             att = getattr(config, f"{stack}_{role}" if role == "self_attention" else role)
             a_full, a_paper = attention_parameters(att, d)
             add(f"{stack}.{role}", n * a_full, n * a_paper)
-        add(f"{stack}.ffn", n * (2 * d * f + f + d))
+        add(f"{stack}.ffn", n * (ffn_matmuls * d * f + ffn_biases))
         norms = n * (len(roles) + 1) + int(config.norm == "pre") + int(config.embedding_norm)
         add(f"{stack}.norms", norms * layer_norm)
     if config.task == "mlm":
-        add("lm_head", d * d + d + layer_norm + v)  # dense, its bias, LayerNorm, output bias
+        add("lm_head", d * d + d + 2 * d + v)  # dense, its bias, LayerNorm (always with a bias), output bias
     if not config.share_embeddings:
         add("output_projection", v * d)
     return Count(full, paper)

@@ -119,22 +119,31 @@ def sinusoidal_table(num_positions: int, dim: int) -> Tensor:
     return table
 
 
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The model's normalisation layer: ``nn.LayerNorm`` (with a bias when ``config.bias``) or
+    ``nn.RMSNorm`` (``x / sqrt(mean(x^2) + eps) * g``, no bias), both with ``eps = config.norm_eps``."""
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
 class Embeddings(nn.Module):
     """Token embedding (scaled by ``sqrt(d_model)`` as in fairseq when ``scale_embeddings``) plus
-    positions, an optional LayerNorm (RoBERTa) and dropout. ``tokens`` is the shared ``nn.Embedding``."""
+    absolute positions (none with ``positions="rotary"``: the attention layers rotate queries and keys),
+    an optional norm (RoBERTa) and dropout. ``tokens`` is the shared ``nn.Embedding``."""
 
     def __init__(self, config: ModelConfig, tokens: nn.Embedding):
         super().__init__()
         self.tokens = tokens
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
         self.max_positions = config.max_positions
+        self.positions = None
         if config.positions == "learned":
             self.positions = nn.Embedding(config.max_positions, config.d_model)
             nn.init.normal_(self.positions.weight, std=config.d_model ** -0.5)
-        else:
-            self.positions = None
-            self.register_buffer("sinusoids", sinusoidal_table(config.max_positions, config.d_model), persistent=False)
-        self.norm = nn.LayerNorm(config.d_model) if config.embedding_norm else None
+        sinusoids = sinusoidal_table(config.max_positions, config.d_model) if config.positions == "sinusoidal" else None
+        self.register_buffer("sinusoids", sinusoids, persistent=False)
+        self.norm = make_norm(config) if config.embedding_norm else None
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
@@ -144,7 +153,7 @@ class Embeddings(nn.Module):
         x = self.tokens(ids) * self.scale
         if self.positions is not None:
             x = x + self.positions.weight[offset:offset + length]
-        else:
+        elif self.sinusoids is not None:
             x = x + self.sinusoids[offset:offset + length].to(x.dtype)
         if self.norm is not None:
             x = self.norm(x)
@@ -156,26 +165,52 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.d_model, config.ffn_dim)
-        self.fc2 = nn.Linear(config.ffn_dim, config.d_model)
+        self.fc1 = nn.Linear(config.d_model, config.ffn_dim, bias=config.bias)
+        self.fc2 = nn.Linear(config.ffn_dim, config.d_model, bias=config.bias)
         self.activation = F.relu if config.activation == "relu" else F.gelu
         self.dropout = nn.Dropout(config.activation_dropout)
         for fc in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(fc.weight)
-            nn.init.zeros_(fc.bias)
+            if fc.bias is not None:
+                nn.init.zeros_(fc.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.dropout(self.activation(self.fc1(x))))
 
 
+class SwiGLU(nn.Module):
+    """The gated feed-forward of Llama (Shazeer 2020, "GLU Variants Improve Transformer", FFN_SwiGLU):
+    ``W2 (dropout(silu(x W1) * x W3))`` with ``W1 = gate_proj``, ``W3 = up_proj``, ``W2 = down_proj``
+    (Llama's names): three matrix products, ``3 T d_model ffn_dim`` MACs."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.ffn_dim, bias=config.bias)
+        self.up_proj = nn.Linear(config.d_model, config.ffn_dim, bias=config.bias)
+        self.down_proj = nn.Linear(config.ffn_dim, config.d_model, bias=config.bias)
+        self.dropout = nn.Dropout(config.activation_dropout)
+        for fc in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.xavier_uniform_(fc.weight)
+            if fc.bias is not None:
+                nn.init.zeros_(fc.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.dropout(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def make_ffn(config: ModelConfig) -> nn.Module:
+    """The feed-forward sublayer ``config.ffn`` names."""
+    return SwiGLU(config) if config.ffn == "swiglu" else FeedForward(config)
+
+
 class ResidualNorm(nn.Module):
-    """The LayerNorm, dropout and residual connection around a sublayer ``f``:
+    """The norm (LayerNorm or RMSNorm), dropout and residual connection around a sublayer ``f``:
     pre-norm ``x + drop(f(norm(x)))`` or post-norm ``norm(x + drop(f(x)))``. Use as
     ``x = block.add(x, f(block.input(x)))``."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.norm = nn.LayerNorm(config.d_model)
+        self.norm = make_norm(config)
         self.pre_norm = config.norm == "pre"
         self.dropout = nn.Dropout(config.dropout)
 
@@ -199,7 +234,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = config.encoder_self_attention.build(config.d_model)
         self.self_attn_norm = ResidualNorm(config)
-        self.ffn = FeedForward(config)
+        self.ffn = make_ffn(config)
         self.ffn_norm = ResidualNorm(config)
 
     def forward(self, x: Tensor, padding_mask: Tensor) -> tuple[Tensor, AttentionOutput]:
@@ -217,7 +252,7 @@ class DecoderLayer(nn.Module):
         self.self_attn_norm = ResidualNorm(config)
         self.cross_attn = config.cross_attention.build(config.d_model) if cross_attention else None
         self.cross_attn_norm = ResidualNorm(config) if cross_attention else None
-        self.ffn = FeedForward(config)
+        self.ffn = make_ffn(config)
         self.ffn_norm = ResidualNorm(config)
 
     def forward(self, x: Tensor, padding_mask: Tensor | None, memory: Tensor | None, memory_padding_mask: Tensor | None,
@@ -255,14 +290,14 @@ def token_embedding(config: ModelConfig) -> nn.Embedding:
 
 
 class TransformerEncoder(nn.Module):
-    """Embeddings, ``encoder_layers`` layers of self-attention + FFN, and a final LayerNorm with pre-norm."""
+    """Embeddings, ``encoder_layers`` layers of self-attention + FFN, and a final norm with pre-norm."""
 
     def __init__(self, config: ModelConfig, embed_tokens: nn.Embedding):
         super().__init__()
         self.config = config
         self.embed = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.encoder_layers))
-        self.final_norm = nn.LayerNorm(config.d_model) if config.norm == "pre" else None
+        self.final_norm = make_norm(config) if config.norm == "pre" else None
 
     def forward(self, tokens: Tensor) -> EncoderOutput:
         padding_mask = tokens.eq(self.config.pad_id)
@@ -278,7 +313,7 @@ class TransformerEncoder(nn.Module):
 
 class TransformerDecoder(nn.Module):
     """Embeddings, ``decoder_layers`` layers of causal self-attention, cross-attention (when
-    ``cross_attention``) and FFN, and a final LayerNorm with pre-norm. Returns hidden states; the
+    ``cross_attention``) and FFN, and a final norm with pre-norm. Returns hidden states; the
     output projection belongs to the model."""
 
     def __init__(self, config: ModelConfig, embed_tokens: nn.Embedding, cross_attention: bool):
@@ -286,7 +321,7 @@ class TransformerDecoder(nn.Module):
         self.config = config
         self.embed = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList(DecoderLayer(config, cross_attention) for _ in range(config.decoder_layers))
-        self.final_norm = nn.LayerNorm(config.d_model) if config.norm == "pre" else None
+        self.final_norm = make_norm(config) if config.norm == "pre" else None
 
     def forward(self, tokens: Tensor, memory: Tensor | None = None, memory_padding_mask: Tensor | None = None, *,
                 state: DecoderState | None = None, use_cache: bool = False) -> DecoderOutput:
