@@ -14,6 +14,7 @@ from .attention import (
     MixtureOfAttentionHeads,
     MixtureOfHeadsAttention,
     MultiHeadAttention,
+    RotaryEmbedding,
     TalkingHeadsAttention,
 )
 from .routing import Routing, TopKRouter
@@ -26,6 +27,7 @@ __all__ = [
     "MixtureOfAttentionHeads",
     "MixtureOfHeadsAttention",
     "MultiHeadAttention",
+    "RotaryEmbedding",
     "TalkingHeadsAttention",
     "Routing",
     "TopKRouter",

@@ -5,6 +5,7 @@ from .base import AttentionLayer, AttentionOutput, KVCache
 from .mha import MultiHeadAttention
 from .moa import MixtureOfAttentionHeads
 from .moh import MixtureOfHeadsAttention
+from .rotary import RotaryEmbedding
 from .talking_heads import TalkingHeadsAttention
 
 __all__ = [
@@ -14,5 +15,6 @@ __all__ = [
     "MultiHeadAttention",
     "MixtureOfAttentionHeads",
     "MixtureOfHeadsAttention",
+    "RotaryEmbedding",
     "TalkingHeadsAttention",
 ]

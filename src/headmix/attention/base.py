@@ -85,6 +85,7 @@ class AttentionLayer(nn.Module):
         check_positive("embed_dim", embed_dim)
         self.embed_dim = embed_dim
         self.layer_id = next(_layer_ids)
+        self.rotary: nn.Module | None = None  # a RotaryEmbedding, set by layers built with rotary=...
 
     def _check_inputs(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         check_embed_input("query", query, self.embed_dim)
@@ -127,6 +128,9 @@ class AttentionLayer(nn.Module):
             if not self_attention:
                 raise ValueError("a growing cache is for self-attention; cross-attention caches are static")
             past_len = cache.length
+        if self.rotary is not None and self_attention:
+            k = self.rotary(k, offset=past_len)  # new keys at positions past_len..; cached after rotation
+        if cache is not None:
             k = torch.cat([cache.key, k], dim=2)
             v = torch.cat([cache.value, v], dim=2)
         new_cache = KVCache(k, v, self.layer_id, static=not self_attention) if use_cache else None
@@ -134,6 +138,13 @@ class AttentionLayer(nn.Module):
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _rotate_queries(self, q: Tensor, key: Tensor | None, cache: KVCache | None, past_len: int) -> Tensor:
+        """Rotary positions on the ``(batch, heads, time, size)`` queries of a self-attention call (position
+        ``past_len + t``); cross-attention calls (``key`` given or a static cache) are not rotated."""
+        if self.rotary is None or key is not None or (cache is not None and cache.static):
+            return q
+        return self.rotary(q, offset=past_len)
 
 
 def check_positive(name: str, value: int) -> None:

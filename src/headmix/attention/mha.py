@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product, zero_loss
+from .rotary import RotaryEmbedding, make_rotary
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
@@ -42,10 +43,17 @@ class MultiHeadAttention(AttentionLayer):
     Parameters: ``W_q, W_k`` of ``embed_dim x (num_heads * key_dim)``, ``W_v`` of
     ``embed_dim x (num_heads * head_dim)``, ``W_o`` of ``(num_heads * head_dim) x embed_dim``; with
     default sizes that is MoA's ``M_MHA = 4 d_m^2`` (eq. 20).
+
+    ``rotary=True`` rotates queries and keys by their positions (RoPE, :class:`RotaryEmbedding` over the
+    ``key_dim`` of each head, built from ``rotary_base`` and ``rotary_fraction``; a module instance is used
+    as given). In self-attention the queries and keys of a call start at position ``cache.length`` (0
+    without a cache) and keys are cached after rotation; cross-attention calls (``key`` given) are not
+    rotated.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int | None = None, key_dim: int | None = None,
-                 bias: bool = True, dropout: float = 0.0):
+                 bias: bool = True, dropout: float = 0.0, *, rotary: bool | RotaryEmbedding = False,
+                 rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
         super().__init__(embed_dim)
         self.num_heads = num_heads
         self.head_dim, self.key_dim = resolve_head_dims(embed_dim, num_heads, head_dim, key_dim)
@@ -56,6 +64,7 @@ class MultiHeadAttention(AttentionLayer):
         self.k_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, self.key_dim)
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -95,7 +104,7 @@ class MultiHeadAttention(AttentionLayer):
         the new cache, and the masks combined by :func:`attention_bias` as ``(bias, empty_rows, causal)``."""
         query, key, value = self._check_inputs(query, key, value)
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
-        q = split_heads(self.q_proj(query), self.num_heads)
+        q = self._rotate_queries(split_heads(self.q_proj(query), self.num_heads), key, cache, past_len)
         batch, _, tgt, _ = q.shape
         masks = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
                                attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import TopKRouter, routing_losses
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product
+from .rotary import RotaryEmbedding, make_rotary
 
 
 class MixtureOfAttentionHeads(AttentionLayer):
@@ -27,13 +28,18 @@ class MixtureOfAttentionHeads(AttentionLayer):
     - Parameters (eq. 20): ``(2E + 2) d_h d_m`` weights, plus the router's ``E d_m`` and, with ``bias``,
       ``2 d_h + d_m`` biases.
 
+    ``rotary=True`` (RoPE, :class:`RotaryEmbedding`; ``rotary_base``, ``rotary_fraction``, or a module
+    instance) rotates the shared key head and each selected expert's query by position, as JetMoE does;
+    self-attention only, keys cached after rotation, see :class:`MultiHeadAttention`.
+
     ``expert_impl`` picks the kernel of the grouped expert projections (``"auto"``, ``"reference"``,
     ``"dense"``, ``"sorted"``, ``"gather"``, ``"triton"``; see :mod:`headmix.kernels`).
     """
 
     def __init__(self, embed_dim: int, num_experts: int, top_k: int, head_dim: int, *, bias: bool = True,
                  dropout: float = 0.0, router: str = "softmax", renormalize: str = "detached",
-                 load_balance_weight: float = 0.01, z_loss_weight: float = 0.001, expert_impl: str = "auto"):
+                 load_balance_weight: float = 0.01, z_loss_weight: float = 0.001, expert_impl: str = "auto",
+                 rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
         super().__init__(embed_dim)
         check_positive("num_experts", num_experts)
         check_positive("top_k", top_k)
@@ -55,6 +61,7 @@ class MixtureOfAttentionHeads(AttentionLayer):
         self.k_proj = nn.Linear(embed_dim, head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, head_dim, bias=bias)
         self.out_bias = nn.Parameter(torch.zeros(embed_dim)) if bias else None
+        self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, head_dim)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -86,7 +93,7 @@ class MixtureOfAttentionHeads(AttentionLayer):
         compute = autocast_dtype(query) or query.dtype
         # eq. 10: q_{i,t} = q_t W_q^i for the k selected experts, as k query heads over one shared K/V head.
         q = expert_map(query.reshape(n, dim).to(compute), self.query_experts.to(compute), info, impl=self.expert_impl)
-        q = q.view(batch, tgt, k, self.head_dim).transpose(1, 2)
+        q = self._rotate_queries(q.view(batch, tgt, k, self.head_dim).transpose(1, 2), key, cache, past_len)
         bias, empty, causal = attention_bias(batch, 1, tgt, k_shared.shape[2], key_padding_mask=key_padding_mask,
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=q.dtype, device=q.device)

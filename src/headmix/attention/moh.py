@@ -11,6 +11,7 @@ from ..routing.router import router_dtype
 from .base import AttentionOutput, KVCache, scaled_dot_product, zero_loss
 from .mha import MultiHeadAttention, merge_heads
 from .moa import real_token_mask
+from .rotary import RotaryEmbedding
 
 
 class MixtureOfHeadsAttention(MultiHeadAttention):
@@ -35,8 +36,10 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_shared_heads: int, top_k: int, head_dim: int | None = None,
-                 *, bias: bool = True, dropout: float = 0.0, load_balance_weight: float = 0.01):
-        super().__init__(embed_dim, num_heads, head_dim=head_dim, bias=bias, dropout=dropout)
+                 *, bias: bool = True, dropout: float = 0.0, load_balance_weight: float = 0.01,
+                 rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
+        super().__init__(embed_dim, num_heads, head_dim=head_dim, bias=bias, dropout=dropout,
+                         rotary=rotary, rotary_base=rotary_base, rotary_fraction=rotary_fraction)
         for name, v in (("num_shared_heads", num_shared_heads), ("top_k", top_k)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")

@@ -73,6 +73,33 @@ def reference_softmax_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor
     return weights @ v
 
 
+def reference_rotary(x: Tensor, rotary, offset: int = 0) -> Tensor:
+    """RoFormer eq. 34 on ``(batch, heads, time, size)``: pair ``j`` of the rotated dimensions, as a complex
+    number ``x_a + i x_b``, is multiplied by ``exp(i m theta_j)``, ``theta_j = base^(-2j/d)``, at position
+    ``m = offset + t``. Pairs are ``(j, j + d/2)`` or, interleaved, ``(2j, 2j + 1)``. ``rotary=None``: ``x``."""
+    if rotary is None:
+        return x
+    d = rotary.rotary_dim
+    theta = rotary.base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    m = torch.arange(offset, offset + x.shape[2], dtype=torch.float64)
+    turn = torch.polar(torch.ones(len(m), d // 2, dtype=torch.float64), m[:, None] * theta[None, :])
+    if rotary.interleaved:
+        a, b = x[..., 0:d:2], x[..., 1:d:2]
+    else:
+        a, b = x[..., :d // 2], x[..., d // 2:d]
+    z = torch.complex(a.double(), b.double()) * turn
+    if rotary.interleaved:
+        rotated = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([rotated.to(x.dtype), x[..., d:]], dim=-1)
+
+
+def _self_rotary(layer, key: Tensor | None):
+    """The layer's rotary module in self-attention; cross-attention is not rotated."""
+    return layer.rotary if key is None else None
+
+
 def _inputs(query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor]:
     if key is None:
         return query, query
@@ -88,10 +115,11 @@ def reference_mha(layer: MultiHeadAttention | TalkingHeadsAttention, query: Tens
                   value: Tensor | None = None, **masks) -> Tensor:
     """Multi-head attention, ``Concat(head_1..head_h) W_O`` (Vaswani et al. 2017); with the talking-heads
     mixing matrices of a :class:`TalkingHeadsAttention`."""
+    rotary = _self_rotary(layer, key)
     key, value = _inputs(query, key, value)
     h = layer.num_heads
-    q = _heads(layer.q_proj(query), h)
-    k = _heads(layer.k_proj(key), h)
+    q = reference_rotary(_heads(layer.q_proj(query), h), rotary)
+    k = reference_rotary(_heads(layer.k_proj(key), h), rotary)
     v = _heads(layer.v_proj(value), h)
     allowed, added = reference_mask(query.shape[0], h, query.shape[1], key.shape[1], **masks)
     pre = getattr(layer, "pre_mix", None)
@@ -119,14 +147,15 @@ def reference_moa_routing(layer: MixtureOfAttentionHeads, query: Tensor) -> tupl
 def reference_moa(layer: MixtureOfAttentionHeads, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                   **masks) -> Tensor:
     """MoA output (eq. 6) with every expert (eq. 10-12) evaluated for every token."""
+    rotary = _self_rotary(layer, key)
     key, value = _inputs(query, key, value)
     _, _, index, w = reference_moa_routing(layer, query)
-    k_shared = layer.k_proj(key).unsqueeze(1)                               # K W_k, shared
+    k_shared = reference_rotary(layer.k_proj(key).unsqueeze(1), rotary)     # K W_k, shared
     v_shared = layer.v_proj(value).unsqueeze(1)                             # V W_v, shared
     allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
     y = torch.zeros_like(query)
     for i in range(layer.num_experts):
-        q_i = (query @ layer.query_experts[i]).unsqueeze(1)                 # q_t W_q^i
+        q_i = reference_rotary((query @ layer.query_experts[i]).unsqueeze(1), rotary)  # q_t W_q^i
         o_i = reference_softmax_attention(q_i, k_shared, v_shared, allowed, added, 1.0 / math.sqrt(layer.head_dim))
         e_i = o_i.squeeze(1) @ layer.output_experts[i]                      # eq. 12
         w_i = (w * (index == i)).sum(-1, keepdim=True).to(query.dtype)      # w_{i,t}, 0 if not selected
@@ -154,6 +183,7 @@ def reference_moa_losses(layer: MixtureOfAttentionHeads, query: Tensor, token_ma
 def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                   **masks) -> Tensor:
     """MoH: ``sum_i g_i H^i W_O^i`` with the two-stage weights, one head at a time."""
+    rotary = _self_rotary(layer, key)
     key, value = _inputs(query, key, value)
     h, d = layer.num_heads, layer.head_dim
     allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
@@ -177,6 +207,7 @@ def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | N
         q_i = (query @ layer.q_proj.weight[sl].T + (layer.q_proj.bias[sl] if layer.q_proj.bias is not None else 0)).unsqueeze(1)
         k_i = (key @ layer.k_proj.weight[sl].T + (layer.k_proj.bias[sl] if layer.k_proj.bias is not None else 0)).unsqueeze(1)
         v_i = (value @ layer.v_proj.weight[sl].T + (layer.v_proj.bias[sl] if layer.v_proj.bias is not None else 0)).unsqueeze(1)
+        q_i, k_i = reference_rotary(q_i, rotary), reference_rotary(k_i, rotary)
         h_i = reference_softmax_attention(q_i, k_i, v_i, allowed, added, 1.0 / math.sqrt(d)).squeeze(1)
         y = y + g[..., i:i + 1].to(query.dtype) * (h_i @ w_o[sl])
     if layer.out_proj.bias is not None:

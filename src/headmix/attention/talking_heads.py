@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from .base import AttentionOutput, KVCache, zero_loss
 from .mha import MultiHeadAttention, merge_heads
+from .rotary import RotaryEmbedding
 
 
 def mix_heads(mixing: Tensor, x: Tensor) -> Tensor:
@@ -22,12 +23,14 @@ class TalkingHeadsAttention(MultiHeadAttention):
     ``post_softmax``: the attention weights are mixed again after it. Both matrices start as the
     identity, so a fresh layer equals :class:`MultiHeadAttention` with the same projections.
     Masks apply to the mixed logits. The full ``(batch, heads, T, S)`` weights are materialised
-    (``h T S`` memory): no flash kernel applies.
+    (``h T S`` memory): no flash kernel applies. ``rotary`` options as :class:`MultiHeadAttention`.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, pre_softmax: bool = True, post_softmax: bool = True, *,
-                 head_dim: int | None = None, key_dim: int | None = None, bias: bool = True, dropout: float = 0.0):
-        super().__init__(embed_dim, num_heads, head_dim=head_dim, key_dim=key_dim, bias=bias, dropout=dropout)
+                 head_dim: int | None = None, key_dim: int | None = None, bias: bool = True, dropout: float = 0.0,
+                 rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
+        super().__init__(embed_dim, num_heads, head_dim=head_dim, key_dim=key_dim, bias=bias, dropout=dropout,
+                         rotary=rotary, rotary_base=rotary_base, rotary_fraction=rotary_fraction)
         self.pre_mix = nn.Parameter(torch.eye(num_heads)) if pre_softmax else None
         self.post_mix = nn.Parameter(torch.eye(num_heads)) if post_softmax else None
 

@@ -76,6 +76,9 @@ class AttentionConfig:
       and/or after (``post_softmax``) the softmax.
 
     ``dropout`` is the dropout on the attention probabilities.
+
+    ``rotary`` rotates queries and keys of self-attention by position (RoPE, any kind; ``rotary_base`` is the
+    ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated).
     """
 
     kind: str = "mha"
@@ -94,6 +97,9 @@ class AttentionConfig:
     dropout: float = 0.0
     expert_impl: str = "auto"
     bias: bool = True
+    rotary: bool = False
+    rotary_base: float = 10000.0
+    rotary_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -135,6 +141,16 @@ class AttentionConfig:
         if self.kind == "talking_heads" and not (self.pre_softmax or self.post_softmax):
             raise ValueError(f"{name}: talking_heads needs pre_softmax or post_softmax (otherwise use kind 'mha')")
         _fraction(f"{name}.dropout", self.dropout)
+        if not isinstance(self.rotary, bool):
+            raise ValueError(f"{name}.rotary must be true or false, got {self.rotary!r}")
+        if not isinstance(self.rotary_base, (int, float)) or isinstance(self.rotary_base, bool) or not self.rotary_base > 1:
+            raise ValueError(f"{name}.rotary_base must be a number > 1, got {self.rotary_base!r}")
+        if not isinstance(self.rotary_fraction, (int, float)) or isinstance(self.rotary_fraction, bool) \
+                or not 0 < self.rotary_fraction <= 1:
+            raise ValueError(f"{name}.rotary_fraction must be a number in (0, 1], got {self.rotary_fraction!r}")
+        if self.rotary and embed_dim is not None and int(self.resolved_key_dim(embed_dim) * self.rotary_fraction) < 2:
+            raise ValueError(f"{name}.rotary_fraction ({self.rotary_fraction}) rotates fewer than 2 of the "
+                             f"{self.resolved_key_dim(embed_dim)} query/key dimensions per head")
         for fname in ("load_balance_weight", "z_loss_weight"):
             v = getattr(self, fname)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
@@ -155,21 +171,22 @@ class AttentionConfig:
     def build(self, embed_dim: int) -> nn.Module:
         """The attention layer this config describes, for model width ``embed_dim``."""
         self.validate(embed_dim)
+        common = dict(bias=self.bias, dropout=self.dropout, rotary=self.rotary, rotary_base=self.rotary_base,
+                      rotary_fraction=self.rotary_fraction)
         if self.kind == "mha":
-            return attention.MultiHeadAttention(embed_dim, self.num_heads, self.head_dim, self.key_dim,
-                                                bias=self.bias, dropout=self.dropout)
+            return attention.MultiHeadAttention(embed_dim, self.num_heads, self.head_dim, self.key_dim, **common)
         if self.kind == "moa":
             return attention.MixtureOfAttentionHeads(
-                embed_dim, self.num_experts, self.top_k, self.head_dim, bias=self.bias, dropout=self.dropout,
-                router=self.router, renormalize=self.renormalize, load_balance_weight=self.load_balance_weight,
-                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl)
+                embed_dim, self.num_experts, self.top_k, self.head_dim, router=self.router,
+                renormalize=self.renormalize, load_balance_weight=self.load_balance_weight,
+                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, **common)
         if self.kind == "moh":
             return attention.MixtureOfHeadsAttention(
-                embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim, bias=self.bias,
-                dropout=self.dropout, load_balance_weight=self.load_balance_weight)
+                embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,
+                load_balance_weight=self.load_balance_weight, **common)
         return attention.TalkingHeadsAttention(
             embed_dim, self.num_heads, self.pre_softmax, self.post_softmax, head_dim=self.head_dim,
-            key_dim=self.key_dim, bias=self.bias, dropout=self.dropout)
+            key_dim=self.key_dim, **common)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
