@@ -233,3 +233,83 @@ def test_headmix_train_lm_with_llama_moa_learns_from_context_and_decodes_with_it
     prompt = torch.tensor([[model.config.bos_id, 40, 41, 42]])
     cached = greedy_decode(model, prompt, max_len=16)
     assert torch.equal(cached.tokens, greedy_decode(model, prompt, max_len=16, use_cache=False).tokens)
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixture of SwiGLU experts (JetMoE's MoE feed-forward), against Hugging Face JetMoeMoE
+# --------------------------------------------------------------------------------------------------
+def moe_config(**changes) -> ModelConfig:
+    base = dict(ffn="moe_swiglu", ffn_experts=4, ffn_top_k=2, ffn_dim=24, bias=True)
+    base.update(changes)
+    return get_config("tiny-mha", task="lm", vocab_size=V).replace(**base)
+
+
+def copy_moe_from_jetmoe(ours, theirs) -> None:
+    with torch.no_grad():
+        ours.input_experts.copy_(theirs.input_linear.weight.transpose(1, 2))  # (E, 2f, d) -> (E, d, [gate | up])
+        ours.output_experts.copy_(theirs.output_linear.weight.transpose(1, 2))
+        ours.router.gate.weight.copy_(theirs.router.layer.weight)
+        ours.out_bias.copy_(theirs.bias)
+
+
+@pytest.mark.parametrize("impl", ["reference", "dense", "sorted"])
+def test_moe_swiglu_is_hf_jetmoe_moe(impl):
+    from transformers import JetMoeConfig
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoE
+
+    from headmix.models.transformer import MixtureOfSwiGLUExperts
+
+    torch.manual_seed(0)
+    theirs = JetMoeMoE(JetMoeConfig(hidden_size=64, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                    activation_function="silu")).double()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2)
+    ours = MixtureOfSwiGLUExperts(moe_config(ffn_expert_impl=impl)).double()
+    copy_moe_from_jetmoe(ours, theirs)
+    x = torch.randn(2, 9, 64, dtype=torch.float64, requires_grad=True)
+    # JetMoe computes its router softmax in float32 whatever the input's dtype: float32-level tolerance on
+    # the gates (relative 1e-7), float64 everywhere else
+    tol = dict(rtol=1e-5, atol=1e-5)
+    out = ours(x)
+    torch.testing.assert_close(out.output, theirs(x), **tol)
+    assert out.routing.expert_index.shape == (18, 2) and out.aux_loss > 0
+    r = torch.randn_like(out.output)
+    g_ours = torch.autograd.grad((out.output * r).sum(), [x, ours.input_experts, ours.output_experts,
+                                                          ours.router.gate.weight, ours.out_bias])
+    g_theirs = torch.autograd.grad((theirs(x) * r).sum(), [x, theirs.input_linear.weight, theirs.output_linear.weight,
+                                                           theirs.router.layer.weight, theirs.bias])
+    for a, b in zip(g_ours, [g_theirs[0], g_theirs[1].transpose(1, 2), g_theirs[2].transpose(1, 2), *g_theirs[3:]]):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_moe_swiglu_in_a_model_routes_adds_its_loss_and_is_counted():
+    torch.manual_seed(0)
+    cfg = moe_config()
+    model = build_model(cfg).eval()
+    x = tokens(2, 7)
+    x[1, 5:] = cfg.pad_id
+    out = model(x, x)
+    names = [name for name, _ in out.routing]
+    assert names == ["decoder.layers.0.ffn", "decoder.layers.1.ffn"]  # MHA attention has no routing
+    ffn_routing = out.routing[0][1]
+    assert ffn_routing.token_mask.tolist() == (~x.eq(cfg.pad_id)).reshape(-1).tolist()
+    assert out.aux_loss > 0 and torch.equal(out.total_loss, out.loss + out.aux_loss)
+    assert analytic_parameters(cfg).total == count_parameters(model)
+    from headmix.models import analytic_macs, measure_macs
+
+    assert measure_macs(cfg, tgt_len=11) == analytic_macs(cfg, tgt_len=11).full
+    cached = greedy_decode(model, tokens(2, 3), max_len=6)
+    assert torch.equal(cached.tokens, greedy_decode(model, tokens(2, 3), max_len=6, use_cache=False).tokens)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(ffn_experts=None), "ffn_experts is required with ffn='moe_swiglu'"),
+    (dict(ffn_top_k=5), r"ffn_top_k \(5\) exceeds ffn_experts \(4\)"),
+    (dict(ffn="swiglu"), "ffn_experts applies to ffn='moe_swiglu' only"),
+    (dict(ffn_load_balance_weight=-1), "ffn_load_balance_weight must be a non-negative number"),
+    (dict(ffn_expert_impl="fast"), "ffn_expert_impl must be one of"),
+])
+def test_moe_swiglu_config_errors(changes, message):
+    with pytest.raises(ValueError, match=message):
+        moe_config(**changes)

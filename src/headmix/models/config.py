@@ -25,7 +25,7 @@ NORMS = ("pre", "post")
 NORM_TYPES = ("layernorm", "rmsnorm")
 POSITIONS = ("sinusoidal", "learned", "rotary")
 ACTIVATIONS = ("relu", "gelu")
-FFN_KINDS = ("mlp", "swiglu")
+FFN_KINDS = ("mlp", "swiglu", "moe_swiglu")
 #: The self-attention roles that get rotary position embeddings with ``positions="rotary"`` (cross-attention
 #: compares positions of two different sequences: it stays without rotary).
 ROTARY_ROLES = ("encoder_self_attention", "decoder_self_attention")
@@ -219,9 +219,12 @@ class ModelConfig:
     ``positions``: ``"sinusoidal"`` or ``"learned"`` (added to the embeddings, up to ``max_positions``), or
     ``"rotary"``: no absolute positions; the self-attention configs get ``rotary=True`` (RoFormer, Su et al.
     2021; their ``rotary_base`` / ``rotary_fraction`` apply), cross-attention stays without.
-    ``ffn``: ``"mlp"`` (``fc2(act(fc1 x))``, ``activation``) or ``"swiglu"`` (Shazeer 2020, as Llama:
-    ``down(silu(gate x) * up x)``). ``bias``: biases of the feed-forward linears and of LayerNorm (Llama has
-    none); the attention layers' biases are set in each ``AttentionConfig``.
+    ``ffn``: ``"mlp"`` (``fc2(act(fc1 x))``, ``activation``), ``"swiglu"`` (Shazeer 2020, as Llama:
+    ``down(silu(gate x) * up x)``) or ``"moe_swiglu"``: a mixture of ``ffn_experts`` SwiGLU experts of width
+    ``ffn_dim``, ``ffn_top_k`` per token (JetMoE's MoE layer; router weights ``softmax`` over the top-k logits,
+    load-balancing loss weighted by ``ffn_load_balance_weight``, grouped kernel ``ffn_expert_impl``).
+    ``bias``: biases of the feed-forward linears (for ``moe_swiglu`` one output bias, as JetMoE) and of
+    LayerNorm (Llama has none); the attention layers' biases are set in each ``AttentionConfig``.
     ``scale_embeddings`` multiplies token embeddings by ``sqrt(d_model)`` (fairseq); ``embedding_norm``
     adds a LayerNorm after the embeddings (RoBERTa). ``share_embeddings`` ties the token embeddings of
     encoder, decoder and the output projection (one joint vocabulary). ``dropout`` is the residual and
@@ -247,6 +250,10 @@ class ModelConfig:
     activation_dropout: float = 0.0
     activation: str = "relu"
     ffn: str = "mlp"
+    ffn_experts: int | None = None
+    ffn_top_k: int | None = None
+    ffn_load_balance_weight: float = 0.01
+    ffn_expert_impl: str = "auto"
     bias: bool = True
     scale_embeddings: bool = True
     embedding_norm: bool = False
@@ -316,6 +323,21 @@ class ModelConfig:
                                      f"information is the attention's rotary embedding)")
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("ffn", self.ffn, FFN_KINDS)
+        if self.ffn == "moe_swiglu":
+            for name in ("ffn_experts", "ffn_top_k"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"{name} is required with ffn='moe_swiglu'")
+                _positive_int(name, getattr(self, name))
+            if self.ffn_top_k > self.ffn_experts:
+                raise ValueError(f"ffn_top_k ({self.ffn_top_k}) exceeds ffn_experts ({self.ffn_experts})")
+        else:
+            for name in ("ffn_experts", "ffn_top_k"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to ffn='moe_swiglu' only; it must be unset (None) with ffn={self.ffn!r}")
+        v = self.ffn_load_balance_weight
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"ffn_load_balance_weight must be a non-negative number, got {v!r}")
+        _choice("ffn_expert_impl", self.ffn_expert_impl, EXPERT_IMPLS)
         _fraction("dropout", self.dropout)
         _fraction("activation_dropout", self.activation_dropout)
         _fraction("label_smoothing", self.label_smoothing)

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import AttentionOutput, KVCache
-from ..routing import Routing
+from ..attention.moa import autocast_dtype
+from ..kernels import expert_map, expert_reduce, expert_routing
+from ..routing import Routing, TopKRouter, load_balancing_loss
 from .config import ModelConfig, atomic_write_text
 
 CONFIG_NAME = "config.json"
@@ -198,9 +200,65 @@ class SwiGLU(nn.Module):
         return self.down_proj(self.dropout(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
+class MixtureOfSwiGLUExperts(nn.Module):
+    """A sparsely gated mixture of SwiGLU experts (JetMoE's MoE layer; Shen et al. 2024, and Shazeer et al.
+    2017): a router picks ``ffn_top_k`` of ``ffn_experts`` experts per token,
+    ``y_t = sum_{i in G(x_t)} w_{i,t} W2^i (silu(x_t W1^i) * x_t W3^i) (+ b)``, with
+    ``w = softmax`` over the selected logits (:class:`~headmix.routing.TopKRouter` with ``renormalize="live"``,
+    which equals ``p_i / sum_{j in G} p_j``). ``input_experts[i]`` is ``[W1^i | W3^i]`` (``d_model x 2 ffn_dim``),
+    ``output_experts[i]`` is ``W2^i`` (``ffn_dim x d_model``); the grouped matmuls are
+    :func:`headmix.kernels.expert_map` / :func:`~headmix.kernels.expert_reduce`, as MoA's, so each token
+    costs ``3 k d_model ffn_dim`` MACs. The auxiliary loss is the load-balancing loss (MoA eq. 13-15) weighted
+    by ``ffn_load_balance_weight``. ``forward(x, token_mask)`` returns an :class:`AttentionOutput` (the
+    shared output type: ``output``, ``aux_loss``, ``routing``)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, f, e, k = config.d_model, config.ffn_dim, config.ffn_experts, config.ffn_top_k
+        self.num_experts, self.top_k, self.ffn_dim = e, k, f
+        self.load_balance_weight = config.ffn_load_balance_weight
+        self.expert_impl = config.ffn_expert_impl
+        self.router = TopKRouter(d, e, k, renormalize="live")
+        self.input_experts = nn.Parameter(torch.empty(e, d, 2 * f))
+        self.output_experts = nn.Parameter(torch.empty(e, f, d))
+        self.out_bias = nn.Parameter(torch.zeros(d)) if config.bias else None
+        self.dropout = nn.Dropout(config.activation_dropout)
+        # an nn.Linear's scale per expert (uniform +-1/sqrt(fan_in))
+        nn.init.uniform_(self.input_experts, -d ** -0.5, d ** -0.5)
+        nn.init.uniform_(self.output_experts, -f ** -0.5, f ** -0.5)
+
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> AttentionOutput:
+        batch, time, dim = x.shape
+        routing = self.router(x, token_mask)
+        info = expert_routing(routing.expert_index, self.num_experts)
+        compute = autocast_dtype(x) or x.dtype
+        h = expert_map(x.reshape(batch * time, dim).to(compute), self.input_experts.to(compute), info,
+                       impl=self.expert_impl)
+        gate, up = h.split(self.ffn_dim, dim=-1)
+        h = self.dropout(F.silu(gate) * up)
+        y = expert_reduce(h, self.output_experts.to(compute), routing.gates.to(compute), info,
+                          impl=self.expert_impl).view(batch, time, dim)
+        if self.out_bias is not None:
+            y = y + self.out_bias.to(y.dtype)
+        lb = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask)
+        return AttentionOutput(y, self.load_balance_weight * lb, routing=routing, losses={"load_balance": lb})
+
+
 def make_ffn(config: ModelConfig) -> nn.Module:
     """The feed-forward sublayer ``config.ffn`` names."""
+    if config.ffn == "moe_swiglu":
+        return MixtureOfSwiGLUExperts(config)
     return SwiGLU(config) if config.ffn == "swiglu" else FeedForward(config)
+
+
+def feed_forward(ffn: nn.Module, block: ResidualNorm, x: Tensor, padding_mask: Tensor | None) -> tuple[Tensor, AttentionOutput | None]:
+    """The FFN sublayer with its norm and residual; the mixture of experts also returns its routing and
+    auxiliary loss (as an :class:`AttentionOutput`), padded tokens excluded from its loss."""
+    h = block.input(x)
+    if isinstance(ffn, MixtureOfSwiGLUExperts):
+        out = ffn(h, None if padding_mask is None else ~padding_mask)
+        return block.add(x, out.output), out
+    return block.add(x, ffn(h)), None
 
 
 class ResidualNorm(nn.Module):
@@ -237,12 +295,12 @@ class EncoderLayer(nn.Module):
         self.ffn = make_ffn(config)
         self.ffn_norm = ResidualNorm(config)
 
-    def forward(self, x: Tensor, padding_mask: Tensor) -> tuple[Tensor, AttentionOutput]:
+    def forward(self, x: Tensor, padding_mask: Tensor) -> tuple[Tensor, AttentionOutput, AttentionOutput | None]:
         attn = self.self_attn(self.self_attn_norm.input(x), key_padding_mask=padding_mask,
                               query_padding_mask=padding_mask)
         x = self.self_attn_norm.add(x, attn.output)
-        x = self.ffn_norm.add(x, self.ffn(self.ffn_norm.input(x)))
-        return x, attn
+        x, ffn_out = feed_forward(self.ffn, self.ffn_norm, x, padding_mask)
+        return x, attn, ffn_out
 
 
 class DecoderLayer(nn.Module):
@@ -257,7 +315,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, padding_mask: Tensor | None, memory: Tensor | None, memory_padding_mask: Tensor | None,
                 self_cache: KVCache | None, cross_cache: KVCache | None,
-                use_cache: bool) -> tuple[Tensor, AttentionOutput, AttentionOutput | None]:
+                use_cache: bool) -> tuple[Tensor, AttentionOutput, AttentionOutput | None, AttentionOutput | None]:
         self_out = self.self_attn(self.self_attn_norm.input(x), key_padding_mask=padding_mask,
                                   query_padding_mask=padding_mask, is_causal=True,
                                   use_cache=use_cache, cache=self_cache)
@@ -267,8 +325,8 @@ class DecoderLayer(nn.Module):
             cross_out = self.cross_attn(self.cross_attn_norm.input(x), memory, key_padding_mask=memory_padding_mask,
                                         query_padding_mask=padding_mask, use_cache=use_cache, cache=cross_cache)
             x = self.cross_attn_norm.add(x, cross_out.output)
-        x = self.ffn_norm.add(x, self.ffn(self.ffn_norm.input(x)))
-        return x, self_out, cross_out
+        x, ffn_out = feed_forward(self.ffn, self.ffn_norm, x, padding_mask)
+        return x, self_out, cross_out, ffn_out
 
 
 def untied_output_projection(config: ModelConfig) -> nn.Linear | None:
@@ -304,8 +362,10 @@ class TransformerEncoder(nn.Module):
         x = self.embed(tokens)
         aux, routing = x.new_zeros((), dtype=torch.float32), []
         for i, layer in enumerate(self.layers):
-            x, attn = layer(x, padding_mask)
+            x, attn, ffn_out = layer(x, padding_mask)
             aux = _collect(f"encoder.layers.{i}.self_attn", attn, aux, routing)
+            if ffn_out is not None:
+                aux = _collect(f"encoder.layers.{i}.ffn", ffn_out, aux, routing)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return EncoderOutput(x, padding_mask, aux, routing)
@@ -337,12 +397,14 @@ class TransformerDecoder(nn.Module):
         cross_caches = state.cross_attn if state is not None else [None] * n
         new_self, new_cross = [], []
         for i, layer in enumerate(self.layers):
-            x, self_out, cross_out = layer(x, padding_mask, memory, memory_padding_mask,
-                                           self_caches[i], cross_caches[i], use_cache)
+            x, self_out, cross_out, ffn_out = layer(x, padding_mask, memory, memory_padding_mask,
+                                                    self_caches[i], cross_caches[i], use_cache)
             aux = _collect(f"decoder.layers.{i}.self_attn", self_out, aux, routing)
             new_self.append(self_out.cache)
             if cross_out is not None:
                 aux = _collect(f"decoder.layers.{i}.cross_attn", cross_out, aux, routing)
+            if ffn_out is not None:
+                aux = _collect(f"decoder.layers.{i}.ffn", ffn_out, aux, routing)
             new_cross.append(None if cross_out is None else cross_out.cache)
         if self.final_norm is not None:
             x = self.final_norm(x)
