@@ -33,6 +33,8 @@ def make(kind: str, dtype=torch.float32, **kw):
         layer = MultiHeadAttention(D, 4, head_dim=3, key_dim=7, **kw)
     elif kind == "moa":
         layer = MixtureOfAttentionHeads(D, num_experts=5, top_k=2, head_dim=6, **kw)
+    elif kind == "moa_kv":  # grouped K/V heads (JetMoE form): 3 K/V heads, 2 x 3 query heads per token
+        layer = MixtureOfAttentionHeads(D, num_experts=5, top_k=2, head_dim=4, kv_heads=3, **kw)
     elif kind == "moh":
         layer = MixtureOfHeadsAttention(D, num_heads=4, num_shared_heads=1, top_k=2, **kw)
     elif kind == "moh_routed_only":
@@ -52,7 +54,7 @@ def make(kind: str, dtype=torch.float32, **kw):
                 if lin is not None:
                     lin.weight.normal_()
             layer.routed_gate.weight.normal_()
-    if kind == "moa":
+    if kind.startswith("moa"):
         with torch.no_grad():
             layer.router.gate.weight.normal_()
     return layer
@@ -60,10 +62,10 @@ def make(kind: str, dtype=torch.float32, **kw):
 
 def reference_for(kind: str):
     return {"mha": reference_mha, "mha_key": reference_mha, "th": reference_mha, "moa": reference_moa,
-            "moh": reference_moh, "moh_routed_only": reference_moh}[kind]
+            "moa_kv": reference_moa, "moh": reference_moh, "moh_routed_only": reference_moh}[kind]
 
 
-KINDS = ["mha", "mha_key", "moa", "moh", "moh_routed_only", "th"]
+KINDS = ["mha", "mha_key", "moa", "moa_kv", "moh", "moh_routed_only", "th"]
 
 
 # --------------------------------------------------------------------------- torch equivalence
@@ -171,7 +173,7 @@ def test_layer_matches_reference_outputs_and_gradients(kind, case):
             assert n not in grads or grads[n].abs().max() == 0, n
             continue
         torch.testing.assert_close(grads[n], p.grad, atol=5e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
-    if kind == "moa":  # the router and the experts get gradients
+    if kind.startswith("moa"):  # the router and the experts get gradients
         assert grads["router.gate.weight"].abs().sum() > 0
         assert grads["query_experts"].abs().sum() > 0 and grads["output_experts"].abs().sum() > 0
 
@@ -313,6 +315,48 @@ def test_moa_cache_holds_one_shared_head():
     assert mha_cache.nbytes == 8 * moa_cache.nbytes       # 8x less than MHA at d_model 512, head_dim 64
 
 
+def test_moa_kv_heads_cache_holds_g_heads():
+    moa = MixtureOfAttentionHeads(64, num_experts=8, top_k=4, head_dim=16, kv_heads=2)
+    x = torch.randn(1, 10, 64)
+    cache = moa(x, is_causal=True, use_cache=True).cache
+    assert cache.key.shape == cache.value.shape == (1, 2, 10, 16)
+    assert cache.nbytes == 10 * 2 * 2 * 16 * 4            # kv_heads x 2 x head_dim x element size per token
+    assert moa.query_experts.shape == (8, 64, 32) and moa.output_experts.shape == (8, 32, 64)
+    assert moa.k_proj.weight.shape == moa.v_proj.weight.shape == (32, 64)
+    with pytest.raises(ValueError, match="kv_heads must be a positive integer"):
+        MixtureOfAttentionHeads(64, num_experts=8, top_k=4, head_dim=16, kv_heads=0)
+
+
+def test_moa_kv_heads_one_loads_old_checkpoint_bit_identically():
+    """tests/data/moa_kv1_checkpoint.pt was written by the layer before kv_heads existed (commit 781c003)."""
+    import platform
+    from pathlib import Path
+
+    saved = torch.load(Path(__file__).parent / "data" / "moa_kv1_checkpoint.pt")
+    layer = MixtureOfAttentionHeads(16, num_experts=4, top_k=2, head_dim=8, kv_heads=1).eval()
+    layer.load_state_dict(saved["state_dict"], strict=True)
+    out = layer(saved["x"], is_causal=True, key_padding_mask=saved["key_padding_mask"])
+    # bit for bit with the torch build and CPU kind that wrote the file (one thread, as conftest sets)
+    same_platform = (saved["torch"], saved["machine"]) == (str(torch.__version__), platform.machine())
+    tol = dict(atol=0.0, rtol=0.0) if same_platform else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.output, saved["output"], **tol)
+    torch.testing.assert_close(out.aux_loss, saved["aux_loss"], **tol)
+
+
+def test_moa_query_head_g_of_an_expert_attends_with_kv_head_g():
+    """Grouped layout: zeroing K/V head 1's value weights changes only the columns of W_o^i's group 1."""
+    layer = make("moa_kv")
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        layer.v_proj.weight[4:8] = 0.0   # value head 1 (head_dim 4) gives zeros
+        layer.v_proj.bias[4:8] = 0.0
+        base = layer(x).output
+        layer.output_experts[:, 4:8] = torch.randn_like(layer.output_experts[:, 4:8])  # group 1 of W_o^i
+        torch.testing.assert_close(layer(x).output, base)
+        layer.output_experts[:, 0:4] = torch.randn_like(layer.output_experts[:, 0:4])  # group 0 matters
+        assert not torch.allclose(layer(x).output, base)
+
+
 def test_cache_from_another_layer_is_rejected():
     a, b = make("moa"), make("moa")
     cache = a(torch.randn(1, 3, D), is_causal=True, use_cache=True).cache
@@ -383,7 +427,7 @@ def test_moh_load_balancing_on_routed_heads():
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradcheck_float64(kind):
     # MoA's default detached denominator (eq. 9) is by design not the true derivative: check the live one.
-    layer = make(kind, dtype=torch.float64, **({"renormalize": "live"} if kind == "moa" else {}))
+    layer = make(kind, dtype=torch.float64, **({"renormalize": "live"} if kind.startswith("moa") else {}))
     x = torch.randn(1, 3, D, dtype=torch.float64, requires_grad=True)
     mem = torch.randn(1, 2, D, dtype=torch.float64, requires_grad=True)
     # routing is piecewise constant: check away from ties (gradcheck perturbs by 1e-6)
@@ -480,3 +524,68 @@ def test_bad_input_errors_name_the_argument():
         layer(torch.randn(2, 3, D), attn_mask=torch.zeros(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="query_padding_mask must have shape"):
         layer(torch.randn(2, 3, D), query_padding_mask=torch.zeros(2, 2, dtype=torch.bool))
+
+
+def test_attention_config_kv_heads():
+    import json
+
+    from headmix.models.config import AttentionConfig
+
+    cfg = AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4, kv_heads=2)
+    assert cfg.build(D).kv_heads == 2
+    assert AttentionConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4).build(D).kv_heads == 1
+    with pytest.raises(ValueError, match="attention.kv_heads applies to kind 'moa' only"):
+        AttentionConfig(kind="mha", num_heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match="attention.kv_heads must be a positive integer"):
+        AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4, kv_heads=0)
+
+
+BIAS_CASES = [dict(bias=True, kv_bias=False), dict(bias=False, out_bias=True), dict(bias=False, q_bias=True),
+              dict(bias=True, q_bias=False, out_bias=False)]
+
+
+@pytest.mark.parametrize("kind", ["mha", "moa_kv", "moh", "th"])
+@pytest.mark.parametrize("case", range(len(BIAS_CASES)))
+def test_separate_bias_options(kind, case):
+    from headmix.models.config import AttentionConfig
+    from headmix.models.counting import attention_parameters
+
+    kw = dict(BIAS_CASES[case])
+    if kind.startswith("moa"):
+        if "q_bias" in kw:
+            with pytest.raises(TypeError):  # MoA's expert queries have no bias: no such option
+                make(kind, **kw)
+            return
+    layer = make(kind, **kw)
+    want = {name: kw.get(name, kw["bias"]) for name in ("q_bias", "kv_bias", "out_bias")}
+    has_out = (layer.out_bias if kind.startswith("moa") else layer.out_proj.bias) is not None
+    assert layer.k_proj.bias is not None and layer.v_proj.bias is not None if want["kv_bias"] else \
+        layer.k_proj.bias is None and layer.v_proj.bias is None
+    assert has_out == want["out_bias"]
+    if not kind.startswith("moa"):
+        assert (layer.q_proj.bias is not None) == want["q_bias"]
+    x = torch.randn(2, 5, D)
+    torch.testing.assert_close(layer(x, is_causal=True).output, reference_for(kind)(layer, x, is_causal=True),
+                               atol=2e-6, rtol=1e-5)
+    # the config builds the same layer and counts its parameters exactly
+    cfg_kind = {"moa_kv": "moa", "th": "talking_heads"}.get(kind, kind)
+    sizes = dict(num_experts=5, top_k=2, head_dim=4, kv_heads=3) if cfg_kind == "moa" else dict(num_heads=4)
+    if cfg_kind == "moh":
+        sizes.update(num_shared_heads=1, top_k=2)
+    cfg = AttentionConfig(kind=cfg_kind, **sizes, **kw)
+    built = cfg.build(D)
+    assert {n: p.shape for n, p in built.named_parameters()} == {n: p.shape for n, p in layer.named_parameters()}
+    assert attention_parameters(cfg, D)[0] == sum(p.numel() for p in built.parameters())
+
+
+def test_bias_options_reject_non_bools():
+    with pytest.raises(ValueError, match="kv_bias must be True, False or None"):
+        MultiHeadAttention(D, 4, kv_bias=1)
+    with pytest.raises(ValueError, match="out_bias must be True, False or None"):
+        MixtureOfAttentionHeads(D, 4, 2, 4, out_bias="no")
+    from headmix.models.config import AttentionConfig
+    with pytest.raises(ValueError, match="attention.q_bias applies to kind"):
+        AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4, q_bias=True)
+    with pytest.raises(ValueError, match="attention.out_bias must be true, false or null"):
+        AttentionConfig(kind="mha", num_heads=4, out_bias=0)

@@ -171,3 +171,18 @@ def test_swiglu_and_rmsnorm_formulas():
     assert params.full["decoder.norms"] == (2 * n + 1) * d  # two per layer and the final one, gain only
     mlp = analytic_parameters(get_config("tiny-mha", task="lm"))
     assert mlp.full["decoder.ffn"] == n * (2 * d * 256 + 256 + d) and mlp.full["decoder.norms"] == (2 * n + 1) * 2 * d
+
+
+@pytest.mark.parametrize("task", ["translation", "lm"])
+def test_moa_kv_heads_counts_are_exact(task):
+    """kv_heads G: parameters (2E + 2) G d_h d_m (+ router and biases), MACs measured == analytic."""
+    import dataclasses
+
+    cfg = get_config("tiny-moa", task=task)
+    roles = [f.name for f in dataclasses.fields(cfg) if isinstance(getattr(cfg, f.name), type(cfg.decoder_self_attention))]
+    cfg = cfg.replace(**{r: dataclasses.replace(getattr(cfg, r), kv_heads=2) for r in roles
+                         if getattr(cfg, r) is not None and getattr(cfg, r).kind == "moa"})
+    assert analytic_parameters(cfg).total == count_parameters(build_model(cfg, device="meta"))
+    assert measure_macs(cfg) == analytic_macs(cfg).full
+    att = cfg.decoder_self_attention
+    assert attention_parameters(att, cfg.d_model)[1] == (2 * att.num_experts + 2) * 2 * att.head_dim * cfg.d_model

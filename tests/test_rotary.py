@@ -113,6 +113,8 @@ def make(kind: str, **kw):
         layer = MultiHeadAttention(D, 4, head_dim=3, key_dim=6, **kw)
     elif kind == "moa":
         layer = MixtureOfAttentionHeads(D, num_experts=5, top_k=2, head_dim=6, **kw)
+    elif kind == "moa_kv":
+        layer = MixtureOfAttentionHeads(D, num_experts=5, top_k=2, head_dim=6, kv_heads=2, **kw)
     elif kind == "moh":
         layer = MixtureOfHeadsAttention(D, num_heads=4, num_shared_heads=1, top_k=2, **kw)
     elif kind == "th":
@@ -128,10 +130,10 @@ def make(kind: str, **kw):
 
 def reference_for(kind: str):
     return {"mha": reference_mha, "mha_key": reference_mha, "th": reference_mha, "moa": reference_moa,
-            "moh": reference_moh}[kind]
+            "moa_kv": reference_moa, "moh": reference_moh}[kind]
 
 
-KINDS = ["mha", "mha_key", "moa", "moh", "th"]
+KINDS = ["mha", "mha_key", "moa", "moa_kv", "moh", "th"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 _layer_ids = itertools.count()
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 @dataclass
@@ -31,8 +32,8 @@ class KVCache:
     """Keys and values a layer has seen, for incremental decoding.
 
     ``key`` and ``value`` are ``(batch, kv_heads, length, size)``: MHA keeps one head per attention
-    head, MoA keeps a single shared head (eq. 10-11 share ``W_k`` and ``W_v`` across experts), so its
-    cache is ``top_k`` times smaller than MHA's at equal ``top_k * head_dim``.
+    head, MoA keeps ``kv_heads`` shared heads (one by default: eq. 10-11 share ``W_k`` and ``W_v`` across
+    experts), so its cache is ``top_k / kv_heads`` times smaller than MHA's with as many query heads.
 
     ``static`` caches hold the projected memory of a cross-attention layer: later steps reuse them and
     do not append. ``layer_id`` ties the cache to the layer that made it.
@@ -250,19 +251,30 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     """Softmax attention ``softmax(q k^T * scale + bias) v`` over ``(batch, heads, len, size)`` tensors.
 
     ``k``/``v`` may have one head shared by all query heads (multi-query attention, as MoA's shared
-    ``W_k``/``W_v``): it is broadcast without copies. Uses ``torch.nn.functional.scaled_dot_product_attention``
-    so flash / memory-efficient kernels apply where they can.
+    ``W_k``/``W_v``): it is broadcast without copies. With ``G`` key/value heads, ``1 < G < heads``
+    (grouped-query attention), query head ``h`` attends with key/value head ``h // (heads // G)``, through
+    ``scaled_dot_product_attention(enable_gqa=True)`` (torch >= 2.5), which does not repeat the keys and
+    values on the flash / memory-efficient paths; older torch repeats them. Uses
+    ``torch.nn.functional.scaled_dot_product_attention`` so flash / memory-efficient kernels apply where they can.
     """
     if q.shape[-1] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    grouped = {}
     if k.shape[1] != q.shape[1]:
-        if k.shape[1] != 1:
-            raise ValueError(f"keys must have 1 or {q.shape[1]} heads, got {k.shape[1]}")
-        k, v = _broadcast_kv(q, k, v)
+        if k.shape[1] == 1:
+            k, v = _broadcast_kv(q, k, v)
+        elif q.shape[1] % k.shape[1] == 0:
+            if _SDPA_HAS_GQA:
+                grouped = {"enable_gqa": True}
+            else:  # pragma: no cover - torch < 2.5
+                repeat = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        else:
+            raise ValueError(f"keys must have 1 head, {q.shape[1]} heads or a divisor of {q.shape[1]}, got {k.shape[1]}")
     if k.shape[2] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=causal, scale=scale
+        q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=causal, scale=scale, **grouped
     )
     if empty_rows is not None:
         out = out.masked_fill(empty_rows, 0.0)

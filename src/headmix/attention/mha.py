@@ -21,6 +21,15 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(b, t, h * s)
 
 
+def resolve_bias(name: str, value: bool | None, default: bool) -> bool:
+    """A fine bias option (``q_bias``, ``kv_bias``, ``out_bias``): ``None`` follows ``bias``."""
+    if value is None:
+        value = default
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True, False or None (follow bias), got {value!r}")
+    return value
+
+
 def resolve_head_dims(embed_dim: int, num_heads: int, head_dim: int | None, key_dim: int | None) -> tuple[int, int]:
     check_positive("num_heads", num_heads)
     if head_dim is None:
@@ -44,6 +53,10 @@ class MultiHeadAttention(AttentionLayer):
     ``embed_dim x (num_heads * head_dim)``, ``W_o`` of ``(num_heads * head_dim) x embed_dim``; with
     default sizes that is MoA's ``M_MHA = 4 d_m^2`` (eq. 20).
 
+    ``bias`` switches every projection's bias on or off; ``q_bias``, ``kv_bias`` (K and V) and ``out_bias``
+    (the output projection), when given, override it for their projections (Llama: all off; Qwen2: only
+    ``q_bias`` and ``kv_bias``).
+
     ``rotary=True`` rotates queries and keys by their positions (RoPE, :class:`RotaryEmbedding` over the
     ``key_dim`` of each head, built from ``rotary_base`` and ``rotary_fraction``; a module instance is used
     as given). In self-attention the queries and keys of a call start at position ``cache.length`` (0
@@ -52,7 +65,8 @@ class MultiHeadAttention(AttentionLayer):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int | None = None, key_dim: int | None = None,
-                 bias: bool = True, dropout: float = 0.0, *, rotary: bool | RotaryEmbedding = False,
+                 bias: bool = True, dropout: float = 0.0, *, q_bias: bool | None = None, kv_bias: bool | None = None,
+                 out_bias: bool | None = None, rotary: bool | RotaryEmbedding = False,
                  rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
         super().__init__(embed_dim)
         self.num_heads = num_heads
@@ -60,10 +74,12 @@ class MultiHeadAttention(AttentionLayer):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.dropout = dropout
-        self.q_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=bias)
-        self.k_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=bias)
-        self.v_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        q_bias, kv_bias, out_bias = (resolve_bias(n, b, bias) for n, b in
+                                     (("q_bias", q_bias), ("kv_bias", kv_bias), ("out_bias", out_bias)))
+        self.q_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=q_bias)
+        self.k_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=kv_bias)
+        self.v_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=kv_bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias)
         self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, self.key_dim)
 
     @classmethod

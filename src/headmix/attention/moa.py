@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import TopKRouter, routing_losses
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product
+from .mha import resolve_bias, split_heads
 from .rotary import RotaryEmbedding, make_rotary
 
 
@@ -26,7 +27,16 @@ class MixtureOfAttentionHeads(AttentionLayer):
     - Auxiliary loss (eq. 13-17): ``load_balance_weight * L_a + z_loss_weight * L_z`` over real tokens,
       returned as ``aux_loss``; the unweighted parts are in ``AttentionOutput.losses``.
     - Parameters (eq. 20): ``(2E + 2) d_h d_m`` weights, plus the router's ``E d_m`` and, with ``bias``,
-      ``2 d_h + d_m`` biases.
+      ``2 d_h + d_m`` biases: ``kv_bias`` (the K/V projections' ``2 d_h``) and ``out_bias`` (the ``d_m``
+      output bias), when given, override ``bias`` for their part (JetMoE: ``kv_bias=False, out_bias=True``).
+
+    ``kv_heads=G`` (grouped K/V heads, the JetMoE form): ``W_k`` and ``W_v`` give ``G`` key/value heads
+    (``embed_dim x G d_h``), each expert's ``W_q^i`` gives one query head per K/V head
+    (``query_experts`` ``(E, d_m, G d_h)``, ``output_experts`` ``(E, G d_h, d_m)``; query head ``g`` of an
+    expert is columns ``g d_h .. (g+1) d_h`` and attends with K/V head ``g``), so a token has ``k G`` query
+    heads and the cache holds ``2 G d_h`` numbers per token. Attention runs as grouped-query attention
+    without repeating K/V (see :func:`~headmix.attention.base.scaled_dot_product`). ``G = 1`` is the
+    paper's layer, with the same parameter names and shapes.
 
     ``rotary=True`` (RoPE, :class:`RotaryEmbedding`; ``rotary_base``, ``rotary_fraction``, or a module
     instance) rotates the shared key head and each selected expert's query by position, as JetMoE does;
@@ -39,11 +49,13 @@ class MixtureOfAttentionHeads(AttentionLayer):
     def __init__(self, embed_dim: int, num_experts: int, top_k: int, head_dim: int, *, bias: bool = True,
                  dropout: float = 0.0, router: str = "softmax", renormalize: str = "detached",
                  load_balance_weight: float = 0.01, z_loss_weight: float = 0.001, expert_impl: str = "auto",
-                 rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
+                 rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
+                 kv_heads: int = 1, kv_bias: bool | None = None, out_bias: bool | None = None):
         super().__init__(embed_dim)
         check_positive("num_experts", num_experts)
         check_positive("top_k", top_k)
         check_positive("head_dim", head_dim)
+        check_positive("kv_heads", kv_heads)
         if top_k > num_experts:
             raise ValueError(f"top_k ({top_k}) must not exceed num_experts ({num_experts})")
         if not 0.0 <= dropout < 1.0:
@@ -51,31 +63,32 @@ class MixtureOfAttentionHeads(AttentionLayer):
         for name, w in (("load_balance_weight", load_balance_weight), ("z_loss_weight", z_loss_weight)):
             if w < 0:
                 raise ValueError(f"{name} must be >= 0, got {w}")
-        self.num_experts, self.top_k, self.head_dim = num_experts, top_k, head_dim
+        self.num_experts, self.top_k, self.head_dim, self.kv_heads = num_experts, top_k, head_dim, kv_heads
         self.dropout = dropout
         self.load_balance_weight, self.z_loss_weight = load_balance_weight, z_loss_weight
         self.expert_impl = expert_impl
         self.router = TopKRouter(embed_dim, num_experts, top_k, router=router, renormalize=renormalize)
-        self.query_experts = nn.Parameter(torch.empty(num_experts, embed_dim, head_dim))
-        self.output_experts = nn.Parameter(torch.empty(num_experts, head_dim, embed_dim))
-        self.k_proj = nn.Linear(embed_dim, head_dim, bias=bias)
-        self.v_proj = nn.Linear(embed_dim, head_dim, bias=bias)
-        self.out_bias = nn.Parameter(torch.zeros(embed_dim)) if bias else None
+        self.query_experts = nn.Parameter(torch.empty(num_experts, embed_dim, kv_heads * head_dim))
+        self.output_experts = nn.Parameter(torch.empty(num_experts, kv_heads * head_dim, embed_dim))
+        kv_bias, out_bias = resolve_bias("kv_bias", kv_bias, bias), resolve_bias("out_bias", out_bias, bias)
+        self.k_proj = nn.Linear(embed_dim, kv_heads * head_dim, bias=kv_bias)
+        self.v_proj = nn.Linear(embed_dim, kv_heads * head_dim, bias=kv_bias)
+        self.out_bias = nn.Parameter(torch.zeros(embed_dim)) if out_bias else None
         self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, head_dim)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # The same scale as an nn.Linear(embed_dim, head_dim) per expert (uniform +-1/sqrt(fan_in)).
         bound_q = self.embed_dim ** -0.5
-        bound_o = self.head_dim ** -0.5
+        bound_o = (self.kv_heads * self.head_dim) ** -0.5
         nn.init.uniform_(self.query_experts, -bound_q, bound_q)
         nn.init.uniform_(self.output_experts, -bound_o, bound_o)
         if self.out_bias is not None:
             nn.init.zeros_(self.out_bias)
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        # One shared key head and one shared value head (eq. 10-11): (batch, 1, S, head_dim).
-        return self.k_proj(key).unsqueeze(1), self.v_proj(value).unsqueeze(1)
+        # kv_heads shared key and value heads (eq. 10-11; one in the paper): (batch, kv_heads, S, head_dim).
+        return split_heads(self.k_proj(key), self.kv_heads), split_heads(self.v_proj(value), self.kv_heads)
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
@@ -91,15 +104,19 @@ class MixtureOfAttentionHeads(AttentionLayer):
 
         # The grouped kernels are custom autograd functions that autocast does not see: cast by hand.
         compute = autocast_dtype(query) or query.dtype
-        # eq. 10: q_{i,t} = q_t W_q^i for the k selected experts, as k query heads over one shared K/V head.
+        # eq. 10: q_{i,t} = q_t W_q^i for the k selected experts: k * kv_heads query heads, ordered
+        # (K/V head g, expert slot j) so that query head g * k + j uses K/V head g (grouped-query attention).
         q = expert_map(query.reshape(n, dim).to(compute), self.query_experts.to(compute), info, impl=self.expert_impl)
-        q = self._rotate_queries(q.view(batch, tgt, k, self.head_dim).transpose(1, 2), key, cache, past_len)
+        q = q.view(batch, tgt, k, self.kv_heads, self.head_dim).permute(0, 3, 2, 1, 4).reshape(
+            batch, self.kv_heads * k, tgt, self.head_dim)
+        q = self._rotate_queries(q, key, cache, past_len)
         bias, empty, causal = attention_bias(batch, 1, tgt, k_shared.shape[2], key_padding_mask=key_padding_mask,
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=q.dtype, device=q.device)
         o = scaled_dot_product(q, k_shared, v_shared, bias, empty, self.dropout if self.training else 0.0, causal=causal)
         # eq. 11-12 and 6: o_{i,t} W_o^i, weighted by w_{i,t} and summed over the selected experts.
-        o = o.transpose(1, 2).reshape(n, k, self.head_dim).to(compute)
+        o = o.view(batch, self.kv_heads, k, tgt, self.head_dim).permute(0, 3, 2, 1, 4).reshape(
+            n, k, self.kv_heads * self.head_dim).to(compute)
         y = expert_reduce(o, self.output_experts.to(compute), routing.gates.to(compute), info,
                           impl=self.expert_impl).view(batch, tgt, dim)
         if self.out_bias is not None:

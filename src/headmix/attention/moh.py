@@ -37,9 +37,11 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
 
     def __init__(self, embed_dim: int, num_heads: int, num_shared_heads: int, top_k: int, head_dim: int | None = None,
                  *, bias: bool = True, dropout: float = 0.0, load_balance_weight: float = 0.01,
+                 q_bias: bool | None = None, kv_bias: bool | None = None, out_bias: bool | None = None,
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, bias=bias, dropout=dropout,
-                         rotary=rotary, rotary_base=rotary_base, rotary_fraction=rotary_fraction)
+                         q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
+                         rotary_base=rotary_base, rotary_fraction=rotary_fraction)
         for name, v in (("num_shared_heads", num_shared_heads), ("top_k", top_k)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")

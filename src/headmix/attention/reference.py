@@ -146,18 +146,22 @@ def reference_moa_routing(layer: MixtureOfAttentionHeads, query: Tensor) -> tupl
 
 def reference_moa(layer: MixtureOfAttentionHeads, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                   **masks) -> Tensor:
-    """MoA output (eq. 6) with every expert (eq. 10-12) evaluated for every token."""
+    """MoA output (eq. 6) with every expert (eq. 10-12) evaluated for every token. With ``kv_heads = G``,
+    expert ``i``'s query ``q_t W_q^i`` is split into ``G`` heads and head ``g`` attends with the shared
+    key/value head ``g`` (``K W_k`` split the same way); the ``G`` head outputs, concatenated, go through
+    ``W_o^i``."""
     rotary = _self_rotary(layer, key)
     key, value = _inputs(query, key, value)
     _, _, index, w = reference_moa_routing(layer, query)
-    k_shared = reference_rotary(layer.k_proj(key).unsqueeze(1), rotary)     # K W_k, shared
-    v_shared = layer.v_proj(value).unsqueeze(1)                             # V W_v, shared
-    allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
+    groups = layer.kv_heads
+    k_shared = reference_rotary(_heads(layer.k_proj(key), groups), rotary)    # K W_k, shared: (B, G, S, d_h)
+    v_shared = _heads(layer.v_proj(value), groups)                            # V W_v, shared
+    allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)  # same for all heads
     y = torch.zeros_like(query)
     for i in range(layer.num_experts):
-        q_i = reference_rotary((query @ layer.query_experts[i]).unsqueeze(1), rotary)  # q_t W_q^i
+        q_i = reference_rotary(_heads(query @ layer.query_experts[i], groups), rotary)  # q_t W_q^i
         o_i = reference_softmax_attention(q_i, k_shared, v_shared, allowed, added, 1.0 / math.sqrt(layer.head_dim))
-        e_i = o_i.squeeze(1) @ layer.output_experts[i]                      # eq. 12
+        e_i = o_i.transpose(1, 2).flatten(2) @ layer.output_experts[i]       # eq. 12
         w_i = (w * (index == i)).sum(-1, keepdim=True).to(query.dtype)      # w_{i,t}, 0 if not selected
         y = y + w_i * e_i                                                   # eq. 6
     if layer.out_bias is not None:

@@ -28,9 +28,11 @@ class TalkingHeadsAttention(MultiHeadAttention):
 
     def __init__(self, embed_dim: int, num_heads: int, pre_softmax: bool = True, post_softmax: bool = True, *,
                  head_dim: int | None = None, key_dim: int | None = None, bias: bool = True, dropout: float = 0.0,
+                 q_bias: bool | None = None, kv_bias: bool | None = None, out_bias: bool | None = None,
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, key_dim=key_dim, bias=bias, dropout=dropout,
-                         rotary=rotary, rotary_base=rotary_base, rotary_fraction=rotary_fraction)
+                         q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
+                         rotary_base=rotary_base, rotary_fraction=rotary_fraction)
         self.pre_mix = nn.Parameter(torch.eye(num_heads)) if pre_softmax else None
         self.post_mix = nn.Parameter(torch.eye(num_heads)) if post_softmax else None
 

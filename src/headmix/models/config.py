@@ -34,10 +34,12 @@ EXPERT_IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
 # Fields that only mean something for some kinds; they must be None (unset) for the others.
 _KIND_FIELDS = {
     "num_experts": ("moa",),
+    "kv_heads": ("moa",),
     "top_k": ("moa", "moh"),
     "num_shared_heads": ("moh",),
     "num_heads": ("mha", "moh", "talking_heads"),
     "key_dim": ("mha", "talking_heads"),
+    "q_bias": ("mha", "moh", "talking_heads"),
 }
 
 
@@ -69,13 +71,17 @@ class AttentionConfig:
     - ``"moa"``: Mixture of Attention Heads (eq. 6-12): ``num_experts`` experts of size ``head_dim``, the
       router selects ``top_k`` per token; the paper's ``{K}K{E}E{D}D`` is ``top_k=K, num_experts=E,
       head_dim=D``. ``router``, ``renormalize`` (eq. 9), ``load_balance_weight`` (alpha, eq. 17),
-      ``z_loss_weight`` (beta) and ``expert_impl`` (the grouped-projection kernel) apply to it.
+      ``z_loss_weight`` (beta) and ``expert_impl`` (the grouped-projection kernel) apply to it;
+      ``kv_heads`` (default 1, the paper's single shared K/V head) gives JetMoE's grouped K/V heads.
     - ``"moh"``: Mixture-of-Head attention: ``num_heads`` heads, ``num_shared_heads`` always on, ``top_k``
       of the others routed per token.
     - ``"talking_heads"``: ``num_heads`` heads mixed by learned ``h x h`` maps before (``pre_softmax``)
       and/or after (``post_softmax``) the softmax.
 
     ``dropout`` is the dropout on the attention probabilities.
+
+    ``bias`` switches all the layer's biases; ``q_bias`` (not for MoA, whose experts have none), ``kv_bias``
+    and ``out_bias``, when set, override it for the query, key/value and output projections.
 
     ``rotary`` rotates queries and keys of self-attention by position (RoPE, any kind; ``rotary_base`` is the
     ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated).
@@ -86,6 +92,7 @@ class AttentionConfig:
     head_dim: int | None = None
     key_dim: int | None = None
     num_experts: int | None = None
+    kv_heads: int | None = None
     top_k: int | None = None
     num_shared_heads: int | None = None
     router: str = "softmax"
@@ -97,6 +104,9 @@ class AttentionConfig:
     dropout: float = 0.0
     expert_impl: str = "auto"
     bias: bool = True
+    q_bias: bool | None = None
+    kv_bias: bool | None = None
+    out_bias: bool | None = None
     rotary: bool = False
     rotary_base: float = 10000.0
     rotary_fraction: float = 1.0
@@ -117,6 +127,8 @@ class AttentionConfig:
                 if getattr(self, fname) is None:
                     raise ValueError(f"{name}.{fname} is required for kind 'moa'")
                 _positive_int(f"{name}.{fname}", getattr(self, fname))
+            if self.kv_heads is not None:
+                _positive_int(f"{name}.kv_heads", self.kv_heads)
             if self.top_k > self.num_experts:
                 raise ValueError(f"{name}.top_k K={self.top_k} exceeds num_experts E={self.num_experts}")
             _choice(f"{name}.expert_impl", self.expert_impl, EXPERT_IMPLS)
@@ -141,6 +153,11 @@ class AttentionConfig:
         if self.kind == "talking_heads" and not (self.pre_softmax or self.post_softmax):
             raise ValueError(f"{name}: talking_heads needs pre_softmax or post_softmax (otherwise use kind 'mha')")
         _fraction(f"{name}.dropout", self.dropout)
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"{name}.bias must be true or false, got {self.bias!r}")
+        for fname in ("q_bias", "kv_bias", "out_bias"):
+            if getattr(self, fname) is not None and not isinstance(getattr(self, fname), bool):
+                raise ValueError(f"{name}.{fname} must be true, false or null (follow bias), got {getattr(self, fname)!r}")
         if not isinstance(self.rotary, bool):
             raise ValueError(f"{name}.rotary must be true or false, got {self.rotary!r}")
         if not isinstance(self.rotary_base, (int, float)) or isinstance(self.rotary_base, bool) or not self.rotary_base > 1:
@@ -155,6 +172,12 @@ class AttentionConfig:
             v = getattr(self, fname)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}.{fname} must be a non-negative number, got {v!r}")
+
+    def resolved_biases(self) -> tuple[bool, bool, bool]:
+        """``(q_bias, kv_bias, out_bias)`` with unset ones following ``bias`` (``q_bias`` False for MoA)."""
+        def pick(value: bool | None) -> bool:
+            return self.bias if value is None else value
+        return (pick(self.q_bias) if self.kind != "moa" else False), pick(self.kv_bias), pick(self.out_bias)
 
     def resolved_head_dim(self, embed_dim: int) -> int:
         """Value size per head (per expert for MoA)."""
@@ -172,14 +195,16 @@ class AttentionConfig:
         """The attention layer this config describes, for model width ``embed_dim``."""
         self.validate(embed_dim)
         common = dict(bias=self.bias, dropout=self.dropout, rotary=self.rotary, rotary_base=self.rotary_base,
-                      rotary_fraction=self.rotary_fraction)
+                      rotary_fraction=self.rotary_fraction, kv_bias=self.kv_bias, out_bias=self.out_bias)
+        if self.kind != "moa":
+            common["q_bias"] = self.q_bias
         if self.kind == "mha":
             return attention.MultiHeadAttention(embed_dim, self.num_heads, self.head_dim, self.key_dim, **common)
         if self.kind == "moa":
             return attention.MixtureOfAttentionHeads(
                 embed_dim, self.num_experts, self.top_k, self.head_dim, router=self.router,
                 renormalize=self.renormalize, load_balance_weight=self.load_balance_weight,
-                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, **common)
+                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, kv_heads=self.kv_heads or 1, **common)
         if self.kind == "moh":
             return attention.MixtureOfHeadsAttention(
                 embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,

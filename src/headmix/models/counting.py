@@ -68,7 +68,8 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     (``src_len == tgt_len`` for self-attention), batch 1, inference (no router noise)."""
     d, t, s = d_model, tgt_len, src_len
     if att.kind == "moa":
-        k, e, dh = att.top_k, att.num_experts, att.head_dim
+        # kv_heads G: every expert is G heads of d_h (one per K/V head), i.e. eq. 10-12 with d_h -> G d_h
+        k, e, dh = att.top_k, att.num_experts, att.head_dim * (att.kv_heads or 1)
         full = (t * d * e            # router logits x W_g (eq. 7)
                 + k * t * d * dh     # expert query projections (eq. 10), k per token
                 + 2 * s * d * dh     # shared K and V projections, once
@@ -93,16 +94,18 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
     """``(full, paper)`` parameters of one attention layer; ``paper`` is eq. 20."""
     d = d_model
     if att.kind == "moa":
-        e, dh = att.num_experts, att.head_dim
+        e, dh = att.num_experts, att.head_dim * (att.kv_heads or 1)
         paper = (2 * e + 2) * dh * d
         router = d * e * (2 if att.router == "noisy_topk" else 1)
-        bias = (2 * dh + d) if att.bias else 0
+        _, kv_bias, out_bias = att.resolved_biases()
+        bias = 2 * dh * kv_bias + d * out_bias
         return paper + router + bias, paper
     h = att.num_heads
     dv = att.resolved_head_dim(d)
     dk = att.resolved_key_dim(d)
     paper = 2 * d * h * dk + 2 * d * h * dv  # = 4 d_m^2
-    full = paper + ((2 * h * dk + h * dv + d) if att.bias else 0)
+    q_bias, kv_bias, out_bias = att.resolved_biases()
+    full = paper + h * dk * q_bias + (h * dk + h * dv) * kv_bias + d * out_bias
     if att.kind == "talking_heads":
         full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h
     if att.kind == "moh":
