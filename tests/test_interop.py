@@ -8,8 +8,17 @@ import pytest
 import torch
 
 from headmix.attention import MixtureOfHeadsAttention, MultiHeadAttention
-from headmix.interop import causal_lm_from_llama, load_llama, moh_from_dense
-from headmix.models import greedy_decode
+from headmix.interop import (
+    causal_lm_from_jetmoe,
+    causal_lm_from_llama,
+    causal_lm_to_jetmoe,
+    jetmoe_attention_from_moa,
+    load_jetmoe,
+    load_llama,
+    moa_from_jetmoe_attention,
+    moh_from_dense,
+)
+from headmix.models import build_model, greedy_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,3 +162,148 @@ def test_llama_conversion_errors():
         causal_lm_from_llama(hf_llama(), attention="moh")
     with pytest.raises(ValueError, match="attention must be one of"):
         causal_lm_from_llama(hf_llama(), attention="moa")
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face JetMoe <-> headmix MoA (kv_heads) and the whole causal LM
+# --------------------------------------------------------------------------------------------------
+def jetmoe_config(**kw):
+    base = dict(vocab_size=V, hidden_size=48, num_hidden_layers=2, num_key_value_heads=2, kv_channels=12,
+                intermediate_size=40, max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2,
+                tie_word_embeddings=True, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    base.update(kw)
+    return transformers.JetMoeConfig(**base)
+
+
+def spread(module, std: float = 0.2) -> None:
+    """JetMoe's init (std 0.01, zero biases) makes near-uniform routers: spread the weights."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, std)
+
+
+def hf_jetmoe_attention(dtype=torch.float64):
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeAttention, JetMoeRotaryEmbedding
+
+    cfg = jetmoe_config()
+    cfg._attn_implementation = "eager"
+    attn = JetMoeAttention(cfg, layer_idx=0).to(dtype).eval()
+    spread(attn)
+    rope = JetMoeRotaryEmbedding(cfg)
+
+    def run(x, mask=None):
+        pos = torch.arange(x.shape[1])[None]
+        return attn(x, attention_mask=mask, position_embeddings=rope(x, pos))[0]
+
+    return attn, run
+
+
+def causal_float_mask(t: int, pad: torch.Tensor | None = None, dtype=torch.float64) -> torch.Tensor:
+    forbidden = torch.ones(t, t, dtype=torch.bool).triu(1)[None, None]
+    if pad is not None:
+        forbidden = forbidden | pad[:, None, None, :]
+    return torch.zeros(forbidden.shape, dtype=dtype).masked_fill(forbidden, torch.finfo(dtype).min)
+
+
+def test_jetmoe_attention_to_moa_equal_outputs_and_gradients():
+    attn, run = hf_jetmoe_attention()
+    moa = moa_from_jetmoe_attention(attn)
+    assert moa.kv_heads == 2 and moa.top_k == 2 and moa.k_proj.bias is None and moa.out_bias is not None
+    x = torch.randn(2, 7, 48, dtype=torch.float64, requires_grad=True)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True  # right padding: every query keeps a real key to see
+    ours = moa(x, is_causal=True, key_padding_mask=pad).output
+    theirs = run(x, causal_float_mask(7, pad))
+    tol = dict(rtol=1e-5, atol=1e-6)  # JetMoe's router softmax runs in float32
+    torch.testing.assert_close(ours, theirs, **tol)
+    r = torch.randn_like(ours)
+    mine = dict(moa.named_parameters())
+    names = ["query_experts", "output_experts", "router.gate.weight", "k_proj.weight", "v_proj.weight", "out_bias"]
+    g_ours = torch.autograd.grad((ours * r).sum(), [x] + [mine[n] for n in names])
+    g_theirs = torch.autograd.grad((theirs * r).sum(), [x, attn.experts.input_linear.weight,
+                                                        attn.experts.output_linear.weight,
+                                                        attn.experts.router.layer.weight, attn.kv_proj.weight,
+                                                        attn.experts.bias])
+    kv = 2 * 12
+    expected = [g_theirs[0], g_theirs[1].transpose(1, 2), g_theirs[2].transpose(1, 2), g_theirs[3],
+                g_theirs[4][:kv], g_theirs[4][kv:], g_theirs[5]]
+    for name, a, b in zip(["x"] + names, g_ours, expected):
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_moa_to_jetmoe_attention_and_back():
+    from headmix.attention import MixtureOfAttentionHeads
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeRotaryEmbedding
+
+    torch.manual_seed(1)
+    moa = MixtureOfAttentionHeads(48, 4, 2, 12, kv_heads=2, renormalize="live", kv_bias=False, out_bias=True,
+                                  rotary=True).double()
+    spread(moa)
+    attn = jetmoe_attention_from_moa(moa).double().eval()
+    attn.config._attn_implementation = "eager"
+    rope = JetMoeRotaryEmbedding(attn.config)
+    x = torch.randn(2, 6, 48, dtype=torch.float64)
+    theirs = attn(x, attention_mask=causal_float_mask(6), position_embeddings=rope(x, torch.arange(6)[None]))[0]
+    torch.testing.assert_close(moa(x, is_causal=True).output, theirs, rtol=1e-5, atol=1e-6)
+    back = moa_from_jetmoe_attention(attn)
+    for name, p in moa.named_parameters():
+        assert torch.equal(dict(back.named_parameters())[name], p), name
+    with pytest.raises(ValueError, match="renormalize='live'"):
+        jetmoe_attention_from_moa(MixtureOfAttentionHeads(48, 4, 2, 12, kv_heads=2, rotary=True))
+    with pytest.raises(ValueError, match="kv_bias=False"):
+        jetmoe_attention_from_moa(MixtureOfAttentionHeads(48, 4, 2, 12, renormalize="live", rotary=True))
+    with pytest.raises(ValueError, match="rotary=True"):
+        jetmoe_attention_from_moa(MixtureOfAttentionHeads(48, 4, 2, 12, renormalize="live", kv_bias=False))
+
+
+def hf_jetmoe_model(**kw):
+    model = transformers.JetMoeForCausalLM(jetmoe_config(**kw)).eval()
+    spread(model, 0.15)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_jetmoe_model_to_headmix_and_back_equal_logits_and_decoding(tied):
+    hf = hf_jetmoe_model(tie_word_embeddings=tied)
+    ours = causal_lm_from_jetmoe(hf).eval()
+    cfg = ours.config
+    assert cfg.ffn == "moe_swiglu" and cfg.decoder_self_attention.kv_heads == 2 and cfg.share_embeddings == tied
+    x = tokens(2, 9)
+    with torch.no_grad():
+        out = ours(x)
+        torch.testing.assert_close(out.logits, hf(x).logits, rtol=1e-4, atol=1e-5)
+    assert [n for n, _ in out.routing] == ["decoder.layers.0.self_attn", "decoder.layers.0.ffn",
+                                           "decoder.layers.1.self_attn", "decoder.layers.1.ffn"]
+    prompt = tokens(2, 4, seed=3)
+    mine = greedy_decode(ours, prompt, max_len=10).tokens
+    theirs = hf_greedy(hf, prompt, mine.shape[1], pad=0)
+    stop = mine.eq(2).cumsum(1).gt(0).roll(1, 1)
+    stop[:, 0] = False
+    assert torch.equal(mine.masked_fill(stop, 0), theirs.masked_fill(stop, 0))
+    # and back: a JetMoeForCausalLM with the same logits, parameter for parameter the original
+    back = causal_lm_to_jetmoe(ours)
+    theirs_params = dict(hf.named_parameters())
+    for name, p in back.named_parameters():
+        assert torch.equal(p, theirs_params[name]), name
+
+
+def test_load_jetmoe_from_a_local_folder(tmp_path):
+    hf = hf_jetmoe_model()
+    hf.save_pretrained(tmp_path)
+    ours = load_jetmoe(tmp_path).eval()
+    x = tokens(1, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_jetmoe_conversion_errors():
+    with pytest.raises(ValueError, match="activation_function must be 'silu'"):
+        causal_lm_from_jetmoe(hf_jetmoe_model(activation_function="gelu"))
+    ours = causal_lm_from_jetmoe(hf_jetmoe_model())
+    with pytest.raises(ValueError, match="norm_eps=1e-06"):
+        causal_lm_to_jetmoe(build_model(ours.config.replace(norm_eps=1e-5)))
+    with pytest.raises(ValueError, match="must be a transformers JetMoeAttention"):
+        moa_from_jetmoe_attention(torch.nn.Linear(2, 2))
