@@ -307,3 +307,16 @@ def test_jetmoe_conversion_errors():
         causal_lm_to_jetmoe(build_model(ours.config.replace(norm_eps=1e-5)))
     with pytest.raises(ValueError, match="must be a transformers JetMoeAttention"):
         moa_from_jetmoe_attention(torch.nn.Linear(2, 2))
+
+
+def test_the_jetmoe_preset_converts_to_hf_jetmoe():
+    from headmix.models import get_config
+
+    torch.manual_seed(0)
+    ours = build_model(get_config("llama-tiny-jetmoe", vocab_size=V)).eval()
+    spread(ours, 0.1)
+    hf = causal_lm_to_jetmoe(ours)
+    hf.config._attn_implementation = "eager"
+    x = tokens(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x).logits, rtol=1e-4, atol=1e-5)

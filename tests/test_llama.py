@@ -97,15 +97,21 @@ def test_llama_ffn_dim():
 @pytest.mark.parametrize("name", LLAMA_PRESETS)
 def test_llama_presets_json_round_trip_and_shape(name, tmp_path):
     cfg = get_config(name)
-    assert cfg.task == "lm" and cfg.norm_type == "rmsnorm" and cfg.ffn == "swiglu" and cfg.positions == "rotary"
-    assert cfg.decoder_self_attention.rotary and not cfg.decoder_self_attention.bias and not cfg.bias
+    jetmoe = name.endswith("jetmoe")
+    assert cfg.task == "lm" and cfg.norm_type == "rmsnorm" and cfg.positions == "rotary"
+    assert cfg.ffn == ("moe_swiglu" if jetmoe else "swiglu")
+    assert cfg.decoder_self_attention.rotary and not cfg.decoder_self_attention.bias and cfg.bias == jetmoe
     assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
     cfg.save_json(tmp_path / "c.json")
     assert get_config(str(tmp_path / "c.json")) == cfg
     model = build_model(cfg, device="meta")
-    assert not any(n.endswith("bias") for n, _ in model.named_parameters())  # no biases anywhere
+    biases = [n for n, _ in model.named_parameters() if n.endswith("bias")]
+    if "kv2" in name or jetmoe:  # JetMoE: the output biases of the MoA (and MoE) layers only
+        assert biases and all(n.endswith("self_attn.out_bias") or n.endswith("ffn.out_bias") for n in biases)
+    else:
+        assert not biases  # Llama: no biases anywhere
     assert model.decoder.embed.positions is None and model.decoder.embed.sinusoids is None
-    assert model.output_proj is not None  # untied, as Llama 2/3 8B
+    assert (model.output_proj is None) == jetmoe  # untied as Llama 2/3 8B, tied as JetMoE
     assert analytic_parameters(cfg).total == count_parameters(model)
 
 

@@ -12,8 +12,10 @@ CPU work.
   (d_model 64, 2 (+2) layers), and two MHA / MoA pairs of nearly equal MACs: ``mini-*`` (d_model 128,
   3 (+3) layers; the demo's) and ``small-*`` (d_model 256, 3 (+3) layers).
 - Llama-style decoders (task ``lm`` only): pre-norm RMSNorm, SwiGLU, rotary positions, no biases, untied
-  output projection, no dropout: ``llama-tiny-{mha,moa,moh,talking-heads}`` (d_model 64, 2 layers) and
-  ``llama-mini-{mha,moa,moh}`` (d_model 128, 3 layers).
+  output projection, no dropout: ``llama-tiny-{mha,moa,moh,talking-heads}`` (d_model 64, 2 layers),
+  ``llama-mini-{mha,moa,moh}`` (d_model 128, 3 layers), ``llama-tiny-moa-kv2`` (MoA with 2 grouped K/V
+  heads, JetMoE's attention) and the JetMoE-style ``llama-{tiny,mini}-jetmoe`` (MoA attention and a
+  mixture of SwiGLU experts).
 
 :func:`get_config` takes a preset name, a ``{K}K{E}E{D}D`` string or a path to a JSON config.
 """
@@ -115,17 +117,41 @@ def llama_ffn_dim(d_model: int, multiple_of: int = 16) -> int:
 
 
 def llama_model(attention: AttentionConfig, vocab_size: int, *, d_model: int, layers: int,
-                max_positions: int, ffn_dim: int | None = None, share_embeddings: bool = False) -> ModelConfig:
+                max_positions: int, ffn_dim: int | None = None, share_embeddings: bool = False,
+                **changes) -> ModelConfig:
     """A Llama-style decoder (Touvron et al. 2023): pre-norm with RMSNorm (eps 1e-5) and a final norm,
     SwiGLU feed-forward of width :func:`llama_ffn_dim`, rotary positions (base 10000) in the attention,
-    no biases anywhere (the attention's too), no embedding scaling, no dropout, untied output projection
-    (Llama 2/3 8B; ``share_embeddings=True`` ties it as the small Llama 3.2 models do)."""
+    no biases anywhere (the attention's too, unless its ``q_bias``/``kv_bias``/``out_bias`` say otherwise),
+    no embedding scaling, no dropout, untied output projection (Llama 2/3 8B; ``share_embeddings=True`` ties
+    it as the small Llama 3.2 models do). ``changes`` override other :class:`ModelConfig` fields."""
     attention = dataclasses.replace(attention, bias=False, rotary=True)
-    return ModelConfig(task="lm", vocab_size=vocab_size, d_model=d_model, ffn_dim=ffn_dim or llama_ffn_dim(d_model),
-                       encoder_layers=0, decoder_layers=layers, decoder_self_attention=attention, norm="pre",
-                       norm_type="rmsnorm", norm_eps=1e-5, positions="rotary", max_positions=max_positions,
-                       dropout=0.0, activation_dropout=0.0, ffn="swiglu", bias=False, scale_embeddings=False,
-                       embedding_norm=False, share_embeddings=share_embeddings, label_smoothing=0.0)
+    fields = dict(task="lm", vocab_size=vocab_size, d_model=d_model, ffn_dim=ffn_dim or llama_ffn_dim(d_model),
+                  encoder_layers=0, decoder_layers=layers, decoder_self_attention=attention, norm="pre",
+                  norm_type="rmsnorm", norm_eps=1e-5, positions="rotary", max_positions=max_positions,
+                  dropout=0.0, activation_dropout=0.0, ffn="swiglu", bias=False, scale_embeddings=False,
+                  embedding_norm=False, share_embeddings=share_embeddings, label_smoothing=0.0)
+    fields.update(changes)
+    return ModelConfig(**fields)
+
+
+def jetmoe_attention(top_k: int, num_experts: int, head_dim: int, kv_heads: int) -> AttentionConfig:
+    """JetMoE's MoA (Shen et al. 2024): ``kv_heads`` grouped K/V heads, gates a softmax over the top-k
+    logits (``renormalize="live"``), an output bias only, no z-loss."""
+    return AttentionConfig(kind="moa", top_k=top_k, num_experts=num_experts, head_dim=head_dim, kv_heads=kv_heads,
+                           renormalize="live", kv_bias=False, out_bias=True, z_loss_weight=0.0)
+
+
+def jetmoe_model(vocab_size: int, *, d_model: int, layers: int, max_positions: int, top_k: int, num_experts: int,
+                 head_dim: int, kv_heads: int) -> ModelConfig:
+    """A JetMoE-style decoder: :func:`llama_model` with :func:`jetmoe_attention` and the same ``top_k`` of
+    ``num_experts`` SwiGLU experts in the feed-forward (``ffn="moe_swiglu"``, width
+    ``llama_ffn_dim(d_model) / top_k`` each, so a token's FFN costs what the dense SwiGLU's does, plus an
+    output bias), RMSNorm eps 1e-6 and tied embeddings, as JetMoE; converts to and from Hugging Face
+    ``JetMoeForCausalLM`` (:mod:`headmix.interop.jetmoe`)."""
+    return llama_model(jetmoe_attention(top_k, num_experts, head_dim, kv_heads), vocab_size, d_model=d_model,
+                       layers=layers, max_positions=max_positions, ffn_dim=llama_ffn_dim(d_model) // top_k,
+                       share_embeddings=True, ffn="moe_swiglu", ffn_experts=num_experts, ffn_top_k=top_k, bias=True,
+                       norm_eps=1e-6)
 
 
 def _llama_tiny(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
@@ -193,6 +219,16 @@ _PRESETS = [
            "Llama-style d 128, SwiGLU 352, 3 layers, MoA {}K{}E{}D".format(*MINI_MOA)),
     Preset("llama-mini-moh", ("lm",), SMALL_VOCAB, _llama_mini(MOH_4_HEADS),
            "Llama-style d 128, SwiGLU 352, 3 layers, MoH 4 heads of 32 (1 shared, top 2 of 3 routed)"),
+    Preset("llama-tiny-moa-kv2", ("lm",), 1000, _llama_tiny(jetmoe_attention(2, 4, 16, 2)),
+           "Llama-style d 64, SwiGLU 176, 2 layers, MoA 2K4E16D with 2 K/V heads (JetMoE's attention)"),
+    Preset("llama-tiny-jetmoe", ("lm",), 1000,
+           lambda task, vocab: jetmoe_model(vocab, d_model=64, layers=2, max_positions=256, top_k=2, num_experts=4,
+                                            head_dim=16, kv_heads=2),
+           "JetMoE-style d 64, 2 layers, MoA 2K4E16D with 2 K/V heads, top 2 of 4 SwiGLU experts of 88"),
+    Preset("llama-mini-jetmoe", ("lm",), SMALL_VOCAB,
+           lambda task, vocab: jetmoe_model(vocab, d_model=128, layers=3, max_positions=512, top_k=2, num_experts=8,
+                                            head_dim=32, kv_heads=2),
+           "JetMoE-style d 128, 3 layers, MoA 2K8E32D with 2 K/V heads, top 2 of 8 SwiGLU experts of 176"),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
 
