@@ -320,3 +320,22 @@ def test_the_jetmoe_preset_converts_to_hf_jetmoe():
     x = tokens(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours(x).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_moa_kv_heads_cache_equals_hf_gqa_cache_of_the_same_query_heads():
+    """MoA with kv_heads=G and k G query heads per token caches what grouped-query attention with G K/V heads
+    caches (Hugging Face Llama's DynamicCache), bytes per token."""
+    from headmix.models import AttentionConfig, cache_bytes_per_token
+    from headmix.models.presets import llama_model
+
+    ids = tokens(2, 6)
+    for g in (1, 2, 4):
+        hf = transformers.LlamaModel(transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=16,
+                                                              num_hidden_layers=1, num_attention_heads=8,
+                                                              num_key_value_heads=g, head_dim=8)).eval()
+        with torch.no_grad():
+            cache = hf(ids, use_cache=True).past_key_values
+        hf_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        att = AttentionConfig(kind="moa", top_k=8 // g, num_experts=16 // g, head_dim=8, kv_heads=g)
+        ours = cache_bytes_per_token(build_model(llama_model(att, V, d_model=32, layers=1, max_positions=16)), ids)
+        assert ours == hf_bytes / ids.numel() == 2 * g * 8 * 4

@@ -319,3 +319,21 @@ def test_moe_swiglu_in_a_model_routes_adds_its_loss_and_is_counted():
 def test_moe_swiglu_config_errors(changes, message):
     with pytest.raises(ValueError, match=message):
         moe_config(**changes)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_cache_bytes_per_token_moa_kv_heads_vs_mha(kv_heads):
+    """From the real caches: MoA with G K/V heads holds 2 G d_h numbers per token and layer, MHA with the
+    same k G query heads 2 k G d_h (the GQA comparison with Hugging Face Llama is in test_interop)."""
+    from headmix.models import cache_bytes_per_token
+    from headmix.models.presets import llama_model
+
+    d_h, k, layers = 8, 8 // kv_heads, 2
+    moa = AttentionConfig(kind="moa", top_k=k, num_experts=2 * k, head_dim=d_h, kv_heads=kv_heads)
+    mha = AttentionConfig(kind="mha", num_heads=8, head_dim=d_h)
+    ids = tokens(3, 5)
+    per_token = {name: cache_bytes_per_token(build_model(llama_model(att, V, d_model=32, layers=layers,
+                                                                     max_positions=16)), ids)
+                 for name, att in (("moa", moa), ("mha", mha))}
+    assert per_token["moa"] == layers * 2 * kv_heads * d_h * 4  # float32
+    assert per_token["mha"] == layers * 2 * 8 * d_h * 4
