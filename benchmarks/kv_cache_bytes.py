@@ -1,16 +1,12 @@
-"""KV-cache bytes per token of MoA with ``kv_heads=G`` against MHA and grouped-query attention (GQA) with the
-same number of query heads per token, measured from real caches.
+"""KV-cache bytes per token: MoA with ``kv_heads=G`` against MHA and grouped-query attention (GQA) with the
+same number of query heads per token.  A measurement of memory, not of time.
 
-Every model is a one-layer Llama-style decoder of width ``--d-model`` with ``--query-heads`` query heads of
-``--head-dim`` per token:
+Each layer decodes a prompt with its cache and the bytes held are read back (``KVCache.nbytes`` for the
+headmix layers; for GQA, Hugging Face ``LlamaAttention`` with ``num_key_value_heads=G`` and its
+``DynamicCache``), divided by the number of cached tokens.  MoA with ``top_k = k`` experts of ``G`` query heads
+has ``k G`` query heads per token, like MHA / GQA with ``H = k G`` heads.
 
-* headmix MHA (``query-heads`` K/V heads) and headmix MoA with ``top_k * kv_heads = query-heads``, measured
-  with :func:`headmix.models.cache_bytes_per_token` (``KVCache.nbytes`` after a forward pass with the cache);
-* GQA from Hugging Face ``LlamaModel`` (``num_key_value_heads = G``), measured from its ``DynamicCache``
-  tensors (the peer itself; MQA is ``G = 1``).
-
-Prints a markdown table (float32; bf16 halves every number). Usage:
-``python benchmarks/kv_cache_bytes.py [--d-model 1024 --head-dim 64 --query-heads 16]``.
+Usage: ``python benchmarks/kv_cache_bytes.py [--embed-dim 1024 --head-dim 64 --top-k 4 --kv-heads 1 2 4]``.
 """
 
 from __future__ import annotations
@@ -19,57 +15,55 @@ import argparse
 
 import torch
 
-from headmix.models import AttentionConfig, build_model, cache_bytes_per_token
-from headmix.models.presets import llama_model
+from headmix import MixtureOfAttentionHeads, MultiHeadAttention
 
 
-def hf_gqa_bytes_per_token(d_model: int, heads: int, kv_heads: int, head_dim: int, ids: torch.Tensor) -> float:
-    from transformers import LlamaConfig, LlamaModel
+def gqa_bytes_per_token(embed_dim: int, heads: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> float:
+    from transformers import DynamicCache, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=d_model, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    config = LlamaConfig(hidden_size=embed_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, num_hidden_layers=1, attn_implementation="sdpa")
+    layer = LlamaAttention(config, layer_idx=0).to(dtype)
+    x = torch.randn(1, tokens, embed_dim, dtype=dtype)
+    cache = DynamicCache(config=config)
     with torch.no_grad():
-        cache = LlamaModel(cfg).eval()(ids, use_cache=True).past_key_values
-    total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    return total / ids.numel()
-
-
-def rows(d_model: int, head_dim: int, query_heads: int, tokens: int) -> list[tuple[str, int, int, float]]:
-    """``(layer, query heads per token, K/V heads, bytes per token)`` for each measured layer kind."""
-    ids = torch.randint(3, 64, (2, tokens))
-    out = []
-
-    def headmix_bytes(att: AttentionConfig) -> float:
-        return cache_bytes_per_token(build_model(llama_model(att, 64, d_model=d_model, layers=1, max_positions=tokens)), ids)
-
-    out.append(("MHA (headmix)", query_heads, query_heads,
-                headmix_bytes(AttentionConfig(kind="mha", num_heads=query_heads, head_dim=head_dim))))
-    for g in (4, 2, 1):
-        if query_heads % g == 0:
-            out.append((f"GQA, G={g} (HF Llama)", query_heads, g, hf_gqa_bytes_per_token(d_model, query_heads, g, head_dim, ids)))
-    for g in (4, 2, 1):
-        if query_heads % g == 0:
-            k = query_heads // g
-            att = AttentionConfig(kind="moa", top_k=k, num_experts=max(2 * k, 8), head_dim=head_dim, kv_heads=g)
-            out.append((f"MoA {k}K{max(2 * k, 8)}E{head_dim}D, kv_heads={g} (headmix)", query_heads, g, headmix_bytes(att)))
-    return out
+        layer(x, attention_mask=None, past_key_values=cache,
+              position_embeddings=LlamaRotaryEmbedding(config)(x, torch.arange(tokens)[None]))
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    return (keys.numel() * keys.element_size() + values.numel() * values.element_size()) / tokens
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--embed-dim", type=int, default=1024)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--query-heads", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     args = p.parse_args()
-    torch.manual_seed(0)
-    table = rows(args.d_model, args.head_dim, args.query_heads, args.tokens)
-    mha = table[0][3]
-    print(f"d_model {args.d_model}, head size {args.head_dim}, {args.query_heads} query heads per token, one layer, float32\n")
-    print("| layer | query heads / token | K/V heads | cache bytes / token / layer | vs MHA |")
-    print("|---|---|---|---|---|")
-    for name, q, g, b in table:
-        print(f"| {name} | {q} | {g} | {b:,.0f} | {b / mha:.3f} |")
+    dtype = getattr(torch, args.dtype)
+    d, dh, k, n = args.embed_dim, args.head_dim, args.top_k, args.tokens
+    x = torch.randn(1, n, d, dtype=dtype)
+    print(f"KV-cache bytes per token and layer ({args.dtype}), d_model {d}, head size {dh}")
+    print(f"{'layer':<44}{'query heads':>12}{'K/V heads':>10}{'bytes/token':>13}{'vs MHA':>8}")
+    for g in args.kv_heads:
+        heads = k * g
+        rows = []
+        moa = MixtureOfAttentionHeads(d, args.experts, k, dh, kv_heads=g).to(dtype).eval()
+        with torch.no_grad():
+            moa_bytes = moa(x, is_causal=True, use_cache=True).cache.nbytes / n
+        rows.append((f"MoA {k}K{args.experts}E{dh}D, kv_heads={g}", heads, g, moa_bytes))
+        mha = MultiHeadAttention(d, heads, head_dim=dh).to(dtype).eval()
+        with torch.no_grad():
+            mha_bytes = mha(x, is_causal=True, use_cache=True).cache.nbytes / n
+        rows.append((f"MHA, {heads} heads", heads, heads, mha_bytes))
+        rows.append((f"GQA (HF LlamaAttention), {heads} heads", heads, g,
+                     gqa_bytes_per_token(d, heads, g, dh, n, dtype)))
+        for name, q_heads, kv, nbytes in rows:
+            print(f"{name:<44}{q_heads:>12}{kv:>10}{nbytes:>13.0f}{nbytes / mha_bytes:>8.3f}")
 
 
 if __name__ == "__main__":

@@ -254,10 +254,57 @@ def test_moh_with_every_head_shared_equals_mha():
 
 def test_fresh_moh_weights_every_active_head_one():
     moh = MixtureOfHeadsAttention(D, num_heads=8, num_shared_heads=2, top_k=2).eval()
-    g, routing = moh.head_weights(torch.randn(2, 3, D), None)
+    x = torch.randn(2, 3, D)
+    g, routing = moh.head_weights(x, None)
     assert torch.allclose(g[..., :2], torch.ones(()))
-    # routed heads: weight 2 * 0.5 * R * p_i, near 1 for a near-uniform fresh router; exactly 0 when unselected
+    # routed heads (default "renormalized"): 2 * 0.5 * k * p_i / sum_TopK p, summing to k over the selected
+    # heads; exactly 0 when unselected
     assert (g[..., 2:] > 0).sum(-1).eq(2).all()
+    torch.testing.assert_close(g[..., 2:].sum(-1), torch.full((2, 3), 2.0))
+    with torch.no_grad():
+        moh.routed_gate.weight.zero_()  # uniform scores: every active head has weight exactly 1
+    g, _ = moh.head_weights(x, None)
+    torch.testing.assert_close(g[..., 2:].sort(-1).values[..., -2:], torch.ones(2, 3, 2))
+
+
+@pytest.mark.parametrize("weighting", ["renormalized", "paper", "scaled"])
+@pytest.mark.parametrize("shared", [2, 0])
+def test_moh_head_weightings_match_reference(weighting, shared):
+    from headmix.attention.reference import reference_moh_weights
+
+    torch.manual_seed(5)
+    moh = MixtureOfHeadsAttention(D, num_heads=8, num_shared_heads=shared, top_k=3,
+                                  head_weighting=weighting).eval()
+    with torch.no_grad():
+        for lin in (moh.routed_gate, moh.shared_gate, moh.group_gate):
+            if lin is not None:
+                lin.weight.normal_()
+    x = torch.randn(2, 5, D)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[0, 3:] = True
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g, _ = moh.head_weights(x, None)
+    torch.testing.assert_close(g.double(), reference_moh_weights(moh, x), atol=1e-6, rtol=1e-5)
+    routed = g[..., shared:]
+    top = routed.max(-1).values
+    if weighting == "paper":
+        assert (routed.sum(-1) < 1).all()       # unnormalised probabilities of the selected heads
+    elif weighting == "renormalized" and not shared:
+        torch.testing.assert_close(routed.sum(-1), torch.full((2, 5), 3.0))
+    assert (top > 0).all()
+    out = moh(x1, is_causal=True, key_padding_mask=kpm).output
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in moh.named_parameters() if p.grad is not None}
+    moh.zero_grad()
+    (reference_moh(moh, x2, is_causal=True, key_padding_mask=kpm) * w).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, atol=2e-6, rtol=1e-5)
+    for n, p in moh.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(grads[n], p.grad, atol=5e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    assert grads["routed_gate.weight"].abs().sum() > 0
+    with pytest.raises(ValueError, match="head_weighting must be one of"):
+        MixtureOfHeadsAttention(D, 4, 1, 2, head_weighting="softmax")
 
 
 def test_talking_heads_at_init_equals_mha():
@@ -589,3 +636,53 @@ def test_bias_options_reject_non_bools():
         AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4, q_bias=True)
     with pytest.raises(ValueError, match="attention.out_bias must be true, false or null"):
         AttentionConfig(kind="mha", num_heads=4, out_bias=0)
+
+
+@pytest.mark.parametrize("kind", ["moa", "moa_kv", "moh"])
+def test_load_balance_per_token_fractions_are_top_k_times_normalized(kind):
+    x = torch.randn(2, 6, D)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 2:] = True
+    normalized = make(kind)(x, key_padding_mask=kpm)
+    per_token = make(kind, load_balance_fractions="per_token")(x, key_padding_mask=kpm)
+    k = normalized.routing.expert_index.shape[-1]
+    torch.testing.assert_close(per_token.losses["load_balance"], k * normalized.losses["load_balance"])
+    assert per_token.aux_loss > normalized.aux_loss
+    with pytest.raises(ValueError, match="load_balance_fractions must be one of"):
+        make(kind, load_balance_fractions="sum_k")
+
+
+@pytest.mark.parametrize("kind", ["mha", "moa", "moa_kv", "moh", "th"])
+def test_zero_padded_queries_option(kind):
+    x, mem = torch.randn(2, 5, D), torch.randn(2, 4, D)
+    qpm = torch.zeros(2, 5, dtype=torch.bool)
+    qpm[1, 3:] = True
+    plain, zeroing = make(kind, out_bias=True), make(kind, out_bias=True, zero_padded_queries=True)
+    for key, kw in ((None, dict(query_padding_mask=qpm, is_causal=True)), (None, dict(key_padding_mask=qpm)),
+                    (mem, dict(query_padding_mask=qpm))):
+        a, b = plain(x, key, **kw).output, zeroing(x, key, **kw).output
+        assert b[1, 3:].eq(0).all() and a[1, 3:].abs().sum() > 0
+        assert torch.equal(a[~qpm], b[~qpm])
+    # without any padding information nothing is zeroed
+    assert torch.equal(plain(x).output, zeroing(x).output)
+
+
+def test_attention_config_peer_convention_fields():
+    import json
+
+    from headmix.models.config import AttentionConfig
+
+    cfg = AttentionConfig(kind="moh", num_heads=4, num_shared_heads=1, top_k=2, head_weighting="paper",
+                          load_balance_fractions="per_token", zero_padded_queries=True)
+    layer = cfg.build(D)
+    assert (layer.head_weighting, layer.load_balance_fractions, layer.zero_padded_queries) == ("paper", "per_token", True)
+    assert AttentionConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert AttentionConfig(kind="moh", num_heads=4, num_shared_heads=1, top_k=2).build(D).head_weighting == "renormalized"
+    assert AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4,
+                           load_balance_fractions="per_token").build(D).load_balance_fractions == "per_token"
+    for bad, match in ((dict(kind="moh", num_heads=4, num_shared_heads=1, top_k=2, head_weighting="x"), "head_weighting"),
+                       (dict(kind="mha", num_heads=4, head_weighting="paper"), "head_weighting applies to kind 'moh'"),
+                       (dict(kind="mha", num_heads=4, load_balance_fractions="k"), "load_balance_fractions"),
+                       (dict(kind="mha", num_heads=4, zero_padded_queries=1), "zero_padded_queries")):
+        with pytest.raises(ValueError, match=match):
+            AttentionConfig(**bad)

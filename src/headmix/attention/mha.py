@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product, zero_loss
+from .padding import check_flag, real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding, make_rotary
 
 
@@ -57,6 +58,9 @@ class MultiHeadAttention(AttentionLayer):
     (the output projection), when given, override it for their projections (Llama: all off; Qwen2: only
     ``q_bias`` and ``kv_bias``).
 
+    ``zero_padded_queries=True`` returns 0 at padded query positions, as x-transformers does (see
+    :class:`~headmix.attention.moa.MixtureOfAttentionHeads`).
+
     ``rotary=True`` rotates queries and keys by their positions (RoPE, :class:`RotaryEmbedding` over the
     ``key_dim`` of each head, built from ``rotary_base`` and ``rotary_fraction``; a module instance is used
     as given). In self-attention the queries and keys of a call start at position ``cache.length`` (0
@@ -67,7 +71,7 @@ class MultiHeadAttention(AttentionLayer):
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int | None = None, key_dim: int | None = None,
                  bias: bool = True, dropout: float = 0.0, *, q_bias: bool | None = None, kv_bias: bool | None = None,
                  out_bias: bool | None = None, rotary: bool | RotaryEmbedding = False,
-                 rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
+                 rotary_base: float = 10000.0, rotary_fraction: float = 1.0, zero_padded_queries: bool = False):
         super().__init__(embed_dim)
         self.num_heads = num_heads
         self.head_dim, self.key_dim = resolve_head_dims(embed_dim, num_heads, head_dim, key_dim)
@@ -81,6 +85,7 @@ class MultiHeadAttention(AttentionLayer):
         self.v_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=kv_bias)
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias)
         self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, self.key_dim)
+        self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -134,4 +139,12 @@ class MultiHeadAttention(AttentionLayer):
             query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
             use_cache=use_cache, cache=cache)
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
-        return AttentionOutput(self.out_proj(merge_heads(o)), zero_loss(query), new_cache)
+        y = self._zero_padded(self.out_proj(merge_heads(o)), query, key, key_padding_mask, query_padding_mask, cache)
+        return AttentionOutput(y, zero_loss(query), new_cache)
+
+    def _zero_padded(self, y: Tensor, query: Tensor, key: Tensor | None, key_padding_mask: Tensor | None,
+                     query_padding_mask: Tensor | None, cache: KVCache | None) -> Tensor:
+        """``y`` with padded query rows zeroed when ``zero_padded_queries`` is set."""
+        if not self.zero_padded_queries:
+            return y
+        return zero_padded_queries(y, real_token_mask(query, key, key_padding_mask, query_padding_mask, cache))

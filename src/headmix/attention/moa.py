@@ -7,8 +7,10 @@ from torch import Tensor, nn
 
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import TopKRouter, routing_losses
+from ..routing.losses import check_fractions
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product
 from .mha import resolve_bias, split_heads
+from .padding import check_flag, real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding, make_rotary
 
 
@@ -26,6 +28,12 @@ class MixtureOfAttentionHeads(AttentionLayer):
     - Output (eq. 6): ``y_t = sum_{i in G(q_t)} w_{i,t} E_i(q_t, K, V)`` (+ one output bias).
     - Auxiliary loss (eq. 13-17): ``load_balance_weight * L_a + z_loss_weight * L_z`` over real tokens,
       returned as ``aux_loss``; the unweighted parts are in ``AttentionOutput.losses``.
+      ``load_balance_fractions="per_token"`` gives Hugging Face JetMoe's ``L_a``, ``top_k`` times ours
+      (see :func:`headmix.routing.load_balancing_loss`).
+    - ``zero_padded_queries=True`` returns 0 (output bias included) at padded query positions
+      (``query_padding_mask``, or a boolean ``key_padding_mask`` in self-attention without a cache), as the
+      MoA authors' code and x-transformers do; by default those rows hold the attention output of the
+      padding token, which a model ignores anyway.
     - Parameters (eq. 20): ``(2E + 2) d_h d_m`` weights, plus the router's ``E d_m`` and, with ``bias``,
       ``2 d_h + d_m`` biases: ``kv_bias`` (the K/V projections' ``2 d_h``) and ``out_bias`` (the ``d_m``
       output bias), when given, override ``bias`` for their part (JetMoE: ``kv_bias=False, out_bias=True``).
@@ -50,7 +58,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
                  dropout: float = 0.0, router: str = "softmax", renormalize: str = "detached",
                  load_balance_weight: float = 0.01, z_loss_weight: float = 0.001, expert_impl: str = "auto",
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
-                 kv_heads: int = 1, kv_bias: bool | None = None, out_bias: bool | None = None):
+                 kv_heads: int = 1, kv_bias: bool | None = None, out_bias: bool | None = None,
+                 load_balance_fractions: str = "normalized", zero_padded_queries: bool = False):
         super().__init__(embed_dim)
         check_positive("num_experts", num_experts)
         check_positive("top_k", top_k)
@@ -67,6 +76,9 @@ class MixtureOfAttentionHeads(AttentionLayer):
         self.dropout = dropout
         self.load_balance_weight, self.z_loss_weight = load_balance_weight, z_loss_weight
         self.expert_impl = expert_impl
+        check_fractions(load_balance_fractions)
+        self.load_balance_fractions = load_balance_fractions
+        self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
         self.router = TopKRouter(embed_dim, num_experts, top_k, router=router, renormalize=renormalize)
         self.query_experts = nn.Parameter(torch.empty(num_experts, embed_dim, kv_heads * head_dim))
         self.output_experts = nn.Parameter(torch.empty(num_experts, kv_heads * head_dim, embed_dim))
@@ -121,7 +133,9 @@ class MixtureOfAttentionHeads(AttentionLayer):
                           impl=self.expert_impl).view(batch, tgt, dim)
         if self.out_bias is not None:
             y = y + self.out_bias.to(y.dtype)  # keeps y in the autocast dtype, as a Linear's output would be
-        aux, parts = routing_losses(routing, self.load_balance_weight, self.z_loss_weight)
+        if self.zero_padded_queries:
+            y = zero_padded_queries(y, token_mask)
+        aux, parts = routing_losses(routing, self.load_balance_weight, self.z_loss_weight, self.load_balance_fractions)
         return AttentionOutput(y, aux, new_cache, routing, parts)
 
 
@@ -130,19 +144,4 @@ def autocast_dtype(x: Tensor) -> torch.dtype | None:
     device = x.device.type
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
-    return None
-
-
-def real_token_mask(query: Tensor, key: Tensor | None, key_padding_mask: Tensor | None,
-                    query_padding_mask: Tensor | None, cache: KVCache | None) -> Tensor | None:
-    """``(batch, time)`` True for real query tokens, from ``query_padding_mask`` or, in self-attention
-    without a cache, from a boolean ``key_padding_mask`` (the queries are the keys)."""
-    batch, tgt = query.shape[:2]
-    if query_padding_mask is not None:
-        if query_padding_mask.shape != (batch, tgt):
-            raise ValueError(f"query_padding_mask must have shape (batch, time) = ({batch}, {tgt}), got {tuple(query_padding_mask.shape)}")
-        return ~query_padding_mask.bool()
-    if key is None and cache is None and key_padding_mask is not None and key_padding_mask.dtype == torch.bool \
-            and key_padding_mask.shape == (batch, tgt):
-        return ~key_padding_mask
     return None

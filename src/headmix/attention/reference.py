@@ -184,6 +184,35 @@ def reference_moa_losses(layer: MixtureOfAttentionHeads, query: Tensor, token_ma
     return {"load_balance": n_exp * (f * big_p).sum(), "z_loss": z}
 
 
+def reference_moh_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
+    """Head weights ``g`` ``(batch, time, num_heads)`` (shared heads first) for each ``head_weighting``:
+    ``p = softmax(x W_r)`` over the ``R`` routed heads, ``s = softmax(x W_s)`` over the ``S`` shared ones.
+
+    - ``"paper"`` (MoH eq. 5-6): ``g = [a_s s, a_r p * 1[TopK]]``, ``[a_s, a_r] = softmax(x W_h)``;
+    - ``"renormalized"`` (the authors' code): ``g = [a_s S s, a_r k p * 1[TopK] / sum_TopK p]``,
+      ``[a_s, a_r] = 2 softmax(x W_h)``;
+    - ``"scaled"``: ``g = [a_s S s, a_r R p * 1[TopK]]``, ``[a_s, a_r] = 2 softmax(x W_h)``.
+    Without shared heads the routed weights are used alone (``a_r = 1``)."""
+    x = x.double()
+    p = torch.softmax(x @ layer.routed_gate.weight.double().T, -1)
+    top_p, index = p.topk(layer.top_k, dim=-1)
+    selected = torch.zeros_like(p).scatter(-1, index, 1.0)
+    mode = layer.head_weighting
+    if mode == "paper":
+        routed = p * selected
+    elif mode == "renormalized":
+        routed = layer.top_k * p * selected / (p * selected).sum(-1, keepdim=True)
+    else:
+        routed = layer.num_routed_heads * p * selected
+    if layer.shared_gate is None:
+        return routed
+    a = torch.softmax(x @ layer.group_gate.weight.double().T, -1)
+    s = torch.softmax(x @ layer.shared_gate.weight.double().T, -1)
+    if mode != "paper":
+        a, s = 2 * a, layer.num_shared_heads * s
+    return torch.cat([a[..., :1] * s, a[..., 1:] * routed], -1)
+
+
 def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                   **masks) -> Tensor:
     """MoH: ``sum_i g_i H^i W_O^i`` with the two-stage weights, one head at a time."""
@@ -195,15 +224,7 @@ def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | N
     if layer.routed_gate is None:
         g = torch.ones(*query.shape[:2], h, dtype=torch.float64)
     else:
-        p_r = torch.softmax(x @ layer.routed_gate.weight.double().T, -1)
-        top_p, index = p_r.topk(layer.top_k, dim=-1)
-        routed = torch.zeros_like(p_r).scatter(-1, index, top_p) * layer.num_routed_heads
-        if layer.shared_gate is None:
-            g = routed
-        else:
-            a = 2 * torch.softmax(x @ layer.group_gate.weight.double().T, -1)
-            shared = layer.num_shared_heads * torch.softmax(x @ layer.shared_gate.weight.double().T, -1)
-            g = torch.cat([a[..., :1] * shared, a[..., 1:] * routed], -1)
+        g = reference_moh_weights(layer, x)
     y = torch.zeros_like(query)
     w_o = layer.out_proj.weight.T                                           # rows i*d:(i+1)*d = W_O^i
     for i in range(h):

@@ -29,10 +29,11 @@ class TalkingHeadsAttention(MultiHeadAttention):
     def __init__(self, embed_dim: int, num_heads: int, pre_softmax: bool = True, post_softmax: bool = True, *,
                  head_dim: int | None = None, key_dim: int | None = None, bias: bool = True, dropout: float = 0.0,
                  q_bias: bool | None = None, kv_bias: bool | None = None, out_bias: bool | None = None,
-                 rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0):
+                 rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
+                 zero_padded_queries: bool = False):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, key_dim=key_dim, bias=bias, dropout=dropout,
                          q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
-                         rotary_base=rotary_base, rotary_fraction=rotary_fraction)
+                         rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries)
         self.pre_mix = nn.Parameter(torch.eye(num_heads)) if pre_softmax else None
         self.post_mix = nn.Parameter(torch.eye(num_heads)) if post_softmax else None
 
@@ -59,4 +60,5 @@ class TalkingHeadsAttention(MultiHeadAttention):
         if self.training and self.dropout > 0:
             weights = F.dropout(weights, self.dropout)
         o = weights @ v
-        return AttentionOutput(self.out_proj(merge_heads(o)), zero_loss(query), new_cache)
+        y = self._zero_padded(self.out_proj(merge_heads(o)), query, key, key_padding_mask, query_padding_mask, cache)
+        return AttentionOutput(y, zero_loss(query), new_cache)

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from .. import attention
+from ..routing.losses import LOAD_BALANCE_FRACTIONS
 
 ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads")
 TASKS = ("translation", "mlm", "lm")
@@ -40,6 +41,7 @@ _KIND_FIELDS = {
     "num_heads": ("mha", "moh", "talking_heads"),
     "key_dim": ("mha", "talking_heads"),
     "q_bias": ("mha", "moh", "talking_heads"),
+    "head_weighting": ("moh",),
 }
 
 
@@ -83,6 +85,11 @@ class AttentionConfig:
     ``bias`` switches all the layer's biases; ``q_bias`` (not for MoA, whose experts have none), ``kv_bias``
     and ``out_bias``, when set, override it for the query, key/value and output projections.
 
+    ``head_weighting`` (MoH; default ``"renormalized"``, the MoH authors' code; ``"paper"``, ``"scaled"``),
+    ``load_balance_fractions`` (MoA / MoH; ``"per_token"`` is Hugging Face JetMoe's loss, ``top_k`` times
+    the default ``"normalized"``) and ``zero_padded_queries`` (zero output at padded queries) are the
+    peers' conventions, see ``docs/implementations.md``.
+
     ``rotary`` rotates queries and keys of self-attention by position (RoPE, any kind; ``rotary_base`` is the
     ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated).
     """
@@ -110,6 +117,9 @@ class AttentionConfig:
     rotary: bool = False
     rotary_base: float = 10000.0
     rotary_fraction: float = 1.0
+    head_weighting: str | None = None
+    load_balance_fractions: str = "normalized"
+    zero_padded_queries: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -158,6 +168,11 @@ class AttentionConfig:
         for fname in ("q_bias", "kv_bias", "out_bias"):
             if getattr(self, fname) is not None and not isinstance(getattr(self, fname), bool):
                 raise ValueError(f"{name}.{fname} must be true, false or null (follow bias), got {getattr(self, fname)!r}")
+        if self.head_weighting is not None:
+            _choice(f"{name}.head_weighting", self.head_weighting, attention.moh.HEAD_WEIGHTINGS)
+        _choice(f"{name}.load_balance_fractions", self.load_balance_fractions, LOAD_BALANCE_FRACTIONS)
+        if not isinstance(self.zero_padded_queries, bool):
+            raise ValueError(f"{name}.zero_padded_queries must be true or false, got {self.zero_padded_queries!r}")
         if not isinstance(self.rotary, bool):
             raise ValueError(f"{name}.rotary must be true or false, got {self.rotary!r}")
         if not isinstance(self.rotary_base, (int, float)) or isinstance(self.rotary_base, bool) or not self.rotary_base > 1:
@@ -195,7 +210,10 @@ class AttentionConfig:
         """The attention layer this config describes, for model width ``embed_dim``."""
         self.validate(embed_dim)
         common = dict(bias=self.bias, dropout=self.dropout, rotary=self.rotary, rotary_base=self.rotary_base,
-                      rotary_fraction=self.rotary_fraction, kv_bias=self.kv_bias, out_bias=self.out_bias)
+                      rotary_fraction=self.rotary_fraction, kv_bias=self.kv_bias, out_bias=self.out_bias,
+                      zero_padded_queries=self.zero_padded_queries)
+        if self.routed:
+            common["load_balance_fractions"] = self.load_balance_fractions
         if self.kind != "moa":
             common["q_bias"] = self.q_bias
         if self.kind == "mha":
@@ -208,7 +226,8 @@ class AttentionConfig:
         if self.kind == "moh":
             return attention.MixtureOfHeadsAttention(
                 embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,
-                load_balance_weight=self.load_balance_weight, **common)
+                load_balance_weight=self.load_balance_weight, head_weighting=self.head_weighting or "renormalized",
+                **common)
         return attention.TalkingHeadsAttention(
             embed_dim, self.num_heads, self.pre_softmax, self.post_softmax, head_dim=self.head_dim,
             key_dim=self.key_dim, **common)

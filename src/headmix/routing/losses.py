@@ -8,15 +8,30 @@ from torch import Tensor
 from .router import Routing
 
 
-def load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor | None = None) -> Tensor:
+LOAD_BALANCE_FRACTIONS = ("normalized", "per_token")
+
+
+def check_fractions(fractions: str) -> None:
+    if fractions not in LOAD_BALANCE_FRACTIONS:
+        raise ValueError(f"load_balance_fractions must be one of {LOAD_BALANCE_FRACTIONS}, got {fractions!r}")
+
+
+def load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor | None = None,
+                        fractions: str = "normalized") -> Tensor:
     """``L_a = E * sum_i f_i P_i`` (eq. 13-15).
 
     ``f_i`` is the fraction of routing slots of the real tokens that go to expert ``i`` (no gradient);
     ``P_i`` the fraction of router probability mass on expert ``i``. Both sum to 1 over experts, so
     a perfectly uniform router gives ``L_a = 1``.
 
+    ``fractions="per_token"`` takes ``f_i`` as the fraction of real tokens that select expert ``i``, which
+    sums to ``k`` over experts (the Switch-Transformer form as Hugging Face ``JetMoe``'s
+    ``load_balancing_loss_func`` and the MoH authors' code compute it with top-k): the loss is then exactly
+    ``k`` times the ``"normalized"`` one (uniform router: ``k``).
+
     ``probs``: ``(N, E)``; ``expert_index``: ``(N, k)``; ``token_mask``: ``(N,)`` True for real tokens.
     """
+    check_fractions(fractions)
     num_experts = probs.shape[-1]
     if token_mask is not None:
         probs, expert_index = probs[token_mask], expert_index[token_mask]
@@ -24,7 +39,7 @@ def load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor 
         return probs.sum() * 0.0
     counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(0, expert_index.reshape(-1), torch.ones_like(expert_index.reshape(-1), dtype=probs.dtype))
-    f = (counts / counts.sum()).detach()
+    f = (counts / (counts.sum() if fractions == "normalized" else probs.shape[0])).detach()
     p = probs.sum(0) / probs.shape[0]
     return num_experts * (f * p).sum()
 
@@ -38,8 +53,10 @@ def router_z_loss(logits: Tensor, token_mask: Tensor | None = None) -> Tensor:
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
-def routing_losses(routing: Routing, load_balance_weight: float, z_loss_weight: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """The weighted sum ``alpha L_a + beta L_z`` (eq. 17 for one layer) and the unweighted parts."""
-    la = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask)
+def routing_losses(routing: Routing, load_balance_weight: float, z_loss_weight: float,
+                   load_balance_fractions: str = "normalized") -> tuple[Tensor, dict[str, Tensor]]:
+    """The weighted sum ``alpha L_a + beta L_z`` (eq. 17 for one layer) and the unweighted parts
+    (``load_balance_fractions``: see :func:`load_balancing_loss`)."""
+    la = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask, load_balance_fractions)
     lz = router_z_loss(routing.logits, routing.token_mask)
     return load_balance_weight * la + z_loss_weight * lz, {"load_balance": la, "z_loss": lz}
