@@ -53,11 +53,13 @@ def dense_heads(mha: MultiHeadAttention, x: torch.Tensor, **kw) -> torch.Tensor:
     return torch.stack(contributions, dim=2)
 
 
+@pytest.mark.parametrize("weighting", ["renormalized", "scaled"])
 @pytest.mark.parametrize("shared", [0, 1, 2])
-def test_moh_from_dense_with_every_head_active_is_the_dense_layer(shared):
+def test_moh_from_dense_with_every_head_active_is_the_dense_layer(shared, weighting):
     torch.manual_seed(0)
-    mha = MultiHeadAttention(32, 4).double()
-    moh = moh_from_dense(mha, num_shared_heads=shared, top_k=4 - shared)
+    mha = MultiHeadAttention(32, 4, rotary=True, q_bias=False).double()  # biases on K, V and output only
+    moh = moh_from_dense(mha, num_shared_heads=shared, top_k=4 - shared, head_weighting=weighting)
+    assert moh.q_proj.bias is None and moh.k_proj.bias is not None
     assert isinstance(moh, MixtureOfHeadsAttention) and moh.q_proj.weight.dtype == torch.float64
     x = torch.randn(2, 7, 32, dtype=torch.float64, requires_grad=True)
     pad = torch.zeros(2, 7, dtype=torch.bool)
@@ -89,6 +91,8 @@ def test_moh_from_dense_errors():
         moh_from_dense(MultiHeadAttention(32, 2, key_dim=8), 1, 1)
     with pytest.raises(ValueError, match="must be a headmix MultiHeadAttention"):
         moh_from_dense(torch.nn.Linear(2, 2), 1, 1)
+    with pytest.raises(ValueError, match=r"with 'paper' a zero router weights each head 1/\(2R\)"):
+        moh_from_dense(MultiHeadAttention(32, 4), 1, 3, head_weighting="paper")
 
 
 # --------------------------------------------------------------------------------------------------

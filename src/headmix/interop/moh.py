@@ -4,8 +4,11 @@ paper does with LLaMA3-8B (Jin et al. 2024, section 4.4).
 What the conversion preserves, exactly: the query, key, value and output projections (and their biases,
 and the rotary embedding) are copied, so every head ``H^i`` and its output block ``W_O^i`` are the dense
 layer's. The new routers (routed-head gate ``W_r``, and with shared heads the shared gate ``W_s`` and the
-group gate ``W_h``) start at zero: uniform scores, so every active head gets the weight 1 (MoH's
-``a_r``/``a_s`` are 1 and the per-group scaling makes a uniform score 1). Hence:
+group gate ``W_h``) start at zero: uniform scores, so every active head gets the weight 1 with MoH's
+``head_weighting="renormalized"`` (the default; ``a_r = a_s = 1`` and ``k p_i / sum_{TopK} p = 1``) and
+``"scaled"`` (``R p_i = 1``). The paper's equations (``"paper"``: ``g_i = a_r p_i`` without the factor 2 and
+the group sizes) weight a fresh head ``1 / (2R)``, which no zero-initialised router can undo: that
+weighting is refused. Hence:
 
 - with ``top_k`` equal to the number of routed heads (every head active), the MoH layer's output equals
   the dense layer's for every input (``sum_i 1 * H^i W_O^i`` is MHA's summation form);
@@ -27,9 +30,17 @@ from torch import nn
 from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 
 
+#: The MoH head weightings under which zero routers weight every active head 1.
+PRESERVING_WEIGHTINGS = ("renormalized", "scaled")
+
+
 def zero_moh_routers(layer: MixtureOfHeadsAttention) -> MixtureOfHeadsAttention:
     """Set MoH's router weights (``routed_gate``, ``shared_gate``, ``group_gate``) to zero: uniform scores,
-    every active head weighted 1. Returns the layer."""
+    every active head weighted 1 (``ValueError`` for ``head_weighting="paper"``, where that does not hold).
+    Returns the layer."""
+    if layer.head_weighting not in PRESERVING_WEIGHTINGS:
+        raise ValueError(f"head_weighting must be one of {PRESERVING_WEIGHTINGS} to start from the dense layer "
+                         f"(with {layer.head_weighting!r} a zero router weights each head 1/(2R), not 1)")
     with torch.no_grad():
         for gate in (layer.routed_gate, layer.shared_gate, layer.group_gate):
             if gate is not None:
@@ -50,7 +61,8 @@ def moh_from_dense(layer: MultiHeadAttention, num_shared_heads: int, top_k: int,
     weight = layer.q_proj.weight
     rotary = copy.deepcopy(layer.rotary) if getattr(layer, "rotary", None) is not None else False
     moh = MixtureOfHeadsAttention(layer.embed_dim, layer.num_heads, num_shared_heads, top_k, layer.head_dim,
-                                  bias=layer.q_proj.bias is not None, dropout=layer.dropout,
+                                  q_bias=layer.q_proj.bias is not None, kv_bias=layer.k_proj.bias is not None,
+                                  out_bias=layer.out_proj.bias is not None, dropout=layer.dropout,
                                   load_balance_weight=load_balance_weight, rotary=rotary, **moh_options)
     moh.to(device=weight.device, dtype=weight.dtype)
     copy_projections(moh, layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj)
