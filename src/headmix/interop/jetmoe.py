@@ -18,10 +18,11 @@ gradient through the denominator). Outputs and gradients are equal; the KV cache
 numbers per token.
 
 What differs (not part of the function): JetMoe's auxiliary loss is one load-balancing loss over the
-router logits of all layers (MoA and MoE routers together) with expert fractions that sum to ``k``,
-weighted by ``aux_loss_coef``; headmix sums one loss per routed layer with fractions summing to 1 (``k``
-times smaller) and a z-loss. The conversion sets ``load_balance_weight = aux_loss_coef`` and
-``z_loss_weight = 0``. JetMoe's per-layer RMSNorms use eps ``1e-6`` whatever ``rms_norm_eps`` says (only the
+router logits of all layers pooled (MoA and MoE routers together), expert fractions summing to ``k``,
+weighted by ``aux_loss_coef``; headmix sums one loss per routed layer. The conversion sets
+``load_balance_weight = aux_loss_coef``, ``z_loss_weight = 0`` and, for the attention,
+``load_balance_fractions="per_token"`` (their fractions); the MoE feed-forward's loss uses fractions that sum
+to 1 (``1/k`` of theirs per layer). JetMoe's per-layer RMSNorms use eps ``1e-6`` whatever ``rms_norm_eps`` says (only the
 final norm uses it); headmix has one ``norm_eps``: the conversion takes ``1e-6``, so the final norm differs
 slightly when ``rms_norm_eps != 1e-6`` (and converting back needs ``norm_eps == 1e-6``). Padding as in
 :mod:`headmix.interop.llama`: headmix masks the token ``pad_id``.
@@ -56,7 +57,7 @@ def attention_config_from_jetmoe(hf_config: Any) -> AttentionConfig:
                            head_dim=hf_config.kv_channels, kv_heads=hf_config.num_key_value_heads, renormalize="live",
                            bias=False, out_bias=True, rotary=True, rotary_base=base, rotary_fraction=fraction,
                            dropout=float(hf_config.attention_dropout), load_balance_weight=float(hf_config.aux_loss_coef),
-                           z_loss_weight=0.0)
+                           load_balance_fractions="per_token", z_loss_weight=0.0)
 
 
 def _copy_attention(moa: MixtureOfAttentionHeads, attn: Any, prefix: str) -> None:

@@ -4,7 +4,9 @@
   vocabulary whose embedding is shared by the encoder, the decoder and the output projection.
 - :class:`MaskedLanguageModel`: an encoder with RoBERTa's LM head (dense, activation, LayerNorm, tied
   output projection plus a bias).
-- :class:`CausalLanguageModel`: a decoder without cross-attention.
+- :class:`CausalLanguageModel`: a decoder without cross-attention; with ``norm_type="rmsnorm"``,
+  ``ffn="swiglu"`` (or ``"moe_swiglu"``), ``positions="rotary"`` and no biases it is a Llama-style (or
+  JetMoE-style) decoder.
 
 Every attention layer (encoder self-attention, decoder self-attention, cross-attention) is built from
 its :class:`~headmix.models.config.AttentionConfig`, so any of MHA, MoA, MoH and Talking-Heads can sit
