@@ -113,10 +113,24 @@ def hf_llama(**kw):
     return model
 
 
-def hf_greedy(hf_model, prompt: torch.Tensor, n: int, pad: int) -> torch.Tensor:
-    out = hf_model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, suppress_tokens=[pad],
-                            pad_token_id=pad)
-    return out[:, prompt.shape[1]:]
+def assert_same_greedy(ours, hf_model, prompt: torch.Tensor, pad: int = 0, eos: int = 2) -> None:
+    """headmix's greedy decoding with its cache == Hugging Face ``generate`` (greedy, padding banned as ours
+    bans it), up to and including the first eos (after it ours pads, Hugging Face's keeps generating)."""
+    mine = greedy_decode(ours, prompt, max_len=10).tokens
+    n = mine.shape[1]
+    theirs = hf_model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, suppress_tokens=[pad],
+                               pad_token_id=pad)[:, prompt.shape[1]:]
+    stop = mine.eq(eos).cumsum(1).gt(0).roll(1, 1)
+    stop[:, 0] = False
+    assert torch.equal(mine.masked_fill(stop, pad), theirs.masked_fill(stop, pad))
+
+
+def assert_same_logits(ours, hf_model, x: torch.Tensor, tol: float = 1e-4):
+    """Equal logits (float32; ``tol`` relative); returns our model's output."""
+    with torch.no_grad():
+        out = ours(x)
+        torch.testing.assert_close(out.logits, hf_model(x).logits, rtol=tol, atol=1e-5)
+    return out
 
 
 @pytest.mark.parametrize("kv_heads,tied,bias", [(2, False, False), (4, True, True)])
@@ -125,36 +139,16 @@ def test_llama_to_headmix_mha_equal_logits_and_decoding(kv_heads, tied, bias):
     ours = causal_lm_from_llama(hf).eval()
     assert ours.config.decoder_self_attention.rotary_base == 500000.0
     assert (ours.output_proj is None) == tied
-    x = tokens(2, 9)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=1e-5, atol=1e-5)
-    prompt = tokens(2, 4, seed=3)
-    # equal up to and including the first eos (after it ours pads, Hugging Face's keeps generating)
-    mine = greedy_decode(ours, prompt, max_len=10).tokens
-    theirs = hf_greedy(hf, prompt, mine.shape[1], pad=0)
-    stop = mine.eq(2).cumsum(1).gt(0).roll(1, 1)
-    stop[:, 0] = False
-    assert torch.equal(mine.masked_fill(stop, 0), theirs.masked_fill(stop, 0))
+    assert_same_logits(ours, hf, tokens(2, 9), tol=1e-5)
+    assert_same_greedy(ours, hf, tokens(2, 4, seed=3))
 
 
 def test_llama_to_moh_with_every_head_active_keeps_the_logits():
     hf = hf_llama()
     ours = causal_lm_from_llama(hf, attention="moh", num_shared_heads=1, top_k=3).eval()
     assert isinstance(ours.decoder.layers[0].self_attn, MixtureOfHeadsAttention)
-    x = tokens(2, 9)
-    with torch.no_grad():
-        out = ours(x)
-        torch.testing.assert_close(out.logits, hf(x).logits, rtol=1e-5, atol=1e-5)
+    out = assert_same_logits(ours, hf, tokens(2, 9), tol=1e-5)
     assert len(out.routing) == 2  # routed, ready for continue-tuning
-
-
-def test_load_llama_from_a_local_folder(tmp_path):
-    hf = hf_llama()
-    hf.save_pretrained(tmp_path)
-    ours = load_llama(tmp_path).eval()
-    x = tokens(1, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_llama_conversion_errors():
@@ -275,32 +269,15 @@ def test_jetmoe_model_to_headmix_and_back_equal_logits_and_decoding(tied):
     ours = causal_lm_from_jetmoe(hf).eval()
     cfg = ours.config
     assert cfg.ffn == "moe_swiglu" and cfg.decoder_self_attention.kv_heads == 2 and cfg.share_embeddings == tied
-    x = tokens(2, 9)
-    with torch.no_grad():
-        out = ours(x)
-        torch.testing.assert_close(out.logits, hf(x).logits, rtol=1e-4, atol=1e-5)
+    out = assert_same_logits(ours, hf, tokens(2, 9))
     assert [n for n, _ in out.routing] == ["decoder.layers.0.self_attn", "decoder.layers.0.ffn",
                                            "decoder.layers.1.self_attn", "decoder.layers.1.ffn"]
-    prompt = tokens(2, 4, seed=3)
-    mine = greedy_decode(ours, prompt, max_len=10).tokens
-    theirs = hf_greedy(hf, prompt, mine.shape[1], pad=0)
-    stop = mine.eq(2).cumsum(1).gt(0).roll(1, 1)
-    stop[:, 0] = False
-    assert torch.equal(mine.masked_fill(stop, 0), theirs.masked_fill(stop, 0))
+    assert_same_greedy(ours, hf, tokens(2, 4, seed=3))
     # and back: a JetMoeForCausalLM with the same logits, parameter for parameter the original
     back = causal_lm_to_jetmoe(ours)
     theirs_params = dict(hf.named_parameters())
     for name, p in back.named_parameters():
         assert torch.equal(p, theirs_params[name]), name
-
-
-def test_load_jetmoe_from_a_local_folder(tmp_path):
-    hf = hf_jetmoe_model()
-    hf.save_pretrained(tmp_path)
-    ours = load_jetmoe(tmp_path).eval()
-    x = tokens(1, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=1e-4, atol=1e-5)
 
 
 def test_jetmoe_conversion_errors():
@@ -321,9 +298,7 @@ def test_the_jetmoe_preset_converts_to_hf_jetmoe():
     spread(ours, 0.1)
     hf = causal_lm_to_jetmoe(ours)
     hf.config._attn_implementation = "eager"
-    x = tokens(2, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(hf(x).logits, ours(x).logits, rtol=1e-4, atol=1e-5)
+    assert_same_logits(ours, hf, tokens(2, 8))
 
 
 def test_moa_kv_heads_cache_equals_hf_gqa_cache_of_the_same_query_heads():
@@ -343,3 +318,12 @@ def test_moa_kv_heads_cache_equals_hf_gqa_cache_of_the_same_query_heads():
         att = AttentionConfig(kind="moa", top_k=8 // g, num_experts=16 // g, head_dim=8, kv_heads=g)
         ours = cache_bytes_per_token(build_model(llama_model(att, V, d_model=32, layers=1, max_positions=16)), ids)
         assert ours == hf_bytes / ids.numel() == 2 * g * 8 * 4
+
+
+@pytest.mark.parametrize("make,load", [(lambda: hf_llama(), load_llama), (lambda: hf_jetmoe_model(), load_jetmoe)],
+                         ids=["llama", "jetmoe"])
+def test_load_from_a_local_folder(tmp_path, make, load):
+    """The from_pretrained path (a Hub name needs the network) on a checkpoint saved locally."""
+    hf = make()
+    hf.save_pretrained(tmp_path)
+    assert_same_logits(load(tmp_path).eval(), hf, tokens(1, 6))
