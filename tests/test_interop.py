@@ -12,6 +12,7 @@ from headmix.interop import (
     causal_lm_from_jetmoe,
     causal_lm_from_llama,
     causal_lm_to_jetmoe,
+    from_pretrained,
     jetmoe_attention_from_moa,
     load_jetmoe,
     load_llama,
@@ -327,3 +328,10 @@ def test_load_from_a_local_folder(tmp_path, make, load):
     hf = make()
     hf.save_pretrained(tmp_path)
     assert_same_logits(load(tmp_path).eval(), hf, tokens(1, 6))
+    assert_same_logits(from_pretrained(tmp_path).eval(), hf, tokens(1, 6))  # dispatched by model_type
+
+
+def test_from_pretrained_refuses_other_model_types(tmp_path):
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="is a 'gpt2' checkpoint; headmix converts \\['jetmoe', 'llama'\\]"):
+        from_pretrained(tmp_path)
