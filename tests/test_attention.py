@@ -686,3 +686,23 @@ def test_attention_config_peer_convention_fields():
                        (dict(kind="mha", num_heads=4, zero_padded_queries=1), "zero_padded_queries")):
         with pytest.raises(ValueError, match=match):
             AttentionConfig(**bad)
+
+
+def test_moa_kv_heads_attention_does_not_repeat_keys_and_values(monkeypatch):
+    """The grouped path hands scaled_dot_product_attention the G K/V heads themselves (enable_gqa)."""
+    import torch.nn.functional as F
+
+    from headmix.attention import base
+
+    seen = []
+    original = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.shape[1], k.shape[1], v.shape[1], kw.get("enable_gqa", False)))
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(base.F, "scaled_dot_product_attention", spy)
+    layer = make("moa_kv")
+    layer(torch.randn(2, 5, D), is_causal=True)
+    if base._SDPA_HAS_GQA:
+        assert seen == [(6, 3, 3, True)]   # k * G = 6 query heads over G = 3 key/value heads

@@ -48,7 +48,7 @@ def _jetmoe_pair(kv_heads: int = 2, top_k: int = 2, experts: int = 4, head_dim: 
         for p in theirs.parameters():
             p.normal_(0.0, 0.3)
     ours = MixtureOfAttentionHeads(hidden, experts, top_k, head_dim, kv_heads=kv_heads, renormalize="live",
-                                   kv_bias=False, out_bias=True, rotary=True, rotary_base=1000.0,
+                                   bias=False, out_bias=True, rotary=True, rotary_base=1000.0,
                                    load_balance_fractions="per_token").eval()
     with torch.no_grad():
         ours.query_experts.copy_(theirs.experts.input_linear.weight.transpose(1, 2))

@@ -6,14 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headmix import (
-    MixtureOfAttentionHeads,
-    MixtureOfHeadsAttention,
-    MultiHeadAttention,
-    RotaryEmbedding,
-    TalkingHeadsAttention,
-)
-from headmix.attention.reference import reference_mha, reference_moa, reference_moh, reference_rotary
+from headmix import MixtureOfAttentionHeads, MultiHeadAttention, RotaryEmbedding
+from headmix.attention.reference import reference_rotary
+from test_attention import make, reference_for  # the layers of the attention tests, gates moved off init
 
 D = 16
 
@@ -104,34 +99,6 @@ def test_module_checks_its_arguments():
 
 
 # --------------------------------------------------------------------------- the layers
-
-def make(kind: str, **kw):
-    torch.manual_seed(0)
-    if kind == "mha":
-        layer = MultiHeadAttention(D, 4, **kw)
-    elif kind == "mha_key":
-        layer = MultiHeadAttention(D, 4, head_dim=3, key_dim=6, **kw)
-    elif kind == "moa":
-        layer = MixtureOfAttentionHeads(D, num_experts=5, top_k=2, head_dim=6, **kw)
-    elif kind == "moa_kv":
-        layer = MixtureOfAttentionHeads(D, num_experts=5, top_k=2, head_dim=6, kv_heads=2, **kw)
-    elif kind == "moh":
-        layer = MixtureOfHeadsAttention(D, num_heads=4, num_shared_heads=1, top_k=2, **kw)
-    elif kind == "th":
-        layer = TalkingHeadsAttention(D, 4, **kw)
-    else:
-        raise AssertionError(kind)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if "gate" in name or "mix" in name:
-                p.add_(0.5 * torch.randn_like(p))
-    return layer.eval()
-
-
-def reference_for(kind: str):
-    return {"mha": reference_mha, "mha_key": reference_mha, "th": reference_mha, "moa": reference_moa,
-            "moa_kv": reference_moa, "moh": reference_moh}[kind]
-
 
 KINDS = ["mha", "mha_key", "moa", "moa_kv", "moh", "th"]
 
@@ -228,3 +195,15 @@ def test_attention_config_rotary_fields_build_round_trip_and_validate():
         AttentionConfig.from_dict(dict(kind="mha", num_heads=4, rotary_fraction=2.0), name="cross")
     with pytest.raises(ValueError, match="fewer than 2"):
         AttentionConfig(kind="mha", num_heads=8, rotary=True, rotary_fraction=0.25).build(D)
+
+
+def test_rotary_layer_built_on_meta_and_materialised_is_correct():
+    """The rotary module holds no tensor that a meta-device build would leave uninitialised."""
+    with torch.device("meta"):
+        layer = MultiHeadAttention(D, 4, rotary=True)
+    layer = layer.to_empty(device="cpu")
+    reference = MultiHeadAttention(D, 4, rotary=True)
+    layer.load_state_dict(reference.state_dict())
+    x = torch.randn(1, 5, D)
+    torch.testing.assert_close(layer(x, is_causal=True).output, reference(x, is_causal=True).output)
+    assert list(layer.rotary.buffers()) == []

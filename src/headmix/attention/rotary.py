@@ -27,10 +27,10 @@ class RotaryEmbedding(nn.Module):
 
     ``forward(x, offset)`` takes ``(batch, heads, time, head_dim)`` and gives ``x[:, :, t]`` the position
     ``offset + t``. The angles are computed in float32 and the rotation in ``x``'s dtype, as Hugging Face
-    Llama does. The inverse frequencies are a non-persistent buffer: a layer's ``state_dict`` does not change.
+    Llama does. The module holds no tensors (the frequencies are recomputed on each call, ``rotary_dim / 2``
+    numbers): a layer's ``state_dict`` does not change, and a model built on the meta device and
+    materialised later needs nothing re-initialised.
     """
-
-    inv_freq: Tensor
 
     def __init__(self, head_dim: int, *, base: float = 10000.0, fraction: float = 1.0, interleaved: bool = False):
         super().__init__()
@@ -42,18 +42,21 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"fraction ({fraction}) of head_dim ({head_dim}) rotates fewer than 2 dimensions")
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
         self.base, self.fraction, self.interleaved = float(base), float(fraction), bool(interleaved)
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}"
                 + (", interleaved=True" if self.interleaved else ""))
 
+    def inv_freq(self, device: torch.device | None = None) -> Tensor:
+        """``theta_i = base^(-2i / d)``, ``i < d/2``, in float32 (``d`` = ``rotary_dim``)."""
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
+        return 1.0 / (self.base ** exponents)
+
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``cos(m theta)``, ``sin(m theta)`` of shape ``(len(positions), rotary_dim)`` in the layout of
         the pairs (each angle twice: ``[theta_0..theta_{d/2-1}, theta_0..]`` half-split, or
         ``[theta_0, theta_0, theta_1, theta_1, ..]`` interleaved)."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq(positions.device)[None, :]
         if self.interleaved:
             angles = angles.repeat_interleave(2, dim=-1)
         else:
