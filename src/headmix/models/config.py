@@ -262,7 +262,8 @@ class ModelConfig:
     ``x / sqrt(mean(x^2) + eps) * g``, as Llama; ``torch.nn.RMSNorm``), both with epsilon ``norm_eps``.
     ``positions``: ``"sinusoidal"`` or ``"learned"`` (added to the embeddings, up to ``max_positions``), or
     ``"rotary"``: no absolute positions; the self-attention configs get ``rotary=True`` (RoFormer, Su et al.
-    2021; their ``rotary_base`` / ``rotary_fraction`` apply), cross-attention stays without.
+    2021; their ``rotary_base`` / ``rotary_fraction`` apply), cross-attention stays without. With absolute
+    positions the attention configs are left as given (rotary on top of them is allowed).
     ``ffn``: ``"mlp"`` (``fc2(act(fc1 x))``, ``activation``), ``"swiglu"`` (Shazeer 2020, as Llama:
     ``down(silu(gate x) * up x)``) or ``"moe_swiglu"``: a mixture of ``ffn_experts`` SwiGLU experts of width
     ``ffn_dim``, ``ffn_top_k`` per token (JetMoE's MoE layer; router weights ``softmax`` over the top-k logits,
