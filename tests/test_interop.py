@@ -9,6 +9,7 @@ import torch
 
 from headmix.attention import MixtureOfHeadsAttention, MultiHeadAttention
 from headmix.interop import (
+    attention_from_llama,
     causal_lm_from_jetmoe,
     causal_lm_from_llama,
     causal_lm_to_jetmoe,
@@ -132,6 +133,29 @@ def assert_same_logits(ours, hf_model, x: torch.Tensor, tol: float = 1e-4):
         out = ours(x)
         torch.testing.assert_close(out.logits, hf_model(x).logits, rtol=tol, atol=1e-5)
     return out
+
+
+@pytest.mark.parametrize("attention,options", [("mha", {}), ("moh", dict(num_shared_heads=1, top_k=3))])
+def test_llama_attention_to_mha_and_moh_equal_outputs_and_gradients(attention, options):
+    """One LlamaAttention (GQA, 2 K/V heads for 4 query heads, rotary base 500000) as headmix MHA, and as MoH
+    with every head active: equal outputs and input gradients, causal mask, positions from 0."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf = hf_llama(attention_bias=True)
+    hf.config._attn_implementation = "eager"
+    attn = hf.model.layers[0].self_attn.double()
+    layer = attention_from_llama(attn, attention=attention, **options)
+    assert isinstance(layer, MixtureOfHeadsAttention) == (attention == "moh")
+    x = torch.randn(2, 7, 64, dtype=torch.float64, requires_grad=True)
+    rope = LlamaRotaryEmbedding(hf.config)(x, torch.arange(7)[None])
+    mask = torch.zeros(1, 1, 7, 7, dtype=torch.float64).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    theirs = attn(x, position_embeddings=rope, attention_mask=mask)[0]
+    ours = layer(x, is_causal=True).output
+    tol = dict(rtol=1e-5, atol=1e-6)  # both compute the rotary angles in float32 (not bit-identically)
+    torch.testing.assert_close(ours, theirs, **tol)
+    r = torch.randn_like(ours)
+    torch.testing.assert_close(torch.autograd.grad((ours * r).sum(), x)[0], torch.autograd.grad((theirs * r).sum(), x)[0],
+                               **tol)
 
 
 @pytest.mark.parametrize("kv_heads,tied,bias", [(2, False, False), (4, True, True)])

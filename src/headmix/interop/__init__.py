@@ -3,7 +3,7 @@
 
 - :mod:`.moh`: dense attention -> Mixture-of-Head attention for continue-tuning (``moh_from_dense``).
 - :mod:`.llama`: ``LlamaForCausalLM`` -> a headmix Llama-style causal LM with MHA or MoH
-  (``causal_lm_from_llama``, ``load_llama``).
+  (``causal_lm_from_llama``, ``load_llama``); one ``LlamaAttention`` -> MHA or MoH (``attention_from_llama``).
 - :mod:`.jetmoe`: ``JetMoeAttention`` <-> headmix MoA with ``kv_heads`` (``moa_from_jetmoe_attention``,
   ``jetmoe_attention_from_moa``) and ``JetMoeForCausalLM`` <-> a headmix causal LM with MoA attention and
   the mixture-of-SwiGLU-experts feed-forward (``causal_lm_from_jetmoe``, ``causal_lm_to_jetmoe``,
@@ -26,7 +26,7 @@ from .jetmoe import (
     load_jetmoe,
     moa_from_jetmoe_attention,
 )
-from .llama import causal_lm_from_llama, config_from_llama, load_llama
+from .llama import attention_from_llama, causal_lm_from_llama, config_from_llama, load_llama
 from ._hf import require_transformers
 from .moh import moh_from_dense, zero_moh_routers
 
@@ -44,6 +44,6 @@ def from_pretrained(name_or_path: str | os.PathLike, **options):
         raise ValueError(f"{name_or_path} is a {model_type!r} checkpoint; headmix converts {sorted(LOADERS)}")
     return LOADERS[model_type](name_or_path, **options)
 
-__all__ = ["causal_lm_from_llama", "config_from_llama", "load_llama", "moh_from_dense", "zero_moh_routers",
+__all__ = ["attention_from_llama", "causal_lm_from_llama", "config_from_llama", "load_llama", "moh_from_dense", "zero_moh_routers",
            "moa_from_jetmoe_attention", "jetmoe_attention_from_moa", "config_from_jetmoe", "causal_lm_from_jetmoe",
            "causal_lm_to_jetmoe", "load_jetmoe", "from_pretrained"]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..attention import MixtureOfHeadsAttention
+from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
 from ._hf import copy_into, first_id, require_transformers, rope_settings
 from .moh import zero_moh_routers
@@ -82,6 +82,39 @@ def repeat_kv_rows(weight: Tensor, kv_heads: int, heads: int) -> Tensor:
         .reshape(heads * rows, *weight.shape[1:])
 
 
+def copy_llama_attention(target: MultiHeadAttention, attn: Any, heads: int, kv_heads: int, name: str = "self_attn") -> None:
+    """Copy a Hugging Face ``LlamaAttention``'s ``{q,k,v,o}_proj`` into a headmix MHA or MoH layer's
+    ``{q,k,v,out}_proj``, repeating the ``kv_heads`` K/V heads for the ``heads`` query heads
+    (:func:`repeat_kv_rows`); a MoH layer's routers are then zeroed (:func:`zero_moh_routers`)."""
+    for ours, hf, expand in ((target.q_proj, attn.q_proj, False), (target.k_proj, attn.k_proj, True),
+                             (target.v_proj, attn.v_proj, True), (target.out_proj, attn.o_proj, False)):
+        for kind in ("weight", "bias"):
+            t = getattr(hf, kind)
+            if t is not None:
+                copy_into(getattr(ours, kind), repeat_kv_rows(t, kv_heads, heads) if expand else t, f"{name}.{kind}")
+    if isinstance(target, MixtureOfHeadsAttention):
+        zero_moh_routers(target)
+
+
+def attention_from_llama(attn: Any, *, attention: str = "mha", num_shared_heads: int | None = None,
+                         top_k: int | None = None, **attention_options) -> MultiHeadAttention:
+    """One Hugging Face ``LlamaAttention`` as a headmix layer: ``attention="mha"`` computes the same function
+    (rotary included; the caller passes the same masks, positions start at 0 or at the cache length);
+    ``attention="moh"`` gives :class:`MixtureOfHeadsAttention` with the same heads and zero routers (what it
+    preserves: :mod:`headmix.interop.moh`)."""
+    transformers = require_transformers()
+    if not isinstance(attn, transformers.models.llama.modeling_llama.LlamaAttention):
+        raise ValueError(f"attn must be a transformers LlamaAttention, got {type(attn).__name__}")
+    cfg = config_from_llama(attn.config, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
+                            **attention_options)
+    ref = attn.q_proj.weight
+    with torch.device(ref.device):
+        layer = cfg.decoder_self_attention.build(cfg.d_model).to(ref.dtype)
+    heads = attn.config.num_attention_heads
+    copy_llama_attention(layer, attn, heads, attn.config.num_key_value_heads or heads)
+    return layer
+
+
 def causal_lm_from_llama(hf_model: Any, *, attention: str = "mha", num_shared_heads: int | None = None,
                          top_k: int | None = None, pad_id: int | None = None,
                          **attention_options) -> CausalLanguageModel:
@@ -102,21 +135,12 @@ def causal_lm_from_llama(hf_model: Any, *, attention: str = "mha", num_shared_he
         p = f"model.layers.{i}"
         copy_into(mine.self_attn_norm.norm.weight, theirs.input_layernorm.weight, f"{p}.input_layernorm")
         copy_into(mine.ffn_norm.norm.weight, theirs.post_attention_layernorm.weight, f"{p}.post_attention_layernorm")
-        att = theirs.self_attn
-        for ours, hf, expand in ((mine.self_attn.q_proj, att.q_proj, False), (mine.self_attn.k_proj, att.k_proj, True),
-                                 (mine.self_attn.v_proj, att.v_proj, True), (mine.self_attn.out_proj, att.o_proj, False)):
-            for kind in ("weight", "bias"):
-                t = getattr(hf, kind)
-                if t is None:
-                    continue
-                copy_into(getattr(ours, kind), repeat_kv_rows(t, kv_heads, heads) if expand else t, f"{p}.self_attn.{kind}")
+        copy_llama_attention(mine.self_attn, theirs.self_attn, heads, kv_heads, f"{p}.self_attn")
         for name in ("gate_proj", "up_proj", "down_proj"):
             for kind in ("weight", "bias"):
                 t = getattr(getattr(theirs.mlp, name), kind)
                 if t is not None:
                     copy_into(getattr(getattr(mine.ffn, name), kind), t, f"{p}.mlp.{name}.{kind}")
-        if isinstance(mine.self_attn, MixtureOfHeadsAttention):
-            zero_moh_routers(mine.self_attn)
     copy_into(model.decoder.final_norm.weight, source.norm.weight, "model.norm")
     if model.output_proj is not None:
         copy_into(model.output_proj.weight, hf_model.lm_head.weight, "lm_head")
