@@ -33,7 +33,8 @@ class KVCache:
 
     ``key`` and ``value`` are ``(batch, kv_heads, length, size)``: MHA keeps one head per attention
     head, MoA keeps ``kv_heads`` shared heads (one by default: eq. 10-11 share ``W_k`` and ``W_v`` across
-    experts), so its cache is ``top_k / kv_heads`` times smaller than MHA's with as many query heads.
+    experts), so its cache is ``top_k`` times smaller than that of MHA with as many (``top_k * kv_heads``)
+    query heads of the same size.
 
     ``static`` caches hold the projected memory of a cross-attention layer: later steps reuse them and
     do not append. ``layer_id`` ties the cache to the layer that made it.
@@ -253,8 +254,10 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     ``k``/``v`` may have one head shared by all query heads (multi-query attention, as MoA's shared
     ``W_k``/``W_v``): it is broadcast without copies. With ``G`` key/value heads, ``1 < G < heads``
     (grouped-query attention), query head ``h`` attends with key/value head ``h // (heads // G)``, through
-    ``scaled_dot_product_attention(enable_gqa=True)`` (torch >= 2.5), which does not repeat the keys and
-    values on the flash / memory-efficient paths; older torch repeats them. Uses
+    ``scaled_dot_product_attention(enable_gqa=True)`` (torch >= 2.5): headmix never copies the keys and
+    values, torch's flash kernel reads the ``G`` heads as they are, its math fallback repeats them internally
+    (older torch: a stride-0 broadcast of each K/V head over its query heads, see
+    :func:`_grouped_by_broadcast`). Uses
     ``torch.nn.functional.scaled_dot_product_attention`` so flash / memory-efficient kernels apply where they can.
     """
     if q.shape[-1] == 0:
@@ -264,11 +267,9 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
         if k.shape[1] == 1:
             k, v = _broadcast_kv(q, k, v)
         elif q.shape[1] % k.shape[1] == 0:
-            if _SDPA_HAS_GQA:
-                grouped = {"enable_gqa": True}
-            else:  # pragma: no cover - torch < 2.5
-                repeat = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            if not _SDPA_HAS_GQA:
+                return _grouped_by_broadcast(q, k, v, bias, empty_rows, dropout, scale, causal)
+            grouped = {"enable_gqa": True}
         else:
             raise ValueError(f"keys must have 1 head, {q.shape[1]} heads or a divisor of {q.shape[1]}, got {k.shape[1]}")
     if k.shape[2] == 0:
@@ -279,6 +280,32 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     if empty_rows is not None:
         out = out.masked_fill(empty_rows, 0.0)
     return out
+
+
+def _grouped_by_broadcast(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, empty_rows: Tensor | None,
+                          dropout: float, scale: float | None, causal: bool) -> Tensor:
+    """Grouped-query attention for torch < 2.5 (no ``enable_gqa``): the ``H`` query heads as ``(G, H/G)``
+    and each of the ``G`` key/value heads broadcast (stride 0, no copy) over its ``H/G`` query heads, in one
+    5-d ``scaled_dot_product_attention`` call."""
+    batch, heads, tgt, _ = q.shape
+    groups = k.shape[1]
+    per_group = heads // groups
+    q5 = q.reshape(batch, groups, per_group, tgt, q.shape[-1])
+    k5 = k.unsqueeze(2).expand(-1, -1, per_group, -1, -1)
+    v5 = v.unsqueeze(2).expand(-1, -1, per_group, -1, -1)
+
+    def five_d(mask: Tensor | None) -> Tensor | None:
+        if mask is None:
+            return None
+        if mask.shape[1] == heads:
+            return mask.reshape(mask.shape[0], groups, per_group, *mask.shape[2:])
+        return mask.unsqueeze(2)
+
+    out = F.scaled_dot_product_attention(q5, k5, v5, attn_mask=five_d(bias), dropout_p=dropout, is_causal=causal,
+                                         scale=scale)
+    if empty_rows is not None:
+        out = out.masked_fill(five_d(empty_rows), 0.0)
+    return out.reshape(batch, heads, tgt, v.shape[-1])
 
 
 def _broadcast_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -34,16 +34,17 @@ class MixtureOfAttentionHeads(AttentionLayer):
       (``query_padding_mask``, or a boolean ``key_padding_mask`` in self-attention without a cache), as the
       MoA authors' code and x-transformers do; by default those rows hold the attention output of the
       padding token, which a model ignores anyway.
-    - Parameters (eq. 20): ``(2E + 2) d_h d_m`` weights, plus the router's ``E d_m`` and, with ``bias``,
-      ``2 d_h + d_m`` biases: ``kv_bias`` (the K/V projections' ``2 d_h``) and ``out_bias`` (the ``d_m``
-      output bias), when given, override ``bias`` for their part (JetMoE: ``kv_bias=False, out_bias=True``).
+    - Parameters (eq. 20): ``(2E + 2) d_h d_m`` weights (``(2E + 2) G d_h d_m`` with ``kv_heads=G``), plus
+      the router's ``E d_m`` and, with ``bias``, ``2 G d_h + d_m`` biases: ``kv_bias`` (the K/V projections'
+      ``2 G d_h``) and ``out_bias`` (the ``d_m`` output bias), when given, override ``bias`` for their part
+      (JetMoE: ``kv_bias=False, out_bias=True``).
 
     ``kv_heads=G`` (grouped K/V heads, the JetMoE form): ``W_k`` and ``W_v`` give ``G`` key/value heads
     (``embed_dim x G d_h``), each expert's ``W_q^i`` gives one query head per K/V head
     (``query_experts`` ``(E, d_m, G d_h)``, ``output_experts`` ``(E, G d_h, d_m)``; query head ``g`` of an
     expert is columns ``g d_h .. (g+1) d_h`` and attends with K/V head ``g``), so a token has ``k G`` query
-    heads and the cache holds ``2 G d_h`` numbers per token. Attention runs as grouped-query attention
-    without repeating K/V (see :func:`~headmix.attention.base.scaled_dot_product`). ``G = 1`` is the
+    heads and the cache holds ``2 G d_h`` numbers per token. Attention runs as grouped-query attention;
+    headmix does not repeat K/V (see :func:`~headmix.attention.base.scaled_dot_product`). ``G = 1`` is the
     paper's layer, with the same parameter names and shapes.
 
     ``rotary=True`` (RoPE, :class:`RotaryEmbedding`; ``rotary_base``, ``rotary_fraction``, or a module

@@ -32,17 +32,17 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     - ``"paper"``, the paper's equations as printed (Jin et al. 2024, eq. 5-6): ``g_i = a_r * p_i`` for the
       selected routed heads, ``g_i = a_s * s_i`` for the shared ones, ``[a_s, a_r] = softmax(x W_h)``
       (without shared heads, ``a_r = 1``);
-    - ``"scaled"``: headmix's weighting before 2026-11 (kept so that layers trained with it load and
-      compute the same): ``g_i = a_r * R * p_i`` (no renormalisation over the selected heads),
+    - ``"scaled"``: headmix's weighting before this option existed (kept so that layers trained with it
+      load and compute the same): ``g_i = a_r * R * p_i`` (no renormalisation over the selected heads),
       ``g_i = a_s * S * s_i``, ``[a_s, a_r] = 2 * softmax(x W_h)``.
 
-    The default is the released code's form because it is the one the paper's results were trained with,
-    and because its weights make uniform scores give every active head the weight 1 (with ``W_s = W_h = 0``
-    and any ``W_r``, a selected head's weight only depends on the relative scores of the selected heads):
-    a fresh layer is multi-head attention restricted to the active heads, which is what converting a
-    dense model to MoH needs. The paper's form gives active heads weights that sum to less than 1
-    (``~1/R`` each at uniform scores), so it scales the attention output down; ``"scaled"`` gives weight 1
-    only when all ``R`` routed scores are equal.
+    The default is the released code's form because the paper's results were trained with it, and because
+    its scale does not depend on the scores: the selected routed heads' weights always sum to ``a_r * k``
+    and uniform scores (``W_r = W_s = W_h = 0``) give every active head the weight 1, so such a layer is
+    multi-head attention restricted to the active heads, which is where converting a dense model to MoH
+    starts. The paper's form gives the active heads much smaller weights (``a_r / R`` each at uniform
+    scores), scaling the attention output down; ``"scaled"`` gives weight 1 only when all ``R`` routed
+    scores are equal.
 
     With every head shared there is nothing to route, no router exists and the layer is exactly
     multi-head attention (for every ``head_weighting``). The auxiliary loss is the load-balancing loss
