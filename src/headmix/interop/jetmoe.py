@@ -37,7 +37,6 @@ import torch
 
 from ..attention import MixtureOfAttentionHeads
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
-from ..models.transformer import MixtureOfSwiGLUExperts
 from ._hf import copy_into, first_id, require_transformers, rope_settings
 
 #: JetMoe's per-layer RMSNorm epsilon (``JetMoeRMSNorm``'s default; the decoder layers do not pass
