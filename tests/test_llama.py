@@ -261,7 +261,7 @@ def copy_moe_from_jetmoe(ours, theirs) -> None:
 @pytest.mark.parametrize("impl", ["reference", "dense", "sorted"])
 def test_moe_swiglu_is_hf_jetmoe_moe(impl):
     from transformers import JetMoeConfig
-    from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoE
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoE, load_balancing_loss_func
 
     from headmix.models.transformer import MixtureOfSwiGLUExperts
 
@@ -271,7 +271,7 @@ def test_moe_swiglu_is_hf_jetmoe_moe(impl):
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.2)
-    ours = MixtureOfSwiGLUExperts(moe_config(ffn_expert_impl=impl)).double()
+    ours = MixtureOfSwiGLUExperts(moe_config(ffn_expert_impl=impl, ffn_load_balance_fractions="per_token")).double()
     copy_moe_from_jetmoe(ours, theirs)
     x = torch.randn(2, 9, 64, dtype=torch.float64, requires_grad=True)
     # JetMoe computes its router softmax in float32 whatever the input's dtype: float32-level tolerance on
@@ -280,6 +280,9 @@ def test_moe_swiglu_is_hf_jetmoe_moe(impl):
     out = ours(x)
     torch.testing.assert_close(out.output, theirs(x), **tol)
     assert out.routing.expert_index.shape == (18, 2) and out.aux_loss > 0
+    # their load-balancing loss of this one router (fractions summing to k: "per_token")
+    their_lb = load_balancing_loss_func((theirs.router.layer(x.detach().reshape(-1, 64)),), 4, 2)
+    torch.testing.assert_close(out.losses["load_balance"], their_lb.to(torch.float64), **tol)
     r = torch.randn_like(out.output)
     g_ours = torch.autograd.grad((out.output * r).sum(), [x, ours.input_experts, ours.output_experts,
                                                           ours.router.gate.weight, ours.out_bias])
@@ -315,6 +318,7 @@ def test_moe_swiglu_in_a_model_routes_adds_its_loss_and_is_counted():
     (dict(ffn="swiglu"), "ffn_experts applies to ffn='moe_swiglu' only"),
     (dict(ffn_load_balance_weight=-1), "ffn_load_balance_weight must be a non-negative number"),
     (dict(ffn_expert_impl="fast"), "ffn_expert_impl must be one of"),
+    (dict(ffn_load_balance_fractions="sum"), "ffn_load_balance_fractions must be one of"),
 ])
 def test_moe_swiglu_config_errors(changes, message):
     with pytest.raises(ValueError, match=message):

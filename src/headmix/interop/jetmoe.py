@@ -19,10 +19,9 @@ numbers per token.
 
 What differs (not part of the function): JetMoe's auxiliary loss is one load-balancing loss over the
 router logits of all layers pooled (MoA and MoE routers together), expert fractions summing to ``k``,
-weighted by ``aux_loss_coef``; headmix sums one loss per routed layer. The conversion sets
-``load_balance_weight = aux_loss_coef``, ``z_loss_weight = 0`` and, for the attention,
-``load_balance_fractions="per_token"`` (their fractions); the MoE feed-forward's loss uses fractions that sum
-to 1 (``1/k`` of theirs per layer). JetMoe's per-layer RMSNorms use eps ``1e-6`` whatever ``rms_norm_eps`` says (only the
+weighted by ``aux_loss_coef``; headmix sums one loss per routed layer (equal to theirs for one layer). The
+conversion sets ``load_balance_weight = ffn_load_balance_weight = aux_loss_coef``, ``z_loss_weight = 0`` and
+their fractions (``load_balance_fractions = ffn_load_balance_fractions = "per_token"``). JetMoe's per-layer RMSNorms use eps ``1e-6`` whatever ``rms_norm_eps`` says (only the
 final norm uses it); headmix has one ``norm_eps``: the conversion takes ``1e-6``, so the final norm differs
 slightly when ``rms_norm_eps != 1e-6`` (and converting back needs ``norm_eps == 1e-6``). Padding as in
 :mod:`headmix.interop.llama`: headmix masks the token ``pad_id``.
@@ -144,7 +143,8 @@ def config_from_jetmoe(hf_config: Any, *, pad_id: int | None = None) -> ModelCon
         decoder_self_attention=attention_config_from_jetmoe(hf_config), norm="pre", norm_type="rmsnorm",
         norm_eps=JETMOE_LAYER_NORM_EPS, positions="rotary", max_positions=hf_config.max_position_embeddings,
         dropout=0.0, activation_dropout=0.0, ffn="moe_swiglu", ffn_experts=hf_config.num_local_experts,
-        ffn_top_k=hf_config.num_experts_per_tok, ffn_load_balance_weight=float(hf_config.aux_loss_coef), bias=True,
+        ffn_top_k=hf_config.num_experts_per_tok, ffn_load_balance_weight=float(hf_config.aux_loss_coef),
+        ffn_load_balance_fractions="per_token", bias=True,
         scale_embeddings=False, embedding_norm=False, share_embeddings=bool(hf_config.tie_word_embeddings),
         pad_id=first_id(hf_config.pad_token_id, 0) if pad_id is None else pad_id,
         bos_id=first_id(hf_config.bos_token_id, 1), eos_id=first_id(hf_config.eos_token_id, 2), label_smoothing=0.0)

@@ -267,7 +267,8 @@ class ModelConfig:
     ``ffn``: ``"mlp"`` (``fc2(act(fc1 x))``, ``activation``), ``"swiglu"`` (Shazeer 2020, as Llama:
     ``down(silu(gate x) * up x)``) or ``"moe_swiglu"``: a mixture of ``ffn_experts`` SwiGLU experts of width
     ``ffn_dim``, ``ffn_top_k`` per token (JetMoE's MoE layer; router weights ``softmax`` over the top-k logits,
-    load-balancing loss weighted by ``ffn_load_balance_weight``, grouped kernel ``ffn_expert_impl``).
+    load-balancing loss weighted by ``ffn_load_balance_weight`` with ``ffn_load_balance_fractions`` as the
+    attention's ``load_balance_fractions``, grouped kernel ``ffn_expert_impl``).
     ``bias``: biases of the feed-forward linears (for ``moe_swiglu`` one output bias, as JetMoE) and of
     LayerNorm (Llama has none); the attention layers' biases are set in each ``AttentionConfig``.
     ``scale_embeddings`` multiplies token embeddings by ``sqrt(d_model)`` (fairseq); ``embedding_norm``
@@ -298,6 +299,7 @@ class ModelConfig:
     ffn_experts: int | None = None
     ffn_top_k: int | None = None
     ffn_load_balance_weight: float = 0.01
+    ffn_load_balance_fractions: str = "normalized"
     ffn_expert_impl: str = "auto"
     bias: bool = True
     scale_embeddings: bool = True
@@ -382,6 +384,7 @@ class ModelConfig:
         v = self.ffn_load_balance_weight
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
             raise ValueError(f"ffn_load_balance_weight must be a non-negative number, got {v!r}")
+        _choice("ffn_load_balance_fractions", self.ffn_load_balance_fractions, LOAD_BALANCE_FRACTIONS)
         _choice("ffn_expert_impl", self.ffn_expert_impl, EXPERT_IMPLS)
         _fraction("dropout", self.dropout)
         _fraction("activation_dropout", self.activation_dropout)

@@ -211,7 +211,8 @@ class MixtureOfSwiGLUExperts(nn.Module):
     ``output_experts[i]`` is ``W2^i`` (``ffn_dim x d_model``); the grouped matmuls are
     :func:`headmix.kernels.expert_map` / :func:`~headmix.kernels.expert_reduce`, as MoA's, so each token
     costs ``3 k d_model ffn_dim`` MACs. The auxiliary loss is the load-balancing loss (MoA eq. 13-15) weighted
-    by ``ffn_load_balance_weight``. ``forward(x, token_mask)`` returns an :class:`AttentionOutput` (the
+    by ``ffn_load_balance_weight`` (``ffn_load_balance_fractions="per_token"``: JetMoe's fractions, ``k`` times
+    the default's). ``forward(x, token_mask)`` returns an :class:`AttentionOutput` (the
     shared output type: ``output``, ``aux_loss``, ``routing``)."""
 
     def __init__(self, config: ModelConfig):
@@ -219,6 +220,7 @@ class MixtureOfSwiGLUExperts(nn.Module):
         d, f, e, k = config.d_model, config.ffn_dim, config.ffn_experts, config.ffn_top_k
         self.num_experts, self.top_k, self.ffn_dim = e, k, f
         self.load_balance_weight = config.ffn_load_balance_weight
+        self.load_balance_fractions = config.ffn_load_balance_fractions
         self.expert_impl = config.ffn_expert_impl
         self.router = TopKRouter(d, e, k, renormalize="live")
         self.input_experts = nn.Parameter(torch.empty(e, d, 2 * f))
@@ -242,7 +244,7 @@ class MixtureOfSwiGLUExperts(nn.Module):
                           impl=self.expert_impl).view(batch, time, dim)
         if self.out_bias is not None:
             y = y + self.out_bias.to(y.dtype)
-        lb = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask)
+        lb = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask, self.load_balance_fractions)
         return AttentionOutput(y, self.load_balance_weight * lb, routing=routing, losses={"load_balance": lb})
 
 
