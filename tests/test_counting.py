@@ -10,15 +10,16 @@ import pytest
 from headmix.attention import MixtureOfAttentionHeads, MultiHeadAttention
 from headmix.models import analytic_macs, analytic_parameters, build_model, count_parameters, get_config, measure_macs
 from headmix.models.counting import attention_macs, attention_parameters
-from headmix.models.presets import PAPER_MLM, PAPER_TRANSLATION
+from headmix.models.presets import PAPER_MLM, PAPER_TRANSLATION, PRESETS
 
 CPU_PRESETS = [(n, t) for n in ("tiny-mha", "tiny-moa", "tiny-moh", "tiny-talking-heads", "tiny-switchhead", "mini-mha",
                                 "mini-moa", "mini-switchhead", "small-mha", "small-moa")
                for t in ("translation", "mlm", "lm")]
 PAPER_PRESETS = [(n, "translation") for n in PAPER_TRANSLATION] + [(n, "mlm") for n in PAPER_MLM]
+LLAMA_PRESETS = [(n, "lm") for n in PRESETS if n.startswith("llama-")]
 
 
-@pytest.mark.parametrize("name,task", CPU_PRESETS + PAPER_PRESETS)
+@pytest.mark.parametrize("name,task", CPU_PRESETS + PAPER_PRESETS + LLAMA_PRESETS)
 def test_parameter_count_is_exact(name, task):
     cfg = get_config(name, task=task)
     model = build_model(cfg, device="meta")  # shapes only: the big presets cost nothing
@@ -84,7 +85,7 @@ def _assert_measured_equals_analytic(name, task, **lengths):
     assert measured == analytic.full  # per component, exactly (LayerNorm, softmax: counted by neither)
 
 
-@pytest.mark.parametrize("name,task", CPU_PRESETS + PAPER_PRESETS)
+@pytest.mark.parametrize("name,task", CPU_PRESETS + PAPER_PRESETS + LLAMA_PRESETS)
 def test_measured_macs_equal_analytic(name, task):
     """Every preset at the Appendix E sizes, the paper's at their real vocabularies (the big ones are
     built on the meta device and materialised with zero weights: ~1 s each)."""
@@ -146,6 +147,31 @@ def test_cli_macs(capsys):
     assert "| MoA 8K32E256D | translation | 8 | 32 | 256 |" in table
     assert main(["macs", "16K8E64D"]) == 2
     assert "top_k K=16 exceeds num_experts E=8 in '16K8E64D'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("ffn", ["mlp", "swiglu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_llama_style_options_counted(norm_type, ffn, bias):
+    """Parameters exact and MACs equal to the measured count for every combination of the new options, in
+    every task (rotary positions too: elementwise, counted by neither side)."""
+    for task in ("translation", "mlm", "lm"):
+        cfg = get_config("tiny-moh", task=task).replace(norm_type=norm_type, ffn=ffn, bias=bias, positions="rotary",
+                                                        embedding_norm=True)
+        assert analytic_parameters(cfg).total == count_parameters(build_model(cfg, device="meta"))
+        assert measure_macs(cfg) == analytic_macs(cfg).full
+
+
+def test_swiglu_and_rmsnorm_formulas():
+    """SwiGLU is three d_m x d_ffn matrices (3 T d_m d_ffn MACs), RMSNorm has a gain and no bias."""
+    cfg = get_config("llama-tiny-mha")
+    d, f, t, n = 64, 176, 128, 2
+    assert analytic_macs(cfg).full["decoder.ffn"] == n * 3 * t * d * f
+    params = analytic_parameters(cfg)
+    assert params.full["decoder.ffn"] == n * 3 * d * f
+    assert params.full["decoder.norms"] == (2 * n + 1) * d  # two per layer and the final one, gain only
+    mlp = analytic_parameters(get_config("tiny-mha", task="lm"))
+    assert mlp.full["decoder.ffn"] == n * (2 * d * 256 + 256 + d) and mlp.full["decoder.norms"] == (2 * n + 1) * 2 * d
 
 
 @pytest.mark.parametrize("task", ["translation", "lm"])

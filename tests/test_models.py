@@ -64,7 +64,7 @@ def test_config_json_round_trip(name, task, tmp_path):
     (dict(d_model=0), "d_model"),
     (dict(vocab_size=-3), "vocab_size"),
     (dict(norm="middle"), "norm"),
-    (dict(positions="rotary"), "positions"),
+    (dict(positions="alibi"), "positions"),
     (dict(activation="tanh"), "activation"),
     (dict(dropout=1.0), "dropout"),
     (dict(label_smoothing=-0.1), "label_smoothing"),

@@ -2,7 +2,7 @@
 
 from .config import AttentionConfig, ModelConfig
 from .counting import Count, analytic_macs, analytic_parameters, count_parameters, measure_macs
-from .generation import GenerationOutput, beam_search, greedy_decode
+from .generation import GenerationOutput, beam_search, cache_bytes_per_token, greedy_decode
 from .presets import PRESETS, get_config, list_presets, parse_moa_name
 from .transformer import (
     CausalLanguageModel,
@@ -23,7 +23,7 @@ __all__ = [
     "EncoderDecoderModel", "MaskedLanguageModel", "CausalLanguageModel", "PreTrainedModel",
     "TransformerEncoder", "TransformerDecoder", "EncoderOutput", "DecoderState", "ModelOutput",
     "build_model", "load_pretrained",
-    "greedy_decode", "beam_search", "GenerationOutput",
+    "greedy_decode", "beam_search", "GenerationOutput", "cache_bytes_per_token",
     "PRESETS", "get_config", "list_presets", "parse_moa_name",
     "Count", "count_parameters", "analytic_parameters", "analytic_macs", "measure_macs",
 ]

@@ -23,8 +23,13 @@ from ..routing.losses import LOAD_BALANCE_FRACTIONS
 ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead")
 TASKS = ("translation", "mlm", "lm")
 NORMS = ("pre", "post")
-POSITIONS = ("sinusoidal", "learned")
+NORM_TYPES = ("layernorm", "rmsnorm")
+POSITIONS = ("sinusoidal", "learned", "rotary")
 ACTIVATIONS = ("relu", "gelu")
+FFN_KINDS = ("mlp", "swiglu", "moe_swiglu")
+#: The self-attention roles that get rotary position embeddings with ``positions="rotary"`` (cross-attention
+#: compares positions of two different sequences: it stays without rotary).
+ROTARY_ROLES = ("encoder_self_attention", "decoder_self_attention")
 EXPERT_IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
 
 # Fields that only mean something for some kinds; they must be None (unset) for the others.
@@ -277,8 +282,20 @@ class ModelConfig:
     > 0, MLM only ``encoder_layers``, LM only ``decoder_layers``. Attention roles the task does not have
     stay ``None``; the ones it has default to 8-head MHA.
 
-    ``norm``: ``"post"`` (Vaswani et al., fairseq's default) or ``"pre"`` (adds a final LayerNorm to the
-    encoder and decoder stacks). ``positions``: ``"sinusoidal"`` or ``"learned"``, up to ``max_positions``.
+    ``norm``: ``"post"`` (Vaswani et al., fairseq's default) or ``"pre"`` (adds a final norm to the
+    encoder and decoder stacks). ``norm_type``: ``"layernorm"`` or ``"rmsnorm"`` (Zhang & Sennrich 2019,
+    ``x / sqrt(mean(x^2) + eps) * g``, as Llama; ``torch.nn.RMSNorm``), both with epsilon ``norm_eps``.
+    ``positions``: ``"sinusoidal"`` or ``"learned"`` (added to the embeddings, up to ``max_positions``), or
+    ``"rotary"``: no absolute positions; the self-attention configs get ``rotary=True`` (RoFormer, Su et al.
+    2021; their ``rotary_base`` / ``rotary_fraction`` apply), cross-attention stays without. With absolute
+    positions the attention configs are left as given (rotary on top of them is allowed).
+    ``ffn``: ``"mlp"`` (``fc2(act(fc1 x))``, ``activation``), ``"swiglu"`` (Shazeer 2020, as Llama:
+    ``down(silu(gate x) * up x)``) or ``"moe_swiglu"``: a mixture of ``ffn_experts`` SwiGLU experts of width
+    ``ffn_dim``, ``ffn_top_k`` per token (JetMoE's MoE layer; router weights ``softmax`` over the top-k logits,
+    load-balancing loss weighted by ``ffn_load_balance_weight`` with ``ffn_load_balance_fractions`` as the
+    attention's ``load_balance_fractions``, grouped kernel ``ffn_expert_impl``).
+    ``bias``: biases of the feed-forward linears (for ``moe_swiglu`` one output bias, as JetMoE) and of
+    LayerNorm (Llama has none); the attention layers' biases are set in each ``AttentionConfig``.
     ``scale_embeddings`` multiplies token embeddings by ``sqrt(d_model)`` (fairseq); ``embedding_norm``
     adds a LayerNorm after the embeddings (RoBERTa). ``share_embeddings`` ties the token embeddings of
     encoder, decoder and the output projection (one joint vocabulary). ``dropout`` is the residual and
@@ -296,11 +313,20 @@ class ModelConfig:
     decoder_self_attention: AttentionConfig | None = None
     cross_attention: AttentionConfig | None = None
     norm: str = "post"
+    norm_type: str = "layernorm"
+    norm_eps: float = 1e-5
     positions: str = "sinusoidal"
     max_positions: int = 1024
     dropout: float = 0.1
     activation_dropout: float = 0.0
     activation: str = "relu"
+    ffn: str = "mlp"
+    ffn_experts: int | None = None
+    ffn_top_k: int | None = None
+    ffn_load_balance_weight: float = 0.01
+    ffn_load_balance_fractions: str = "normalized"
+    ffn_expert_impl: str = "auto"
+    bias: bool = True
     scale_embeddings: bool = True
     embedding_norm: bool = False
     share_embeddings: bool = True
@@ -318,7 +344,10 @@ class ModelConfig:
                 value = AttentionConfig.from_dict(value, role)
                 setattr(self, role, value)
             if role in roles and value is None:
-                setattr(self, role, AttentionConfig(kind="mha", num_heads=8))
+                value = AttentionConfig(kind="mha", num_heads=8)
+                setattr(self, role, value)
+            if self.positions == "rotary" and role in ROTARY_ROLES and value is not None and not value.rotary:
+                setattr(self, role, dataclasses.replace(value, rotary=True))  # a copy: the caller's stays as given
         self.validate()
 
     def attention_roles(self) -> tuple[str, ...]:
@@ -354,12 +383,38 @@ class ModelConfig:
                 raise ValueError(f"{role} must be an AttentionConfig, got {type(value).__name__}")
             value.validate(self.d_model, role)
         _choice("norm", self.norm, NORMS)
+        _choice("norm_type", self.norm_type, NORM_TYPES)
+        if not isinstance(self.norm_eps, (int, float)) or isinstance(self.norm_eps, bool) or not 0 < self.norm_eps < 1:
+            raise ValueError(f"norm_eps must be a number in (0, 1), got {self.norm_eps!r}")
         _choice("positions", self.positions, POSITIONS)
+        if self.positions == "rotary":
+            for role in ROTARY_ROLES:
+                att = getattr(self, role)
+                if att is not None and not att.rotary:
+                    raise ValueError(f"{role}.rotary must be True with positions='rotary' (the only position "
+                                     f"information is the attention's rotary embedding)")
         _choice("activation", self.activation, ACTIVATIONS)
+        _choice("ffn", self.ffn, FFN_KINDS)
+        if self.ffn == "moe_swiglu":
+            for name in ("ffn_experts", "ffn_top_k"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"{name} is required with ffn='moe_swiglu'")
+                _positive_int(name, getattr(self, name))
+            if self.ffn_top_k > self.ffn_experts:
+                raise ValueError(f"ffn_top_k ({self.ffn_top_k}) exceeds ffn_experts ({self.ffn_experts})")
+        else:
+            for name in ("ffn_experts", "ffn_top_k"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to ffn='moe_swiglu' only; it must be unset (None) with ffn={self.ffn!r}")
+        v = self.ffn_load_balance_weight
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"ffn_load_balance_weight must be a non-negative number, got {v!r}")
+        _choice("ffn_load_balance_fractions", self.ffn_load_balance_fractions, LOAD_BALANCE_FRACTIONS)
+        _choice("ffn_expert_impl", self.ffn_expert_impl, EXPERT_IMPLS)
         _fraction("dropout", self.dropout)
         _fraction("activation_dropout", self.activation_dropout)
         _fraction("label_smoothing", self.label_smoothing)
-        for name in ("scale_embeddings", "embedding_norm", "share_embeddings"):
+        for name in ("scale_embeddings", "embedding_norm", "share_embeddings", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("pad_id", "bos_id", "eos_id"):

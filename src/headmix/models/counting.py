@@ -4,8 +4,10 @@ Three numbers per model:
 
 - ``full``: every multiply-accumulate of the model's matrix products, from the config alone. Attention
   costs both ``Q K^T`` *and* ``softmax(.) V``, i.e. ``2 T S d`` per head dimension; projections,
-  routers, FFN, LM head and output projection are counted; embeddings are lookups (0 MACs). Element-wise
-  work (softmax, LayerNorm, activations, residual adds, biases, MoA's gate scaling) is not counted.
+  routers, FFN (two matmuls for the MLP, three for SwiGLU), LM head and output projection are counted;
+  embeddings are lookups (0 MACs). Element-wise work (softmax, LayerNorm / RMSNorm, activations and the
+  SwiGLU gate product, rotary position embeddings, residual adds, biases, MoA's gate scaling) is not
+  counted, as in ptflops / fvcore-style counts of matrix products.
 - ``paper``: the same, except that each attention layer is costed by the paper's formula as printed:
   eq. 18 ``C_MoA = k T^2 d_h + 2(k+1) T d_h d_m`` (one ``T^2`` term, router aside) and eq. 19
   ``C_MHA = T^2 d_m + 4 T d_m^2``. For cross-attention ``T^2`` becomes ``T S`` and the projection term
@@ -130,6 +132,26 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------
 # Whole models
 # --------------------------------------------------------------------------------------------------
+def ffn_macs(config: ModelConfig, tokens: int) -> int:
+    """MACs of one feed-forward sublayer over ``tokens`` tokens: MLP ``2 T d_m d_ffn``, SwiGLU
+    ``3 T d_m d_ffn``, mixture of SwiGLU experts ``T d_m E`` (router) ``+ 3 k T d_m d_ffn``."""
+    d, f = config.d_model, config.ffn_dim
+    if config.ffn == "moe_swiglu":
+        return tokens * d * config.ffn_experts + 3 * config.ffn_top_k * tokens * d * f
+    return (3 if config.ffn == "swiglu" else 2) * tokens * d * f
+
+
+def ffn_parameters(config: ModelConfig) -> int:
+    """Parameters of one feed-forward sublayer: MLP ``2 d_m d_ffn`` (+ ``d_ffn + d_m`` biases), SwiGLU
+    ``3 d_m d_ffn`` (+ ``2 d_ffn + d_m``), mixture of SwiGLU experts ``3 E d_m d_ffn + d_m E`` (+ ``d_m``)."""
+    d, f = config.d_model, config.ffn_dim
+    if config.ffn == "moe_swiglu":
+        return 3 * config.ffn_experts * d * f + d * config.ffn_experts + (d if config.bias else 0)
+    if config.ffn == "swiglu":
+        return 3 * d * f + ((2 * f + d) if config.bias else 0)
+    return 2 * d * f + ((f + d) if config.bias else 0)
+
+
 def resolve_lengths(config: ModelConfig, src_len: int | None = None, tgt_len: int | None = None) -> tuple[int | None, int | None]:
     """``(src_len, tgt_len)`` with Appendix E's defaults; ``None`` for the side a task does not have."""
     default_src, default_tgt = APPENDIX_E_LENGTHS[config.task]
@@ -152,10 +174,10 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
     ``src_len`` is the encoder's input length (translation, masked LM), ``tgt_len`` the decoder's
     (translation, causal LM); defaults are Appendix E's (10 and 10 for translation, 128 for the LMs).
     Per layer: FFN ``2 T d_m d_ffn``; output projection ``T d_m V``; RoBERTa LM head ``T d_m^2``; attention
-    by :func:`attention_macs`.
+    by :func:`attention_macs`; FFN by :func:`ffn_macs` (SwiGLU: gate, up and down projections).
     """
     src, tgt = resolve_lengths(config, src_len, tgt_len)
-    d, f, v = config.d_model, config.ffn_dim, config.vocab_size
+    d, v = config.d_model, config.vocab_size
     full: dict[str, int] = {"embeddings": 0}
     paper: dict[str, int] = {"embeddings": 0}
 
@@ -166,7 +188,7 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
     if config.encoder_layers:
         a_full, a_paper = attention_macs(config.encoder_self_attention, d, src, src)
         add("encoder.self_attention", config.encoder_layers * a_full, config.encoder_layers * a_paper)
-        add("encoder.ffn", config.encoder_layers * 2 * src * d * f)
+        add("encoder.ffn", config.encoder_layers * ffn_macs(config, src))
     if config.decoder_layers:
         n = config.decoder_layers
         a_full, a_paper = attention_macs(config.decoder_self_attention, d, tgt, tgt)
@@ -174,7 +196,7 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
         if config.cross_attention is not None:
             c_full, c_paper = attention_macs(config.cross_attention, d, tgt, src)
             add("decoder.cross_attention", n * c_full, n * c_paper)
-        add("decoder.ffn", n * 2 * tgt * d * f)
+        add("decoder.ffn", n * ffn_macs(config, tgt))
     out_len = src if tgt is None else tgt  # the decoder's tokens, or the encoder's for the masked LM
     if tgt is None:  # the masked LM's RoBERTa head
         add("lm_head", out_len * d * d)
@@ -185,7 +207,7 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
 def analytic_parameters(config: ModelConfig) -> Count:
     """Parameters per component, exact (``full``, equal to :func:`count_parameters` of the built model)
     and with attention by eq. 20 (``paper``)."""
-    d, f, v = config.d_model, config.ffn_dim, config.vocab_size
+    d, v = config.d_model, config.vocab_size
     full: dict[str, int] = {}
     paper: dict[str, int] = {}
 
@@ -198,7 +220,7 @@ def analytic_parameters(config: ModelConfig) -> Count:
     add("embeddings", v * d * (1 if config.share_embeddings else len(stacks)))
     if config.positions == "learned":
         add("positions", len(stacks) * config.max_positions * d)
-    layer_norm = 2 * d
+    layer_norm = d if config.norm_type == "rmsnorm" or not config.bias else 2 * d  # gain (+ bias)
     for stack in stacks:
         n = getattr(config, f"{stack}_layers")
         roles = ["self_attention"] + (["cross_attention"] if stack == "decoder" and config.cross_attention else [])
@@ -206,11 +228,11 @@ def analytic_parameters(config: ModelConfig) -> Count:
             att = getattr(config, f"{stack}_{role}" if role == "self_attention" else role)
             a_full, a_paper = attention_parameters(att, d)
             add(f"{stack}.{role}", n * a_full, n * a_paper)
-        add(f"{stack}.ffn", n * (2 * d * f + f + d))
+        add(f"{stack}.ffn", n * ffn_parameters(config))
         norms = n * (len(roles) + 1) + int(config.norm == "pre") + int(config.embedding_norm)
         add(f"{stack}.norms", norms * layer_norm)
     if not config.decoder_layers:  # encoder only: the masked LM, with its RoBERTa head
-        add("lm_head", d * d + d + layer_norm + v)  # dense, its bias, LayerNorm, output bias
+        add("lm_head", d * d + d + 2 * d + v)  # dense, its bias, LayerNorm (always with a bias), output bias
     if not config.share_embeddings:
         add("output_projection", v * d)
     return Count(full, paper)
@@ -237,9 +259,9 @@ def _flop_counter():
 
 
 def with_sorted_experts(config: ModelConfig) -> ModelConfig:
-    """A copy whose MoA and SwitchHead layers use ``expert_impl="sorted"`` (exactly ``k`` expert
-    projections per token)."""
-    changes = {}
+    """A copy whose MoA and SwitchHead layers (and mixture-of-experts FFN) use ``expert_impl="sorted"``
+    (exactly ``k`` expert projections per token)."""
+    changes = {"ffn_expert_impl": "sorted"} if config.ffn == "moe_swiglu" else {}
     for role in config.attention_roles():
         att = getattr(config, role)
         if att.kind in ("moa", "switchhead"):

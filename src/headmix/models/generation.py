@@ -83,6 +83,18 @@ class _Prefix:
         self.tokens = torch.cat([self.tokens, tokens[:, None]], dim=1)
 
 
+def cache_bytes_per_token(model: CausalLanguageModel, input_ids: Tensor) -> float:
+    """Bytes the KV caches of a causal LM hold per token (all layers together), measured from the real
+    caches (:attr:`KVCache.nbytes <headmix.attention.KVCache.nbytes>`) after one forward pass of
+    ``input_ids`` ``(batch, time)`` with ``use_cache=True``."""
+    if not isinstance(model, CausalLanguageModel):
+        raise ValueError(f"model must be a CausalLanguageModel, got {type(model).__name__}")
+    _check(model, input_ids, 1)
+    with _eval_mode(model):
+        state = model(input_ids, use_cache=True).state
+    return state.nbytes / input_ids.numel()
+
+
 def _check(model: PreTrainedModel, src: Tensor, max_len: int) -> None:
     if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
         raise ValueError(f"src must be a (batch, length) long tensor of token ids, got "

@@ -12,6 +12,11 @@ CPU work.
   ``tiny-switchhead`` (d_model 64, 2 (+2) layers), and two MHA / MoA pairs of nearly equal MACs: ``mini-*``
   (d_model 128, 3 (+3) layers; the demo's; ``mini-switchhead`` too) and ``small-*`` (d_model 256, 3 (+3)
   layers).
+- Llama-style decoders (task ``lm`` only): pre-norm RMSNorm, SwiGLU, rotary positions, no biases, untied
+  output projection, no dropout: ``llama-tiny-{mha,moa,moh,talking-heads}`` (d_model 64, 2 layers),
+  ``llama-mini-{mha,moa,moh}`` (d_model 128, 3 layers), ``llama-tiny-moa-kv2`` (MoA with 2 grouped K/V
+  heads, JetMoE's attention) and the JetMoE-style ``llama-{tiny,mini}-jetmoe`` (MoA attention and a
+  mixture of SwiGLU experts).
 
 :func:`get_config` takes a preset name, a ``{K}K{E}E{D}D`` string or a path to a JSON config.
 """
@@ -111,6 +116,58 @@ def _small(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
     return lambda task, vocab: cpu_model(task, attention, vocab, d_model=256, ffn_dim=1024, layers=3, max_positions=512)
 
 
+def llama_ffn_dim(d_model: int, multiple_of: int = 16) -> int:
+    """Llama's SwiGLU width: ``2/3 * 4 d_model`` (the parameters of a ``4 d_model`` MLP in three matrices),
+    rounded up to a multiple of ``multiple_of``."""
+    return -(-(8 * d_model // 3) // multiple_of) * multiple_of
+
+
+def llama_model(attention: AttentionConfig, vocab_size: int, *, d_model: int, layers: int,
+                max_positions: int, ffn_dim: int | None = None, share_embeddings: bool = False,
+                **changes) -> ModelConfig:
+    """A Llama-style decoder (Touvron et al. 2023): pre-norm with RMSNorm (eps 1e-5) and a final norm,
+    SwiGLU feed-forward of width :func:`llama_ffn_dim`, rotary positions (base 10000) in the attention,
+    no biases anywhere (the attention's too, unless its ``q_bias``/``kv_bias``/``out_bias`` say otherwise),
+    no embedding scaling, no dropout, untied output projection (Llama 2/3 8B; ``share_embeddings=True`` ties
+    it as the small Llama 3.2 models do). ``changes`` override other :class:`ModelConfig` fields."""
+    attention = dataclasses.replace(attention, bias=False, rotary=True)
+    fields = dict(task="lm", vocab_size=vocab_size, d_model=d_model, ffn_dim=ffn_dim or llama_ffn_dim(d_model),
+                  encoder_layers=0, decoder_layers=layers, decoder_self_attention=attention, norm="pre",
+                  norm_type="rmsnorm", norm_eps=1e-5, positions="rotary", max_positions=max_positions,
+                  dropout=0.0, activation_dropout=0.0, ffn="swiglu", bias=False, scale_embeddings=False,
+                  embedding_norm=False, share_embeddings=share_embeddings, label_smoothing=0.0)
+    fields.update(changes)
+    return ModelConfig(**fields)
+
+
+def jetmoe_attention(top_k: int, num_experts: int, head_dim: int, kv_heads: int) -> AttentionConfig:
+    """JetMoE's MoA (Shen et al. 2024): ``kv_heads`` grouped K/V heads, gates a softmax over the top-k
+    logits (``renormalize="live"``), an output bias only, no z-loss."""
+    return AttentionConfig(kind="moa", top_k=top_k, num_experts=num_experts, head_dim=head_dim, kv_heads=kv_heads,
+                           renormalize="live", kv_bias=False, out_bias=True, z_loss_weight=0.0)
+
+
+def jetmoe_model(vocab_size: int, *, d_model: int, layers: int, max_positions: int, top_k: int, num_experts: int,
+                 head_dim: int, kv_heads: int) -> ModelConfig:
+    """A JetMoE-style decoder: :func:`llama_model` with :func:`jetmoe_attention` and the same ``top_k`` of
+    ``num_experts`` SwiGLU experts in the feed-forward (``ffn="moe_swiglu"``, width
+    ``llama_ffn_dim(d_model) / top_k`` each, so a token's FFN costs what the dense SwiGLU's does, plus an
+    output bias), RMSNorm eps 1e-6 and tied embeddings, as JetMoE; converts to and from Hugging Face
+    ``JetMoeForCausalLM`` (:mod:`headmix.interop.jetmoe`)."""
+    return llama_model(jetmoe_attention(top_k, num_experts, head_dim, kv_heads), vocab_size, d_model=d_model,
+                       layers=layers, max_positions=max_positions, ffn_dim=llama_ffn_dim(d_model) // top_k,
+                       share_embeddings=True, ffn="moe_swiglu", ffn_experts=num_experts, ffn_top_k=top_k, bias=True,
+                       norm_eps=1e-6)
+
+
+def _llama_tiny(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
+    return lambda task, vocab: llama_model(attention, vocab, d_model=64, layers=2, max_positions=256)
+
+
+def _llama_mini(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]:
+    return lambda task, vocab: llama_model(attention, vocab, d_model=128, layers=3, max_positions=512)
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -140,6 +197,10 @@ def switchhead(num_heads: int, num_experts: int, top_k: int, head_dim: int, drop
                            head_dim=head_dim, dropout=dropout, bias=False)
 
 
+#: MoH of the tiny and mini presets: 4 heads, 1 shared, top 2 of the 3 routed.
+MOH_4_HEADS = AttentionConfig(kind="moh", num_heads=4, num_shared_heads=1, top_k=2)
+TALKING_HEADS_4 = AttentionConfig(kind="talking_heads", num_heads=4)
+
 _PRESETS = [
     Preset("transformer-base", ("translation",), None, lambda t, v: transformer_base(v),
            "Transformer base: d 512, FFN 2048, 8 heads, 6+6 layers"),
@@ -153,10 +214,9 @@ _PRESETS = [
            "RoBERTa medium: d 512, FFN 2048, 8 heads, 8 layers"),
     Preset("tiny-mha", TASKS, 1000, _tiny(mha(4)), "d 64, FFN 256, 2(+2) layers, MHA 4 heads of 16"),
     Preset("tiny-moa", TASKS, 1000, _tiny(moa(2, 4, 32)), "d 64, FFN 256, 2(+2) layers, MoA 2K4E32D"),
-    Preset("tiny-moh", TASKS, 1000,
-           _tiny(AttentionConfig(kind="moh", num_heads=4, num_shared_heads=1, top_k=2)),
+    Preset("tiny-moh", TASKS, 1000, _tiny(MOH_4_HEADS),
            "d 64, FFN 256, 2(+2) layers, MoH 4 heads of 16 (1 shared, top 2 of 3 routed)"),
-    Preset("tiny-talking-heads", TASKS, 1000, _tiny(AttentionConfig(kind="talking_heads", num_heads=4)),
+    Preset("tiny-talking-heads", TASKS, 1000, _tiny(TALKING_HEADS_4),
            "d 64, FFN 256, 2(+2) layers, Talking-Heads 4 heads of 16 (pre and post softmax)"),
     Preset("tiny-switchhead", TASKS, 1000, _tiny(switchhead(*TINY_SWITCHHEAD)),
            "d 64, FFN 256, 2(+2) layers, SwitchHead {} heads of {}, top {} of {} V/O experts".format(
@@ -170,6 +230,30 @@ _PRESETS = [
     Preset("small-mha", TASKS, SMALL_VOCAB, _small(mha(4)), "d 256, FFN 1024, 3(+3) layers, MHA 4 heads of 64"),
     Preset("small-moa", TASKS, SMALL_VOCAB, _small(moa(*SMALL_MOA)),
            "d 256, FFN 1024, 3(+3) layers, MoA {}K{}E{}D".format(*SMALL_MOA)),
+    Preset("llama-tiny-mha", ("lm",), 1000, _llama_tiny(mha(4)),
+           "Llama-style d 64, SwiGLU 176, 2 layers, MHA 4 heads of 16"),
+    Preset("llama-tiny-moa", ("lm",), 1000, _llama_tiny(moa(2, 4, 32)),
+           "Llama-style d 64, SwiGLU 176, 2 layers, MoA 2K4E32D"),
+    Preset("llama-tiny-moh", ("lm",), 1000, _llama_tiny(MOH_4_HEADS),
+           "Llama-style d 64, SwiGLU 176, 2 layers, MoH 4 heads of 16 (1 shared, top 2 of 3 routed)"),
+    Preset("llama-tiny-talking-heads", ("lm",), 1000, _llama_tiny(TALKING_HEADS_4),
+           "Llama-style d 64, SwiGLU 176, 2 layers, Talking-Heads 4 heads of 16"),
+    Preset("llama-mini-mha", ("lm",), SMALL_VOCAB, _llama_mini(mha(4)),
+           "Llama-style d 128, SwiGLU 352, 3 layers, MHA 4 heads of 32"),
+    Preset("llama-mini-moa", ("lm",), SMALL_VOCAB, _llama_mini(moa(*MINI_MOA)),
+           "Llama-style d 128, SwiGLU 352, 3 layers, MoA {}K{}E{}D".format(*MINI_MOA)),
+    Preset("llama-mini-moh", ("lm",), SMALL_VOCAB, _llama_mini(MOH_4_HEADS),
+           "Llama-style d 128, SwiGLU 352, 3 layers, MoH 4 heads of 32 (1 shared, top 2 of 3 routed)"),
+    Preset("llama-tiny-moa-kv2", ("lm",), 1000, _llama_tiny(jetmoe_attention(2, 4, 16, 2)),
+           "Llama-style d 64, SwiGLU 176, 2 layers, MoA 2K4E16D with 2 K/V heads (JetMoE's attention)"),
+    Preset("llama-tiny-jetmoe", ("lm",), 1000,
+           lambda task, vocab: jetmoe_model(vocab, d_model=64, layers=2, max_positions=256, top_k=2, num_experts=4,
+                                            head_dim=16, kv_heads=2),
+           "JetMoE-style d 64, 2 layers, MoA 2K4E16D with 2 K/V heads, top 2 of 4 SwiGLU experts of 88"),
+    Preset("llama-mini-jetmoe", ("lm",), SMALL_VOCAB,
+           lambda task, vocab: jetmoe_model(vocab, d_model=128, layers=3, max_positions=512, top_k=2, num_experts=8,
+                                            head_dim=32, kv_heads=2),
+           "JetMoE-style d 128, 3 layers, MoA 2K8E32D with 2 K/V heads, top 2 of 8 SwiGLU experts of 176"),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
 
@@ -228,7 +312,7 @@ def get_config(name_or_path: str | Path, task: str | None = None, vocab_size: in
         if task in MOA_STRING_MODELS:
             return MOA_STRING_MODELS[task](vocab_size or DEFAULT_VOCAB[task], k, e, d)
         raise ValueError(f"{MOA_PATTERN_TEXT} strings name translation or mlm models, not task {task!r}; "
-                         f"for a causal LM use tiny-moa / small-moa or a JSON config")
+                         f"for a causal LM use tiny-moa / small-moa / llama-tiny-moa / llama-mini-moa or a JSON config")
     if name.endswith(".json") or Path(name).is_file():
         path = Path(name)
         if not path.is_file():

@@ -4,7 +4,9 @@
   vocabulary whose embedding is shared by the encoder, the decoder and the output projection.
 - :class:`MaskedLanguageModel`: an encoder with RoBERTa's LM head (dense, activation, LayerNorm, tied
   output projection plus a bias).
-- :class:`CausalLanguageModel`: a decoder without cross-attention.
+- :class:`CausalLanguageModel`: a decoder without cross-attention; with ``norm_type="rmsnorm"``,
+  ``ffn="swiglu"`` (or ``"moe_swiglu"``), ``positions="rotary"`` and no biases it is a Llama-style (or
+  JetMoE-style) decoder.
 
 Every attention layer (encoder self-attention, decoder self-attention, cross-attention) is built from
 its :class:`~headmix.models.config.AttentionConfig`, so any of MHA, MoA, MoH and Talking-Heads can sit
@@ -26,7 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import AttentionOutput, KVCache
-from ..routing import Routing
+from ..attention.moa import autocast_dtype
+from ..kernels import expert_map, expert_reduce, expert_routing
+from ..routing import Routing, TopKRouter, load_balancing_loss
 from .config import ModelConfig, atomic_write_text
 
 CONFIG_NAME = "config.json"
@@ -119,22 +123,31 @@ def sinusoidal_table(num_positions: int, dim: int) -> Tensor:
     return table
 
 
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The model's normalisation layer: ``nn.LayerNorm`` (with a bias when ``config.bias``) or
+    ``nn.RMSNorm`` (``x / sqrt(mean(x^2) + eps) * g``, no bias), both with ``eps = config.norm_eps``."""
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
 class Embeddings(nn.Module):
     """Token embedding (scaled by ``sqrt(d_model)`` as in fairseq when ``scale_embeddings``) plus
-    positions, an optional LayerNorm (RoBERTa) and dropout. ``tokens`` is the shared ``nn.Embedding``."""
+    absolute positions (none with ``positions="rotary"``: the attention layers rotate queries and keys),
+    an optional norm (RoBERTa) and dropout. ``tokens`` is the shared ``nn.Embedding``."""
 
     def __init__(self, config: ModelConfig, tokens: nn.Embedding):
         super().__init__()
         self.tokens = tokens
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
         self.max_positions = config.max_positions
+        self.positions = None
         if config.positions == "learned":
             self.positions = nn.Embedding(config.max_positions, config.d_model)
             nn.init.normal_(self.positions.weight, std=config.d_model ** -0.5)
-        else:
-            self.positions = None
-            self.register_buffer("sinusoids", sinusoidal_table(config.max_positions, config.d_model), persistent=False)
-        self.norm = nn.LayerNorm(config.d_model) if config.embedding_norm else None
+        sinusoids = sinusoidal_table(config.max_positions, config.d_model) if config.positions == "sinusoidal" else None
+        self.register_buffer("sinusoids", sinusoids, persistent=False)
+        self.norm = make_norm(config) if config.embedding_norm else None
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
@@ -144,7 +157,7 @@ class Embeddings(nn.Module):
         x = self.tokens(ids) * self.scale
         if self.positions is not None:
             x = x + self.positions.weight[offset:offset + length]
-        else:
+        elif self.sinusoids is not None:
             x = x + self.sinusoids[offset:offset + length].to(x.dtype)
         if self.norm is not None:
             x = self.norm(x)
@@ -156,26 +169,110 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.d_model, config.ffn_dim)
-        self.fc2 = nn.Linear(config.ffn_dim, config.d_model)
+        self.fc1 = nn.Linear(config.d_model, config.ffn_dim, bias=config.bias)
+        self.fc2 = nn.Linear(config.ffn_dim, config.d_model, bias=config.bias)
         self.activation = F.relu if config.activation == "relu" else F.gelu
         self.dropout = nn.Dropout(config.activation_dropout)
         for fc in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(fc.weight)
-            nn.init.zeros_(fc.bias)
+            if fc.bias is not None:
+                nn.init.zeros_(fc.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.dropout(self.activation(self.fc1(x))))
 
 
+class SwiGLU(nn.Module):
+    """The gated feed-forward of Llama (Shazeer 2020, "GLU Variants Improve Transformer", FFN_SwiGLU):
+    ``W2 (dropout(silu(x W1) * x W3))`` with ``W1 = gate_proj``, ``W3 = up_proj``, ``W2 = down_proj``
+    (Llama's names): three matrix products, ``3 T d_model ffn_dim`` MACs."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.ffn_dim, bias=config.bias)
+        self.up_proj = nn.Linear(config.d_model, config.ffn_dim, bias=config.bias)
+        self.down_proj = nn.Linear(config.ffn_dim, config.d_model, bias=config.bias)
+        self.dropout = nn.Dropout(config.activation_dropout)
+        for fc in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.xavier_uniform_(fc.weight)
+            if fc.bias is not None:
+                nn.init.zeros_(fc.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.dropout(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class MixtureOfSwiGLUExperts(nn.Module):
+    """A sparsely gated mixture of SwiGLU experts (JetMoE's MoE layer; Shen et al. 2024, and Shazeer et al.
+    2017): a router picks ``ffn_top_k`` of ``ffn_experts`` experts per token,
+    ``y_t = sum_{i in G(x_t)} w_{i,t} W2^i (silu(x_t W1^i) * x_t W3^i) (+ b)``, with
+    ``w = softmax`` over the selected logits (:class:`~headmix.routing.TopKRouter` with ``renormalize="live"``,
+    which equals ``p_i / sum_{j in G} p_j``). ``input_experts[i]`` is ``[W1^i | W3^i]`` (``d_model x 2 ffn_dim``),
+    ``output_experts[i]`` is ``W2^i`` (``ffn_dim x d_model``); the grouped matmuls are
+    :func:`headmix.kernels.expert_map` / :func:`~headmix.kernels.expert_reduce`, as MoA's, so each token
+    costs ``3 k d_model ffn_dim`` MACs. The auxiliary loss is the load-balancing loss (MoA eq. 13-15) weighted
+    by ``ffn_load_balance_weight`` (``ffn_load_balance_fractions="per_token"``: JetMoe's fractions, ``k`` times
+    the default's). ``forward(x, token_mask)`` returns an :class:`AttentionOutput` (the
+    shared output type: ``output``, ``aux_loss``, ``routing``)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, f, e, k = config.d_model, config.ffn_dim, config.ffn_experts, config.ffn_top_k
+        self.num_experts, self.top_k, self.ffn_dim = e, k, f
+        self.load_balance_weight = config.ffn_load_balance_weight
+        self.load_balance_fractions = config.ffn_load_balance_fractions
+        self.expert_impl = config.ffn_expert_impl
+        self.router = TopKRouter(d, e, k, renormalize="live")
+        self.input_experts = nn.Parameter(torch.empty(e, d, 2 * f))
+        self.output_experts = nn.Parameter(torch.empty(e, f, d))
+        self.out_bias = nn.Parameter(torch.zeros(d)) if config.bias else None
+        self.dropout = nn.Dropout(config.activation_dropout)
+        # an nn.Linear's scale per expert (uniform +-1/sqrt(fan_in))
+        nn.init.uniform_(self.input_experts, -d ** -0.5, d ** -0.5)
+        nn.init.uniform_(self.output_experts, -f ** -0.5, f ** -0.5)
+
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> AttentionOutput:
+        batch, time, dim = x.shape
+        routing = self.router(x, token_mask)
+        info = expert_routing(routing.expert_index, self.num_experts)
+        compute = autocast_dtype(x) or x.dtype
+        h = expert_map(x.reshape(batch * time, dim).to(compute), self.input_experts.to(compute), info,
+                       impl=self.expert_impl)
+        gate, up = h.split(self.ffn_dim, dim=-1)
+        h = self.dropout(F.silu(gate) * up)
+        y = expert_reduce(h, self.output_experts.to(compute), routing.gates.to(compute), info,
+                          impl=self.expert_impl).view(batch, time, dim)
+        if self.out_bias is not None:
+            y = y + self.out_bias.to(y.dtype)
+        lb = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask, self.load_balance_fractions)
+        return AttentionOutput(y, self.load_balance_weight * lb, routing=routing, losses={"load_balance": lb})
+
+
+def make_ffn(config: ModelConfig) -> nn.Module:
+    """The feed-forward sublayer ``config.ffn`` names."""
+    if config.ffn == "moe_swiglu":
+        return MixtureOfSwiGLUExperts(config)
+    return SwiGLU(config) if config.ffn == "swiglu" else FeedForward(config)
+
+
+def feed_forward(ffn: nn.Module, block: ResidualNorm, x: Tensor, padding_mask: Tensor | None) -> tuple[Tensor, AttentionOutput | None]:
+    """The FFN sublayer with its norm and residual; the mixture of experts also returns its routing and
+    auxiliary loss (as an :class:`AttentionOutput`), padded tokens excluded from its loss."""
+    h = block.input(x)
+    if isinstance(ffn, MixtureOfSwiGLUExperts):
+        out = ffn(h, None if padding_mask is None else ~padding_mask)
+        return block.add(x, out.output), out
+    return block.add(x, ffn(h)), None
+
+
 class ResidualNorm(nn.Module):
-    """The LayerNorm, dropout and residual connection around a sublayer ``f``:
+    """The norm (LayerNorm or RMSNorm), dropout and residual connection around a sublayer ``f``:
     pre-norm ``x + drop(f(norm(x)))`` or post-norm ``norm(x + drop(f(x)))``. Use as
     ``x = block.add(x, f(block.input(x)))``."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.norm = nn.LayerNorm(config.d_model)
+        self.norm = make_norm(config)
         self.pre_norm = config.norm == "pre"
         self.dropout = nn.Dropout(config.dropout)
 
@@ -199,15 +296,15 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = config.encoder_self_attention.build(config.d_model)
         self.self_attn_norm = ResidualNorm(config)
-        self.ffn = FeedForward(config)
+        self.ffn = make_ffn(config)
         self.ffn_norm = ResidualNorm(config)
 
-    def forward(self, x: Tensor, padding_mask: Tensor) -> tuple[Tensor, AttentionOutput]:
+    def forward(self, x: Tensor, padding_mask: Tensor) -> tuple[Tensor, AttentionOutput, AttentionOutput | None]:
         attn = self.self_attn(self.self_attn_norm.input(x), key_padding_mask=padding_mask,
                               query_padding_mask=padding_mask)
         x = self.self_attn_norm.add(x, attn.output)
-        x = self.ffn_norm.add(x, self.ffn(self.ffn_norm.input(x)))
-        return x, attn
+        x, ffn_out = feed_forward(self.ffn, self.ffn_norm, x, padding_mask)
+        return x, attn, ffn_out
 
 
 class DecoderLayer(nn.Module):
@@ -217,12 +314,12 @@ class DecoderLayer(nn.Module):
         self.self_attn_norm = ResidualNorm(config)
         self.cross_attn = config.cross_attention.build(config.d_model) if cross_attention else None
         self.cross_attn_norm = ResidualNorm(config) if cross_attention else None
-        self.ffn = FeedForward(config)
+        self.ffn = make_ffn(config)
         self.ffn_norm = ResidualNorm(config)
 
     def forward(self, x: Tensor, padding_mask: Tensor | None, memory: Tensor | None, memory_padding_mask: Tensor | None,
                 self_cache: KVCache | None, cross_cache: KVCache | None,
-                use_cache: bool) -> tuple[Tensor, AttentionOutput, AttentionOutput | None]:
+                use_cache: bool) -> tuple[Tensor, AttentionOutput, AttentionOutput | None, AttentionOutput | None]:
         self_out = self.self_attn(self.self_attn_norm.input(x), key_padding_mask=padding_mask,
                                   query_padding_mask=padding_mask, is_causal=True,
                                   use_cache=use_cache, cache=self_cache)
@@ -232,8 +329,8 @@ class DecoderLayer(nn.Module):
             cross_out = self.cross_attn(self.cross_attn_norm.input(x), memory, key_padding_mask=memory_padding_mask,
                                         query_padding_mask=padding_mask, use_cache=use_cache, cache=cross_cache)
             x = self.cross_attn_norm.add(x, cross_out.output)
-        x = self.ffn_norm.add(x, self.ffn(self.ffn_norm.input(x)))
-        return x, self_out, cross_out
+        x, ffn_out = feed_forward(self.ffn, self.ffn_norm, x, padding_mask)
+        return x, self_out, cross_out, ffn_out
 
 
 def untied_output_projection(config: ModelConfig) -> nn.Linear | None:
@@ -255,22 +352,24 @@ def token_embedding(config: ModelConfig) -> nn.Embedding:
 
 
 class TransformerEncoder(nn.Module):
-    """Embeddings, ``encoder_layers`` layers of self-attention + FFN, and a final LayerNorm with pre-norm."""
+    """Embeddings, ``encoder_layers`` layers of self-attention + FFN, and a final norm with pre-norm."""
 
     def __init__(self, config: ModelConfig, embed_tokens: nn.Embedding):
         super().__init__()
         self.config = config
         self.embed = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.encoder_layers))
-        self.final_norm = nn.LayerNorm(config.d_model) if config.norm == "pre" else None
+        self.final_norm = make_norm(config) if config.norm == "pre" else None
 
     def forward(self, tokens: Tensor) -> EncoderOutput:
         padding_mask = tokens.eq(self.config.pad_id)
         x = self.embed(tokens)
         aux, routing = x.new_zeros((), dtype=torch.float32), []
         for i, layer in enumerate(self.layers):
-            x, attn = layer(x, padding_mask)
+            x, attn, ffn_out = layer(x, padding_mask)
             aux = _collect(f"encoder.layers.{i}.self_attn", attn, aux, routing)
+            if ffn_out is not None:
+                aux = _collect(f"encoder.layers.{i}.ffn", ffn_out, aux, routing)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return EncoderOutput(x, padding_mask, aux, routing)
@@ -278,7 +377,7 @@ class TransformerEncoder(nn.Module):
 
 class TransformerDecoder(nn.Module):
     """Embeddings, ``decoder_layers`` layers of causal self-attention, cross-attention (when
-    ``cross_attention``) and FFN, and a final LayerNorm with pre-norm. Returns hidden states; the
+    ``cross_attention``) and FFN, and a final norm with pre-norm. Returns hidden states; the
     output projection belongs to the model."""
 
     def __init__(self, config: ModelConfig, embed_tokens: nn.Embedding, cross_attention: bool):
@@ -286,7 +385,7 @@ class TransformerDecoder(nn.Module):
         self.config = config
         self.embed = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList(DecoderLayer(config, cross_attention) for _ in range(config.decoder_layers))
-        self.final_norm = nn.LayerNorm(config.d_model) if config.norm == "pre" else None
+        self.final_norm = make_norm(config) if config.norm == "pre" else None
 
     def forward(self, tokens: Tensor, memory: Tensor | None = None, memory_padding_mask: Tensor | None = None, *,
                 state: DecoderState | None = None, use_cache: bool = False) -> DecoderOutput:
@@ -302,12 +401,14 @@ class TransformerDecoder(nn.Module):
         cross_caches = state.cross_attn if state is not None else [None] * n
         new_self, new_cross = [], []
         for i, layer in enumerate(self.layers):
-            x, self_out, cross_out = layer(x, padding_mask, memory, memory_padding_mask,
-                                           self_caches[i], cross_caches[i], use_cache)
+            x, self_out, cross_out, ffn_out = layer(x, padding_mask, memory, memory_padding_mask,
+                                                    self_caches[i], cross_caches[i], use_cache)
             aux = _collect(f"decoder.layers.{i}.self_attn", self_out, aux, routing)
             new_self.append(self_out.cache)
             if cross_out is not None:
                 aux = _collect(f"decoder.layers.{i}.cross_attn", cross_out, aux, routing)
+            if ffn_out is not None:
+                aux = _collect(f"decoder.layers.{i}.ffn", ffn_out, aux, routing)
             new_cross.append(None if cross_out is None else cross_out.cache)
         if self.final_norm is not None:
             x = self.final_norm(x)

@@ -1,0 +1,50 @@
+"""Small helpers shared by the Hugging Face conversions (``transformers`` is imported lazily)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def require_transformers():
+    """The ``transformers`` module, or a one-line error saying how to install it."""
+    try:
+        import transformers
+    except ImportError as err:  # pragma: no cover - the test environment has it
+        raise ImportError("headmix.interop needs Hugging Face transformers: pip install 'headmix[hf]'") from err
+    return transformers
+
+
+def rope_settings(config: Any, *, honours_partial: bool) -> tuple[float, float]:
+    """``(rotary_base, rotary_fraction)`` of a Hugging Face config with plain RoPE, for transformers 4.45+
+    (``rope_theta`` / ``rope_scaling``) and 5.x (``rope_parameters``); ``ValueError`` for scaled RoPE
+    (``llama3``, ``linear``, ``dynamic``, ``yarn``, ...), which headmix's rotary embedding does not model.
+    ``honours_partial``: whether the model applies ``partial_rotary_factor`` (Llama's default RoPE does not)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} (scaled RoPE) cannot be converted: headmix's rotary embedding "
+                         f"is plain RoPE (rope_type 'default')")
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    fraction = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) if honours_partial else 1.0
+    return float(base), float(fraction or 1.0)
+
+
+def first_id(value: Any, default: int) -> int:
+    """A token id from a config field that may be None, an int or a list of ints."""
+    if value is None:
+        return default
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else default
+    return int(value)
+
+
+def copy_into(target: Tensor, source: Tensor, name: str) -> None:
+    """``target.copy_(source)`` with a one-line error naming the tensor when the shapes differ."""
+    if tuple(target.shape) != tuple(source.shape):
+        raise ValueError(f"{name}: source shape {tuple(source.shape)} does not fit {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(source)
