@@ -400,3 +400,14 @@ def test_generation_input_errors():
         greedy_decode(lm, tokens(1, 3), max_len=0)
     with pytest.raises(ValueError, match="EncoderDecoderModel or a CausalLanguageModel"):
         greedy_decode(model_for(tiny("tiny-mha", "mlm")), tokens(1, 3), max_len=3)
+
+
+def test_moh_config_saved_before_head_weighting_keeps_its_weighting():
+    """A MoH model saved before head_weighting existed was trained with today's "scaled" weights: loading
+    its config must not switch it to the new default."""
+    from headmix.models.config import AttentionConfig
+
+    saved = AttentionConfig(kind="moh", num_heads=4, num_shared_heads=1, top_k=2).to_dict()
+    assert AttentionConfig.from_dict(saved).build(16).head_weighting == "renormalized"
+    del saved["head_weighting"]
+    assert AttentionConfig.from_dict(saved).build(16).head_weighting == "scaled"

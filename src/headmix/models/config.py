@@ -262,8 +262,13 @@ class AttentionConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], name: str = "attention") -> AttentionConfig:
-        """Build from a dict; errors name the field as ``name.field`` (e.g. ``cross_attention.top_k``)."""
+        """Build from a dict; errors name the field as ``name.field`` (e.g. ``cross_attention.top_k``).
+
+        A MoH config saved before ``head_weighting`` existed (the key absent) reads as ``"scaled"``, the
+        weighting its weights were trained with; a saved ``null`` means the current default."""
         _check_keys(cls, data, name)
+        if data.get("kind") == "moh" and "head_weighting" not in data:
+            data = {**data, "head_weighting": "scaled"}
         try:
             return cls(**data)
         except ValueError as err:
