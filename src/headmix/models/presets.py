@@ -13,8 +13,8 @@ CPU work.
   (d_model 128, 3 (+3) layers; the demo's; ``mini-switchhead`` too) and ``small-*`` (d_model 256, 3 (+3)
   layers).
 - Llama-style decoders (task ``lm`` only): pre-norm RMSNorm, SwiGLU, rotary positions, no biases, untied
-  output projection, no dropout: ``llama-tiny-{mha,moa,moh,talking-heads}`` (d_model 64, 2 layers),
-  ``llama-mini-{mha,moa,moh}`` (d_model 128, 3 layers), ``llama-tiny-moa-kv2`` (MoA with 2 grouped K/V
+  output projection, no dropout: ``llama-tiny-{mha,moa,moh,talking-heads,switchhead}`` (d_model 64, 2
+  layers), ``llama-mini-{mha,moa,moh,switchhead}`` (d_model 128, 3 layers), ``llama-tiny-moa-kv2`` (MoA with 2 grouped K/V
   heads, JetMoE's attention) and the JetMoE-style ``llama-{tiny,mini}-jetmoe`` (MoA attention and a
   mixture of SwiGLU experts).
 
@@ -244,6 +244,12 @@ _PRESETS = [
            "Llama-style d 128, SwiGLU 352, 3 layers, MoA {}K{}E{}D".format(*MINI_MOA)),
     Preset("llama-mini-moh", ("lm",), SMALL_VOCAB, _llama_mini(MOH_4_HEADS),
            "Llama-style d 128, SwiGLU 352, 3 layers, MoH 4 heads of 32 (1 shared, top 2 of 3 routed)"),
+    Preset("llama-tiny-switchhead", ("lm",), 1000, _llama_tiny(switchhead(*TINY_SWITCHHEAD)),
+           "Llama-style d 64, SwiGLU 176, 2 layers, SwitchHead {} heads of {}, top {} of {} V/O experts".format(
+               TINY_SWITCHHEAD[0], TINY_SWITCHHEAD[3], TINY_SWITCHHEAD[2], TINY_SWITCHHEAD[1])),
+    Preset("llama-mini-switchhead", ("lm",), SMALL_VOCAB, _llama_mini(switchhead(*MINI_SWITCHHEAD)),
+           "Llama-style d 128, SwiGLU 352, 3 layers, SwitchHead {} heads of {}, top {} of {} V/O experts".format(
+               MINI_SWITCHHEAD[0], MINI_SWITCHHEAD[3], MINI_SWITCHHEAD[2], MINI_SWITCHHEAD[1])),
     Preset("llama-tiny-moa-kv2", ("lm",), 1000, _llama_tiny(jetmoe_attention(2, 4, 16, 2)),
            "Llama-style d 64, SwiGLU 176, 2 layers, MoA 2K4E16D with 2 K/V heads (JetMoE's attention)"),
     Preset("llama-tiny-jetmoe", ("lm",), 1000,
