@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -33,3 +34,11 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], repeats: int, warm
             sync(device)
             times[name].append(time.perf_counter() - t0)
     return {name: stat(ts) for name, ts in times.items()}
+
+
+def machine_load() -> str:
+    """The 1, 5 and 15 minute load averages, to print beside timings taken on a shared machine."""
+    try:
+        return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    except (OSError, AttributeError):
+        return "load average unknown"

@@ -16,7 +16,7 @@ dense      one GEMM over all E experts then gather / gate-weighted scatter;
            ``E/k`` x the useful FLOPs, but one big GEMM
 sorted     slots sorted by expert, one GEMM per expert, hand-written backward
            (:mod:`.grouped_cpu`); cost ~ N*k, not E
-gather     per-slot weights ``W[expert_index]`` + batched mat-vec; for tiny N*k
+gather     per-slot weights ``W[expert_index]`` + batched mat-vec (forced only)
 triton     Triton grouped GEMM (:mod:`.grouped_triton`); CUDA, or CPU tensors
            under ``TRITON_INTERPRET=1`` (tests only)
 auto       see :func:`choose_impl`
@@ -47,6 +47,9 @@ IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
 # * gather (no-grad decoding only: its backward scatters N*k weight copies and is
 #   2-10x slower than dense/sorted): N=1, k=8, E=32 fwd 0.33 ms vs dense 0.76,
 #   sorted 0.70; N=8, k=2, E=16 0.61 vs 0.77; it loses once E <= 2k or N*k >= 32.
+#   Since sorted packs experts into chunks (one gather and one scatter per chunk, one GEMM per expert),
+#   sorted beats gather and dense at decoding sizes (see DECODE_SORTED_MIN_EXPERTS_PER_K); ``auto`` no
+#   longer picks gather.
 
 #: ``dense`` when ``E <= DENSE_MAX_EXPERTS_PER_K * k`` (any N).
 DENSE_MAX_EXPERTS_PER_K = 1.25
@@ -55,8 +58,10 @@ DENSE_MAX_EXPERTS_PER_K = 1.25
 DENSE_SMALL_SLOTS = 128
 DENSE_SMALL_MAX_EXPERTS_PER_K = 8
 
-#: ``gather`` when no gradient is needed, ``N*k <= GATHER_MAX_SLOTS`` and ``E > 2k``.
-GATHER_MAX_SLOTS = 16
+#: No gradient (decoding) and ``E > DECODE_SORTED_MIN_EXPERTS_PER_K * k``: ``sorted``, which reads each
+#: selected expert's weights once (``headmix bench decode``: batch 8, k 8, E 64, one thread: sorted 11.7 ms
+#: per step, dense 19.5, gather 19.4; batch 1: sorted 5.6, gather 6.4, dense 15.1; 2026-11-22).
+DECODE_SORTED_MIN_EXPERTS_PER_K = 2
 
 
 def choose_impl(
@@ -68,7 +73,7 @@ def choose_impl(
     * CPU, first match (thresholds measured on a 2-core CPU, see the comment above):
 
       1. ``dense``  if ``k == E`` or ``E <= 1.25 k``
-      2. ``gather`` if no gradient is needed, ``N*k <= 16`` and ``E > 2k`` (decoding)
+      2. ``sorted`` if no gradient is needed and ``E > 2k`` (decoding: reads only the selected experts)
       3. ``dense``  if ``N*k <= 128`` and ``E <= 8k`` (small batches)
       4. ``sorted`` otherwise (cost ~ N*k, independent of E)
     """
@@ -78,8 +83,8 @@ def choose_impl(
         return "triton" if triton_available() else "sorted"
     if top_k == num_experts or num_experts <= DENSE_MAX_EXPERTS_PER_K * top_k:
         return "dense"
-    if not needs_grad and num_slots <= GATHER_MAX_SLOTS and num_experts > 2 * top_k:
-        return "gather"
+    if not needs_grad and num_experts > DECODE_SORTED_MIN_EXPERTS_PER_K * top_k:
+        return "sorted"
     if num_slots <= DENSE_SMALL_SLOTS and num_experts <= DENSE_SMALL_MAX_EXPERTS_PER_K * top_k:
         return "dense"
     return "sorted"
