@@ -360,7 +360,9 @@ def test_bad_routing_raises_value_error():
 def test_auto_rule():
     cpu = torch.device("cpu")
     assert choose_impl(cpu, 4096 * 8, 8, 8) == "dense"  # k == E
-    assert choose_impl(cpu, 4096 * 8, 10, 8) == "dense"  # E <= 1.25 k
+    assert choose_impl(cpu, 4096 * 8, 12, 8) == "dense"  # E <= 1.5 k
+    assert choose_impl(cpu, 4096 * 8, 13, 8) == "sorted"
+    assert choose_impl(cpu, 4096 * 6, 8, 6) == "dense"  # mini-moa, small-moa
     assert choose_impl(cpu, 4096 * 8, 64, 8) == "sorted"
     assert choose_impl(cpu, 4096 * 2, 32, 2) == "sorted"
     assert choose_impl(cpu, 8, 32, 8, needs_grad=False) == "sorted"  # decoding: reads the selected experts once

@@ -29,18 +29,19 @@ import torch
 from ..attention import MixtureOfAttentionHeads, MultiHeadAttention
 from ..kernels.dispatch import IMPLS
 from .attention import format_rows
-from .timing import interleaved_timings, machine_load
+from .timing import add_clock_arguments, clock_setup, interleaved_timings
 
 
-def read_bandwidth(mib: int = 256, repeats: int = 5) -> float:
-    """Bytes per second of reading a ``mib`` MiB float32 tensor once (``sum``), median of ``repeats``."""
+def read_bandwidth(mib: int = 256, repeats: int = 5, clock=time.perf_counter) -> float:
+    """Bytes per second of reading a ``mib`` MiB float32 tensor once (``sum``), median of ``repeats``,
+    timed with ``clock`` (as the decoding it is compared with)."""
     t = torch.ones(mib * 2**20 // 4)
     t.sum()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         t.sum()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return t.nbytes / statistics.median(times)
 
 
@@ -62,8 +63,9 @@ def step_bytes(layer, cache_bytes: float, expert_index: torch.Tensor | None) -> 
 
 @torch.no_grad()
 def bench_decode(*, batches: list[int], experts: list[int], impls: list[str], embed_dim: int, top_k: int,
-                 head_dim: int, prompt: int, steps: int, repeats: int, seed: int = 0) -> tuple[list[dict], float]:
-    bandwidth = read_bandwidth()
+                 head_dim: int, prompt: int, steps: int, repeats: int, seed: int = 0,
+                 clock=time.perf_counter) -> tuple[list[dict], float]:
+    bandwidth = read_bandwidth(clock=clock)
     rows = []
     for batch in batches:
         torch.manual_seed(seed)
@@ -90,7 +92,7 @@ def bench_decode(*, batches: list[int], experts: list[int], impls: list[str], em
                     record.append(step_bytes(layer, cache.nbytes, None if out.routing is None else out.routing.expert_index))
 
         times = interleaved_timings({n: (lambda l=l, i=i: decode(l, i)) for n, (l, i) in layers.items()},
-                                    repeats, 1, "cpu")
+                                    repeats, 1, "cpu", clock=clock)
         for name, (layer, impl) in layers.items():
             record: list[float] = []
             decode(layer, impl, record)
@@ -119,21 +121,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_clock_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     for name in ("prompt", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    clock, setup = clock_setup(args)
     rows, bandwidth = bench_decode(batches=args.batches, experts=args.experts, impls=args.impls,
                                    embed_dim=args.embed_dim, top_k=args.top_k, head_dim=args.head_dim,
-                                   prompt=args.prompt, steps=args.steps, repeats=args.repeats)
-    print(f"# headmix bench decode: cpu, float32, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+                                   prompt=args.prompt, steps=args.steps, repeats=args.repeats, clock=clock)
+    print(f"# headmix bench decode: cpu, float32, torch {torch.__version__}, {setup}; "
           f"embed {args.embed_dim}, k {args.top_k}, head_dim {args.head_dim}; prompt {args.prompt}, then "
           f"{args.steps} steps of one token; read bandwidth {bandwidth / 1e9:.1f} GB/s (sum of 256 MiB); "
-          f"median of {args.repeats} interleaved runs; {machine_load()}")
+          f"median of {args.repeats} interleaved runs")
     print(format_rows(rows, DECODE_COLUMNS))
     return 0

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 
 import torch
 
 from ..models import analytic_macs, build_model, get_config
 from ..models.config import ModelConfig
 from .attention import format_rows
-from .timing import interleaved_timings, machine_load
+from .timing import add_clock_arguments, clock_setup, interleaved_timings
 
 SIZES = ("tiny", "mini", "small")
 
@@ -69,7 +70,7 @@ def make_step(model: torch.nn.Module, batch: dict, lr: float = 1e-4, clip_norm: 
 
 
 def bench_models(sizes: list[str], *, batch: int, src_len: int, tgt_len: int, impls: list[str], repeats: int,
-                 warmup: int, seed: int = 0) -> list[dict]:
+                 warmup: int, seed: int = 0, clock=time.perf_counter) -> list[dict]:
     rows = []
     for size in sizes:
         base_cfg = get_config(f"{size}-mha", task="translation")
@@ -84,7 +85,7 @@ def bench_models(sizes: list[str], *, batch: int, src_len: int, tgt_len: int, im
             model = build_model(cfg).train()
             steps[name] = make_step(model, data)
             macs[name] = analytic_macs(cfg, round(data["mean_src"]), round(data["mean_tgt"]), batch).total
-        times = interleaved_timings(steps, repeats, warmup, "cpu")
+        times = interleaved_timings(steps, repeats, warmup, "cpu", clock=clock)
         base = f"{size}-mha"
         for name in variants:
             rows.append({"size": size, "model": name, "ms": 1e3 * times[name], "ratio": times[name] / times[base],
@@ -105,20 +106,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", nargs="*", default=[], help="extra MoA rows with this expert_impl (dense, sorted, ...)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_clock_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     for name in ("batch", "src_len", "tgt_len", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"# headmix bench models: cpu, float32, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"translation training steps (forward, backward, clip, AdamW), batch {args.batch} pairs of up to "
-          f"{args.src_len} / {args.tgt_len} tokens; median of {args.repeats} interleaved runs; {machine_load()}")
+    clock, setup = clock_setup(args)
+    print(f"# headmix bench models: cpu, float32, torch {torch.__version__}, {setup}; translation training steps "
+          f"(forward, backward, clip, AdamW), batch {args.batch} pairs of up to {args.src_len} / {args.tgt_len} "
+          f"tokens; median of {args.repeats} interleaved runs")
     rows = bench_models(args.sizes, batch=args.batch, src_len=args.src_len, tgt_len=args.tgt_len, impls=args.impls,
-                        repeats=args.repeats, warmup=args.warmup)
+                        repeats=args.repeats, warmup=args.warmup, clock=clock)
     print(format_rows(rows, MODEL_COLUMNS))
     return 0
 
