@@ -61,8 +61,10 @@ DENSE_SMALL_SLOTS = 128
 DENSE_SMALL_MAX_EXPERTS_PER_K = 8
 
 #: No gradient (decoding) and ``E > DECODE_SORTED_MIN_EXPERTS_PER_K * k``: ``sorted``, which reads each
-#: selected expert's weights once (``headmix bench decode``: batch 8, k 8, E 64, one thread: sorted 11.7 ms
-#: per step, dense 19.5, gather 19.4; batch 1: sorted 5.6, gather 6.4, dense 15.1; 2026-11-22).
+#: selected expert's weights once. ``headmix bench decode --threads 1 --clock cpu`` (k 8, embed 512,
+#: 2026-11-22, load 4-5), us per step: batch 8, E 64: sorted 3101, dense 4970, gather 5185; E 32: sorted
+#: 2520, dense 2478, gather 5315; batch 1, E 64: sorted 1087, gather 1156, dense 3497; E 32: sorted 1056,
+#: gather 996, dense 1577 (gather's small edge there is not worth a third rule).
 DECODE_SORTED_MIN_EXPERTS_PER_K = 2
 
 
