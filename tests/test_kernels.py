@@ -35,6 +35,7 @@ from headmix.kernels import (
     expert_reduce,
     expert_routing,
 )
+from headmix.kernels import grouped_cpu
 from headmix.kernels.routing_info import block_table
 
 CPU_IMPLS = ["dense", "sorted", "gather", "auto"]
@@ -359,11 +360,14 @@ def test_bad_routing_raises_value_error():
 def test_auto_rule():
     cpu = torch.device("cpu")
     assert choose_impl(cpu, 4096 * 8, 8, 8) == "dense"  # k == E
-    assert choose_impl(cpu, 4096 * 8, 10, 8) == "dense"  # E <= 1.25 k
+    assert choose_impl(cpu, 4096 * 8, 12, 8) == "dense"  # E <= 1.5 k
+    assert choose_impl(cpu, 4096 * 8, 13, 8) == "sorted"
+    assert choose_impl(cpu, 4096 * 6, 8, 6) == "dense"  # mini-moa, small-moa
     assert choose_impl(cpu, 4096 * 8, 64, 8) == "sorted"
     assert choose_impl(cpu, 4096 * 2, 32, 2) == "sorted"
-    assert choose_impl(cpu, 8, 32, 8, needs_grad=False) == "gather"  # decoding
-    assert choose_impl(cpu, 8, 32, 8, needs_grad=True) == "dense"  # gather's backward is slow
+    assert choose_impl(cpu, 8, 32, 8, needs_grad=False) == "sorted"  # decoding: reads the selected experts once
+    assert choose_impl(cpu, 64, 64, 8, needs_grad=False) == "sorted"
+    assert choose_impl(cpu, 8, 32, 8, needs_grad=True) == "dense"
     assert choose_impl(cpu, 8, 16, 8, needs_grad=False) == "dense"  # E <= 2k: dense
     assert choose_impl(cpu, 128, 64, 8) == "dense"  # small batch
     assert choose_impl(cpu, 128, 65, 8) == "sorted"
@@ -371,7 +375,7 @@ def test_auto_rule():
 
 
 def test_auto_uses_grad_mode():
-    """auto picks gather only without grad; results agree either way."""
+    """auto picks sorted without grad, dense with it; results agree either way."""
     idx, (x, w_map, *_rest) = make_case(2, 2, 9, 4, 3)
     routing = expert_routing(idx, 9)
     with torch.no_grad():
@@ -429,3 +433,66 @@ def test_package_works_without_triton():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- sorted: chunks of experts
+
+
+def _run_sorted(idx, num_experts, x, w_map, h, w_red, gates, chunk_rows):
+    """Like kernel_cases.run, through grouped_cpu with a forced chunk size."""
+    routing = expert_routing(idx, num_experts)
+    y = grouped_cpu.sorted_map(x, w_map, routing, chunk_rows=chunk_rows)
+    z = grouped_cpu.sorted_reduce(h, w_red, gates, routing, chunk_rows=chunk_rows)
+    g = torch.Generator().manual_seed(1)
+    cy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
+    cz = torch.randn(z.shape, generator=g, dtype=torch.float64).to(z.dtype)
+    grads = torch.autograd.grad((y * cy).sum() + (z * cz).sum(), [x, w_map, h, w_red, gates])
+    return [y.detach(), z.detach(), *grads]
+
+
+def _skewed_index(n, k, num_experts, generator):
+    """Every token picks expert 0, the rest of its k from experts 1..3 only: a skewed load with one
+    expert holding n rows and the others empty."""
+    rest = torch.stack([torch.randperm(3, generator=generator)[: k - 1] + 1 for _ in range(n)])
+    return torch.cat([torch.zeros(n, 1, dtype=torch.long), rest], dim=1)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 8, 40, 10_000])
+@pytest.mark.parametrize("case", ["basic", "empty_experts", "odd_sizes", "k1"])
+def test_sorted_chunks_match_reference(case, chunk_rows):
+    """Chunks holding one expert, several experts, experts larger than a chunk, and everything at once:
+    outputs and every gradient against the float64 reference."""
+    n, k, e, d_in, d_out, allowed = CASES[case]
+    idx, tensors = make_case(n, k, e, d_in, d_out, torch.float64, allowed=allowed)
+    want = run("reference", idx, e, *tensors)
+    got = _run_sorted(idx, e, *tensors, chunk_rows=chunk_rows)
+    assert_all_close(got, want, 1e-10, 1e-10, f"sorted chunk_rows={chunk_rows}")
+
+
+@pytest.mark.parametrize("chunk_rows", [2, 16, None])
+def test_sorted_skewed_load_and_repeated_experts(chunk_rows):
+    g = torch.Generator().manual_seed(3)
+    n, k, e, d_in, d_out = 33, 3, 9, 11, 6
+    for idx in (_skewed_index(n, k, e, g), torch.randint(0, e, (n, k), generator=g)):  # the second repeats experts
+        _, tensors = make_case(n, k, e, d_in, d_out, torch.float64)
+        want = run("reference", idx, e, *tensors)
+        got = _run_sorted(idx, e, *tensors, chunk_rows=chunk_rows)
+        assert_all_close(got, want, 1e-10, 1e-10, f"sorted chunk_rows={chunk_rows}")
+
+
+def test_sorted_chunk_packing():
+    """Consecutive experts share a chunk up to chunk_rows; a larger expert gets its own; empty ones none."""
+    # experts: 0 has 2 rows, 1 has 0, 2 has 3, 3 has 7, 4 has 1
+    offsets = [0, 2, 2, 5, 12, 13]
+    chunks = grouped_cpu._chunks(offsets, 5)
+    assert [(c.start, c.stop, c.experts, c.bounds) for c in chunks] == [
+        (0, 5, [0, 2], [0, 2, 5]), (5, 12, [3], [0, 7]), (12, 13, [4], [0, 1])]
+    assert grouped_cpu._chunks([0, 0, 0], 4) == []
+    one = grouped_cpu._chunks(offsets, 100)
+    assert len(one) == 1 and one[0].experts == [0, 2, 3, 4] and one[0].bounds == [0, 2, 5, 12, 13]
+
+
+def test_sorted_bad_chunk_rows():
+    idx, (x, w_map, *_rest) = make_case(4, 2, 3, 5, 2)
+    with pytest.raises(ValueError, match="chunk_rows must be a positive int"):
+        grouped_cpu.sorted_map(x, w_map, expert_routing(idx, 3), chunk_rows=0)

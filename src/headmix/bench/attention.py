@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from ..attention import MixtureOfAttentionHeads, MultiHeadAttention, SwitchHeadAttention
-from .timing import interleaved_timings
+from .timing import add_clock_arguments, clock_setup, interleaved_timings
 
 
 def saved_activation_bytes(fn: Callable[[], torch.Tensor]) -> int:
@@ -107,7 +108,8 @@ def make_cases(embed_dim: int, top_k: int, head_dim: int, experts: list[int], de
 
 def bench_layers(seq_lens: list[int], experts: list[int], *, embed_dim: int, top_k: int, head_dim: int,
                  batch_tokens: int, batch: int | None, repeats: int, warmup: int, device: torch.device,
-                 dtype: torch.dtype, switchheads: list[tuple[int, int, int, int]] = ()) -> list[dict]:
+                 dtype: torch.dtype, switchheads: list[tuple[int, int, int, int]] = (),
+                 clock=time.perf_counter) -> list[dict]:
     rows = []
     cases = make_cases(embed_dim, top_k, head_dim, experts, device, dtype, switchheads)
     for seq in seq_lens:
@@ -124,8 +126,8 @@ def bench_layers(seq_lens: list[int], experts: list[int], *, embed_dim: int, top
                 p.grad = None
             case.call(xg).float().square().mean().backward()
 
-        t_fwd = interleaved_timings({c.name: (lambda c=c: fwd(c)) for c in cases}, repeats, warmup, device)
-        t_fb = interleaved_timings({c.name: (lambda c=c: fwd_bwd(c)) for c in cases}, repeats, warmup, device)
+        t_fwd = interleaved_timings({c.name: (lambda c=c: fwd(c)) for c in cases}, repeats, warmup, device, clock=clock)
+        t_fb = interleaved_timings({c.name: (lambda c=c: fwd_bwd(c)) for c in cases}, repeats, warmup, device, clock=clock)
         mem = {c.name: peak_memory(lambda c=c: fwd_bwd(c), device) for c in cases}
         base = cases[0].name
         for c in cases:
@@ -195,23 +197,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_clock_arguments(p)
     p.add_argument("--no-decode", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and device.type != "cpu":
+        raise ValueError(f"--clock cpu measures CPU time and needs --device cpu, got {device}")
+    clock, setup = clock_setup(args)
     torch.manual_seed(0)
     switchheads = [parse_switchhead(spec, args.embed_dim) for spec in args.switchhead]
     print(f"# headmix bench attention: {device} ({_device_name(device)}), {dtype}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; embed {args.embed_dim}, k {args.top_k}, head_dim {args.head_dim}; "
+          f"{setup}; embed {args.embed_dim}, k {args.top_k}, head_dim {args.head_dim}; "
           f"median of {args.repeats} interleaved runs")
     rows = bench_layers(args.seq, args.experts, embed_dim=args.embed_dim, top_k=args.top_k, head_dim=args.head_dim,
                         batch_tokens=args.batch_tokens, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
-                        device=device, dtype=dtype, switchheads=switchheads)
+                        device=device, dtype=dtype, switchheads=switchheads, clock=clock)
     print(format_rows(rows, LAYER_COLUMNS))
     if not args.no_decode:
         print()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -15,11 +16,19 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
+#: ``--clock`` choices of the benchmarks: wall-clock seconds, or CPU seconds of this process.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def interleaved_timings(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, device: torch.device | str,
-                        stat: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+                        stat: Callable[[list[float]], float] = statistics.median,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Seconds per call of each function, ``stat`` (median by default) over ``repeats``.
 
     Within a repeat every function runs once, in turn, so a slow spell of the machine hits all alike.
+    ``clock`` is wall-clock time by default; ``time.process_time`` counts only this process's CPU time,
+    which other processes on a shared machine disturb far less (meaningful with one torch thread: with
+    more, threads waiting for each other count too; CPU only).
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -28,8 +37,33 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], repeats: int, warm
     for _ in range(repeats):
         for name, fn in fns.items():
             sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return {name: stat(ts) for name, ts in times.items()}
+
+
+def machine_load() -> str:
+    """The 1, 5 and 15 minute load averages, to print beside timings taken on a shared machine."""
+    try:
+        return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    except (OSError, AttributeError):
+        return "load average unknown"
+
+
+def add_clock_arguments(p) -> None:
+    """``--threads`` and ``--clock``, shared by the CPU benchmarks."""
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                   help="wall: elapsed time; cpu: this process's CPU time (use with --threads 1 on a busy machine)")
+
+
+def clock_setup(args) -> tuple[Callable[[], float], str]:
+    """Apply ``--threads``; the clock of ``--clock`` and a line describing threads, clock and load."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    what = "wall-clock time" if args.clock == "wall" else "CPU time of this process"
+    return CLOCKS[args.clock], f"{torch.get_num_threads()} threads, {what}, {machine_load()}"

@@ -1,21 +1,25 @@
-"""``headmix bench attention``: timing tables (see :mod:`headmix.bench.attention`)."""
+"""``headmix bench attention | models | decode``: timing tables (see :mod:`headmix.bench`)."""
 
 from __future__ import annotations
 
 import argparse
 
 
-def add_parser(sub) -> None:
-    from ..bench import attention
+def _modules():
+    from ..bench import attention, decode, models
 
+    return {"attention": (attention, "MoA and SwitchHead vs torch MHA: time, memory, decoding"),
+            "models": (models, "whole-model training steps: MoA vs the MHA model of equal MACs"),
+            "decode": (decode, "decoding tokens/s against the memory-bandwidth bound of the expert weights")}
+
+
+def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks against torch.nn.MultiheadAttention")
     what = p.add_subparsers(dest="bench", required=True)
-    attention.add_arguments(what.add_parser("attention", help="MoA and SwitchHead vs torch MHA: time, memory, decoding",
-                                            description=attention.__doc__,
-                                            formatter_class=argparse.RawDescriptionHelpFormatter))
+    for name, (module, help_text) in _modules().items():
+        module.add_arguments(what.add_parser(name, help=help_text, description=module.__doc__,
+                                             formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench import attention
-
-    return attention.run(args)
+    return _modules()[args.bench][0].run(args)

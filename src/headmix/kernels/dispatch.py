@@ -16,7 +16,7 @@ dense      one GEMM over all E experts then gather / gate-weighted scatter;
            ``E/k`` x the useful FLOPs, but one big GEMM
 sorted     slots sorted by expert, one GEMM per expert, hand-written backward
            (:mod:`.grouped_cpu`); cost ~ N*k, not E
-gather     per-slot weights ``W[expert_index]`` + batched mat-vec; for tiny N*k
+gather     per-slot weights ``W[expert_index]`` + batched mat-vec (forced only)
 triton     Triton grouped GEMM (:mod:`.grouped_triton`); CUDA, or CPU tensors
            under ``TRITON_INTERPRET=1`` (tests only)
 auto       see :func:`choose_impl`
@@ -47,16 +47,25 @@ IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
 # * gather (no-grad decoding only: its backward scatters N*k weight copies and is
 #   2-10x slower than dense/sorted): N=1, k=8, E=32 fwd 0.33 ms vs dense 0.76,
 #   sorted 0.70; N=8, k=2, E=16 0.61 vs 0.77; it loses once E <= 2k or N*k >= 32.
+#   Since sorted packs experts into chunks (one gather and one scatter per chunk, one GEMM per expert),
+#   sorted beats gather and dense at decoding sizes (see DECODE_SORTED_MIN_EXPERTS_PER_K); ``auto`` no
+#   longer picks gather.
 
-#: ``dense`` when ``E <= DENSE_MAX_EXPERTS_PER_K * k`` (any N).
-DENSE_MAX_EXPERTS_PER_K = 1.25
+#: ``dense`` when ``E <= DENSE_MAX_EXPERTS_PER_K * k`` (any N): the sweep above ties at E = 1.5 k for
+#: d_model 512, and at d_model 128 (mini-moa, 6K8E32D, 2688 tokens, map + reduce fwd+bwd, one thread,
+#: CPU time, 2026-11-22) dense takes 22.2 ms against sorted's 26.6.
+DENSE_MAX_EXPERTS_PER_K = 1.5
 
 #: ``dense`` also when ``N*k <= DENSE_SMALL_SLOTS`` and ``E <= DENSE_SMALL_MAX_EXPERTS_PER_K * k``.
 DENSE_SMALL_SLOTS = 128
 DENSE_SMALL_MAX_EXPERTS_PER_K = 8
 
-#: ``gather`` when no gradient is needed, ``N*k <= GATHER_MAX_SLOTS`` and ``E > 2k``.
-GATHER_MAX_SLOTS = 16
+#: No gradient (decoding) and ``E > DECODE_SORTED_MIN_EXPERTS_PER_K * k``: ``sorted``, which reads each
+#: selected expert's weights once. ``headmix bench decode --threads 1 --clock cpu`` (k 8, embed 512,
+#: 2026-11-22, load 4-5), us per step: batch 8, E 64: sorted 3101, dense 4970, gather 5185; E 32: sorted
+#: 2520, dense 2478, gather 5315; batch 1, E 64: sorted 1087, gather 1156, dense 3497; E 32: sorted 1056,
+#: gather 996, dense 1577 (gather's small edge there is not worth a third rule).
+DECODE_SORTED_MIN_EXPERTS_PER_K = 2
 
 
 def choose_impl(
@@ -67,8 +76,8 @@ def choose_impl(
     * CUDA: ``triton`` if Triton is importable, else ``sorted``.
     * CPU, first match (thresholds measured on a 2-core CPU, see the comment above):
 
-      1. ``dense``  if ``k == E`` or ``E <= 1.25 k``
-      2. ``gather`` if no gradient is needed, ``N*k <= 16`` and ``E > 2k`` (decoding)
+      1. ``dense``  if ``k == E`` or ``E <= 1.5 k``
+      2. ``sorted`` if no gradient is needed and ``E > 2k`` (decoding: reads only the selected experts)
       3. ``dense``  if ``N*k <= 128`` and ``E <= 8k`` (small batches)
       4. ``sorted`` otherwise (cost ~ N*k, independent of E)
     """
@@ -78,8 +87,8 @@ def choose_impl(
         return "triton" if triton_available() else "sorted"
     if top_k == num_experts or num_experts <= DENSE_MAX_EXPERTS_PER_K * top_k:
         return "dense"
-    if not needs_grad and num_slots <= GATHER_MAX_SLOTS and num_experts > 2 * top_k:
-        return "gather"
+    if not needs_grad and num_experts > DECODE_SORTED_MIN_EXPERTS_PER_K * top_k:
+        return "sorted"
     if num_slots <= DENSE_SMALL_SLOTS and num_experts <= DENSE_SMALL_MAX_EXPERTS_PER_K * top_k:
         return "dense"
     return "sorted"

@@ -2,15 +2,28 @@
 
 The slots (token n, choice j) are grouped by expert with the routing's
 ``sort_order`` (see :mod:`headmix.kernels.routing_info`).  Expert ``e`` then
-owns the run ``sort_order[offsets[e]:offsets[e+1]]``; the split into runs uses
-``torch.split(..., counts.tolist())``, a host sync that costs nothing on CPU.
+owns the sorted rows ``offsets[e]:offsets[e+1]``; the row ranges are read on
+the host (``counts.tolist()``, a host sync that costs nothing on CPU).
 
-Per expert the kernels gather that expert's rows, run one GEMM with ``W[e]``
-and scatter the result straight to its destination (``index_copy_`` into the
-slot-ordered output for the map, ``index_add_`` into the token-ordered output
-for the reduce).  Working expert by expert keeps every temporary at
-``count_e x d`` instead of a ``N*k x d`` sorted buffer: on CPU the page faults
-of such large fresh buffers cost as much as the GEMMs themselves.
+Consecutive experts are packed into *chunks* of at most ``chunk_rows`` sorted
+rows (an expert with more rows gets a chunk of its own; experts are never
+split).  Per chunk the kernels do one gather of the chunk's input rows, one
+GEMM per expert of the chunk into a row slice of the chunk's output, and one
+scatter of the chunk's output to its destination: ``index_copy_`` into the
+slot-ordered output, or ``scatter_add_`` into the token-ordered one.  So the
+number of gathers and scatters per call is ``~N*k / chunk_rows`` whatever
+``E`` is, and only the GEMMs (one per expert and product) scale with ``E``:
+the cost no longer grows with the number of experts at fixed ``N*k``.
+
+Two further choices, both measured on the 2-core CPU (docs/performance.md):
+
+* sums over a token's slots use ``scatter_add_`` with a row index expanded
+  over the columns, which runs in parallel over the columns; ``index_add_``
+  along dim 0 adds one row at a time on one thread;
+* every temporary is a chunk-sized workspace (``chunk_rows x d``, at most
+  :data:`CHUNK_BYTES`, reused by every chunk of a call) instead of an
+  ``N*k x d`` sorted buffer: without the CLI's allocator setting, the page
+  faults of fresh multi-10-MB CPU buffers cost as much as the GEMMs.
 
 Forward and backward (MoA eq. 10, 12, 6; ``e = expert(s)``, ``n = token(s)``):
 
@@ -23,10 +36,12 @@ Forward and backward (MoA eq. 10, 12, 6; ``e = expert(s)``, ``n = token(s)``):
   per-slot outputs are never stored), and
   ``grad_W[e] = sum_{s of e} (g[s] h[s])^T grad_y[n]``.
 
-Cost is ``O(N*k*d_in*d_out)`` plus a Python loop of E short iterations.
+Cost is ``O(N*k*d_in*d_out)`` plus ``O(E)`` GEMM calls.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -34,7 +49,79 @@ from torch.autograd.function import once_differentiable
 
 from .routing_info import ExpertRouting
 
-__all__ = ["sorted_map", "sorted_reduce"]
+__all__ = ["CHUNK_BYTES", "sorted_map", "sorted_reduce"]
+
+#: Bytes of the widest chunk workspace: ``chunk_rows = CHUNK_BYTES // (max(d_in, d_out) * element size)``
+#: (4096 rows at width 512 in float32). Below glibc's 32 MiB mmap threshold, so a freed workspace is
+#: reused by the next call instead of being unmapped and faulted back in.
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Sorted rows ``[start, stop)``, holding whole experts ``experts[i]`` at chunk-relative rows
+    ``[bounds[i], bounds[i+1])``."""
+
+    start: int
+    stop: int
+    experts: list[int]
+    bounds: list[int]
+
+
+def _chunks(offsets: list[int], chunk_rows: int) -> list[_Chunk]:
+    """Pack consecutive non-empty experts into chunks of at most ``chunk_rows`` rows (an expert with
+    more rows gets a chunk of its own)."""
+    chunks: list[_Chunk] = []
+    start, experts, bounds = offsets[0], [], [0]
+    for e in range(len(offsets) - 1):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi == lo:
+            continue
+        if experts and hi - start > chunk_rows:
+            chunks.append(_Chunk(start, lo, experts, bounds))
+            start, experts, bounds = lo, [], [0]
+        experts.append(e)
+        bounds.append(hi - start)
+    if experts:
+        chunks.append(_Chunk(start, offsets[-1], experts, bounds))
+    return chunks
+
+
+def _chunk_rows(width: int, dtype: torch.dtype) -> int:
+    return max(1, CHUNK_BYTES // (width * torch.empty((), dtype=dtype).element_size()))
+
+
+def _workspace_rows(chunks: list[_Chunk]) -> int:
+    return max((c.stop - c.start for c in chunks), default=0)
+
+
+def _grouped_mm(a: Tensor, weight: Tensor, chunk: _Chunk, out: Tensor, transpose: bool = False) -> Tensor:
+    """``out[rows of e] = a[rows of e] @ W[e]`` (``W[e]^T`` if ``transpose``) for the experts of ``chunk``."""
+    b = chunk.bounds
+    for i, e in enumerate(chunk.experts):
+        w = weight[e].t() if transpose else weight[e]
+        torch.mm(a[b[i]:b[i + 1]], w, out=out[b[i]:b[i + 1]])
+    return out
+
+
+def _weight_grad(a: Tensor, grad: Tensor, chunk: _Chunk, grad_w: Tensor) -> None:
+    """``grad_W[e] = a[rows of e]^T @ grad[rows of e]`` for the experts of ``chunk``."""
+    b = chunk.bounds
+    for i, e in enumerate(chunk.experts):
+        torch.mm(a[b[i]:b[i + 1]].t(), grad[b[i]:b[i + 1]], out=grad_w[e])
+
+
+def _zero_unused(grad_w: Tensor, chunks: list[_Chunk]) -> None:
+    used = torch.zeros(grad_w.shape[0], dtype=torch.bool)
+    for c in chunks:
+        used[c.experts] = True
+    if not bool(used.all()):
+        grad_w[~used.to(grad_w.device)] = 0
+
+
+def _scatter_rows_add(out: Tensor, index: Tensor, rows: Tensor) -> None:
+    """``out[index[i]] += rows[i]``, parallel over the columns (unlike ``index_add_`` along dim 0)."""
+    out.scatter_add_(0, index.unsqueeze(1).expand(-1, rows.shape[1]), rows)
 
 
 def _rowdot(a: Tensor, b: Tensor) -> Tensor:
@@ -42,65 +129,48 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
 
 
-class _Workspace:
-    """Row buffers sized for the largest expert, reused by every expert of one call.
-
-    One allocation per buffer and call instead of one per expert and op: fresh
-    multi-MB CPU allocations are returned to the OS on free and page-fault back
-    in on the next use, which costs as much as the gathers themselves.
-    """
-
-    def __init__(self, like: Tensor, rows: int):
-        self.like, self.rows = like, rows
-
-    def __call__(self, cols: int) -> Tensor:
-        return self.like.new_empty(self.rows, cols)
-
-
 class _SortedMap(torch.autograd.Function):
     """MoA eq. 10, ``y[n, j] = x[n] @ W[expert_index[n, j]]``, grouped by expert."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, sort_order: Tensor, sorted_token: Tensor, counts: list[int], top_k: int):
+    def forward(ctx, x: Tensor, weight: Tensor, sort_order: Tensor, sorted_token: Tensor, chunks: list[_Chunk],
+                top_k: int):
         num_tokens, (_, d_in, d_out) = x.shape[0], weight.shape
         y = x.new_empty(num_tokens * top_k, d_out)
-        ws = _Workspace(x, max(counts, default=0))
-        x_buf, y_buf = ws(d_in), ws(d_out)
-        for e, (slot_e, token_e) in enumerate(zip(sort_order.split(counts), sorted_token.split(counts))):
-            rows = slot_e.shape[0]
-            if rows:
-                x_e = torch.index_select(x, 0, token_e, out=x_buf[:rows])
-                y.index_copy_(0, slot_e, torch.mm(x_e, weight[e], out=y_buf[:rows]))
+        rows = _workspace_rows(chunks)
+        x_buf, y_buf = x.new_empty(rows, d_in), x.new_empty(rows, d_out)
+        for c in chunks:
+            n = c.stop - c.start
+            x_c = torch.index_select(x, 0, sorted_token[c.start:c.stop], out=x_buf[:n])
+            y.index_copy_(0, sort_order[c.start:c.stop], _grouped_mm(x_c, weight, c, y_buf[:n]))
         ctx.save_for_backward(x, weight, sort_order, sorted_token)
-        ctx.counts = counts
+        ctx.chunks = chunks
         return y.view(num_tokens, top_k, d_out)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: Tensor):
         x, weight, sort_order, sorted_token = ctx.saved_tensors
-        counts = ctx.counts
+        chunks = ctx.chunks
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_in, d_out = weight.shape[1], weight.shape[2]
         grad_y = grad_y.reshape(-1, d_out)
         grad_x = x.new_zeros(x.shape) if need_x else None
         grad_w = weight.new_empty(weight.shape) if need_w else None
-        ws = _Workspace(x, max(counts, default=0))
-        gy_buf = ws(d_out)
-        gx_buf = ws(d_in) if need_x else None
-        x_buf = ws(d_in) if need_w else None
-        for e, (slot_e, token_e) in enumerate(zip(sort_order.split(counts), sorted_token.split(counts))):
-            rows = slot_e.shape[0]
-            if not rows:
-                if need_w:
-                    grad_w[e].zero_()
-                continue
-            gy_e = torch.index_select(grad_y, 0, slot_e, out=gy_buf[:rows])
+        rows = _workspace_rows(chunks)
+        gy_buf = x.new_empty(rows, d_out)
+        gx_buf = x.new_empty(rows, d_in) if need_x else None
+        x_buf = x.new_empty(rows, d_in) if need_w else None
+        for c in chunks:
+            n = c.stop - c.start
+            token_c = sorted_token[c.start:c.stop]
+            gy_c = torch.index_select(grad_y, 0, sort_order[c.start:c.stop], out=gy_buf[:n])
             if need_x:  # grad_x[n] += grad_y[s] @ W[e]^T
-                grad_x.index_add_(0, token_e, torch.mm(gy_e, weight[e].t(), out=gx_buf[:rows]))
+                _scatter_rows_add(grad_x, token_c, _grouped_mm(gy_c, weight, c, gx_buf[:n], transpose=True))
             if need_w:  # grad_W[e] = x[tokens of e]^T @ grad_y[slots of e]
-                x_e = torch.index_select(x, 0, token_e, out=x_buf[:rows])
-                torch.mm(x_e.t(), gy_e, out=grad_w[e])
+                _weight_grad(torch.index_select(x, 0, token_c, out=x_buf[:n]), gy_c, c, grad_w)
+        if need_w:
+            _zero_unused(grad_w, chunks)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -108,60 +178,61 @@ class _SortedReduce(torch.autograd.Function):
     """MoA eq. 12 + 6, ``y[n] = sum_j g[n, j] * (h[n, j] @ W[expert_index[n, j]])``."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, gates: Tensor, sort_order: Tensor, sorted_token: Tensor, counts: list[int]):
+    def forward(ctx, h: Tensor, weight: Tensor, gates: Tensor, sort_order: Tensor, sorted_token: Tensor,
+                chunks: list[_Chunk]):
         num_tokens, top_k, d_in = h.shape
         d_out = weight.shape[2]
         h_flat = h.reshape(num_tokens * top_k, d_in)
         g_flat = gates.reshape(num_tokens * top_k, 1)
         y = h.new_zeros(num_tokens, d_out)
-        ws = _Workspace(h, max(counts, default=0))
-        h_buf, g_buf, y_buf = ws(d_in), ws(1), ws(d_out)
-        for e, (slot_e, token_e) in enumerate(zip(sort_order.split(counts), sorted_token.split(counts))):
-            rows = slot_e.shape[0]
-            if rows:
-                # gate the d_in-wide input rather than the d_out-wide output: (g h) W = g (h W)
-                gh_e = torch.index_select(h_flat, 0, slot_e, out=h_buf[:rows])
-                gh_e.mul_(torch.index_select(g_flat, 0, slot_e, out=g_buf[:rows]))
-                y.index_add_(0, token_e, torch.mm(gh_e, weight[e], out=y_buf[:rows]))
+        rows = _workspace_rows(chunks)
+        h_buf, g_buf, y_buf = h.new_empty(rows, d_in), h.new_empty(rows, 1), h.new_empty(rows, d_out)
+        for c in chunks:
+            n = c.stop - c.start
+            slot_c = sort_order[c.start:c.stop]
+            # gate the d_in-wide input rather than the d_out-wide output: (g h) W = g (h W)
+            gh_c = torch.index_select(h_flat, 0, slot_c, out=h_buf[:n])
+            gh_c.mul_(torch.index_select(g_flat, 0, slot_c, out=g_buf[:n]))
+            _scatter_rows_add(y, sorted_token[c.start:c.stop], _grouped_mm(gh_c, weight, c, y_buf[:n]))
         ctx.save_for_backward(h, weight, gates, sort_order, sorted_token)
-        ctx.counts = counts
+        ctx.chunks = chunks
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: Tensor):
         h, weight, gates, sort_order, sorted_token = ctx.saved_tensors
-        counts = ctx.counts
+        chunks = ctx.chunks
         need_h, need_w, need_g = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         num_tokens, top_k, d_in = h.shape
         d_out = weight.shape[2]
         num_slots = num_tokens * top_k
         h_flat = h.reshape(num_slots, d_in)
         g_flat = gates.reshape(num_slots, 1)
-        # every slot belongs to exactly one expert, so the loop writes every row
+        grad_y = grad_y.contiguous()
+        # every slot belongs to exactly one chunk, so the loop writes every row
         grad_h = h.new_empty(num_slots, d_in) if need_h else None
         grad_g = gates.new_empty(num_slots) if need_g else None
         grad_w = weight.new_empty(weight.shape) if need_w else None
-        ws = _Workspace(h, max(counts, default=0))
-        gy_buf, h_buf, g_buf = ws(d_out), ws(d_in), ws(1)
-        u_buf = ws(d_in) if (need_h or need_g) else None
-        for e, (slot_e, token_e) in enumerate(zip(sort_order.split(counts), sorted_token.split(counts))):
-            rows = slot_e.shape[0]
-            if not rows:
-                if need_w:
-                    grad_w[e].zero_()
-                continue
-            gy_e = torch.index_select(grad_y, 0, token_e, out=gy_buf[:rows])
-            g_e = torch.index_select(g_flat, 0, slot_e, out=g_buf[:rows])
-            h_e = torch.index_select(h_flat, 0, slot_e, out=h_buf[:rows])
+        rows = _workspace_rows(chunks)
+        gy_buf, h_buf, g_buf = h.new_empty(rows, d_out), h.new_empty(rows, d_in), h.new_empty(rows, 1)
+        u_buf = h.new_empty(rows, d_in) if (need_h or need_g) else None
+        for c in chunks:
+            n = c.stop - c.start
+            slot_c = sort_order[c.start:c.stop]
+            gy_c = torch.index_select(grad_y, 0, sorted_token[c.start:c.stop], out=gy_buf[:n])
+            g_c = torch.index_select(g_flat, 0, slot_c, out=g_buf[:n])
+            h_c = torch.index_select(h_flat, 0, slot_c, out=h_buf[:n])
             if need_h or need_g:
-                u_e = torch.mm(gy_e, weight[e].t(), out=u_buf[:rows])  # dL/d(g h) for these slots
+                u_c = _grouped_mm(gy_c, weight, c, u_buf[:n], transpose=True)  # dL/d(g h) for these slots
                 if need_g:  # grad_g[s] = <grad_y[n] @ W[e]^T, h[s]>
-                    grad_g.index_copy_(0, slot_e, _rowdot(u_e, h_e))
+                    grad_g.index_copy_(0, slot_c, _rowdot(u_c, h_c))
                 if need_h:  # grad_h[s] = g[s] * grad_y[n] @ W[e]^T
-                    grad_h.index_copy_(0, slot_e, u_e.mul_(g_e))
+                    grad_h.index_copy_(0, slot_c, u_c.mul_(g_c))
             if need_w:  # grad_W[e] = (g h)[slots of e]^T @ grad_y[tokens of e]
-                torch.mm(h_e.mul_(g_e).t(), gy_e, out=grad_w[e])
+                _weight_grad(h_c.mul_(g_c), gy_c, c, grad_w)
+        if need_w:
+            _zero_unused(grad_w, chunks)
         if need_h:
             grad_h = grad_h.view(num_tokens, top_k, d_in)
         if need_g:
@@ -169,15 +240,32 @@ class _SortedReduce(torch.autograd.Function):
         return grad_h, grad_w, grad_g, None, None, None
 
 
+def _routing_chunks(routing: ExpertRouting, width: int, dtype: torch.dtype, chunk_rows: int | None) -> list[_Chunk]:
+    if chunk_rows is None:
+        chunk_rows = _chunk_rows(width, dtype)
+    elif not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    return _chunks(routing.offsets.tolist(), chunk_rows)
+
+
 # The per-expert split needs counts on the host (a data-dependent Python loop):
 # torch.compile runs these eagerly (a graph break) instead of tracing into them.
 @torch.compiler.disable
-def sorted_map(x: Tensor, weight: Tensor, routing: ExpertRouting) -> Tensor:
-    """MoA eq. 10 by per-expert GEMMs on the expert-sorted slots (CPU fast path)."""
-    return _SortedMap.apply(x, weight, routing.sort_order, routing.sorted_token, routing.counts_list(), routing.top_k)
+def sorted_map(x: Tensor, weight: Tensor, routing: ExpertRouting, *, chunk_rows: int | None = None) -> Tensor:
+    """MoA eq. 10 by per-expert GEMMs on the expert-sorted slots (CPU fast path).
+
+    ``chunk_rows``: sorted rows per chunk (default from :data:`CHUNK_BYTES`); for tests.
+    """
+    chunks = _routing_chunks(routing, max(weight.shape[1], weight.shape[2]), x.dtype, chunk_rows)
+    return _SortedMap.apply(x, weight, routing.sort_order, routing.sorted_token, chunks, routing.top_k)
 
 
 @torch.compiler.disable
-def sorted_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouting) -> Tensor:
-    """MoA eq. 12 + 6 by per-expert GEMMs on the expert-sorted slots (CPU fast path)."""
-    return _SortedReduce.apply(h, weight, gates, routing.sort_order, routing.sorted_token, routing.counts_list())
+def sorted_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouting, *,
+                  chunk_rows: int | None = None) -> Tensor:
+    """MoA eq. 12 + 6 by per-expert GEMMs on the expert-sorted slots (CPU fast path).
+
+    ``chunk_rows``: sorted rows per chunk (default from :data:`CHUNK_BYTES`); for tests.
+    """
+    chunks = _routing_chunks(routing, max(weight.shape[1], weight.shape[2]), h.dtype, chunk_rows)
+    return _SortedReduce.apply(h, weight, gates, routing.sort_order, routing.sorted_token, chunks)

@@ -1,0 +1,124 @@
+"""``headmix bench models``: whole-model training steps, MoA against the MHA model of (nearly) equal MACs.
+
+For each size (``tiny``, ``mini``, ``small``: the CPU presets of :mod:`headmix.models.presets`) it builds
+the ``{size}-mha`` and ``{size}-moa`` translation models and times, in one process and interleaved (every
+repeat runs each model's step once, in turn; the median over repeats is reported), one training step as
+the trainer does it: forward with the label-smoothed loss plus the router losses, backward, gradient
+clipping and an AdamW step. The batch is synthetic: ``--batch`` sentence pairs of random lengths up to
+``--src-len`` / ``--tgt-len`` tokens, padded, so the padding masks are exercised as in real batches
+(the demo's batches hold about 2000 target tokens).
+
+Printed per model: ms per step, the ratio to the size's MHA model measured in the same run, the ratio of
+the analytic forward MACs (``headmix macs``) at the batch's mean lengths, and target tokens per second.
+``--impls`` adds MoA rows with a forced ``expert_impl`` (e.g. ``dense sorted``) beside ``auto``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from ..models import analytic_macs, build_model, get_config
+from ..models.config import ModelConfig
+from .attention import format_rows
+from .timing import add_clock_arguments, clock_setup, interleaved_timings
+
+SIZES = ("tiny", "mini", "small")
+
+
+def with_expert_impl(config: ModelConfig, impl: str) -> ModelConfig:
+    """``config`` with every MoA attention layer on ``expert_impl=impl``."""
+    changes = {}
+    for role in config.attention_roles():
+        att = getattr(config, role)
+        if att is not None and att.kind == "moa":
+            changes[role] = dataclasses.replace(att, expert_impl=impl)
+    return config.replace(**changes)
+
+
+def synthetic_batch(config: ModelConfig, batch: int, src_len: int, tgt_len: int,
+                    generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random translation batch: lengths uniform in ``[len/2, len]``, padded with ``pad_id``."""
+    def ids(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = torch.randint(max(1, length // 2), length + 1, (batch,), generator=generator)
+        low = max(config.pad_id, config.bos_id, config.eos_id) + 1
+        tokens = torch.randint(low, config.vocab_size, (batch, length + 1), generator=generator)
+        pad = torch.arange(length + 1)[None, :] >= lengths[:, None]
+        return tokens.masked_fill(pad, config.pad_id), lengths
+
+    src, src_lengths = ids(src_len)
+    tgt, tgt_lengths = ids(tgt_len)
+    return {"src": src[:, :-1], "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:],
+            "mean_src": float(src_lengths.float().mean()), "mean_tgt": float(tgt_lengths.float().mean())}
+
+
+def make_step(model: torch.nn.Module, batch: dict, lr: float = 1e-4, clip_norm: float = 1.0):
+    """One training step as :func:`headmix.training.trainer.train` runs it (AdamW, clipping)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        out = model(batch["src"], batch["tgt_in"], batch["tgt_out"])
+        out.total_loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        optimizer.step()
+
+    return step
+
+
+def bench_models(sizes: list[str], *, batch: int, src_len: int, tgt_len: int, impls: list[str], repeats: int,
+                 warmup: int, seed: int = 0, clock=time.perf_counter) -> list[dict]:
+    rows = []
+    for size in sizes:
+        base_cfg = get_config(f"{size}-mha", task="translation")
+        moa_cfg = get_config(f"{size}-moa", task="translation")
+        variants = {f"{size}-mha": base_cfg}
+        for impl in ["auto", *[i for i in impls if i != "auto"]]:
+            variants[f"{size}-moa" + ("" if impl == "auto" else f" ({impl})")] = with_expert_impl(moa_cfg, impl)
+        data = synthetic_batch(base_cfg, batch, src_len, tgt_len, torch.Generator().manual_seed(seed))
+        steps, macs = {}, {}
+        for name, cfg in variants.items():
+            torch.manual_seed(seed)
+            model = build_model(cfg).train()
+            steps[name] = make_step(model, data)
+            macs[name] = analytic_macs(cfg, round(data["mean_src"]), round(data["mean_tgt"]), batch).total
+        times = interleaved_timings(steps, repeats, warmup, "cpu", clock=clock)
+        base = f"{size}-mha"
+        for name in variants:
+            rows.append({"size": size, "model": name, "ms": 1e3 * times[name], "ratio": times[name] / times[base],
+                         "macs_ratio": macs[name] / macs[base],
+                         "tokens_per_s": data["mean_tgt"] * batch / times[name]})
+    return rows
+
+
+MODEL_COLUMNS = [("model", "model", "{}"), ("ms", "ms / step", "{:.1f}"), ("ratio", "time / MHA", "{:.2f}"),
+                 ("macs_ratio", "MACs / MHA", "{:.2f}"), ("tokens_per_s", "target tokens/s", "{:.0f}")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", nargs="+", choices=SIZES, default=list(SIZES))
+    p.add_argument("--batch", type=int, default=96, help="sentence pairs per batch")
+    p.add_argument("--src-len", type=int, default=28, help="longest source sentence (tokens)")
+    p.add_argument("--tgt-len", type=int, default=28, help="longest target sentence (tokens)")
+    p.add_argument("--impls", nargs="*", default=[], help="extra MoA rows with this expert_impl (dense, sorted, ...)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    add_clock_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("batch", "src_len", "tgt_len", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    clock, setup = clock_setup(args)
+    print(f"# headmix bench models: cpu, float32, torch {torch.__version__}, {setup}; translation training steps "
+          f"(forward, backward, clip, AdamW), batch {args.batch} pairs of up to {args.src_len} / {args.tgt_len} "
+          f"tokens; median of {args.repeats} interleaved runs")
+    rows = bench_models(args.sizes, batch=args.batch, src_len=args.src_len, tgt_len=args.tgt_len, impls=args.impls,
+                        repeats=args.repeats, warmup=args.warmup, clock=clock)
+    print(format_rows(rows, MODEL_COLUMNS))
+    return 0
+
