@@ -33,6 +33,8 @@ test-slow: setup
 
 bench: setup
 	$(BIN)/headmix bench attention
+	$(BIN)/headmix bench models
+	$(BIN)/headmix bench decode
 
 # On a machine with a CUDA GPU (and a CUDA build of PyTorch): the gpu-marked tests and the GPU benchmarks.
 gpu-check: setup
