@@ -283,21 +283,39 @@ def test_atomic_write_other_os_errors_are_one_line(tmp_path, monkeypatch):
     assert not path.exists() and not leftovers(tmp_path)
 
 
-@pytest.mark.parametrize("raised", [
-    OSError(errno.ENOSPC, "No space left on device"),
-    RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left\" })"),
-    RuntimeError("basic_ios::clear: iostream error"),  # torch.save on a full disk; the disk is seen to be full
+def free_space(monkeypatch, blocks: int) -> None:
+    """Make the file system look as if ``blocks`` blocks of 4 KiB were free."""
+    monkeypatch.setattr(files.os, "statvfs", lambda p: type("S", (), {"f_bavail": blocks, "f_frsize": 4096})())
+
+
+@pytest.mark.parametrize("raised,blocks", [
+    (OSError(errno.ENOSPC, "No space left on device"), 10_000),
+    (RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space\" })"), 10_000),
+    (RuntimeError("basic_ios::clear: iostream error"), 0),  # torch.save on a full disk
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 896 vs 790"), 1),  # seen on a full tmpfs
+    (RuntimeError("something else"), 0),  # no errno, but the disk is full
 ])
-def test_atomic_output_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, raised):
+def test_atomic_output_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, raised, blocks):
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"old")
-    monkeypatch.setattr(files.os, "statvfs", lambda p: type("S", (), {"f_bavail": 0})())
+    free_space(monkeypatch, blocks)
     with pytest.raises(RunError, match=rf"^no space left on device while writing {path} \(") as err:
         with atomic_output(path) as tmp:
             tmp.write_bytes(b"half")
             raise raised
     assert "\n" not in str(err.value)
     assert path.read_bytes() == b"old" and not leftovers(tmp_path)
+
+
+def test_a_torch_write_failure_with_space_left_is_one_line(tmp_path, monkeypatch):
+    free_space(monkeypatch, 1 << 20)
+    with pytest.raises(RunError, match=rf"^could not write {tmp_path / 'x.pt'}: RuntimeError: \[enforce fail"):
+        with atomic_output(tmp_path / "x.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 896 vs 790")
+    with pytest.raises(RuntimeError, match="^a bug$"):  # other runtime errors are bugs, not write failures
+        with atomic_output(tmp_path / "x.pt"):
+            raise RuntimeError("a bug")
+    assert not leftovers(tmp_path)
 
 
 def test_atomic_output_passes_other_errors_through(tmp_path):
@@ -549,7 +567,7 @@ def test_checkpoint_write_failure_leaves_the_previous_ones(run, monkeypatch):
         raise RuntimeError("basic_ios::clear: iostream error")
 
     monkeypatch.setattr(torch, "save", full)
-    monkeypatch.setattr(files.os, "statvfs", lambda p: type("S", (), {"f_bavail": 0})())
+    free_space(monkeypatch, 0)
     with pytest.raises(RunError, match=r"^no space left on device while writing .*step_00000004 \("):
         save(run, 4)
     assert steps(run.checkpoints()) == [2] and not leftovers(run.path)
