@@ -656,6 +656,17 @@ def test_truncate_metrics_drops_replayed_steps_and_a_torn_line(run):
     assert not leftovers(run.path)
 
 
+def test_truncate_metrics_drops_what_was_written_after_the_checkpoint(run):
+    """A finished run run again: the final records came after the final checkpoint, at the same step."""
+    run.metrics_path.write_text("".join(json.dumps({"split": "train", "step": s}) + "\n" for s in (2, 4, 6)))
+    save(run, 6, reason="final")
+    assert json.loads((run.checkpoints_dir / "step_00000006" / "state.json").read_text())["metrics_lines"] == 3
+    with run.metrics_path.open("a") as f:
+        f.write(json.dumps({"split": "valid", "step": 6, "averaged": 2}) + "\n")
+    assert run.truncate_metrics(6) == 1
+    assert [json.loads(l)["step"] for l in run.metrics_path.read_text().splitlines()] == [2, 4, 6]
+
+
 # ------------------------------------------------------------------------------------------------ final files, load_run
 
 @pytest.fixture
