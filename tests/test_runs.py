@@ -5,7 +5,9 @@ Tiny modules only: nothing is trained here."""
 from __future__ import annotations
 
 import ast
+import builtins
 import errno
+import io
 import json
 import multiprocessing
 import os
@@ -481,8 +483,8 @@ def test_a_checkpoint_of_another_model_is_an_error_not_damage(run):
         run.latest_intact_checkpoint(nn.Linear(3, 5))
 
 
-#: The system calls at which the crash test stops a writer (the C writers inside torch.save and
-#: safetensors write into temporary names, so their own calls need no interception).
+#: The system calls at which the crash test stops a writer, and after each Python ``open`` (the C writers
+#: inside torch.save and safetensors write into temporary names, so their own calls need no interception).
 CRASH_POINTS = ("write", "fsync", "mkdir", "rename", "replace", "unlink", "rmdir", "chmod", "fchmod", "ftruncate")
 
 
@@ -511,8 +513,18 @@ def _crash_at_call(path: Path, config: dict, tokenizer, n: int) -> int:
                     return real(*args, **kwargs)
                 return call
 
+            def crashing_after(real):  # open(..., "w") truncates: a crash right after it is a crash point too
+                def call(*args, **kwargs):
+                    result = real(*args, **kwargs)
+                    calls[0] += 1
+                    if calls[0] == n:
+                        os._exit(17)
+                    return result
+                return call
+
             for name in CRASH_POINTS:
                 setattr(os, name, crashing(getattr(os, name)))
+            builtins.open = io.open = crashing_after(io.open)  # pathlib's write_text calls io.open
             with Run.create_or_resume(path, config, identity=IDENTITY, log=lambda message: None) as run:
                 _writer_work(run, tokenizer)
             os._exit(0)
