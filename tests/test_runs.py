@@ -5,7 +5,9 @@ Tiny modules only: nothing is trained here."""
 from __future__ import annotations
 
 import ast
+import builtins
 import errno
+import io
 import json
 import multiprocessing
 import os
@@ -283,21 +285,39 @@ def test_atomic_write_other_os_errors_are_one_line(tmp_path, monkeypatch):
     assert not path.exists() and not leftovers(tmp_path)
 
 
-@pytest.mark.parametrize("raised", [
-    OSError(errno.ENOSPC, "No space left on device"),
-    RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left\" })"),
-    RuntimeError("basic_ios::clear: iostream error"),  # torch.save on a full disk; the disk is seen to be full
+def free_space(monkeypatch, blocks: int) -> None:
+    """Make the file system look as if ``blocks`` blocks of 4 KiB were free."""
+    monkeypatch.setattr(files.os, "statvfs", lambda p: type("S", (), {"f_bavail": blocks, "f_frsize": 4096})())
+
+
+@pytest.mark.parametrize("raised,blocks", [
+    (OSError(errno.ENOSPC, "No space left on device"), 10_000),
+    (RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space\" })"), 10_000),
+    (RuntimeError("basic_ios::clear: iostream error"), 0),  # torch.save on a full disk
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 896 vs 790"), 1),  # seen on a full tmpfs
+    (RuntimeError("something else"), 0),  # no errno, but the disk is full
 ])
-def test_atomic_output_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, raised):
+def test_atomic_output_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, raised, blocks):
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"old")
-    monkeypatch.setattr(files.os, "statvfs", lambda p: type("S", (), {"f_bavail": 0})())
+    free_space(monkeypatch, blocks)
     with pytest.raises(RunError, match=rf"^no space left on device while writing {path} \(") as err:
         with atomic_output(path) as tmp:
             tmp.write_bytes(b"half")
             raise raised
     assert "\n" not in str(err.value)
     assert path.read_bytes() == b"old" and not leftovers(tmp_path)
+
+
+def test_a_torch_write_failure_with_space_left_is_one_line(tmp_path, monkeypatch):
+    free_space(monkeypatch, 1 << 20)
+    with pytest.raises(RunError, match=rf"^could not write {tmp_path / 'x.pt'}: RuntimeError: \[enforce fail"):
+        with atomic_output(tmp_path / "x.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 896 vs 790")
+    with pytest.raises(RuntimeError, match="^a bug$"):  # other runtime errors are bugs, not write failures
+        with atomic_output(tmp_path / "x.pt"):
+            raise RuntimeError("a bug")
+    assert not leftovers(tmp_path)
 
 
 def test_atomic_output_passes_other_errors_through(tmp_path):
@@ -463,8 +483,8 @@ def test_a_checkpoint_of_another_model_is_an_error_not_damage(run):
         run.latest_intact_checkpoint(nn.Linear(3, 5))
 
 
-#: The system calls at which the crash test stops a writer (the C writers inside torch.save and
-#: safetensors write into temporary names, so their own calls need no interception).
+#: The system calls at which the crash test stops a writer, and after each Python ``open`` (the C writers
+#: inside torch.save and safetensors write into temporary names, so their own calls need no interception).
 CRASH_POINTS = ("write", "fsync", "mkdir", "rename", "replace", "unlink", "rmdir", "chmod", "fchmod", "ftruncate")
 
 
@@ -493,8 +513,18 @@ def _crash_at_call(path: Path, config: dict, tokenizer, n: int) -> int:
                     return real(*args, **kwargs)
                 return call
 
+            def crashing_after(real):  # open(..., "w") truncates: a crash right after it is a crash point too
+                def call(*args, **kwargs):
+                    result = real(*args, **kwargs)
+                    calls[0] += 1
+                    if calls[0] == n:
+                        os._exit(17)
+                    return result
+                return call
+
             for name in CRASH_POINTS:
                 setattr(os, name, crashing(getattr(os, name)))
+            builtins.open = io.open = crashing_after(io.open)  # pathlib's write_text calls io.open
             with Run.create_or_resume(path, config, identity=IDENTITY, log=lambda message: None) as run:
                 _writer_work(run, tokenizer)
             os._exit(0)
@@ -549,7 +579,7 @@ def test_checkpoint_write_failure_leaves_the_previous_ones(run, monkeypatch):
         raise RuntimeError("basic_ios::clear: iostream error")
 
     monkeypatch.setattr(torch, "save", full)
-    monkeypatch.setattr(files.os, "statvfs", lambda p: type("S", (), {"f_bavail": 0})())
+    free_space(monkeypatch, 0)
     with pytest.raises(RunError, match=r"^no space left on device while writing .*step_00000004 \("):
         save(run, 4)
     assert steps(run.checkpoints()) == [2] and not leftovers(run.path)
@@ -636,6 +666,17 @@ def test_truncate_metrics_drops_replayed_steps_and_a_torn_line(run):
     inode = run.metrics_path.stat().st_ino
     assert run.truncate_metrics(6) == 0 and run.metrics_path.stat().st_ino == inode  # nothing to drop: untouched
     assert not leftovers(run.path)
+
+
+def test_truncate_metrics_drops_what_was_written_after_the_checkpoint(run):
+    """A finished run run again: the final records came after the final checkpoint, at the same step."""
+    run.metrics_path.write_text("".join(json.dumps({"split": "train", "step": s}) + "\n" for s in (2, 4, 6)))
+    save(run, 6, reason="final")
+    assert json.loads((run.checkpoints_dir / "step_00000006" / "state.json").read_text())["metrics_lines"] == 3
+    with run.metrics_path.open("a") as f:
+        f.write(json.dumps({"split": "valid", "step": 6, "averaged": 2}) + "\n")
+    assert run.truncate_metrics(6) == 1
+    assert [json.loads(l)["step"] for l in run.metrics_path.read_text().splitlines()] == [2, 4, 6]
 
 
 # ------------------------------------------------------------------------------------------------ final files, load_run

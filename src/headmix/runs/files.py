@@ -65,28 +65,45 @@ def _one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+#: What torch.save's C++ writer says when a write fails (it gives no errno).
+_TORCH_WRITE_FAILURE_TEXT = ("iostream error", "unexpected pos", "failed writing", "file write failed")
+#: Below this much free space, a write failure without an errno is taken for a full disk.
+LOW_SPACE_BYTES = 64 << 20
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def _is_no_space(err: BaseException, folder: Path) -> bool:
     if isinstance(err, OSError) and err.errno is not None:
         return err.errno in (errno.ENOSPC, errno.EDQUOT)
     if any(t in str(err).lower() for t in _NO_SPACE_TEXT):
         return True
-    if isinstance(err, RuntimeError):  # torch.save on a full disk: "basic_ios::clear: iostream error"
-        try:
-            return os.statvfs(folder).f_bavail == 0
-        except OSError:
-            return False
+    if isinstance(err, RuntimeError):  # torch.save on a full disk: "basic_ios::clear: iostream error", ...
+        free = _free_bytes(folder)
+        return free is not None and (free == 0 or (_is_torch_write_failure(err) and free < LOW_SPACE_BYTES))
     return False
 
 
+def _is_torch_write_failure(err: BaseException) -> bool:
+    return isinstance(err, RuntimeError) and any(t in str(err) for t in _TORCH_WRITE_FAILURE_TEXT)
+
+
 def write_error(path: Path, err: BaseException) -> RunWriteError | None:
-    """The :class:`RunWriteError` that ``err``, raised while writing ``path``, stands for: a full disk, or
-    another ``OSError``; ``None`` for anything else (a bug in the writer, which should propagate)."""
+    """The :class:`RunWriteError` that ``err``, raised while writing ``path``, stands for: a full disk,
+    another ``OSError`` or a failed write reported by torch.save; ``None`` for anything else (a bug in
+    the writer, which should propagate)."""
     if isinstance(err, RunError):
         return None
     detail = f"{err.strerror}" if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
     if _is_no_space(err, path.parent):
         return RunWriteError(f"no space left on device while writing {path} ({_one_line(detail)})")
-    if isinstance(err, OSError):
+    if isinstance(err, OSError) or _is_torch_write_failure(err):
         return RunWriteError(f"could not write {path}: {_one_line(detail)}")
     return None
 

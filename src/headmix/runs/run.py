@@ -325,14 +325,20 @@ class Run:
         ``training_state`` (torch.save), and ``state.json`` = ``info`` + step, reason and checksums.
         ``reason``: ``"periodic"``, ``"final"`` or ``"signal N"`` (default ``info["reason"]``).
         ``keep``: how many scheduled (periodic/final) checkpoints to keep; interruption checkpoints
-        never count and are removed once a newer checkpoint exists."""
+        never count and are removed once a newer checkpoint exists. ``state.json`` also records
+        ``metrics_lines``, the complete lines of ``metrics.jsonl`` so far (see :meth:`truncate_metrics`)."""
         self._require_lock("a checkpoint")
         if reason is None:
             reason = info.get("reason")
         elif info.get("reason", reason) != reason:
             raise ValueError(f"reason={reason!r} differs from info['reason']={info['reason']!r}")
         self.checkpoints_dir.mkdir(exist_ok=True)
-        return ckpt.write_checkpoint(self.checkpoints_dir, step, model, training_state, info, reason=reason, keep=keep)
+        try:
+            metrics_lines = self.metrics_path.read_bytes().count(b"\n")
+        except FileNotFoundError:
+            metrics_lines = 0
+        return ckpt.write_checkpoint(self.checkpoints_dir, step, model, training_state,
+                                     {**info, "metrics_lines": metrics_lines}, reason=reason, keep=keep)
 
     def checkpoints(self) -> list[Path]:
         """The checkpoint folders, oldest first (complete: written atomically; not verified here)."""
@@ -351,14 +357,23 @@ class Run:
 
     # ------------------------------------------------------------------------------------- metrics
     def truncate_metrics(self, step: int) -> int:
-        """Drop the ``metrics.jsonl`` records of steps after ``step`` (a resumed run replays them) and a
-        torn last line; the file is rewritten atomically only when something is dropped. Returns the
-        number of lines dropped."""
+        """Drop what ``metrics.jsonl`` holds beyond checkpoint ``step``, before a run resumes from it: the
+        lines written after the checkpoint (its ``state.json`` records how many there were: this drops
+        the final records of a finished run that is run again), records of later steps (the resumed run
+        replays them) and a torn last line. The file is rewritten atomically, and only when something is
+        dropped. Returns the number of lines dropped."""
         self._require_lock("metrics.jsonl")
         try:
             lines = self.metrics_path.read_bytes().splitlines(keepends=True)
         except FileNotFoundError:
             return 0
+        total = len([l for l in lines if l.strip()])
+        try:
+            recorded = ckpt.read_info(self.checkpoints_dir / ckpt.checkpoint_name(step)).get("metrics_lines")
+        except CheckpointDamagedError:
+            recorded = None
+        if isinstance(recorded, int) and recorded >= 0:
+            lines = lines[:recorded]
         kept = []
         for line in lines:
             if not line.strip():
@@ -370,7 +385,7 @@ class Run:
             if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
                 continue
             kept.append(line if line.endswith(b"\n") else line + b"\n")
-        dropped = len([l for l in lines if l.strip()]) - len(kept)
+        dropped = total - len(kept)
         if dropped:
             atomic_write(self.metrics_path, b"".join(kept))
         return dropped
