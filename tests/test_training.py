@@ -349,3 +349,26 @@ def test_torchrun_training_end_to_end(tmp_path, pairs_file, kind):
     assert abs(l1 - summary["valid"]["loss"]) < 0.5, (l1, summary["valid"]["loss"])
     for split in ("train", "valid", "test"):
         assert (tmp_path / "one" / "data" / f"{split}.tsv").read_bytes() == (two / "data" / f"{split}.tsv").read_bytes()
+
+
+def test_metrics_log_on_a_full_disk_is_a_one_line_run_error(tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    from headmix.runs import RunError
+    from headmix.training.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, tensorboard=False)
+    log.write({"step": 1, "loss": 1.0})
+    real_open = builtins.open
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith("metrics.jsonl"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(RunError, match=r"no space left on device while writing .*metrics.jsonl"):
+        log.write({"step": 2, "loss": 0.5})
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..evaluation.loss import add_expert_counts, load_record
+from ..runs.files import write_error
 
 
 class MetricsLog:
@@ -33,8 +34,12 @@ class MetricsLog:
         if not self.enabled:
             return
         clean = {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in record.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
+        line = json.dumps(clean) + "\n"
+        try:
+            with open(self.path, "a") as f:
+                f.write(line)
+        except OSError as err:  # a full disk: one line naming the file, as for every other write of a run
+            raise (write_error(self.path, err) or err) from None
         if self._tb is not None and "step" in clean:
             for k, v in clean.items():
                 if isinstance(v, (int, float)) and k != "step":
