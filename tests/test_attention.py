@@ -480,3 +480,137 @@ def test_bad_input_errors_name_the_argument():
         layer(torch.randn(2, 3, D), attn_mask=torch.zeros(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="query_padding_mask must have shape"):
         layer(torch.randn(2, 3, D), query_padding_mask=torch.zeros(2, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.int32])
+def test_integer_masks_are_rejected_as_torch_does(kind, dtype):
+    # An integer 0/1 mask would be added to the scores as +1 instead of masking: every layer refuses it,
+    # as torch.nn.MultiheadAttention does, for each mask argument, in self- and cross-attention.
+    layer = make(kind)
+    x, mem = torch.randn(2, 3, D), torch.randn(2, 4, D)
+    with pytest.raises(ValueError, match=rf"key_padding_mask must be a bool .* or floating-point .* got dtype {dtype}"):
+        layer(x, key_padding_mask=torch.zeros(2, 3, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"key_padding_mask must be a bool .* got dtype {dtype}"):
+        layer(x, mem, key_padding_mask=torch.zeros(2, 4, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"attn_mask must be a bool .* or floating-point .* got dtype {dtype}"):
+        layer(x, attn_mask=torch.zeros(3, 3, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"attn_mask must be a bool .* got dtype {dtype}"):
+        layer(x, is_causal=True, attn_mask=torch.zeros(3, 3, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"query_padding_mask must be a bool \(True = padding\) tensor, got dtype {dtype}"):
+        layer(x, query_padding_mask=torch.zeros(2, 3, dtype=dtype))
+    with pytest.raises(ValueError, match="query_padding_mask must be a bool"):
+        layer(x, query_padding_mask=torch.zeros(2, 3))  # a float query mask has no meaning either
+    # torch agrees that an integer key_padding_mask is an error
+    if kind == "mha":
+        ref = torch.nn.MultiheadAttention(D, 4, batch_first=True)
+        with pytest.raises(AssertionError, match="only bool and floating types of key_padding_mask"):
+            ref(x, x, x, key_padding_mask=torch.zeros(2, 3, dtype=dtype))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bool_and_float_masks_still_agree(kind):
+    # The accepted forms mean the same thing: True = masked, and -inf added = masked.
+    layer = make(kind)
+    x = torch.randn(2, 5, D)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    additive = torch.zeros(2, 5).masked_fill(pad, float("-inf"))
+    a = layer(x, key_padding_mask=pad, query_padding_mask=pad).output
+    b = layer(x, key_padding_mask=additive, query_padding_mask=pad).output
+    torch.testing.assert_close(a, b)
+
+
+# --------------------------------------------------------------------------- a cache belongs to one layer instance
+
+def _decode(layer, x, cache=None):
+    """Prompt of 2 tokens, then one token at a time; returns the outputs and the last cache."""
+    out = layer(x[:, :2], is_causal=True, use_cache=True, cache=cache)
+    steps, cache = [out.output], out.cache
+    for t in range(2, x.shape[1]):
+        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
+        steps.append(out.output)
+        cache = out.cache
+    return torch.cat(steps, 1), cache
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_of_a_copied_layer_is_rejected(kind):
+    import copy
+    import io
+    import pickle
+
+    layer = make(kind)
+    x, mem = torch.randn(2, 4, D), torch.randn(2, 3, D)
+    own = layer(x[:, :2], is_causal=True, use_cache=True).cache
+    static = layer(x[:, :1], mem, use_cache=True).cache
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    clones = {"deepcopy": copy.deepcopy(layer), "copy": copy.copy(layer), "pickle": pickle.loads(pickle.dumps(layer)),
+              "torch.save": torch.load(buffer, weights_only=False)}
+    for how, clone in clones.items():
+        assert clone.layer_id != layer.layer_id, how
+        for cache in (own, static):
+            with pytest.raises(ValueError, match="cache belongs to another layer"):
+                clone(x[:, 2:3], is_causal=True, cache=cache)
+        # the clone computes the same thing with its own caches
+        torch.testing.assert_close(_decode(clone, x)[0], _decode(layer, x)[0])
+    assert len({c.layer_id for c in clones.values()}) == len(clones)
+    # the original still takes its own caches, also reordered for beam search
+    layer(x[:, 2:3], is_causal=True, cache=own.reorder(torch.tensor([1, 0])))
+    layer(x[:, 2:3], mem, cache=static)
+
+
+def test_cache_identity_survives_load_state_dict_and_modules_holding_the_layer():
+    # load_state_dict moves weights, not identity: each layer keeps its id (it is not in the state dict).
+    a, b = make("moa"), make("moa")
+    assert "layer_id" not in str(list(a.state_dict()))
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(1, 4, D)
+    cache_a = _decode(a, x)[1]
+    with pytest.raises(ValueError, match="cache belongs to another layer"):
+        b(x[:, :1], is_causal=True, cache=cache_a)
+    # a model deep-copied as a whole gets fresh ids in every layer
+    import copy
+
+    from headmix.models import build_model, get_config
+    model = build_model(get_config("tiny-moa", task="lm", vocab_size=32))
+    clone = copy.deepcopy(model)
+    ids = {m.layer_id for m in model.modules() if hasattr(m, "layer_id")}
+    clone_ids = {m.layer_id for m in clone.modules() if hasattr(m, "layer_id")}
+    assert len(ids) == 2 and len(clone_ids) == 2 and not ids & clone_ids
+
+
+def test_cache_under_torch_compile():
+    layer = make("moa")
+    x = torch.randn(2, 5, D)
+    compiled = torch.compile(layer, backend="eager", dynamic=False)
+    expected, _ = _decode(layer, x)
+    got, cache = _decode(compiled, x)
+    torch.testing.assert_close(got, expected)
+    import copy
+    with pytest.raises(ValueError, match="cache belongs to another layer"):
+        torch.compile(copy.deepcopy(layer), backend="eager")(x[:, :1], is_causal=True, cache=cache)
+
+
+def test_cache_through_ddp_and_fsdp_wrappers():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.randn(2, 5, D)
+        for wrap in ("ddp", "fsdp"):
+            layer = make("moa")
+            expected, _ = _decode(layer, x)
+            wrapped = DistributedDataParallel(layer) if wrap == "ddp" else fully_shard(layer)
+            got, cache = _decode(wrapped, x)
+            torch.testing.assert_close(got, expected, msg=wrap)
+            with pytest.raises(ValueError, match="cache belongs to another layer"):
+                make("moa")(x[:, :1], is_causal=True, cache=cache)
+    finally:
+        dist.destroy_process_group()

@@ -7,7 +7,8 @@ from torch import Tensor, nn
 
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import TopKRouter, routing_losses
-from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product
+from .base import (AttentionLayer, AttentionOutput, KVCache, attention_bias, check_mask_dtype, check_positive,
+                   scaled_dot_product)
 
 
 class MixtureOfAttentionHeads(AttentionLayer):
@@ -114,10 +115,11 @@ def real_token_mask(query: Tensor, key: Tensor | None, key_padding_mask: Tensor 
     """``(batch, time)`` True for real query tokens, from ``query_padding_mask`` or, in self-attention
     without a cache, from a boolean ``key_padding_mask`` (the queries are the keys)."""
     batch, tgt = query.shape[:2]
+    check_mask_dtype("query_padding_mask", query_padding_mask, additive=False)
     if query_padding_mask is not None:
         if query_padding_mask.shape != (batch, tgt):
             raise ValueError(f"query_padding_mask must have shape (batch, time) = ({batch}, {tgt}), got {tuple(query_padding_mask.shape)}")
-        return ~query_padding_mask.bool()
+        return ~query_padding_mask
     if key is None and cache is None and key_padding_mask is not None and key_padding_mask.dtype == torch.bool \
             and key_padding_mask.shape == (batch, tgt):
         return ~key_padding_mask

@@ -1,0 +1,77 @@
+"""Check that tests fail when the code is broken: apply one-line mutations, one at a time, run the named
+tests, revert. Usage (from the repository root):
+
+    PYTHONPATH=src python scripts/mutate.py scripts/mutations.txt [ID ...]
+
+Each mutation in the list file is a block of four lines, blocks separated by a blank line:
+
+    id: short-name
+    file: src/headmix/....py
+    old: <an exact substring of ONE line of that file, unique in the file>
+    new: <its replacement>
+    test: <pytest arguments, e.g. tests/test_attention.py -k renorm>
+
+A mutation is "caught" when pytest exits with failures (exit code 1); "SURVIVED" when the tests pass.
+The file is always restored, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def parse(text: str) -> list[dict[str, str]]:
+    blocks = []
+    for raw in text.strip().split("\n\n"):
+        lines = [line for line in raw.splitlines() if line.strip() and not line.startswith("#")]
+        if not lines:
+            continue
+        block = {}
+        for line in lines:
+            key, _, value = line.partition(": ")
+            block[key.strip()] = value
+        missing = {"id", "file", "old", "new", "test"} - block.keys()
+        if missing:
+            raise SystemExit(f"mutation block {lines[0]!r} lacks {sorted(missing)}")
+        blocks.append(block)
+    return blocks
+
+
+def run_one(m: dict[str, str]) -> tuple[str, int, float]:
+    path = Path(m["file"])
+    original = path.read_text()
+    count = original.count(m["old"])
+    if count != 1:
+        return f"BAD: 'old' found {count} times", -1, 0.0
+    line = original[:original.index(m["old"])].count("\n") + 1
+    path.write_text(original.replace(m["old"], m["new"]))
+    try:
+        start = time.time()
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *shlex.split(m["test"])]
+        rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+        took = time.time() - start
+    finally:
+        path.write_text(original)
+    verdict = {0: "SURVIVED", 1: "caught"}.get(rc, f"error (pytest exit {rc})")
+    return verdict, line, took
+
+
+def main() -> int:
+    mutations = parse(Path(sys.argv[1]).read_text())
+    wanted = set(sys.argv[2:])
+    survived = 0
+    for m in mutations:
+        if wanted and m["id"] not in wanted:
+            continue
+        verdict, line, took = run_one(m)
+        survived += verdict != "caught"
+        print(f"{verdict:9s} {m['id']:32s} {m['file']}:{line}  ({took:.0f} s)  {m['test']}", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
