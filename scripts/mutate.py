@@ -3,11 +3,11 @@ tests, revert. Usage (from the repository root):
 
     PYTHONPATH=src python scripts/mutate.py scripts/mutations.txt [ID ...]
 
-Each mutation in the list file is a block of four lines, blocks separated by a blank line:
+Each mutation in the list file is a block of five lines, blocks separated by a blank line:
 
     id: short-name
     file: src/headmix/....py
-    old: <an exact substring of ONE line of that file, unique in the file>
+    old: <an exact substring of one line of that file (or, if several lines contain it, a whole line)>
     new: <its replacement>
     test: <pytest arguments, e.g. tests/test_attention.py -k renorm>
 
@@ -44,11 +44,15 @@ def parse(text: str) -> list[dict[str, str]]:
 def run_one(m: dict[str, str]) -> tuple[str, int, float]:
     path = Path(m["file"])
     original = path.read_text()
-    count = original.count(m["old"])
-    if count != 1:
-        return f"BAD: 'old' found {count} times", -1, 0.0
-    line = original[:original.index(m["old"])].count("\n") + 1
-    path.write_text(original.replace(m["old"], m["new"]))
+    lines = original.split("\n")
+    hits = [i for i, text in enumerate(lines) if m["old"] in text]
+    if len(hits) > 1:  # a substring of several lines: take the line that is exactly `old`, if one is
+        hits = [i for i in hits if lines[i] == m["old"]]
+    if len(hits) != 1:
+        return f"BAD: 'old' matches {len(hits)} lines", -1, 0.0
+    line = hits[0] + 1
+    lines[hits[0]] = lines[hits[0]].replace(m["old"], m["new"])
+    path.write_text("\n".join(lines))
     try:
         start = time.time()
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *shlex.split(m["test"])]

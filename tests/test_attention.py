@@ -614,3 +614,109 @@ def test_cache_through_ddp_and_fsdp_wrappers():
                 make("moa")(x[:, :1], is_causal=True, cache=cache)
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- each option of each layer
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bias_false_has_no_biases_and_matches_reference(kind):
+    layer = make(kind, bias=False)
+    names = [n for n, _ in layer.named_parameters()]
+    assert not [n for n in names if "bias" in n], names
+    x = torch.randn(2, 5, D)
+    torch.testing.assert_close(layer(x, is_causal=True).output, reference_for(kind)(layer, x, is_causal=True),
+                               atol=2e-6, rtol=1e-5)
+    with_bias = sum(p.numel() for n, p in make(kind).named_parameters() if "bias" in n)
+    assert sum(p.numel() for p in make(kind).parameters()) - sum(p.numel() for p in layer.parameters()) == with_bias > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dropout_applies_in_training_only(kind):
+    layer = make(kind, dropout=0.5)
+    x = torch.randn(2, 6, D)
+    # eval: no dropout, the reference (which has none) holds
+    torch.testing.assert_close(layer(x, is_causal=True).output, reference_for(kind)(layer, x, is_causal=True),
+                               atol=2e-6, rtol=1e-5)
+    layer.train()
+    torch.manual_seed(1)
+    a = layer(x, is_causal=True).output
+    torch.manual_seed(1)
+    b = layer(x, is_causal=True).output
+    torch.manual_seed(2)
+    c = layer(x, is_causal=True).output
+    torch.testing.assert_close(a, b)  # the same seed, the same mask
+    assert not torch.allclose(a, c)   # another seed, another mask
+    layer.eval()
+    assert not torch.allclose(a, layer(x, is_causal=True).output)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        make(kind, dropout=1.0)
+
+
+@pytest.mark.parametrize("pre,post", [(True, False), (False, True), (False, False)])
+def test_talking_heads_pre_and_post_options_match_reference(pre, post):
+    torch.manual_seed(0)
+    layer = TalkingHeadsAttention(D, 4, pre_softmax=pre, post_softmax=post, head_dim=3, key_dim=7).eval()
+    assert (layer.pre_mix is not None, layer.post_mix is not None) == (pre, post)
+    with torch.no_grad():
+        for m in (layer.pre_mix, layer.post_mix):
+            if m is not None:
+                m.add_(0.3 * torch.randn(4, 4))
+    x = torch.randn(2, 5, D, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out = layer(x, is_causal=True).output
+    ref = reference_mha(layer, x2, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=2e-6, rtol=1e-5)
+    if not pre and not post:  # no mixing at all: plain MHA with the same projections
+        mha = MultiHeadAttention(D, 4, head_dim=3, key_dim=7).eval()
+        copy_projections(layer, mha)
+        torch.testing.assert_close(layer(x, is_causal=True).output, mha(x, is_causal=True).output, atol=1e-6, rtol=1e-5)
+
+
+def test_talking_heads_key_dim_scales_by_key_dim():
+    # key_dim != head_dim: the logits are scaled by key_dim ** -0.5, as MHA's
+    torch.manual_seed(0)
+    th = TalkingHeadsAttention(D, 4, pre_softmax=False, post_softmax=False, head_dim=3, key_dim=7).eval()
+    mha = MultiHeadAttention(D, 4, head_dim=3, key_dim=7).eval()
+    copy_projections(th, mha)
+    x, mem = torch.randn(2, 5, D), torch.randn(2, 4, D)
+    assert th.q_proj.weight.shape == (4 * 7, D) and th.v_proj.weight.shape == (4 * 3, D)
+    torch.testing.assert_close(th(x, mem).output, mha(x, mem).output, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(th(x, mem).output, reference_mha(th, x, mem), atol=1e-6, rtol=1e-5)
+
+
+def test_moa_expert_impl_variants_agree_and_the_choice_is_used():
+    x = torch.randn(2, 5, D)
+    results = {}
+    for impl in ("reference", "dense", "sorted", "gather", "auto"):
+        layer = make("moa", expert_impl=impl)
+        xi = x.clone().requires_grad_()
+        out = layer(xi, is_causal=True).output
+        out.square().sum().backward()
+        results[impl] = (out, xi.grad, layer.query_experts.grad, layer.output_experts.grad, layer.router.gate.weight.grad)
+    for impl, got in results.items():
+        for a, b in zip(got, results["reference"]):
+            torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=lambda m, impl=impl: f"{impl}: {m}")
+    # the layer passes its choice to the kernels: triton on CPU without the interpreter is refused there
+    layer = make("moa", expert_impl="triton")
+    with pytest.raises((RuntimeError, ValueError), match="(?i)triton"):
+        layer(x)
+    with pytest.raises(ValueError, match="expert_impl must be one of"):
+        make("moa", expert_impl="fast")
+
+
+def test_moh_options_top_k_and_shared_heads_match_reference():
+    for shared, top_k in ((0, 1), (2, 1), (1, 3), (3, 1)):
+        torch.manual_seed(0)
+        layer = MixtureOfHeadsAttention(D, num_heads=4, num_shared_heads=shared, top_k=top_k).eval()
+        with torch.no_grad():
+            for lin in (layer.routed_gate, layer.shared_gate, layer.group_gate):
+                if lin is not None:
+                    lin.weight.normal_()
+        x = torch.randn(2, 5, D)
+        out = layer(x, is_causal=True)
+        torch.testing.assert_close(out.output, reference_moh(layer, x, is_causal=True), atol=2e-6, rtol=1e-5)
+        g, _ = layer.head_weights(x, None)
+        assert g[..., shared:].ne(0).sum(-1).eq(top_k).all()  # exactly top_k routed heads active per token

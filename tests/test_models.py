@@ -400,3 +400,42 @@ def test_generation_input_errors():
         greedy_decode(lm, tokens(1, 3), max_len=0)
     with pytest.raises(ValueError, match="EncoderDecoderModel or a CausalLanguageModel"):
         greedy_decode(model_for(tiny("tiny-mha", "mlm")), tokens(1, 3), max_len=3)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_label_smoothing_value_and_gradient_by_hand(smoothing):
+    # loss = mean_t [(1 - eps) (-log p_t[y_t]) + eps * mean_v (-log p_t[v])] over target tokens (pad ignored);
+    # d loss / d logits_t = (softmax_t - (1 - eps) onehot(y_t) - eps / V) / n.
+    model = model_for(tiny("tiny-mha", label_smoothing=smoothing))
+    src, tgt_in = tokens(2, 6), tokens(2, 5, seed=3)
+    tgt_out = tokens(2, 5, seed=4)
+    tgt_out[1, 2:] = PAD
+    logits = model(src, tgt_in).logits.detach().requires_grad_()
+    from headmix.models.transformer import token_loss
+
+    loss, nll_loss, n = token_loss(logits, tgt_out, PAD, smoothing)
+    keep = tgt_out.ne(PAD)
+    logp = logits.detach().log_softmax(-1)[keep]
+    nll = -logp.gather(1, tgt_out[keep][:, None])[:, 0]
+    uniform = -logp.mean(-1)
+    assert int(n) == 7
+    torch.testing.assert_close(loss, ((1 - smoothing) * nll + smoothing * uniform).mean())
+    torch.testing.assert_close(nll_loss, nll.mean())  # the plain NLL, whatever the smoothing
+    torch.testing.assert_close(model(src, tgt_in, tgt_out).loss, loss)
+    loss.backward()
+    target = (1 - smoothing) * F.one_hot(tgt_out[keep], V) + smoothing / V
+    expected = torch.zeros_like(logits)
+    expected[keep] = (logits.detach()[keep].softmax(-1) - target) / 7
+    torch.testing.assert_close(logits.grad, expected)
+
+
+def test_label_smoothing_0_and_01_differ_as_the_formula_says():
+    src, tgt_in, tgt_out = tokens(2, 6), tokens(2, 5, seed=3), tokens(2, 5, seed=5)
+    plain = model_for(tiny("tiny-mha", label_smoothing=0.0))(src, tgt_in, tgt_out)
+    smooth = model_for(tiny("tiny-mha", label_smoothing=0.1))(src, tgt_in, tgt_out)
+    assert torch.equal(plain.logits, smooth.logits)  # the same weights (same seed): only the loss differs
+    logp = plain.logits.log_softmax(-1)
+    nll = -logp.gather(-1, tgt_out[..., None])[..., 0]
+    # smoothed - plain = 0.1 * mean_t (mean_v(-log p_t) - (-log p_t[y_t]))
+    torch.testing.assert_close(smooth.loss - plain.loss, 0.1 * (-logp.mean(-1) - nll).mean())
+    torch.testing.assert_close(smooth.nll_loss, plain.loss)
