@@ -11,12 +11,14 @@ Each mutation in the list file is a block of five lines, blocks separated by a b
     new: <its replacement>
     test: <pytest arguments, e.g. tests/test_attention.py -k renorm>
 
-A mutation is "caught" when pytest exits with failures (exit code 1); "SURVIVED" when the tests pass.
+A mutation is "caught" when pytest exits with failures (exit code 1; the first failing test is named);
+"SURVIVED" when the tests pass.
 The file is always restored, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import sys
@@ -56,11 +58,14 @@ def run_one(m: dict[str, str]) -> tuple[str, int, float]:
     try:
         start = time.time()
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *shlex.split(m["test"])]
-        rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+        run = subprocess.run(cmd, capture_output=True, text=True)
         took = time.time() - start
     finally:
         path.write_text(original)
-    verdict = {0: "SURVIVED", 1: "caught"}.get(rc, f"error (pytest exit {rc})")
+    verdict = {0: "SURVIVED", 1: "caught"}.get(run.returncode, f"error (pytest exit {run.returncode})")
+    if run.returncode == 1:  # name the first failing test (pytest's -ra summary)
+        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", run.stdout, flags=re.MULTILINE)
+        verdict += f" by {failed[0]}" if failed else ""
     return verdict, line, took
 
 
@@ -72,8 +77,8 @@ def main() -> int:
         if wanted and m["id"] not in wanted:
             continue
         verdict, line, took = run_one(m)
-        survived += verdict != "caught"
-        print(f"{verdict:9s} {m['id']:32s} {m['file']}:{line}  ({took:.0f} s)  {m['test']}", flush=True)
+        survived += not verdict.startswith("caught")
+        print(f"{m['id']:32s} {m['file']}:{line}  ({took:.0f} s)  {verdict}", flush=True)
     return 1 if survived else 0
 
 
