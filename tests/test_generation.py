@@ -14,7 +14,8 @@ from headmix.models import generation
 PAD, BOS, EOS, A, B, C = 0, 1, 2, 3, 4, 5
 V = 6
 
-# Next-token probabilities after each continuation of a prompt; a continuation not listed ends (eos 1).
+# Next-token probabilities after each continuation of a prompt; a continuation not listed ends (eos 1);
+# after an eos, eos and A are equally likely (so that a score that kept counting would change).
 TABLES = {
     # Prompt BOS: greedy takes A (0.6), A (0.5), eos: p = 0.30. The beam also finds B, eos: p = 0.38,
     # better without a length penalty, worse with it (0.38 ** (1/2) < 0.30 ** (1/3)).
@@ -22,13 +23,18 @@ TABLES = {
     # Prompt C: greedy takes C (0.7), eos (0.55): p = 0.385 and stops first. The beam also finds
     # C, A, eos: p = 0.315, which wins with a length penalty (0.315 ** (1/3) > 0.385 ** (1/2)).
     C: {(): {C: 0.7, A: 0.3}, (C,): {EOS: 0.55, A: 0.45}},
+    # Prompt A, beam 2: at step 2 the top 2 of the candidates are B C (.35, live) and A eos (.30, ends);
+    # the 3rd, A B (.20), must go on as the second live beam: it ends as A B eos (.20), the best with
+    # length penalty 1 (log .2 / 3 > log .3 / 2).
+    A: {(): {A: 0.5, B: 0.35, C: 0.15}, (A,): {EOS: 0.6, B: 0.4}, (B,): {C: 1.0}, (B, C): {EOS: 0.1, A: 0.9}},
 }
 
 
 def table_log_probs(prefix: generation._Prefix) -> torch.Tensor:
     rows = []
     for seq in prefix.tokens.tolist():
-        probs = TABLES[seq[0]].get(tuple(seq[1:]), {EOS: 1.0})
+        ended = EOS in seq[1:]
+        probs = {EOS: 0.5, A: 0.5} if ended else TABLES[seq[0]].get(tuple(seq[1:]), {EOS: 1.0})
         row = torch.full((V,), float("-inf"))
         for token, p in probs.items():
             row[token] = math.log(p)
@@ -94,6 +100,18 @@ def test_beam_without_eos_by_max_len_returns_the_best_live_beam(lm):
     # finished B, eos (0.38) beats every live beam (A A 0.30, A B 0.06) and A, eos (0.24)
     beam = beam_search(lm, PROMPTS[:1], beam_size=3, max_len=2, length_penalty=0.0, use_cache=False)
     assert beam.tokens.tolist() == [[B, EOS]]
+
+
+def test_beam_keeps_k_live_hypotheses_when_some_end(lm):
+    # 2k candidates per step, so that k beams go on even when some of the top k end with eos
+    beam = beam_search(lm, torch.tensor([[A]]), beam_size=2, max_len=6, length_penalty=1.0, use_cache=False)
+    assert beam.tokens.tolist() == [[A, B, EOS]]
+    torch.testing.assert_close(beam.scores, torch.tensor([math.log(0.5 * 0.4) / 3]))
+    # at max_len 2 the live B C (log .35 / 2) beats the finished A eos (log .30 / 2): live beams are
+    # length-normalised too
+    beam = beam_search(lm, torch.tensor([[A]]), beam_size=2, max_len=2, length_penalty=1.0, use_cache=False)
+    assert beam.tokens.tolist() == [[B, C]]
+    torch.testing.assert_close(beam.scores, torch.tensor([math.log(0.35) / 2]))
 
 
 def test_eos_candidates_outside_the_top_k_do_not_finish(lm):
