@@ -720,3 +720,21 @@ def test_moh_options_top_k_and_shared_heads_match_reference():
         torch.testing.assert_close(out.output, reference_moh(layer, x, is_causal=True), atol=2e-6, rtol=1e-5)
         g, _ = layer.head_weights(x, None)
         assert g[..., shared:].ne(0).sum(-1).eq(top_k).all()  # exactly top_k routed heads active per token
+
+
+def test_moa_auto_kernel_follows_grad_mode(monkeypatch):
+    # auto: the gather kernel only when no gradient is needed (its backward is slow); the others otherwise
+    from headmix.kernels import reference as kernel_reference
+
+    calls = []
+    for name in ("gather_map", "gather_reduce"):
+        original = getattr(kernel_reference, name)
+        monkeypatch.setattr(kernel_reference, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    layer = MixtureOfAttentionHeads(D, num_experts=8, top_k=2, head_dim=4)  # E > 2k, N k <= 16: gather territory
+    x = torch.randn(1, 2, D)
+    with torch.no_grad():
+        layer(x)
+    assert calls == ["gather_map", "gather_reduce"]
+    calls.clear()
+    layer(x.requires_grad_()).output.sum().backward()
+    assert calls == []

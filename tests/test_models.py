@@ -439,3 +439,18 @@ def test_label_smoothing_0_and_01_differ_as_the_formula_says():
     # smoothed - plain = 0.1 * mean_t (mean_v(-log p_t) - (-log p_t[y_t]))
     torch.testing.assert_close(smooth.loss - plain.loss, 0.1 * (-logp.mean(-1) - nll).mean())
     torch.testing.assert_close(smooth.nll_loss, plain.loss)
+
+
+@pytest.mark.parametrize("att", [
+    AttentionConfig(kind="moa", num_experts=6, top_k=2, head_dim=8, router="noisy_topk"),
+    AttentionConfig(kind="moa", num_experts=6, top_k=2, head_dim=8, bias=False),
+    AttentionConfig(kind="mha", num_heads=4, head_dim=4, key_dim=12, bias=False),
+    AttentionConfig(kind="moh", num_heads=4, num_shared_heads=1, top_k=2),
+    AttentionConfig(kind="moh", num_heads=4, num_shared_heads=0, top_k=2),
+    AttentionConfig(kind="talking_heads", num_heads=4, pre_softmax=False),
+])
+def test_parameter_formula_matches_every_layer_option(att):
+    from headmix.models.counting import attention_parameters
+
+    layer = att.build(32)
+    assert attention_parameters(att, 32)[0] == count_parameters(layer)
