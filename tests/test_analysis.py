@@ -334,6 +334,19 @@ def test_moh_head_utilities():
     assert "group weights shared / routed" in rep.to_markdown()
 
 
+def test_moh_head_utilities_ignore_padding():
+    model = tiny("tiny-moh").double()  # float64: padding must not flip a near-tie of the router
+    sents = sentence_batches()
+    one_by_one = head_utilities(model, sents)
+    padded = head_utilities(model, [(pad_together([s for s, _ in sents]), pad_together([t for _, t in sents]))])
+    for a, b in zip(one_by_one.layers, padded.layers):
+        assert a.num_tokens == b.num_tokens
+        assert a.active_fraction == pytest.approx(b.active_fraction, rel=1e-12)
+        assert a.mean_weight == pytest.approx(b.mean_weight, rel=1e-9)
+        assert a.group_weights == pytest.approx(b.group_weights, rel=1e-9)
+        assert a.active_fraction[0] == 1.0  # the shared head: active on every real token, not on padding
+
+
 def test_talking_heads_matrices(tmp_path):
     model = tiny("tiny-talking-heads")
     layer = model.encoder.layers[0].self_attn
