@@ -31,6 +31,7 @@ from headmix.analysis import (
     token_expert_pmi,
     token_text,
 )
+from headmix.analysis.heads import HeadUtilityReport, TalkingHeadsReport
 from headmix.analysis.layers import RoutedLayer
 from headmix.cli.main import main
 from headmix.data import (
@@ -334,6 +335,19 @@ def test_moh_head_utilities():
     assert "group weights shared / routed" in rep.to_markdown()
 
 
+def test_moh_head_utilities_ignore_padding():
+    model = tiny("tiny-moh").double()  # float64: padding must not flip a near-tie of the router
+    sents = sentence_batches()
+    one_by_one = head_utilities(model, sents)
+    padded = head_utilities(model, [(pad_together([s for s, _ in sents]), pad_together([t for _, t in sents]))])
+    for a, b in zip(one_by_one.layers, padded.layers):
+        assert a.num_tokens == b.num_tokens
+        assert a.active_fraction == pytest.approx(b.active_fraction, rel=1e-12)
+        assert a.mean_weight == pytest.approx(b.mean_weight, rel=1e-9)
+        assert a.group_weights == pytest.approx(b.group_weights, rel=1e-9)
+        assert a.active_fraction[0] == 1.0  # the shared head: active on every real token, not on padding
+
+
 def test_talking_heads_matrices(tmp_path):
     model = tiny("tiny-talking-heads")
     layer = model.encoder.layers[0].self_attn
@@ -347,21 +361,137 @@ def test_talking_heads_matrices(tmp_path):
     assert math.isclose(first.pre.identity_distance, 0.5 * 4)  # ||0.5 * ones(4, 4)||_F = 2
     assert math.isclose(first.pre.off_diagonal_fraction, 6 / 12)
     assert first.post.identity_distance == 0.0 and rep.layers[1].pre.identity_distance == 0.0
-    assert rep.plot(tmp_path / "th.png").stat().st_size > 1000
     assert "pre-softmax | 2.0000 |" in rep.to_markdown()
+    # The heatmaps draw the matrices (rows: layers; columns: pre, post), and M - I with deviation.
+    two = TalkingHeadsReport(rep.layers[:2])  # two layers keep the drawing quick
+    for deviation in (False, True):
+        fig = two.figure(deviation=deviation)
+        images = [ax.images[0].get_array() for ax in fig.axes if ax.images]
+        assert len(images) == 4
+        expected = torch.eye(4) + 0.5 * torch.ones(4, 4) - (torch.eye(4) if deviation else 0)
+        assert torch.allclose(torch.tensor(images[0].data), expected)
+        assert torch.allclose(torch.tensor(images[1].data), torch.eye(4) * (0 if deviation else 1))
+        lim = float(expected.abs().max())
+        assert images and fig.axes[0].images[0].get_clim() == (-lim, lim)
+    assert is_png(two.plot(tmp_path / "th.png"))
 
 
-def test_reports_plot_and_serialise(tmp_path):
+def is_png(path: Path) -> bool:
+    """A PNG file that matplotlib reads back as an image of some size."""
+    import matplotlib.image
+
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and min(matplotlib.image.imread(path).shape[:2]) > 50
+
+
+def bar_heights(ax) -> list[float]:
+    return [p.get_height() for p in ax.patches]
+
+
+def hand_load_report() -> LoadReport:
+    """Two layers with hand-made counts: E0..E3 get 4, 3, 1, 0 slots; 2 experts get 5 and 5."""
+    from headmix.analysis.counts import RoutingStats
+
+    a, b = RoutedLayer(0, "encoder.layers.0.self_attn", "moa", 4, 2), RoutedLayer(1, "decoder.layers.0.self_attn", "moh", 2, 1)
+    ca, cb = LayerCounts(a.name, 4), LayerCounts(b.name, 2)
+    ca.add(routing([[0, 1]] * 3 + [[0, 2]], 4))
+    cb.add(routing([[0]] * 5 + [[1]] * 5, 2))
+    return LoadReport.from_stats(RoutingStats([a, b], {a.name: ca, b.name: cb}, num_batches=1))
+
+
+def test_load_plots_draw_the_shares(tmp_path):
+    rep = hand_load_report()
+    fig = rep.figure()
+    assert fig.__class__.__name__ == "Figure"
+    first, second = fig.axes[:2]
+    assert bar_heights(first) == [50.0, 37.5, 12.5, 0.0] and bar_heights(second) == [50.0, 50.0]
+    colors = [p.get_facecolor() for p in first.patches]
+    from matplotlib.colors import to_rgba
+    assert colors == [to_rgba(c) for c in ("tab:red", "tab:blue", "tab:blue", "tab:orange")]
+    assert [p.get_facecolor() for p in second.patches] == [to_rgba("tab:blue")] * 2  # even: no max/min colour
+    assert list(first.lines[0].get_ydata()) == [25.0, 25.0] and list(second.lines[0].get_ydata()) == [50.0, 50.0]
+    assert [t.get_text() for t in first.get_xticklabels()] == rep.layers[0].labels
+    assert len(fig.axes) == 2
+    single = rep.layer_figure(1)
+    assert bar_heights(single.axes[0]) == [50.0, 50.0] and "routed head" in single.axes[0].get_xlabel()
+
+    summary = rep.summary_figure()
+    shares, cv, entropy = summary.axes
+    assert [list(line.get_ydata()) for line in shares.lines] == [[50.0, 50.0], [0.0, 50.0], [25.0, 50.0]]
+    assert bar_heights(cv) == [rep.layers[0].cv, 0.0]
+    assert bar_heights(entropy) == [rep.layers[0].norm_entropy, 1.0]
+    assert [t.get_text() for t in cv.get_xticklabels()] == [l.name for l in rep.layers]
+
+    assert is_png(rep.plot(tmp_path / "a.png")) and is_png(rep.plot_summary(tmp_path / "s.png"))
+    paths = rep.plot_layers(tmp_path / "layers")
+    assert [p.name for p in paths] == ["00_encoder.layers.0.self_attn.png", "01_decoder.layers.0.self_attn.png"]
+    assert all(is_png(p) for p in paths)
+
+
+def test_pmi_plot_draws_the_log_pmi_of_the_top_tokens(tmp_path):
+    c = LayerCounts("encoder.layers.0.self_attn", 2, vocab_size=6)
+    seq = [(3, 0)] * 4 + [(4, 0)] * 2 + [(4, 1)] * 2 + [(5, 1)] * 6
+    c.add(routing([[e] for _, e in seq], 2), torch.tensor([t for t, _ in seq]))
+    rep = PMIReport.from_counts(c, top=2, min_count=1)
+    fig = rep.figure()
+    for ax, expert in zip(fig.axes, rep.experts):
+        # best token at the top: the bars are drawn bottom-up
+        assert [p.get_width() for p in ax.patches] == [t.log_pmi for t in reversed(expert.tokens)]
+        assert [t.get_text() for t in ax.get_yticklabels()] == [t.token for t in reversed(expert.tokens)]
+        assert [t.get_text() for t in ax.texts] == [f" n={t.count}" for t in reversed(expert.tokens)]
+    # by hand: p(3) = 4/14, p(E0) = 6/14, p(3, E0) = 4/14 -> PMI 14/6; token 4 on E0: (2/14) / (4/14 * 6/14) = 7/6
+    assert [t.id for t in rep.experts[0].tokens] == [3, 4]
+    widths = [p.get_width() for p in fig.axes[0].patches]
+    assert widths == pytest.approx([math.log(7 / 6), math.log(14 / 6)], rel=1e-12)
+    assert is_png(rep.plot(tmp_path / "p.png"))
+
+
+def test_moh_heads_plot_draws_weights_and_active_fractions(tmp_path):
+    model = tiny("tiny-moh")
+    rep = head_utilities(model, sentence_batches(3))
+    rep = HeadUtilityReport(rep.layers[:2])
+    fig = rep.figure()
+    bars = [ax for ax in fig.axes if ax.patches]
+    assert len(bars) == len(rep.layers)
+    for ax, layer in zip(bars, rep.layers):
+        assert bar_heights(ax) == pytest.approx(layer.mean_weight, rel=1e-12)
+    dots = [ax for ax in fig.axes if ax.lines]
+    for ax, layer in zip(dots, rep.layers):
+        assert list(ax.lines[0].get_ydata()) == pytest.approx([100 * a for a in layer.active_fraction], rel=1e-12)
+    assert is_png(rep.plot(tmp_path / "h.png"))
+
+
+def test_plotting_leaves_the_backend_and_pyplot_alone(tmp_path):
+    # A notebook's backend must not change, and no figure is left open in pyplot.
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        open_figures = plt.get_fignums()
+        rep = hand_load_report()
+        rep.plot(tmp_path / "a.png")
+        rep.plot_summary(tmp_path / "s.png")
+        rep.plot_layers(tmp_path / "layers")
+        TalkingHeadsReport(talking_heads_matrices(tiny("tiny-talking-heads")).layers[:1]).plot(tmp_path / "th.png")
+        c = LayerCounts("l", 2, vocab_size=4)
+        c.add(routing([[0], [1], [1]], 2), torch.tensor([1, 2, 2]))
+        PMIReport.from_counts(c, min_count=1).plot(tmp_path / "p.png")
+        moh = head_utilities(tiny("tiny-moh"), sentence_batches(2))
+        HeadUtilityReport(moh.layers[:1]).plot(tmp_path / "h.png")
+        assert matplotlib.get_backend() == "svg"
+        assert plt.get_fignums() == open_figures
+    finally:
+        matplotlib.use(before)
+
+
+def test_reports_serialise(tmp_path):
     model = tiny("tiny-moa")
     batches = [(s, t) for s, t in sentence_batches()]
-    load = expert_load(model, batches)
-    assert load.plot(tmp_path / "a.png").stat().st_size > 1000
-    assert load.plot_summary(tmp_path / "s.png").stat().st_size > 1000
-    assert len(load.plot_layers(tmp_path / "layers")) == 6
     pmi = token_expert_pmi(model, batches, min_count=1)
-    assert pmi.plot(tmp_path / "p.png").stat().st_size > 1000
     data = json.loads(pmi.to_json(tmp_path / "p.json"))
     assert data["layer"]["name"] == "encoder.layers.0.self_attn" and len(data["experts"]) == 4
+    assert json.loads((tmp_path / "p.json").read_text()) == data
 
 
 # ------------------------------------------------------------------------------------ runs and the CLI
@@ -404,9 +534,10 @@ def test_cli_load_writes_json_markdown_and_pngs(runs, tmp_path, capsys):
     assert data["source"].endswith("valid.tsv") and len(data["layers"]) == 6
     for layer in data["layers"]:
         assert math.isclose(sum(layer["share"]), 1.0, rel_tol=1e-9) and layer["num_tokens"] > 0
-    for name in ("load.md", "load.png", "load_summary.png"):
-        assert (out / name).stat().st_size > 100, name
-    assert len(list((out / "load_layers").glob("*.png"))) == 6
+    assert (out / "load.md").read_text().startswith("| # | layer |")
+    assert is_png(out / "load.png") and is_png(out / "load_summary.png")
+    layer_pngs = sorted((out / "load_layers").glob("*.png"))
+    assert len(layer_pngs) == 6 and all(is_png(p) for p in layer_pngs)
     assert "encoder.layers.0.self_attn" in capsys.readouterr().out
     # --data and --limit: the same run on the first 5 pairs of its test split.
     out2 = tmp_path / "load2"
@@ -445,7 +576,7 @@ def test_cli_pmi_table_shows_token_text(runs, tmp_path, capsys):
     for t in tokens:  # shown as text (word starts marked), not as ids
         assert t["token"] == token_text(tok, t["id"]) and t["token"] != f"#{t['id']}"
         assert "|" in t["token"] or "`" in t["token"] or f"`{t['token']}`" in md
-    assert (out / "pmi.png").stat().st_size > 1000
+    assert is_png(out / "pmi.png")
     capsys.readouterr()
     assert main(["analyze", "pmi", str(runs["tiny-moa"]), "--layer", "7", "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -460,11 +591,11 @@ def test_cli_heads_for_moh_and_talking_heads(runs, tmp_path, capsys):
     assert main(["analyze", "heads", str(runs["tiny-moh"]), "--out", str(out)]) == 0
     data = json.loads((out / "moh_heads.json").read_text())
     assert len(data["layers"]) == 6 and math.isclose(sum(data["layers"][0]["group_weights"]), 1.0, rel_tol=1e-6)  # float32 means
-    assert (out / "moh_heads.png").stat().st_size > 1000 and (out / "moh_heads.md").is_file()
+    assert is_png(out / "moh_heads.png") and (out / "moh_heads.md").is_file()
     out2 = tmp_path / "th"
     assert main(["analyze", "heads", str(runs["talking"]), "--out", str(out2)]) == 0
-    for name in ("talking_heads.json", "talking_heads.md", "talking_heads.png", "talking_heads_deviation.png"):
-        assert (out2 / name).stat().st_size > 100, name
+    assert json.loads((out2 / "talking_heads.json").read_text())["layers"] and (out2 / "talking_heads.md").is_file()
+    assert is_png(out2 / "talking_heads.png") and is_png(out2 / "talking_heads_deviation.png")
     capsys.readouterr()
     assert main(["analyze", "heads", str(runs["tiny-moa"]), "--out", str(out2)]) == 2
     assert "MixtureOfAttentionHeads" in capsys.readouterr().err

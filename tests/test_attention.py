@@ -739,3 +739,266 @@ def test_moa_kv_heads_without_enable_gqa_matches_reference(case, monkeypatch):
     expected.square().sum().backward()
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(x1.grad, x2.grad, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.int32])
+def test_integer_masks_are_rejected_as_torch_does(kind, dtype):
+    # An integer 0/1 mask would be added to the scores as +1 instead of masking: every layer refuses it,
+    # as torch.nn.MultiheadAttention does, for each mask argument, in self- and cross-attention.
+    layer = make(kind)
+    x, mem = torch.randn(2, 3, D), torch.randn(2, 4, D)
+    with pytest.raises(ValueError, match=rf"key_padding_mask must be a bool .* or floating-point .* got dtype {dtype}"):
+        layer(x, key_padding_mask=torch.zeros(2, 3, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"key_padding_mask must be a bool .* got dtype {dtype}"):
+        layer(x, mem, key_padding_mask=torch.zeros(2, 4, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"attn_mask must be a bool .* or floating-point .* got dtype {dtype}"):
+        layer(x, attn_mask=torch.zeros(3, 3, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"attn_mask must be a bool .* got dtype {dtype}"):
+        layer(x, is_causal=True, attn_mask=torch.zeros(3, 3, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"query_padding_mask must be a bool \(True = padding\) tensor, got dtype {dtype}"):
+        layer(x, query_padding_mask=torch.zeros(2, 3, dtype=dtype))
+    with pytest.raises(ValueError, match="query_padding_mask must be a bool"):
+        layer(x, query_padding_mask=torch.zeros(2, 3))  # a float query mask has no meaning either
+    # torch agrees that an integer key_padding_mask is an error
+    if kind == "mha":
+        ref = torch.nn.MultiheadAttention(D, 4, batch_first=True)
+        with pytest.raises(AssertionError, match="only bool and floating types of key_padding_mask"):
+            ref(x, x, x, key_padding_mask=torch.zeros(2, 3, dtype=dtype))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bool_and_float_masks_still_agree(kind):
+    # The accepted forms mean the same thing: True = masked, and -inf added = masked.
+    layer = make(kind)
+    x = torch.randn(2, 5, D)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    additive = torch.zeros(2, 5).masked_fill(pad, float("-inf"))
+    a = layer(x, key_padding_mask=pad, query_padding_mask=pad).output
+    b = layer(x, key_padding_mask=additive, query_padding_mask=pad).output
+    torch.testing.assert_close(a, b)
+
+
+# --------------------------------------------------------------------------- a cache belongs to one layer instance
+
+def _decode(layer, x, cache=None):
+    """Prompt of 2 tokens, then one token at a time; returns the outputs and the last cache."""
+    out = layer(x[:, :2], is_causal=True, use_cache=True, cache=cache)
+    steps, cache = [out.output], out.cache
+    for t in range(2, x.shape[1]):
+        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
+        steps.append(out.output)
+        cache = out.cache
+    return torch.cat(steps, 1), cache
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_of_a_copied_layer_is_rejected(kind):
+    import copy
+    import io
+    import pickle
+
+    layer = make(kind)
+    x, mem = torch.randn(2, 4, D), torch.randn(2, 3, D)
+    own = layer(x[:, :2], is_causal=True, use_cache=True).cache
+    static = layer(x[:, :1], mem, use_cache=True).cache
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    clones = {"deepcopy": copy.deepcopy(layer), "copy": copy.copy(layer), "pickle": pickle.loads(pickle.dumps(layer)),
+              "torch.save": torch.load(buffer, weights_only=False)}
+    for how, clone in clones.items():
+        assert clone.layer_id != layer.layer_id, how
+        for cache in (own, static):
+            with pytest.raises(ValueError, match="cache belongs to another layer"):
+                clone(x[:, 2:3], is_causal=True, cache=cache)
+        # the clone computes the same thing with its own caches
+        torch.testing.assert_close(_decode(clone, x)[0], _decode(layer, x)[0])
+    assert len({c.layer_id for c in clones.values()}) == len(clones)
+    # the original still takes its own caches, also reordered for beam search
+    layer(x[:, 2:3], is_causal=True, cache=own.reorder(torch.tensor([1, 0])))
+    layer(x[:, 2:3], mem, cache=static)
+
+
+def test_cache_identity_survives_load_state_dict_and_modules_holding_the_layer():
+    # load_state_dict moves weights, not identity: each layer keeps its id (it is not in the state dict).
+    a, b = make("moa"), make("moa")
+    assert "layer_id" not in str(list(a.state_dict()))
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(1, 4, D)
+    cache_a = _decode(a, x)[1]
+    with pytest.raises(ValueError, match="cache belongs to another layer"):
+        b(x[:, :1], is_causal=True, cache=cache_a)
+    # a model deep-copied as a whole gets fresh ids in every layer
+    import copy
+
+    from headmix.models import build_model, get_config
+    model = build_model(get_config("tiny-moa", task="lm", vocab_size=32))
+    clone = copy.deepcopy(model)
+    ids = {m.layer_id for m in model.modules() if hasattr(m, "layer_id")}
+    clone_ids = {m.layer_id for m in clone.modules() if hasattr(m, "layer_id")}
+    assert len(ids) == 2 and len(clone_ids) == 2 and not ids & clone_ids
+
+
+def test_cache_under_torch_compile():
+    layer = make("moa")
+    x = torch.randn(2, 3, D)  # a prompt of 2 and one step: each new cache length is a recompile
+    compiled = torch.compile(layer, backend="eager", dynamic=False)
+    expected, _ = _decode(layer, x)
+    got, cache = _decode(compiled, x)
+    torch.testing.assert_close(got, expected)
+    import copy
+    with pytest.raises(ValueError, match="cache belongs to another layer"):
+        torch.compile(copy.deepcopy(layer), backend="eager")(x[:, :1], is_causal=True, cache=cache)
+
+
+def test_cache_through_ddp_and_fsdp_wrappers():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.randn(2, 5, D)
+        for wrap in ("ddp", "fsdp"):
+            layer = make("moa")
+            expected, _ = _decode(layer, x)
+            wrapped = DistributedDataParallel(layer) if wrap == "ddp" else fully_shard(layer)
+            got, cache = _decode(wrapped, x)
+            torch.testing.assert_close(got, expected, msg=wrap)
+            with pytest.raises(ValueError, match="cache belongs to another layer"):
+                make("moa")(x[:, :1], is_causal=True, cache=cache)
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- each option of each layer
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bias_false_has_no_biases_and_matches_reference(kind):
+    layer = make(kind, bias=False)
+    names = [n for n, _ in layer.named_parameters()]
+    assert not [n for n in names if "bias" in n], names
+    x = torch.randn(2, 5, D)
+    torch.testing.assert_close(layer(x, is_causal=True).output, reference_for(kind)(layer, x, is_causal=True),
+                               atol=2e-6, rtol=1e-5)
+    with_bias = sum(p.numel() for n, p in make(kind).named_parameters() if "bias" in n)
+    assert sum(p.numel() for p in make(kind).parameters()) - sum(p.numel() for p in layer.parameters()) == with_bias > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dropout_applies_in_training_only(kind):
+    layer = make(kind, dropout=0.5)
+    x = torch.randn(2, 6, D)
+    # eval: no dropout, the reference (which has none) holds
+    torch.testing.assert_close(layer(x, is_causal=True).output, reference_for(kind)(layer, x, is_causal=True),
+                               atol=2e-6, rtol=1e-5)
+    layer.train()
+    torch.manual_seed(1)
+    a = layer(x, is_causal=True).output
+    torch.manual_seed(1)
+    b = layer(x, is_causal=True).output
+    torch.manual_seed(2)
+    c = layer(x, is_causal=True).output
+    torch.testing.assert_close(a, b)  # the same seed, the same mask
+    assert not torch.allclose(a, c)   # another seed, another mask
+    layer.eval()
+    assert not torch.allclose(a, layer(x, is_causal=True).output)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        make(kind, dropout=1.0)
+
+
+@pytest.mark.parametrize("pre,post", [(True, False), (False, True), (False, False)])
+def test_talking_heads_pre_and_post_options_match_reference(pre, post):
+    torch.manual_seed(0)
+    layer = TalkingHeadsAttention(D, 4, pre_softmax=pre, post_softmax=post, head_dim=3, key_dim=7).eval()
+    assert (layer.pre_mix is not None, layer.post_mix is not None) == (pre, post)
+    with torch.no_grad():
+        for m in (layer.pre_mix, layer.post_mix):
+            if m is not None:
+                m.add_(0.3 * torch.randn(4, 4))
+    x = torch.randn(2, 5, D, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out = layer(x, is_causal=True).output
+    ref = reference_mha(layer, x2, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=2e-6, rtol=1e-5)
+    if not pre and not post:  # no mixing at all: plain MHA with the same projections
+        mha = MultiHeadAttention(D, 4, head_dim=3, key_dim=7).eval()
+        copy_projections(layer, mha)
+        torch.testing.assert_close(layer(x, is_causal=True).output, mha(x, is_causal=True).output, atol=1e-6, rtol=1e-5)
+
+
+def test_talking_heads_key_dim_scales_by_key_dim():
+    # key_dim != head_dim: the logits are scaled by key_dim ** -0.5, as MHA's
+    torch.manual_seed(0)
+    th = TalkingHeadsAttention(D, 4, pre_softmax=False, post_softmax=False, head_dim=3, key_dim=7).eval()
+    mha = MultiHeadAttention(D, 4, head_dim=3, key_dim=7).eval()
+    copy_projections(th, mha)
+    x, mem = torch.randn(2, 5, D), torch.randn(2, 4, D)
+    assert th.q_proj.weight.shape == (4 * 7, D) and th.v_proj.weight.shape == (4 * 3, D)
+    torch.testing.assert_close(th(x, mem).output, mha(x, mem).output, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(th(x, mem).output, reference_mha(th, x, mem), atol=1e-6, rtol=1e-5)
+
+
+def test_moa_expert_impl_variants_agree_and_the_choice_is_used(monkeypatch):
+    x = torch.randn(2, 5, D)
+    results = {}
+    for impl in ("reference", "dense", "sorted", "gather", "auto"):
+        layer = make("moa", expert_impl=impl)
+        xi = x.clone().requires_grad_()
+        out = layer(xi, is_causal=True).output
+        out.square().sum().backward()
+        results[impl] = (out, xi.grad, layer.query_experts.grad, layer.output_experts.grad, layer.router.gate.weight.grad)
+    for impl, got in results.items():
+        for a, b in zip(got, results["reference"]):
+            torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=lambda m, impl=impl: f"{impl}: {m}")
+    # the layer passes its choice to the kernels: gather with a gradient is never auto's choice
+    from headmix.kernels import reference as kernel_reference
+
+    calls = []
+    for name in ("gather_map", "gather_reduce"):
+        original = getattr(kernel_reference, name)
+        monkeypatch.setattr(kernel_reference, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    make("moa", expert_impl="gather")(x.clone().requires_grad_())
+    assert calls == ["gather_map", "gather_reduce"]
+    with pytest.raises(ValueError, match="expert_impl must be one of"):
+        make("moa", expert_impl="fast")
+
+
+def test_moh_options_top_k_and_shared_heads_match_reference():
+    for shared, top_k in ((0, 1), (2, 1), (1, 3), (3, 1)):
+        torch.manual_seed(0)
+        layer = MixtureOfHeadsAttention(D, num_heads=4, num_shared_heads=shared, top_k=top_k).eval()
+        with torch.no_grad():
+            for lin in (layer.routed_gate, layer.shared_gate, layer.group_gate):
+                if lin is not None:
+                    lin.weight.normal_()
+        x = torch.randn(2, 5, D)
+        out = layer(x, is_causal=True)
+        torch.testing.assert_close(out.output, reference_moh(layer, x, is_causal=True), atol=2e-6, rtol=1e-5)
+        g, _ = layer.head_weights(x, None)
+        assert g[..., shared:].ne(0).sum(-1).eq(top_k).all()  # exactly top_k routed heads active per token
+
+
+def test_moa_auto_kernel_follows_grad_mode(monkeypatch):
+    # auto: the gather kernel only when no gradient is needed (its backward is slow); the others otherwise
+    from headmix.kernels import reference as kernel_reference
+
+    calls = []
+    for name in ("gather_map", "gather_reduce"):
+        original = getattr(kernel_reference, name)
+        monkeypatch.setattr(kernel_reference, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    layer = MixtureOfAttentionHeads(D, num_experts=8, top_k=2, head_dim=4)  # E > 2k, N k <= 16: gather territory
+    x = torch.randn(1, 2, D)
+    with torch.no_grad():
+        layer(x)
+    assert calls == ["gather_map", "gather_reduce"]
+    calls.clear()
+    layer(x.requires_grad_()).output.sum().backward()
+    assert calls == []

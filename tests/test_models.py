@@ -411,3 +411,57 @@ def test_moh_config_saved_before_head_weighting_keeps_its_weighting():
     assert AttentionConfig.from_dict(saved).build(16).head_weighting == "renormalized"
     del saved["head_weighting"]
     assert AttentionConfig.from_dict(saved).build(16).head_weighting == "scaled"
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_label_smoothing_value_and_gradient_by_hand(smoothing):
+    # loss = mean_t [(1 - eps) (-log p_t[y_t]) + eps * mean_v (-log p_t[v])] over target tokens (pad ignored);
+    # d loss / d logits_t = (softmax_t - (1 - eps) onehot(y_t) - eps / V) / n.
+    model = model_for(tiny("tiny-mha", label_smoothing=smoothing))
+    src, tgt_in = tokens(2, 6), tokens(2, 5, seed=3)
+    tgt_out = tokens(2, 5, seed=4)
+    tgt_out[1, 2:] = PAD
+    logits = model(src, tgt_in).logits.detach().requires_grad_()
+    from headmix.models.transformer import token_loss
+
+    loss, nll_loss, n = token_loss(logits, tgt_out, PAD, smoothing)
+    keep = tgt_out.ne(PAD)
+    logp = logits.detach().log_softmax(-1)[keep]
+    nll = -logp.gather(1, tgt_out[keep][:, None])[:, 0]
+    uniform = -logp.mean(-1)
+    assert int(n) == 7
+    torch.testing.assert_close(loss, ((1 - smoothing) * nll + smoothing * uniform).mean())
+    torch.testing.assert_close(nll_loss, nll.mean())  # the plain NLL, whatever the smoothing
+    torch.testing.assert_close(model(src, tgt_in, tgt_out).loss, loss)
+    loss.backward()
+    target = (1 - smoothing) * F.one_hot(tgt_out[keep], V) + smoothing / V
+    expected = torch.zeros_like(logits)
+    expected[keep] = (logits.detach()[keep].softmax(-1) - target) / 7
+    torch.testing.assert_close(logits.grad, expected)
+
+
+def test_label_smoothing_0_and_01_differ_as_the_formula_says():
+    src, tgt_in, tgt_out = tokens(2, 6), tokens(2, 5, seed=3), tokens(2, 5, seed=5)
+    plain = model_for(tiny("tiny-mha", label_smoothing=0.0))(src, tgt_in, tgt_out)
+    smooth = model_for(tiny("tiny-mha", label_smoothing=0.1))(src, tgt_in, tgt_out)
+    assert torch.equal(plain.logits, smooth.logits)  # the same weights (same seed): only the loss differs
+    logp = plain.logits.log_softmax(-1)
+    nll = -logp.gather(-1, tgt_out[..., None])[..., 0]
+    # smoothed - plain = 0.1 * mean_t (mean_v(-log p_t) - (-log p_t[y_t]))
+    torch.testing.assert_close(smooth.loss - plain.loss, 0.1 * (-logp.mean(-1) - nll).mean())
+    torch.testing.assert_close(smooth.nll_loss, plain.loss)
+
+
+@pytest.mark.parametrize("att", [
+    AttentionConfig(kind="moa", num_experts=6, top_k=2, head_dim=8, router="noisy_topk"),
+    AttentionConfig(kind="moa", num_experts=6, top_k=2, head_dim=8, bias=False),
+    AttentionConfig(kind="mha", num_heads=4, head_dim=4, key_dim=12, bias=False),
+    AttentionConfig(kind="moh", num_heads=4, num_shared_heads=1, top_k=2),
+    AttentionConfig(kind="moh", num_heads=4, num_shared_heads=0, top_k=2),
+    AttentionConfig(kind="talking_heads", num_heads=4, pre_softmax=False),
+])
+def test_parameter_formula_matches_every_layer_option(att):
+    from headmix.models.counting import attention_parameters
+
+    layer = att.build(32)
+    assert attention_parameters(att, 32)[0] == count_parameters(layer)

@@ -90,12 +90,12 @@ class HeadUtilityReport:
                              f"{100 * l.active_fraction[h]:.1f}% | {l.mean_weight[h]:.3f} | {100 * l.weight_share[h]:.1f}% |")
         return "\n".join(lines) + "\n"
 
-    def plot(self, path: str | os.PathLike) -> Path:
-        """One panel per MoH layer: the mean weight ``g`` of each head (green: shared, blue: routed) with
-        the fraction of tokens on which it is active (black dots, right axis)."""
-        plt = plotting.pyplot()
+    def figure(self) -> Any:
+        """A ``matplotlib.figure.Figure`` with one panel per MoH layer: the mean weight ``g`` of each
+        head (bars; green: shared, blue: routed) with the % of tokens on which it is active (black dots,
+        right axis)."""
         rows, cols = plotting.grid(len(self.layers))
-        fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.2 * rows), squeeze=False)
+        fig, axes = plotting.new_figure(rows, cols, figsize=(4.4 * cols, 3.2 * rows))
         for ax, l in zip(axes.flat, self.layers):
             x = list(range(l.num_heads))
             colors = ["tab:green" if h < l.num_shared_heads else "tab:blue" for h in x]
@@ -115,7 +115,11 @@ class HeadUtilityReport:
             ax.axis("off")
         fig.suptitle("MoH head usage (green: shared heads, blue: routed heads; dots: % of tokens active)", fontsize=10)
         fig.tight_layout()
-        return plotting.save(fig, path)
+        return fig
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """:meth:`figure` written as a PNG to ``path``."""
+        return plotting.save(self.figure(), path)
 
 
 def moh_layers(model: nn.Module) -> list:
@@ -206,16 +210,16 @@ class TalkingHeadsReport:
                                  f"{100 * m.off_diagonal_fraction:.2f}% | {m.diagonal_mean:.4f} |")
         return "\n".join(lines) + "\n"
 
-    def plot(self, path: str | os.PathLike, deviation: bool = False) -> Path:
-        """A heatmap per layer and matrix (rows: layers; columns: pre-softmax, post-softmax): entry
-        ``[i, j]`` is how much head ``j`` feeds head ``i`` (red positive, blue negative, the colour scale
-        symmetric around 0; values printed for up to 8 heads). With ``deviation`` the heatmaps show
-        ``M - I``, what training changed (the identity is the initialisation)."""
-        plt = plotting.pyplot()
+    def figure(self, deviation: bool = False) -> Any:
+        """A ``matplotlib.figure.Figure`` with a heatmap per layer and matrix (rows: layers; columns:
+        pre-softmax, post-softmax): entry ``[i, j]`` is how much head ``j`` feeds head ``i`` (red positive,
+        blue negative, the colour scale symmetric around 0; values printed for up to 8 heads). With
+        ``deviation`` the heatmaps show ``M - I``, what training changed (the identity is the
+        initialisation)."""
         cols = [w for w in ("pre", "post") if any(getattr(l, w) is not None for l in self.layers)] or ["pre"]
         rows = len(self.layers)
         height = 3.2 * rows + 0.5
-        fig, axes = plt.subplots(rows, len(cols), figsize=(3.6 * len(cols) + 0.8, height), squeeze=False)
+        fig, axes = plotting.new_figure(rows, len(cols), figsize=(3.6 * len(cols) + 0.8, height))
         for r, l in enumerate(self.layers):
             for c, which in enumerate(cols):
                 ax = axes[r][c]
@@ -248,7 +252,11 @@ class TalkingHeadsReport:
         what = "learned change M - I" if deviation else "M (the identity at initialisation)"
         fig.suptitle(f"Talking-Heads mixing matrices: {what}", fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / height))
-        return plotting.save(fig, path)
+        return fig
+
+    def plot(self, path: str | os.PathLike, deviation: bool = False) -> Path:
+        """:meth:`figure` written as a PNG to ``path``."""
+        return plotting.save(self.figure(deviation), path)
 
 
 def talking_heads_matrices(model: nn.Module) -> TalkingHeadsReport:

@@ -99,7 +99,8 @@ class LoadReport:
 
     ``to_json()`` / ``to_markdown()`` / ``plot(path)`` (all layers' bar charts in one figure),
     ``plot_layers(folder)`` (one PNG per layer) and ``plot_summary(path)`` (max/min share, CV and
-    entropy per layer)."""
+    entropy per layer); ``figure()``, ``layer_figure(i)`` and ``summary_figure()`` return the same
+    figures as ``matplotlib.figure.Figure`` objects (for a notebook), without writing files."""
 
     layers: list[LayerLoad]
     num_batches: int = 0
@@ -171,12 +172,11 @@ class LoadReport:
                      f"CV {layer.cv:.2f}  H/logE {layer.norm_entropy:.2f}", fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
 
-    def plot(self, path: str | os.PathLike) -> Path:
-        """One figure with a bar chart per layer: each expert's share of the routing slots (red: most
-        used, orange: least used, dashed: the uniform share 1/E)."""
-        plt = plotting.pyplot()
+    def figure(self) -> Any:
+        """One ``matplotlib.figure.Figure`` with a bar chart per layer: each expert's share of the routing
+        slots in % (red: most used, orange: least used, dashed: the uniform share 1/E)."""
         rows, cols = plotting.grid(len(self.layers))
-        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+        fig, axes = plotting.new_figure(rows, cols, figsize=(4.2 * cols, 3.0 * rows))
         for ax, layer in zip(axes.flat, self.layers):
             self._bars(ax, layer)
         for ax in list(axes.flat)[len(self.layers):]:
@@ -184,26 +184,31 @@ class LoadReport:
         source = "/".join(Path(self.source).parts[-3:]) if self.source else None
         fig.suptitle(f"Expert load per layer{' on ' + source if source else ''} (dashed: uniform)", fontsize=10)
         fig.tight_layout()
-        return plotting.save(fig, path)
+        return fig
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """:meth:`figure` written as a PNG to ``path``."""
+        return plotting.save(self.figure(), path)
+
+    def layer_figure(self, index: int) -> Any:
+        """The bar chart of layer ``index`` alone (a ``matplotlib.figure.Figure``)."""
+        layer = self.layers[index]
+        fig, ax = plotting.new_figure(figsize=(max(4.5, 0.3 * layer.num_experts + 2), 3.2), squeeze=True)
+        self._bars(ax, layer)
+        fig.tight_layout()
+        return fig
 
     def plot_layers(self, folder: str | os.PathLike) -> list[Path]:
-        """One bar-chart PNG per layer, ``folder/NN_<layer name>.png``."""
-        plt = plotting.pyplot()
-        paths = []
-        for i, layer in enumerate(self.layers):
-            fig, ax = plt.subplots(figsize=(max(4.5, 0.3 * layer.num_experts + 2), 3.2))
-            self._bars(ax, layer)
-            fig.tight_layout()
-            paths.append(plotting.save(fig, Path(folder) / f"{i:02d}_{plotting.safe_name(layer.name)}.png"))
-        return paths
+        """One bar-chart PNG per layer (:meth:`layer_figure`), ``folder/NN_<layer name>.png``."""
+        return [plotting.save(self.layer_figure(i), Path(folder) / f"{i:02d}_{plotting.safe_name(layer.name)}.png")
+                for i, layer in enumerate(self.layers)]
 
-    def plot_summary(self, path: str | os.PathLike) -> Path:
-        """Per layer: max and min share against the uniform share; coefficient of variation; normalised
-        entropy (the MoA paper's Appendix A reads the load through the max/min shares)."""
-        plt = plotting.pyplot()
+    def summary_figure(self) -> Any:
+        """Per layer: max and min share against the uniform share (in %); coefficient of variation;
+        normalised entropy (the MoA paper's Appendix A reads the load through the max/min shares)."""
         names = [l.name for l in self.layers]
         x = list(range(len(names)))
-        fig, axes = plt.subplots(1, 3, figsize=(max(10, 1.2 * len(names) + 6), 3.8))
+        fig, axes = plotting.new_figure(1, 3, figsize=(max(10, 1.2 * len(names) + 6), 3.8), squeeze=True)
         ax = axes[0]
         ax.plot(x, [100 * l.max_share for l in self.layers], "o-", color="tab:red", label="max share")
         ax.plot(x, [100 * l.min_share for l in self.layers], "o-", color="tab:orange", label="min share")
@@ -222,7 +227,11 @@ class LoadReport:
             a.set_xticks(x)
             a.set_xticklabels(names, rotation=45, ha="right", fontsize=7)
         fig.tight_layout()
-        return plotting.save(fig, path)
+        return fig
+
+    def plot_summary(self, path: str | os.PathLike) -> Path:
+        """:meth:`summary_figure` written as a PNG to ``path``."""
+        return plotting.save(self.summary_figure(), path)
 
 
 def expert_load(model: nn.Module, batches: Iterable[Any], *, layers: Iterable[str] | None = None,

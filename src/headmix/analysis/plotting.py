@@ -1,29 +1,33 @@
-"""matplotlib helpers for the analysis figures (the non-interactive Agg backend, PNG files)."""
+"""matplotlib helpers for the analysis figures.
+
+Figures are built with matplotlib's object API (:class:`matplotlib.figure.Figure`), never through
+``pyplot`` or ``matplotlib.use``: plotting from a notebook or a GUI program leaves its backend and its
+open figures as they were. PNG files are written by ``Figure.savefig``, which picks the Agg renderer for
+that file only.
+"""
 
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 
-def pyplot():
-    """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
-    import matplotlib
+def new_figure(rows: int = 1, cols: int = 1, *, figsize: tuple[float, float], squeeze: bool = False) -> tuple[Any, Any]:
+    """A new ``matplotlib.figure.Figure`` (not registered with pyplot) and its ``rows x cols`` axes
+    (as ``Figure.subplots``: an array unless ``squeeze`` reduces it)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(rows, cols, squeeze=squeeze)
 
 
-def save(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
-    """Write ``fig`` to ``path`` (parent folders created), close it, return the path."""
-    plt = pyplot()
+def save(fig: Any, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """Write ``fig`` to ``path`` (parent folders created) and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
     return path
 
 

@@ -208,13 +208,13 @@ class PMIReport:
                                f"{t.joint} | {t.count} | {t.p_expert_given_token:.3f} |")
         return "\n".join(out) + "\n"
 
-    def plot(self, path: str | os.PathLike) -> Path:
-        """One panel per expert: the log PMI of its top tokens (longest bar = strongest preference),
-        each labelled with the token's number of occurrences ``n``."""
-        plt = plotting.pyplot()
+    def figure(self) -> Any:
+        """A ``matplotlib.figure.Figure`` with one panel per expert: the log PMI of its top tokens, best
+        at the top (longest bar = strongest preference), each labelled with the token's number of
+        occurrences ``n``."""
         rows, cols = plotting.grid(len(self.experts), max_cols=4)
         height = max(2.0, 0.28 * self.top + 0.9)
-        fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, height * rows), squeeze=False)
+        fig, axes = plotting.new_figure(rows, cols, figsize=(3.6 * cols, height * rows))
         for ax, e in zip(axes.flat, self.experts):
             toks = list(reversed(e.tokens))
             ax.barh(range(len(toks)), [t.log_pmi for t in toks], color="tab:blue")
@@ -231,7 +231,11 @@ class PMIReport:
             ax.axis("off")
         fig.suptitle(f"Top tokens by PMI, {self.name} (tokens seen >= {self.min_count} times)", fontsize=10)
         fig.tight_layout()
-        return plotting.save(fig, path)
+        return fig
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """:meth:`figure` written as a PNG to ``path``."""
+        return plotting.save(self.figure(), path)
 
 
 def _code(token: str) -> str:

@@ -5,10 +5,12 @@ Conventions (the same as ``torch.nn.MultiheadAttention`` with ``batch_first=True
 
 - tensors are batch-first, ``(batch, time, embed_dim)``;
 - ``key_padding_mask`` is ``(batch, source_len)``; boolean ``True`` marks padding, a float mask is added
-  to the scores;
+  to the scores; any other dtype (an integer 0/1 mask) is rejected, as torch does;
 - ``attn_mask`` is ``(target_len, source_len)``, ``(batch, target_len, source_len)``,
   ``(batch * heads, target_len, source_len)`` or ``(batch, heads, target_len, source_len)``;
   boolean ``True`` marks a forbidden position, a float mask is added to the scores;
+- ``query_padding_mask`` (routed layers: which queries count in the routing losses) is a boolean
+  ``(batch, target_len)``, ``True`` marking padding;
 - a query row with no allowed key returns zeros (never NaN), in the output and in the gradients.
 """
 
@@ -37,7 +39,8 @@ class KVCache:
     query heads of the same size.
 
     ``static`` caches hold the projected memory of a cross-attention layer: later steps reuse them and
-    do not append. ``layer_id`` ties the cache to the layer that made it.
+    do not append. ``layer_id`` ties the cache to the layer instance that made it: a copy of a layer
+    (``copy.deepcopy``, pickling) gets a fresh id, so it rejects the original's caches.
     """
 
     key: Tensor
@@ -88,6 +91,12 @@ class AttentionLayer(nn.Module):
         self.embed_dim = embed_dim
         self.layer_id = next(_layer_ids)
         self.rotary: nn.Module | None = None  # a RotaryEmbedding, set by layers built with rotary=...
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.copy, copy.deepcopy and unpickling rebuild a module through __setstate__: the new
+        # instance is another layer, so its caches must not be interchangeable with the original's.
+        super().__setstate__(state)
+        self.layer_id = next(_layer_ids)  # a new instance, a new id
 
     def _check_inputs(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         check_embed_input("query", query, self.embed_dim)
@@ -172,6 +181,20 @@ def check_embed_input(name: str, x: Tensor, embed_dim: int) -> None:
         raise ValueError(f"{name} must have shape (batch, time, {embed_dim}), got {tuple(x.shape)}")
 
 
+def check_mask_dtype(name: str, mask: Tensor | None, *, additive: bool = True) -> None:
+    """Reject a mask whose dtype has no meaning here: an integer 0/1 mask would otherwise be added to
+    the scores as +1 instead of masking (``torch.nn.MultiheadAttention`` rejects it too). ``additive``
+    masks may also be floating point."""
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(mask).__name__}")
+    if mask.dtype == torch.bool or (additive and mask.dtype.is_floating_point):
+        return
+    expected = "a bool (True = masked) or floating-point (added to the scores)" if additive else "a bool (True = padding)"
+    raise ValueError(f"{name} must be {expected} tensor, got dtype {mask.dtype}")
+
+
 def attention_bias(
     batch: int,
     heads: int,
@@ -196,6 +219,8 @@ def attention_bias(
     ``is_causal`` aligns the queries with the last ``target_len`` keys: query ``i`` may see keys
     ``0 .. past_len + i`` (incremental decoding with a cache).
     """
+    check_mask_dtype("key_padding_mask", key_padding_mask)
+    check_mask_dtype("attn_mask", attn_mask)
     if is_causal and key_padding_mask is None and attn_mask is None and past_len == 0 and target_len == source_len:
         return None, None, True
     bias: Tensor | None = None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_positive, scaled_dot_product, zero_loss
+from .base import (AttentionLayer, AttentionOutput, KVCache, attention_bias, check_mask_dtype, check_positive,
+                   scaled_dot_product, zero_loss)
 from .padding import check_flag, real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding, make_rotary
 
@@ -135,6 +136,7 @@ class MultiHeadAttention(AttentionLayer):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        check_mask_dtype("query_padding_mask", query_padding_mask, additive=False)  # also when zero_padded_queries is off
         q, k, v, new_cache, (bias, empty, causal) = self._heads_and_masks(
             query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
             use_cache=use_cache, cache=cache)

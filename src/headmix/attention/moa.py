@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..kernels import expert_map, expert_reduce, expert_routing
+from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
 from ..routing import TopKRouter, routing_losses
 from ..routing.losses import check_fractions
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, check_positive, scaled_dot_product
@@ -67,6 +67,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
         check_positive("kv_heads", kv_heads)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if expert_impl not in IMPLS:
+            raise ValueError(f"expert_impl must be one of {IMPLS}, got {expert_impl!r}")
         for name, w in (("load_balance_weight", load_balance_weight), ("z_loss_weight", z_loss_weight)):
             if w < 0:
                 raise ValueError(f"{name} must be >= 0, got {w}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import KVCache
+from .base import KVCache, check_mask_dtype
 
 
 def real_token_mask(query: Tensor, key: Tensor | None, key_padding_mask: Tensor | None,
@@ -13,10 +13,11 @@ def real_token_mask(query: Tensor, key: Tensor | None, key_padding_mask: Tensor 
     """``(batch, time)`` True for real query tokens, from ``query_padding_mask`` or, in self-attention
     without a cache, from a boolean ``key_padding_mask`` (the queries are the keys)."""
     batch, tgt = query.shape[:2]
+    check_mask_dtype("query_padding_mask", query_padding_mask, additive=False)
     if query_padding_mask is not None:
         if query_padding_mask.shape != (batch, tgt):
             raise ValueError(f"query_padding_mask must have shape (batch, time) = ({batch}, {tgt}), got {tuple(query_padding_mask.shape)}")
-        return ~query_padding_mask.bool()
+        return ~query_padding_mask
     if key is None and cache is None and key_padding_mask is not None and key_padding_mask.dtype == torch.bool \
             and key_padding_mask.shape == (batch, tgt):
         return ~key_padding_mask

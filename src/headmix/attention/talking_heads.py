@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import AttentionOutput, KVCache, zero_loss
+from .base import AttentionOutput, KVCache, check_mask_dtype, zero_loss
 from .mha import MultiHeadAttention, merge_heads
 from .rotary import RotaryEmbedding
 
@@ -40,6 +40,7 @@ class TalkingHeadsAttention(MultiHeadAttention):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        check_mask_dtype("query_padding_mask", query_padding_mask, additive=False)  # also when zero_padded_queries is off
         q, k, v, new_cache, (bias, empty, causal) = self._heads_and_masks(
             query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
             use_cache=use_cache, cache=cache)

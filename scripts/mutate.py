@@ -1,0 +1,86 @@
+"""Check that tests fail when the code is broken: apply one-line mutations, one at a time, run the named
+tests, revert. Usage (from the repository root):
+
+    PYTHONPATH=src python scripts/mutate.py scripts/mutations.txt [ID ...]
+
+Each mutation in the list file is a block of five lines, blocks separated by a blank line:
+
+    id: short-name
+    file: src/headmix/....py
+    old: <an exact substring of one line of that file (or, if several lines contain it, a whole line)>
+    new: <its replacement>
+    test: <pytest arguments, e.g. tests/test_attention.py -k renorm>
+
+A mutation is "caught" when pytest exits with failures (exit code 1; the first failing test is named);
+"SURVIVED" when the tests pass.
+The file is always restored, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def parse(text: str) -> list[dict[str, str]]:
+    blocks = []
+    for raw in text.strip().split("\n\n"):
+        lines = [line for line in raw.splitlines() if line.strip() and not line.startswith("#")]
+        if not lines:
+            continue
+        block = {}
+        for line in lines:
+            key, _, value = line.partition(": ")
+            block[key.strip()] = value
+        missing = {"id", "file", "old", "new", "test"} - block.keys()
+        if missing:
+            raise SystemExit(f"mutation block {lines[0]!r} lacks {sorted(missing)}")
+        blocks.append(block)
+    return blocks
+
+
+def run_one(m: dict[str, str]) -> tuple[str, int, float]:
+    path = Path(m["file"])
+    original = path.read_text()
+    lines = original.split("\n")
+    hits = [i for i, text in enumerate(lines) if m["old"] in text]
+    if len(hits) > 1:  # a substring of several lines: take the line that is exactly `old`, if one is
+        hits = [i for i in hits if lines[i] == m["old"]]
+    if len(hits) != 1:
+        return f"BAD: 'old' matches {len(hits)} lines", -1, 0.0
+    line = hits[0] + 1
+    lines[hits[0]] = lines[hits[0]].replace(m["old"], m["new"])
+    path.write_text("\n".join(lines))
+    try:
+        start = time.time()
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *shlex.split(m["test"])]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        took = time.time() - start
+    finally:
+        path.write_text(original)
+    verdict = {0: "SURVIVED", 1: "caught"}.get(run.returncode, f"error (pytest exit {run.returncode})")
+    if run.returncode == 1:  # name the first failing test (pytest's -ra summary)
+        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", run.stdout, flags=re.MULTILINE)
+        verdict += f" by {failed[0]}" if failed else ""
+    return verdict, line, took
+
+
+def main() -> int:
+    mutations = parse(Path(sys.argv[1]).read_text())
+    wanted = set(sys.argv[2:])
+    survived = 0
+    for m in mutations:
+        if wanted and m["id"] not in wanted:
+            continue
+        verdict, line, took = run_one(m)
+        survived += not verdict.startswith("caught")
+        print(f"{m['id']:32s} {m['file']}:{line}  ({took:.0f} s)  {verdict}", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
