@@ -987,18 +987,21 @@ def test_moh_options_top_k_and_shared_heads_match_reference():
 
 
 def test_moa_auto_kernel_follows_grad_mode(monkeypatch):
-    # auto: the gather kernel only when no gradient is needed (its backward is slow); the others otherwise
+    # auto on CPU: without gradients (decoding) and E > 2k the sorted kernel, which reads only the selected
+    # experts' weights; with gradients and a small batch the dense one (kernels.dispatch.choose_impl)
+    from headmix.kernels import grouped_cpu
     from headmix.kernels import reference as kernel_reference
 
     calls = []
-    for name in ("gather_map", "gather_reduce"):
-        original = getattr(kernel_reference, name)
-        monkeypatch.setattr(kernel_reference, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
-    layer = MixtureOfAttentionHeads(D, num_experts=8, top_k=2, head_dim=4)  # E > 2k, N k <= 16: gather territory
+    for module, name in ((grouped_cpu, "sorted_map"), (grouped_cpu, "sorted_reduce"),
+                         (kernel_reference, "dense_map"), (kernel_reference, "dense_reduce")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    layer = MixtureOfAttentionHeads(D, num_experts=8, top_k=2, head_dim=4)  # E > 2k, N k <= 128
     x = torch.randn(1, 2, D)
     with torch.no_grad():
         layer(x)
-    assert calls == ["gather_map", "gather_reduce"]
+    assert calls == ["sorted_map", "sorted_reduce"]
     calls.clear()
     layer(x.requires_grad_()).output.sum().backward()
-    assert calls == []
+    assert calls == ["dense_map", "dense_reduce"]
