@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -450,8 +449,10 @@ class ModelConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
     def save_json(self, path: str | os.PathLike) -> None:
-        """Write the config as JSON, atomically (temp file in the same folder, then ``os.replace``)."""
-        atomic_write_text(Path(path), self.to_json())
+        """Write the config as JSON, atomically (:func:`headmix.runs.files.atomic_write`)."""
+        from ..runs.files import atomic_write  # imported here: headmix.runs imports the models
+
+        atomic_write(path, self.to_json())
 
     @classmethod
     def load_json(cls, path: str | os.PathLike) -> ModelConfig:
@@ -468,17 +469,3 @@ def _check_keys(cls: type, data: dict[str, Any], name: str) -> None:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown field(s) {unknown} in {name}; known fields: {sorted(known)}")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from ..attention import AttentionOutput, KVCache
 from ..attention.moa import autocast_dtype
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import Routing, TopKRouter, load_balancing_loss
-from .config import ModelConfig, atomic_write_text
+from .config import ModelConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -460,9 +459,11 @@ class PreTrainedModel(nn.Module):
         raise NotImplementedError
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write ``config.json`` and ``model.safetensors`` to ``directory``, each atomically (a temp file
-        in the same folder, then ``os.replace``)."""
+        """Write ``config.json`` and ``model.safetensors`` to ``directory``, each atomically
+        (:mod:`headmix.runs.files`: a temporary file in the same folder, fsync'ed, renamed; mode 0644)."""
         from safetensors.torch import save_file
+
+        from ..runs.files import atomic_output  # imported here: headmix.runs imports the models
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -476,16 +477,9 @@ class PreTrainedModel(nn.Module):
             else:
                 first_name[id(p)] = name
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if k not in tied}
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{WEIGHTS_NAME}.", suffix=".tmp")
-        os.close(fd)
-        try:
+        with atomic_output(directory / WEIGHTS_NAME) as tmp:
             save_file(tensors, tmp, metadata={"format": "pt", "headmix_tied": json.dumps(tied)})
-            os.replace(tmp, directory / WEIGHTS_NAME)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        atomic_write_text(directory / CONFIG_NAME, self.config.to_json())
+        self.config.save_json(directory / CONFIG_NAME)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device: str | torch.device = "cpu") -> PreTrainedModel:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..runs.files import atomic_write
+from ..runs.files import atomic_output, atomic_write
 from .runner import PlannedRow, RunResult, slug
 from .stats import paired_difference, summarize
 from .spec import StudySpec
@@ -184,9 +184,8 @@ def plot(table: dict[str, Any], out: Path) -> list[Path]:
 
 
 def _save(fig, path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
-    os.replace(tmp, path)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=100, bbox_inches="tight", format="png")
     return path
 
 
