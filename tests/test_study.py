@@ -208,3 +208,25 @@ def test_demo_pair_is_matched_and_the_paired_bleu_test_is_sacrebleus():
     assert same["bleu_difference"] == 0.0 and same["distinguishable"] is False
     with pytest.raises(ValueError, match="same length"):
         paired_bleu(good, bad[:2], refs)
+
+
+def test_a_study_folder_without_its_data_splits_keeps_its_tokenizer(tmp_path, docs_file):
+    """What is committed of a study (records, the shared tokenizer, no splits) is enough to go on: the
+    shared folder gets the same seeded splits back and keeps its tokenizer byte for byte."""
+    from headmix.training import TrainConfig
+    from headmix.training.setup import prepare_shared_data
+
+    cfg = TrainConfig(task="lm", out=str(tmp_path / "shared"), data=[str(docs_file)], vocab_size=300, seed=3,
+                      split_seed=3, valid_size=0.05, test_size=0.05)
+    from headmix.data import train_tokenizer
+
+    tok_dir = prepare_shared_data(cfg, lambda m: None)
+    valid = (tmp_path / "shared/data/valid.jsonl").read_bytes()
+    for f in (tmp_path / "shared" / "data").iterdir():
+        f.unlink()
+    # the committed tokenizer is kept as it is, not trained again (another vocabulary shows it)
+    train_tokenizer(["some other text to learn a vocabulary from"] * 3, 280).save(tok_dir)
+    tokenizer = (tok_dir / "tokenizer.json").read_bytes()
+    prepare_shared_data(cfg, lambda m: None)
+    assert (tok_dir / "tokenizer.json").read_bytes() == tokenizer
+    assert (tmp_path / "shared/data/valid.jsonl").read_bytes() == valid

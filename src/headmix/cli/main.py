@@ -213,7 +213,7 @@ def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="train MoA (4 of 16 experts) and an MHA baseline of equal attention MACs on the "
                                     "embedded corpus and compare")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--steps", type=_positive_int, default=400,
+    p.add_argument("--steps", type=_positive_int, default=450,
                    help="training steps of each model (steps, not seconds: a seed gives the same numbers everywhere)")
     p.add_argument("--eval-sentences", type=_positive_int, default=400)
     p.add_argument("--beam", type=_positive_int, default=4)

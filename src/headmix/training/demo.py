@@ -48,7 +48,7 @@ def demo_models(tolerance: float = 0.02) -> dict[str, Any]:
     return {"moa": with_attention(base, match.attention), "mha": base}
 
 
-def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 400, eval_sentences: int = 400,
+def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 450, eval_sentences: int = 400,
              beam_size: int = 4, seed: int = 1, progress: bool = True,
              stop: Callable[[], str | None] | None = None) -> dict[str, Any]:
     """Train both models for ``steps`` updates (same split, tokenizer, batches and schedule), evaluate both on

@@ -19,7 +19,9 @@ SPLITS = ("train", "valid", "test")
 
 def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dict[str, list], Tokenizer]:
     """Read the corpus, split it, train the tokenizer; store all three in the run folder (atomically).
-    On a resumed run, read them back instead, so the splits and vocabulary never change mid-run."""
+    On a resumed run, read them back instead, so the splits and vocabulary never change mid-run. A run
+    folder that kept its tokenizer but not its splits (a study's results committed without the data) gets
+    the same splits again (they are seeded) and keeps its tokenizer."""
     from ..runs import atomic_output
 
     task = cfg.task_spec
@@ -38,13 +40,19 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
         if not part:
             raise ValueError(f"the {name} split is empty ({split.sizes.as_dict()}): give a larger corpus or "
                              f"change valid_size/test_size")
-    tok = Tokenizer.load(cfg.tokenizer) if cfg.tokenizer else train_tokenizer(task.tokenizer_texts(split.train),
-                                                                              cfg.vocab_size)
+    stored = run.tokenizer_dir / "tokenizer.json"
+    if cfg.tokenizer:
+        tok = Tokenizer.load(cfg.tokenizer)
+    elif stored.is_file():  # the splits were removed (or not kept with the folder): the vocabulary stays
+        tok = Tokenizer.load(run.tokenizer_dir)
+    else:
+        tok = train_tokenizer(task.tokenizer_texts(split.train), cfg.vocab_size)
     run.data_dir.mkdir(parents=True, exist_ok=True)
     for s, part in parts.items():
         with atomic_output(files[s]) as tmp:
             task.write_items(part, tmp)
-    run.save_tokenizer(tok)
+    if not stored.is_file() or cfg.tokenizer:
+        run.save_tokenizer(tok)
     log(f"data: {split.sizes.as_dict()}, vocabulary {tok.vocab_size}")
     return parts, tok
 
