@@ -213,8 +213,10 @@ def test_demo_pair_is_matched_and_the_paired_bleu_test_is_sacrebleus():
 def test_a_study_folder_without_its_data_splits_keeps_its_tokenizer(tmp_path, docs_file):
     """What is committed of a study (records, the shared tokenizer, no splits) is enough to go on: the
     shared folder gets the same seeded splits back and keeps its tokenizer byte for byte."""
+    from headmix.runs import Run
     from headmix.training import TrainConfig
-    from headmix.training.setup import prepare_shared_data
+    from headmix.training.config import IDENTITY
+    from headmix.training.setup import prepare_data, prepare_shared_data
 
     cfg = TrainConfig(task="lm", out=str(tmp_path / "shared"), data=[str(docs_file)], vocab_size=300, seed=3,
                       split_seed=3, valid_size=0.05, test_size=0.05)
@@ -225,8 +227,12 @@ def test_a_study_folder_without_its_data_splits_keeps_its_tokenizer(tmp_path, do
     for f in (tmp_path / "shared" / "data").iterdir():
         f.unlink()
     # the committed tokenizer is kept as it is, not trained again (another vocabulary shows it)
-    train_tokenizer(["some other text to learn a vocabulary from"] * 3, 280).save(tok_dir)
+    other = train_tokenizer(["some other text to learn a vocabulary from"] * 3, 280)
+    other.save(tok_dir)
     tokenizer = (tok_dir / "tokenizer.json").read_bytes()
-    prepare_shared_data(cfg, lambda m: None)
+    with Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY) as run:
+        _, tok = prepare_data(cfg, run, lambda m: None)
+    assert tok.vocab_size == other.vocab_size != 300 and tok.encode("learn a vocabulary") == other.encode(
+        "learn a vocabulary")
     assert (tok_dir / "tokenizer.json").read_bytes() == tokenizer
     assert (tmp_path / "shared/data/valid.jsonl").read_bytes() == valid
