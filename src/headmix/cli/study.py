@@ -38,8 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def machine_description() -> str:
     import torch
 
-    return (f"{platform.machine()} {os.cpu_count()} CPU threads, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads)")
+    threads = torch.get_num_threads()
+    return (f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__} "
+            f"(using {threads} thread{'s' if threads != 1 else ''})")
 
 
 def run(args) -> int:

@@ -2,7 +2,9 @@
 
 - ``lm-en``: causal LM on the English documents; baseline ``mini-mha`` (d_model 128, 3 layers, MHA 4 heads
   of 32, blocks of 128 tokens). Rows at the baseline's attention MACs: MoA with ``k = 4`` of ``E`` in
-  {4, 8, 16, 32} (E = 4 routes nothing: every expert is used), MoH, Talking-Heads and a decoupled key size.
+  {4, 8, 16, 32} (E = 4 routes nothing: every expert is used), MoH, Talking-Heads and a decoupled key size
+  (4 heads with query/key size 48 and a value size solved to the same MACs, 17: Bhojanapalli et al.'s
+  remedy for the low-rank bottleneck, keys larger than values).
 - ``translation-en-de``: the English-German pairs; baseline ``mini-mha`` (3+3 layers); MHA against MoA at
   ``k = 4`` of 4, 8 and 32 experts, scored with validation NLL and test BLEU.
 
@@ -25,7 +27,7 @@ def lm_en() -> StudySpec:
     rows = [RowSpec("MHA"), _moa(4), _moa(8), _moa(16), _moa(32),
             RowSpec("MoH", {"kind": "moh", "num_heads": 4, "num_shared_heads": 1, "top_k": 2}, ["head_dim"], _PREFER),
             RowSpec("Talking-Heads", {"kind": "talking_heads", "num_heads": 4}, ["head_dim"], _PREFER),
-            RowSpec("MHA key 64", {"kind": "mha", "num_heads": 4, "key_dim": 64}, ["head_dim"], {"head_dim": 16}),
+            RowSpec("MHA key 48", {"kind": "mha", "num_heads": 4, "key_dim": 48}, ["head_dim"], {"head_dim": 16}),
             ]
     return StudySpec(name="lm-en", task="lm", baseline="mini-mha", rows=rows, seeds=[1, 2, 3], max_steps=400,
                      training={"max_len": 128, "max_tokens": 2048, "lr": 2e-3, "warmup_steps": 100,

@@ -110,7 +110,7 @@ def _attention_text(att: dict[str, Any]) -> str:
     kind = att["kind"]
     if kind == "moa":
         return f"MoA {att['top_k']}K{att['num_experts']}E{att['head_dim']}D"
-    heads = f"{att['num_heads']}×{att['head_dim'] or '?'}"
+    heads = f"{att['num_heads']}×{att['head_dim']}"
     if kind == "moh":
         return f"MoH {heads}, {att['num_shared_heads']} shared, top {att['top_k']}"
     if kind == "talking_heads":

@@ -43,7 +43,9 @@ class PlannedRow:
 
     def to_dict(self) -> dict[str, Any]:
         att = self.config.attention_roles()[0]
-        return {"name": self.name, "attention": getattr(self.config, att).to_dict(),
+        attention = getattr(self.config, att)
+        return {"name": self.name, "attention": {**attention.to_dict(),
+                                                 "head_dim": attention.resolved_head_dim(self.config.d_model)},
                 "attention_macs": self.attention_macs, "macs": self.macs, "parameters": self.parameters,
                 "attention_macs_ratio": self.macs_ratio}
 
