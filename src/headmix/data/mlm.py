@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .batching import pad_sequences
 from .readers import Document
 
 __all__ = [
@@ -294,15 +295,6 @@ def _batch_seed(seed: int, epoch: int, indices: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
-def _pad(rows: Sequence[np.ndarray], value: int, multiple: int) -> torch.Tensor:
-    L = max(len(r) for r in rows)
-    L = (L + multiple - 1) // multiple * multiple
-    out = torch.full((len(rows), L), value, dtype=torch.long)
-    for b, r in enumerate(rows):
-        out[b, : len(r)] = torch.as_tensor(np.asarray(r, dtype=np.int64))
-    return out
-
-
 class MLMCollator:
     """Pad blocks and apply dynamic masking.
 
@@ -363,7 +355,7 @@ class MLMCollator:
             else:
                 rows.append(np.asarray(ex))
                 idx.append(k)
-        ids = _pad(rows, self.pad_id, self.pad_to_multiple_of)
+        ids = pad_sequences(rows, self.pad_id, pad_to_multiple_of=self.pad_to_multiple_of)[0]
         gen = self.generator
         if gen is None:
             gen = torch.Generator().manual_seed(_batch_seed(self.seed, self.epoch, idx))
@@ -389,8 +381,8 @@ class CausalLMCollator:
         if not examples:
             raise ValueError("cannot collate an empty batch")
         m = self.pad_to_multiple_of
-        inputs = _pad([e["input_ids"] for e in examples], self.pad_id, m)
-        labels = _pad([e["labels"] for e in examples], IGNORE_INDEX, m)
+        inputs = pad_sequences([e["input_ids"] for e in examples], self.pad_id, pad_to_multiple_of=m)[0]
+        labels = pad_sequences([e["labels"] for e in examples], IGNORE_INDEX, pad_to_multiple_of=m)[0]
         lengths = torch.tensor([len(e["input_ids"]) for e in examples])
         attn = torch.arange(inputs.shape[1])[None, :] < lengths[:, None]
         return {"input_ids": inputs, "labels": labels, "attention_mask": attn,
