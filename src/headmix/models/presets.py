@@ -181,7 +181,7 @@ class Preset:
 #: (4 heads of 64) on 32+32-token translation batches (see docs/models.md): MoA shares one K/V head, so
 #: at equal k*d_h it is cheaper than MHA and can afford k=6.
 SMALL_MOA = (6, 8, 64)
-#: mini-moa's attention, chosen the same way against mini-mha (4 heads of 32): the demo's pair.
+#: mini-moa's attention, chosen the same way against mini-mha (4 heads of 32).
 MINI_MOA = (6, 8, 32)
 #: SwitchHead presets (arXiv 2312.07987) as ``(num_heads, num_experts, top_k, head_dim)``: 2 heads (half
 #: the attention matrices of tiny-/mini-mha's 4), each with 4 value and 4 output experts of which 2 are
