@@ -236,3 +236,19 @@ def test_a_study_folder_without_its_data_splits_keeps_its_tokenizer(tmp_path, do
         "learn a vocabulary")
     assert (tok_dir / "tokenizer.json").read_bytes() == tokenizer
     assert (tmp_path / "shared/data/valid.jsonl").read_bytes() == valid
+
+
+def test_a_translation_study_scores_each_run_with_bleu(tmp_path, pairs_file):
+    spec = StudySpec(name="tiny-tr", task="translation", baseline="tiny-mha", data=[str(pairs_file)], seeds=[1],
+                     max_steps=2, rows=[RowSpec("MHA")], bleu_sentences=5, bleu_beam=1,
+                     training={"max_len": 32, "max_tokens": 600, "vocab_size": 300, "warmup_steps": 1,
+                               "eval_every": 2, "log_every": 1, "save_every": 2, "average_last": 1,
+                               "valid_size": 0.05, "test_size": 0.05})
+    spec.validate()
+    out = tmp_path / "study"
+    results = run_study(spec, out, log=lambda m: None)
+    stored = json.loads((out / results[0].folder / "study_eval.json").read_text())
+    assert stored["sentences"] == 5 and results[0].evaluation == stored
+    table = write_report(spec, plan(spec), results, out)
+    assert table["metrics"][:2] == ["valid_nll", "valid_ppl"] and "bleu" in table["metrics"]
+    assert table["rows"][0]["metrics"]["bleu"]["mean"] == stored["bleu"]

@@ -56,9 +56,9 @@ def macs_lengths(spec: StudySpec, baseline: ModelConfig) -> tuple[int | None, in
     if spec.macs_src_len is not None or spec.macs_tgt_len is not None:
         return spec.macs_src_len, spec.macs_tgt_len
     block = spec.training.get("max_len", 128)
-    if baseline.task == "lm":
+    if not baseline.encoder_layers:  # decoder only: the causal LM
         return None, block
-    if baseline.task == "mlm":
+    if not baseline.decoder_layers:  # encoder only: the masked LM
         return block, None
     return None, None
 
@@ -160,9 +160,12 @@ def prepare_shared_tokenizer(spec: StudySpec, out: Path, log: Callable[[str], No
 
 
 def _evaluate(spec: StudySpec, folder: Path, log: Callable[[str], None]) -> dict[str, Any]:
-    """Translation: BLEU/chrF of the run's final model on the first ``bleu_sentences`` test sentences,
-    stored in ``study_eval.json`` so a rerun does not translate again. LMs: nothing beyond the summary."""
-    if spec.task != "translation":
+    """For tasks that score generated text (translation: BLEU/chrF), the run's final model on the first
+    ``bleu_sentences`` test items, stored in ``study_eval.json`` so a rerun does not translate again. The
+    language models' metric is the validation loss already in the summary."""
+    from ..tasks import get_task
+
+    if not get_task(spec.task).scores_generations:
         return {}
     path = folder / "study_eval.json"
     if path.is_file():

@@ -55,6 +55,9 @@ class Task:
     batch_names: ClassVar[tuple[str, ...]]
     #: what one item of the corpus is, for messages
     item_name: ClassVar[str]
+    #: whether :meth:`evaluate` scores generated text (translation: BLEU, chrF) beyond the validation loss a
+    #: run's summary already holds (a study evaluates such runs on their test split)
+    scores_generations: ClassVar[bool] = False
 
     # ------------------------------------------------------------------------------------------- corpus
 

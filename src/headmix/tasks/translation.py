@@ -35,6 +35,7 @@ class TranslationTask(Task):
     input_names = ("src", "tgt_in")
     batch_names = ("src", "tgt_in", "tgt_out")
     item_name = "sentence pairs"
+    scores_generations = True
 
     def read_corpus(self, files: Sequence[str], *, strict: bool, src_lang: str, tgt_lang: str,
                     report: ReadReport) -> list:
