@@ -180,7 +180,7 @@ def loss_curves_figure(metrics: dict[str, list[dict[str, Any]]]):
         a.set_ylabel("training loss (label-smoothed)")
         a.legend()
         a.grid(alpha=0.3)
-    fig.suptitle("headmix demo: MoA vs MHA at about equal MACs")
+    fig.suptitle("headmix demo: MoA vs MHA at equal attention MACs, the same batches")
     fig.tight_layout()
     return fig
 
@@ -189,6 +189,7 @@ def expert_load_figure(load: dict[str, list[float]]):
     """One bar chart per routed layer: the percentage of routing slots each expert received, with the
     uniform share dashed. A ``matplotlib.figure.Figure``, made without pyplot or a global backend."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     names = list(load)
     cols = min(3, len(names))
@@ -201,6 +202,7 @@ def expert_load_figure(load: dict[str, list[float]]):
         ax.axhline(100 / len(shares), color="k", lw=0.8, ls="--")
         ax.set_title(name, fontsize=8)
         ax.set_xlabel("expert", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("% of slots", fontsize=8)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
