@@ -782,11 +782,11 @@ def test_bool_and_float_masks_still_agree(kind):
 
 # --------------------------------------------------------------------------- a cache belongs to one layer instance
 
-def _decode(layer, x, cache=None):
-    """Prompt of 2 tokens, then one token at a time; returns the outputs and the last cache."""
-    out = layer(x[:, :2], is_causal=True, use_cache=True, cache=cache)
+def decode_step_by_step(layer, x, cache=None, prompt: int = 2):
+    """A prompt of ``prompt`` tokens, then one token at a time; returns the outputs and the last cache."""
+    out = layer(x[:, :prompt], is_causal=True, use_cache=True, cache=cache)
     steps, cache = [out.output], out.cache
-    for t in range(2, x.shape[1]):
+    for t in range(prompt, x.shape[1]):
         out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
         steps.append(out.output)
         cache = out.cache
@@ -814,7 +814,7 @@ def test_cache_of_a_copied_layer_is_rejected(kind):
             with pytest.raises(ValueError, match="cache belongs to another layer"):
                 clone(x[:, 2:3], is_causal=True, cache=cache)
         # the clone computes the same thing with its own caches
-        torch.testing.assert_close(_decode(clone, x)[0], _decode(layer, x)[0])
+        torch.testing.assert_close(decode_step_by_step(clone, x)[0], decode_step_by_step(layer, x)[0])
     assert len({c.layer_id for c in clones.values()}) == len(clones)
     # the original still takes its own caches, also reordered for beam search
     layer(x[:, 2:3], is_causal=True, cache=own.reorder(torch.tensor([1, 0])))
@@ -827,7 +827,7 @@ def test_cache_identity_survives_load_state_dict_and_modules_holding_the_layer()
     assert "layer_id" not in str(list(a.state_dict()))
     b.load_state_dict(a.state_dict())
     x = torch.randn(1, 4, D)
-    cache_a = _decode(a, x)[1]
+    cache_a = decode_step_by_step(a, x)[1]
     with pytest.raises(ValueError, match="cache belongs to another layer"):
         b(x[:, :1], is_causal=True, cache=cache_a)
     # a model deep-copied as a whole gets fresh ids in every layer
@@ -845,8 +845,8 @@ def test_cache_under_torch_compile():
     layer = make("moa")
     x = torch.randn(2, 3, D)  # a prompt of 2 and one step: each new cache length is a recompile
     compiled = torch.compile(layer, backend="eager", dynamic=False)
-    expected, _ = _decode(layer, x)
-    got, cache = _decode(compiled, x)
+    expected, _ = decode_step_by_step(layer, x)
+    got, cache = decode_step_by_step(compiled, x)
     torch.testing.assert_close(got, expected)
     import copy
     with pytest.raises(ValueError, match="cache belongs to another layer"):
@@ -865,9 +865,9 @@ def test_cache_through_ddp_and_fsdp_wrappers():
         x = torch.randn(2, 5, D)
         for wrap in ("ddp", "fsdp"):
             layer = make("moa")
-            expected, _ = _decode(layer, x)
+            expected, _ = decode_step_by_step(layer, x)
             wrapped = DistributedDataParallel(layer) if wrap == "ddp" else fully_shard(layer)
-            got, cache = _decode(wrapped, x)
+            got, cache = decode_step_by_step(wrapped, x)
             torch.testing.assert_close(got, expected, msg=wrap)
             with pytest.raises(ValueError, match="cache belongs to another layer"):
                 make("moa")(x[:, :1], is_causal=True, cache=cache)

@@ -9,6 +9,7 @@ import torch
 from headmix import MixtureOfAttentionHeads, MultiHeadAttention, RotaryEmbedding, SwitchHeadAttention
 from headmix.attention.reference import reference_rotary, reference_switchhead
 from test_attention import make as make_attention  # the layers of the attention tests, gates moved off init
+from test_attention import decode_step_by_step
 from test_attention import reference_for as attention_reference_for
 
 D = 16
@@ -147,13 +148,8 @@ def test_decoding_with_cache_equals_full_forward(kind):
     layer = make(kind, rotary=True, rotary_fraction=0.5 if kind == "mha" else 1.0)
     x = torch.randn(2, 7, D)
     full = layer(x, is_causal=True).output
-    out = layer(x[:, :3], is_causal=True, use_cache=True)  # a prompt of 3, then one token at a time
-    steps, cache = [out.output], out.cache
-    for t in range(3, 7):
-        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
-        steps.append(out.output)
-        cache = out.cache
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-6, rtol=1e-5)
+    steps, cache = decode_step_by_step(layer, x, prompt=3)
+    torch.testing.assert_close(steps, full, atol=2e-6, rtol=1e-5)
     # keys are cached after rotation: the cached keys are the rotated projections
     keys = layer._project_kv(x, x)[0]
     torch.testing.assert_close(cache.key, layer.rotary(keys), atol=1e-6, rtol=1e-6)

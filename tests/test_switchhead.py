@@ -16,7 +16,7 @@ from headmix import SwitchHeadAttention, SwitchHeadRouting
 from headmix.attention.reference import reference_switchhead
 from headmix.kernels import IMPLS
 from kernel_cases import define_interpreted_kernels
-from test_attention import D, inputs_for as attention_inputs_for
+from test_attention import D, decode_step_by_step, inputs_for as attention_inputs_for
 
 
 def make(num_heads=2, num_experts=4, top_k=2, head_dim=6, **kw) -> SwitchHeadAttention:
@@ -217,13 +217,8 @@ def test_step_by_step_decoding_equals_full_causal_forward(config):
     layer = make(**CONFIGS[config])
     x = torch.randn(2, 6, D)
     full = layer(x, is_causal=True).output
-    out = layer(x[:, :2], is_causal=True, use_cache=True)
-    steps, cache = [out.output], out.cache
-    for t in range(2, 6):
-        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
-        steps.append(out.output)
-        cache = out.cache
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-6, rtol=1e-5)
+    steps, cache = decode_step_by_step(layer, x)
+    torch.testing.assert_close(steps, full, atol=2e-6, rtol=1e-5)
     assert cache.length == 6 and cache.value.shape == (2, layer.num_heads, 6, layer.head_dim)
 
 
