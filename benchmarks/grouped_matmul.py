@@ -108,7 +108,7 @@ def cpu_sweep(args) -> None:
     Uses the minimum over repeats (robust to other load on a shared machine).
     """
     d_model, d_head = args.d_model, args.d_head
-    impls = ["dense", "sorted", "gather"]
+    impls = args.sweep_impls
     print(f"\n## CPU sweep, ms, min of {args.repeats} interleaved (d_model={d_model}, d_head={d_head}); best marked *")
     head = " ".join(f"{i:>9}" for i in impls)
     print(f"{'N':>5} {'k':>3} {'E':>4} | fwd (no grad): {head} | fwd+bwd: {head}")
@@ -118,6 +118,8 @@ def cpu_sweep(args) -> None:
                 fwd, both = {}, {}
                 for impl in impls:
                     if impl == "gather" and n * k * d_model * d_head * 4 > args.gather_max_bytes:
+                        continue
+                    if impl == "bag" and n * k > args.bag_max_slots:  # one index per weight row read
                         continue
                     fwd[impl], both[impl] = _moa_fns(n, d_model, d_head, k, e, impl, torch.float32, "cpu")
                 row = []
@@ -166,6 +168,8 @@ def main() -> None:
     p.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 512, 4096])
     p.add_argument("--sweep-k", type=int, nargs="+", default=[2, 8])
     p.add_argument("--sweep-experts-per-k", type=float, nargs="+", default=[1, 1.5, 2, 4])
+    p.add_argument("--sweep-impls", nargs="+", default=["dense", "sorted", "gather", "bag"])
+    p.add_argument("--bag-max-slots", type=int, default=2048, help="skip bag above this N*k in the sweep")
     p.add_argument("--no-cuda", action="store_true")
     p.add_argument("--no-cpu", action="store_true", help="skip the CPU table")
     args = p.parse_args()

@@ -708,7 +708,7 @@ def test_moa_kv_heads_attention_does_not_repeat_keys_and_values(monkeypatch):
         assert seen == [(6, 3, 3, True)]   # k * G = 6 query heads over G = 3 key/value heads
 
 
-@pytest.mark.parametrize("impl", ["reference", "dense", "sorted", "gather"])
+@pytest.mark.parametrize("impl", ["reference", "dense", "sorted", "gather", "bag"])
 def test_moa_kv_heads_every_expert_kernel_matches_reference(impl):
     layer = make("moa_kv", expert_impl=impl, rotary=True)
     x = torch.randn(2, 5, D)
@@ -949,7 +949,7 @@ def test_talking_heads_key_dim_scales_by_key_dim():
 def test_moa_expert_impl_variants_agree_and_the_choice_is_used(monkeypatch):
     x = torch.randn(2, 5, D)
     results = {}
-    for impl in ("reference", "dense", "sorted", "gather", "auto"):
+    for impl in ("reference", "dense", "sorted", "gather", "bag", "auto"):
         layer = make("moa", expert_impl=impl)
         xi = x.clone().requires_grad_()
         out = layer(xi, is_causal=True).output
@@ -987,13 +987,15 @@ def test_moh_options_top_k_and_shared_heads_match_reference():
 
 
 def test_moa_auto_kernel_follows_grad_mode(monkeypatch):
-    # auto on CPU: without gradients (decoding) and E > 2k the sorted kernel, which reads only the selected
-    # experts' weights; with gradients and a small batch the dense one (kernels.dispatch.choose_impl)
+    # auto on CPU: without gradients (decoding) and E > 2k a kernel that reads only the selected experts'
+    # weights (bag for a few tokens, sorted for many); with gradients and a small batch the dense one
+    # (kernels.dispatch.choose_impl)
     from headmix.kernels import grouped_cpu
     from headmix.kernels import reference as kernel_reference
 
     calls = []
     for module, name in ((grouped_cpu, "sorted_map"), (grouped_cpu, "sorted_reduce"),
+                         (kernel_reference, "bag_map"), (kernel_reference, "bag_reduce"),
                          (kernel_reference, "dense_map"), (kernel_reference, "dense_reduce")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
@@ -1001,7 +1003,10 @@ def test_moa_auto_kernel_follows_grad_mode(monkeypatch):
     x = torch.randn(1, 2, D)
     with torch.no_grad():
         layer(x)
-    assert calls == ["sorted_map", "sorted_reduce"]
+        assert calls == ["bag_map", "bag_reduce"]
+        calls.clear()
+        layer(torch.randn(2, 65, D))  # 260 slots
+        assert calls == ["sorted_map", "sorted_reduce"]
     calls.clear()
     layer(x.requires_grad_()).output.sum().backward()
     assert calls == ["dense_map", "dense_reduce"]

@@ -38,7 +38,7 @@ from headmix.kernels import (
 from headmix.kernels import grouped_cpu
 from headmix.kernels.routing_info import block_table
 
-CPU_IMPLS = ["dense", "sorted", "gather", "auto"]
+CPU_IMPLS = ["dense", "sorted", "gather", "bag", "auto"]
 
 
 # (N, k, E, d_in, d_out, allowed experts)
@@ -365,8 +365,12 @@ def test_auto_rule():
     assert choose_impl(cpu, 4096 * 6, 8, 6) == "dense"  # mini-moa, small-moa
     assert choose_impl(cpu, 4096 * 8, 64, 8) == "sorted"
     assert choose_impl(cpu, 4096 * 2, 32, 2) == "sorted"
-    assert choose_impl(cpu, 8, 32, 8, needs_grad=False) == "sorted"  # decoding: reads the selected experts once
-    assert choose_impl(cpu, 64, 64, 8, needs_grad=False) == "sorted"
+    # decoding (no gradient): read only the selected experts, bag up to 256 slots, then sorted
+    assert choose_impl(cpu, 8, 32, 8, needs_grad=False) == "bag"
+    assert choose_impl(cpu, 256, 64, 8, needs_grad=False) == "bag"
+    assert choose_impl(cpu, 257, 64, 8, needs_grad=False) == "sorted"
+    assert choose_impl(cpu, 4096 * 8, 64, 8, needs_grad=False) == "sorted"
+    assert choose_impl(cpu, 8, 17, 8, needs_grad=False) == "bag"
     assert choose_impl(cpu, 8, 32, 8, needs_grad=True) == "dense"
     assert choose_impl(cpu, 8, 16, 8, needs_grad=False) == "dense"  # E <= 2k: dense
     assert choose_impl(cpu, 128, 64, 8) == "dense"  # small batch
@@ -375,7 +379,7 @@ def test_auto_rule():
 
 
 def test_auto_uses_grad_mode():
-    """auto picks sorted without grad, dense with it; results agree either way."""
+    """auto picks bag without grad (decoding), dense with it; results agree either way."""
     idx, (x, w_map, *_rest) = make_case(2, 2, 9, 4, 3)
     routing = expert_routing(idx, 9)
     with torch.no_grad():
@@ -421,7 +425,7 @@ def test_package_works_without_triton():
         assert not grouped_triton.triton_available()
         routing = expert_routing(torch.tensor([[0, 1], [1, 2]]), 3)
         x, w = torch.randn(2, 4), torch.randn(3, 4, 5)
-        for impl in ("auto", "sorted", "dense", "gather", "reference"):
+        for impl in ("auto", "sorted", "dense", "gather", "bag", "reference"):
             expert_reduce(expert_map(x, w, routing, impl), torch.randn(3, 5, 4), torch.rand(2, 2), routing, impl)
         try:
             expert_map(x, w, routing, "triton")

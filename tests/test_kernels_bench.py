@@ -63,3 +63,14 @@ def test_bench_bad_arguments(capsys):
     assert "--steps must be >= 1" in capsys.readouterr().err
     assert main(["bench", "models", "--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_models_demo_pair_is_the_demos_models():
+    from headmix.training.demo import demo_models
+
+    rows = bench_models(["demo"], batch=2, src_len=4, tgt_len=4, impls=[], repeats=1, warmup=0)
+    models = demo_models()
+    assert [r["model"] for r in rows] == ["demo mini-mha (MHA 4 heads of 32)", "demo MoA 4K16E48D"]
+    att = models["moa"].decoder_self_attention
+    assert (att.top_k, att.num_experts, att.head_dim) == (4, 16, 48)
+    assert rows[0]["ratio"] == 1.0 and rows[1]["macs_ratio"] != 1.0

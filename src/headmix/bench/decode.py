@@ -113,7 +113,7 @@ DECODE_COLUMNS = [("batch", "batch", "{}"), ("layer", "layer, expert_impl", "{}"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
-    p.add_argument("--impls", nargs="+", default=["auto", "dense", "sorted", "gather"],
+    p.add_argument("--impls", nargs="+", default=["auto", "dense", "sorted", "gather", "bag"],
                    choices=[i for i in IMPLS if i not in ("reference", "triton")])
     p.add_argument("--embed-dim", type=int, default=512)
     p.add_argument("--top-k", type=int, default=8)

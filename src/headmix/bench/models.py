@@ -1,7 +1,9 @@
 """``headmix bench models``: whole-model training steps, MoA against the MHA model of (nearly) equal MACs.
 
 For each size (``tiny``, ``mini``, ``small``: the CPU presets of :mod:`headmix.models.presets`) it builds
-the ``{size}-mha`` and ``{size}-moa`` translation models and times, in one process and interleaved (every
+the ``{size}-mha`` and ``{size}-moa`` translation models (``demo``: ``headmix demo``'s pair, ``mini-mha``
+against MoA 4K16E48D at equal attention MACs, see :func:`headmix.training.demo.demo_models`) and times,
+in one process and interleaved (every
 repeat runs each model's step once, in turn; the median over repeats is reported), one training step as
 the trainer does it: forward with the label-smoothed loss plus the router losses, backward, gradient
 clipping and an AdamW step. The batch is synthetic: ``--batch`` sentence pairs of random lengths up to
@@ -26,7 +28,7 @@ from ..models.config import ModelConfig
 from .attention import format_rows
 from .timing import add_clock_arguments, clock_setup, interleaved_timings
 
-SIZES = ("tiny", "mini", "small")
+SIZES = ("tiny", "mini", "small", "demo")
 
 
 def with_expert_impl(config: ModelConfig, impl: str) -> ModelConfig:
@@ -37,6 +39,18 @@ def with_expert_impl(config: ModelConfig, impl: str) -> ModelConfig:
         if att is not None and att.kind == "moa":
             changes[role] = dataclasses.replace(att, expert_impl=impl)
     return config.replace(**changes)
+
+
+def model_pair(size: str) -> tuple[str, ModelConfig, str, ModelConfig]:
+    """``(mha name, mha config, moa name, moa config)`` of one size (translation)."""
+    if size == "demo":
+        from ..training.demo import demo_models, describe_attention
+
+        models = demo_models()
+        return (f"demo mini-mha ({describe_attention(models['mha'])})", models["mha"],
+                f"demo {describe_attention(models['moa'])}", models["moa"])
+    return (f"{size}-mha", get_config(f"{size}-mha", task="translation"),
+            f"{size}-moa", get_config(f"{size}-moa", task="translation"))
 
 
 def synthetic_batch(config: ModelConfig, batch: int, src_len: int, tgt_len: int,
@@ -73,11 +87,10 @@ def bench_models(sizes: list[str], *, batch: int, src_len: int, tgt_len: int, im
                  warmup: int, seed: int = 0, clock=time.perf_counter) -> list[dict]:
     rows = []
     for size in sizes:
-        base_cfg = get_config(f"{size}-mha", task="translation")
-        moa_cfg = get_config(f"{size}-moa", task="translation")
-        variants = {f"{size}-mha": base_cfg}
+        base, base_cfg, moa, moa_cfg = model_pair(size)
+        variants = {base: base_cfg}
         for impl in ["auto", *[i for i in impls if i != "auto"]]:
-            variants[f"{size}-moa" + ("" if impl == "auto" else f" ({impl})")] = with_expert_impl(moa_cfg, impl)
+            variants[moa + ("" if impl == "auto" else f" ({impl})")] = with_expert_impl(moa_cfg, impl)
         data = synthetic_batch(base_cfg, batch, src_len, tgt_len, torch.Generator().manual_seed(seed))
         steps, macs = {}, {}
         for name, cfg in variants.items():
@@ -86,7 +99,6 @@ def bench_models(sizes: list[str], *, batch: int, src_len: int, tgt_len: int, im
             steps[name] = make_step(model, data)
             macs[name] = analytic_macs(cfg, round(data["mean_src"]), round(data["mean_tgt"]), batch).total
         times = interleaved_timings(steps, repeats, warmup, "cpu", clock=clock)
-        base = f"{size}-mha"
         for name in variants:
             rows.append({"size": size, "model": name, "ms": 1e3 * times[name], "ratio": times[name] / times[base],
                          "macs_ratio": macs[name] / macs[base],

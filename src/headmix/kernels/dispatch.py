@@ -17,6 +17,7 @@ dense      one GEMM over all E experts then gather / gate-weighted scatter;
 sorted     slots sorted by expert, one GEMM per expert, hand-written backward
            (:mod:`.grouped_cpu`); cost ~ N*k, not E
 gather     per-slot weights ``W[expert_index]`` + batched mat-vec (forced only)
+bag        one ``embedding_bag`` over the selected experts' weight rows (decoding)
 triton     Triton grouped GEMM (:mod:`.grouped_triton`); CUDA, or CPU tensors
            under ``TRITON_INTERPRET=1`` (tests only)
 auto       see :func:`choose_impl`
@@ -33,7 +34,7 @@ from .routing_info import ExpertRouting
 
 __all__ = ["IMPLS", "choose_impl", "expert_map", "expert_reduce"]
 
-IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
+IMPLS = ("auto", "reference", "dense", "sorted", "gather", "bag", "triton")
 
 # CPU ``auto`` thresholds, measured with ``benchmarks/grouped_matmul.py --sweep`` on a
 # 2-core CPU (float32, d_model 512, d_head 64, map + reduce, min of 5-15 runs):
@@ -48,7 +49,7 @@ IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
 #   2-10x slower than dense/sorted): N=1, k=8, E=32 fwd 0.33 ms vs dense 0.76,
 #   sorted 0.70; N=8, k=2, E=16 0.61 vs 0.77; it loses once E <= 2k or N*k >= 32.
 #   Since sorted packs experts into chunks (one gather and one scatter per chunk, one GEMM per expert),
-#   sorted beats gather and dense at decoding sizes (see DECODE_SORTED_MIN_EXPERTS_PER_K); ``auto`` no
+#   sorted and then bag beat gather at decoding sizes (see DECODE_MIN_EXPERTS_PER_K); ``auto`` no
 #   longer picks gather.
 
 #: ``dense`` when ``E <= DENSE_MAX_EXPERTS_PER_K * k`` (any N): the sweep above ties at E = 1.5 k for
@@ -60,12 +61,19 @@ DENSE_MAX_EXPERTS_PER_K = 1.5
 DENSE_SMALL_SLOTS = 128
 DENSE_SMALL_MAX_EXPERTS_PER_K = 8
 
-#: No gradient (decoding) and ``E > DECODE_SORTED_MIN_EXPERTS_PER_K * k``: ``sorted``, which reads each
-#: selected expert's weights once. ``headmix bench decode --threads 1 --clock cpu`` (k 8, embed 512,
-#: 2026-11-22, load 4-5), us per step: batch 8, E 64: sorted 3101, dense 4970, gather 5185; E 32: sorted
-#: 2520, dense 2478, gather 5315; batch 1, E 64: sorted 1087, gather 1156, dense 3497; E 32: sorted 1056,
-#: gather 996, dense 1577 (gather's small edge there is not worth a third rule).
-DECODE_SORTED_MIN_EXPERTS_PER_K = 2
+#: No gradient (decoding) and ``E > DECODE_MIN_EXPERTS_PER_K * k``: an implementation that reads only the
+#: selected experts' weights, ``bag`` for ``N*k <= BAG_MAX_SLOTS`` and ``sorted`` above. ``headmix bench
+#: decode --threads 1 --clock cpu`` (k 8, embed 512, 2026-11-22, load 4-5), us per step before ``bag``:
+#: batch 8, E 64: sorted 3101, dense 4970, gather 5185; E 32: sorted 2520, dense 2478, gather 5315;
+#: batch 1, E 64: sorted 1087, gather 1156, dense 3497.
+DECODE_MIN_EXPERTS_PER_K = 2
+
+#: Map + reduce without gradient, one thread, CPU time, median, us (2026-11-22, load 3; ``python
+#: benchmarks/grouped_matmul.py --sweep`` prints the grid, the fwd column): embed 512, k 8, E 64: N*k = 8 bag 112, sorted 667, dense 3466; 64: bag 528,
+#: sorted 2652; 128: bag 1811, sorted 4744; 1024: bag 8205, sorted 6279. E 32: 256 slots bag 1618, sorted
+#: 2570; 512 slots bag 4399, sorted 4133. Embed 128, k 4, E 16: bag wins up to 512 slots (404 against
+#: sorted 562). With ``E <= 1.5 k`` dense stays ahead (E 8, k 8, 64 slots: dense 331, bag 594).
+BAG_MAX_SLOTS = 256
 
 
 def choose_impl(
@@ -77,7 +85,8 @@ def choose_impl(
     * CPU, first match (thresholds measured on a 2-core CPU, see the comment above):
 
       1. ``dense``  if ``k == E`` or ``E <= 1.5 k``
-      2. ``sorted`` if no gradient is needed and ``E > 2k`` (decoding: reads only the selected experts)
+      2. no gradient needed and ``E > 2k`` (decoding: read only the selected experts): ``bag`` if
+         ``N*k <= 256``, else ``sorted``
       3. ``dense``  if ``N*k <= 128`` and ``E <= 8k`` (small batches)
       4. ``sorted`` otherwise (cost ~ N*k, independent of E)
     """
@@ -87,8 +96,8 @@ def choose_impl(
         return "triton" if triton_available() else "sorted"
     if top_k == num_experts or num_experts <= DENSE_MAX_EXPERTS_PER_K * top_k:
         return "dense"
-    if not needs_grad and num_experts > DECODE_SORTED_MIN_EXPERTS_PER_K * top_k:
-        return "sorted"
+    if not needs_grad and num_experts > DECODE_MIN_EXPERTS_PER_K * top_k:
+        return "bag" if num_slots <= BAG_MAX_SLOTS else "sorted"
     if num_slots <= DENSE_SMALL_SLOTS and num_experts <= DENSE_SMALL_MAX_EXPERTS_PER_K * top_k:
         return "dense"
     return "sorted"
@@ -162,6 +171,8 @@ def expert_map(x: Tensor, weight: Tensor, routing: ExpertRouting, impl: str = "a
         return reference.dense_map(x, weight, routing.expert_index)
     if impl == "gather":
         return reference.gather_map(x, weight, routing.expert_index)
+    if impl == "bag":
+        return reference.bag_map(x, weight, routing.expert_index)
     if impl == "sorted":
         return grouped_cpu.sorted_map(x, weight, routing)
     from . import grouped_triton
@@ -196,6 +207,8 @@ def expert_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouti
         return reference.dense_reduce(h, weight, gates, routing.expert_index)
     if impl == "gather":
         return reference.gather_reduce(h, weight, gates, routing.expert_index)
+    if impl == "bag":
+        return reference.bag_reduce(h, weight, gates, routing.expert_index)
     if impl == "sorted":
         return grouped_cpu.sorted_reduce(h, weight, gates, routing)
     from . import grouped_triton

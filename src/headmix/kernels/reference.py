@@ -20,6 +20,13 @@ autograd; no custom backward.
 * ``gather_*``: index the weights per slot, ``W[expert_index]`` -> (N, k, d_in,
   d_out), and do a batched vector-matrix product.  Moves ``N*k*d_in*d_out``
   weight elements, so it is only for tiny ``N*k`` (decoding).
+* ``bag_*``: each slot's product as a weighted sum of its expert's weight rows,
+  ``x[n] @ W[e] = sum_i x[n, i] W[e, i, :]``, in one
+  ``torch.nn.functional.embedding_bag`` call (rows of ``W`` viewed as an
+  ``(E*d_in, d_out)`` table, ``x``'s entries as the per-sample weights): the
+  selected rows are read in place, nothing is copied and there is no loop over
+  experts.  For small ``N*k`` without gradients (decoding); differentiable
+  (``embedding_bag``'s backward), but far slower than a GEMM for training.
 
 Every function accepts repeated experts within a row.
 """
@@ -27,9 +34,12 @@ Every function accepts repeated experts within a row.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "bag_map",
+    "bag_reduce",
     "dense_map",
     "dense_reduce",
     "gather_map",
@@ -96,3 +106,27 @@ def gather_reduce(h: Tensor, weight: Tensor, gates: Tensor, expert_index: Tensor
     w = weight[expert_index.reshape(-1)]  # (N*k, d_in, d_out)
     z = torch.bmm(h.reshape(n * k, 1, h.shape[2]), w).view(n, k, weight.shape[2])
     return torch.bmm(gates.unsqueeze(1), z).squeeze(1)
+
+
+def _row_ids(expert_index: Tensor, rows_per_expert: int) -> Tensor:
+    """``(N, k, rows)`` ids ``e * rows + i`` of the rows of the selected experts in the ``(E*rows, d_out)`` table."""
+    return expert_index.unsqueeze(-1) * rows_per_expert + torch.arange(rows_per_expert, device=expert_index.device)
+
+
+def bag_map(x: Tensor, weight: Tensor, expert_index: Tensor) -> Tensor:
+    """MoA eq. 10 as one ``embedding_bag``: ``y[n, j] = sum_i x[n, i] W[e, i, :]`` (bag ``(n, j)``)."""
+    n, k = expert_index.shape
+    num_experts, d_in, d_out = weight.shape
+    ids = _row_ids(expert_index, d_in).view(n * k, d_in)
+    coef = x.unsqueeze(1).expand(n, k, d_in).reshape(n * k, d_in)
+    table = weight.reshape(num_experts * d_in, d_out)
+    return F.embedding_bag(ids, table, mode="sum", per_sample_weights=coef).view(n, k, d_out)
+
+
+def bag_reduce(h: Tensor, weight: Tensor, gates: Tensor, expert_index: Tensor) -> Tensor:
+    """MoA eq. 12 + 6 as one ``embedding_bag``: ``y[n] = sum_j sum_i gates[n, j] h[n, j, i] W[e, i, :]`` (bag ``n``)."""
+    n, k = expert_index.shape
+    num_experts, d_in, d_out = weight.shape
+    ids = _row_ids(expert_index, d_in).view(n, k * d_in)
+    coef = (gates.unsqueeze(-1) * h).reshape(n, k * d_in)
+    return F.embedding_bag(ids, weight.reshape(num_experts * d_in, d_out), mode="sum", per_sample_weights=coef)

@@ -67,7 +67,7 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 450, eval_sen
     for name, config in demo_models().items():
         config_path = out / f"{name}_config.json"
         atomic_write(config_path, config.to_json())
-        _log(f"training {name} ({_describe(config)}) for {steps} steps")
+        _log(f"training {name} ({describe_attention(config)}) for {steps} steps")
         cfg = TrainConfig(preset=str(config_path), out=str(out / name), tokenizer=str(tokenizer), max_steps=steps,
                           warmup_steps=100, lr=2e-3, log_every=10, eval_every=10**9, save_every=25,
                           keep_checkpoints=5, average_last=5, progress=progress, **options)
@@ -80,7 +80,7 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 450, eval_sen
         hypotheses[name] = hyp_path.read_text(encoding="utf-8").splitlines()
         macs = analytic_macs(config)
         report[name] = {
-            "model": _describe(config), "bleu": scores["bleu"], "chrf": scores["chrf"],
+            "model": describe_attention(config), "bleu": scores["bleu"], "chrf": scores["chrf"],
             "valid_loss": summary["valid"]["loss"], "valid_ppl": summary["valid"]["ppl"], "macs": macs.total,
             "attention_macs": sum(v for k, v in macs.full.items() if k.endswith("attention")),
             "macs_paper_formula": macs.paper_total, "parameters": summary["parameters"],
@@ -130,7 +130,8 @@ def _log(message: str) -> None:
     print(f"[headmix] {message}", flush=True)
 
 
-def _describe(config) -> str:
+def describe_attention(config) -> str:
+    """``MoA 4K16E48D`` or ``MHA 4 heads of 32``: the attention of a demo model, for logs and reports."""
     att = config.decoder_self_attention
     if att.kind == "moa":
         return f"MoA {att.top_k}K{att.num_experts}E{att.head_dim}D"
