@@ -3,12 +3,11 @@
 For each size (``tiny``, ``mini``, ``small``: the CPU presets of :mod:`headmix.models.presets`) it builds
 the ``{size}-mha`` and ``{size}-moa`` translation models (``demo``: ``headmix demo``'s pair, ``mini-mha``
 against MoA 4K16E48D at equal attention MACs, see :func:`headmix.training.demo.demo_models`) and times,
-in one process and interleaved (every
-repeat runs each model's step once, in turn; the median over repeats is reported), one training step as
-the trainer does it: forward with the label-smoothed loss plus the router losses, backward, gradient
-clipping and an AdamW step. The batch is synthetic: ``--batch`` sentence pairs of random lengths up to
-``--src-len`` / ``--tgt-len`` tokens, padded, so the padding masks are exercised as in real batches
-(the demo's batches hold about 2000 target tokens).
+in one process and interleaved (every repeat runs each model's step once, in turn; the median over
+repeats is reported), one training step as the trainer does it: forward with the label-smoothed loss
+plus the router losses, backward, gradient clipping and an AdamW step. The batch is synthetic:
+``--batch`` sentence pairs of random lengths up to ``--src-len`` / ``--tgt-len`` tokens, padded, so the
+padding masks are exercised as in real batches (the demo's batches hold about 2000 target tokens).
 
 Printed per model: ms per step, the ratio to the size's MHA model measured in the same run, the ratio of
 the analytic forward MACs (``headmix macs``) at the batch's mean lengths, and target tokens per second.
