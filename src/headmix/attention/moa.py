@@ -52,7 +52,7 @@ class MixtureOfAttentionHeads(AttentionLayer):
     self-attention only, keys cached after rotation, see :class:`MultiHeadAttention`.
 
     ``expert_impl`` picks the kernel of the grouped expert projections (``"auto"``, ``"reference"``,
-    ``"dense"``, ``"sorted"``, ``"gather"``, ``"triton"``; see :mod:`headmix.kernels`).
+    ``"dense"``, ``"sorted"``, ``"gather"``, ``"bag"``, ``"triton"``; see :mod:`headmix.kernels`).
     """
 
     def __init__(self, embed_dim: int, num_experts: int, top_k: int, head_dim: int, *, bias: bool = True,

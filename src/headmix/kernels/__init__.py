@@ -7,7 +7,8 @@ Per layer call::
     y = expert_reduce(o, w_o, gates, routing)                # eq. 12 + 6 -> (N, d_model)
 
 Implementations: ``reference``, ``dense``, ``sorted`` (CPU), ``gather`` (tiny N),
-``triton`` (GPU; imported lazily, optional) and ``auto`` (see
+``bag`` (one ``embedding_bag``; decoding), ``triton`` (GPU; imported lazily,
+optional) and ``auto`` (see
 :func:`headmix.kernels.dispatch.choose_impl`).
 """
 

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from .. import attention
+from ..kernels import IMPLS
 from ..routing.losses import LOAD_BALANCE_FRACTIONS
 
 ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead")
@@ -29,7 +30,8 @@ FFN_KINDS = ("mlp", "swiglu", "moe_swiglu")
 #: The self-attention roles that get rotary position embeddings with ``positions="rotary"`` (cross-attention
 #: compares positions of two different sequences: it stays without rotary).
 ROTARY_ROLES = ("encoder_self_attention", "decoder_self_attention")
-EXPERT_IMPLS = ("auto", "reference", "dense", "sorted", "gather", "triton")
+#: ``expert_impl`` choices: the kernels' (see :mod:`headmix.kernels`).
+EXPERT_IMPLS = IMPLS
 
 # Fields that only mean something for some kinds; they must be None (unset) for the others.
 _KIND_FIELDS = {
