@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from headmix.data import load_embedded_documents, write_jsonl_documents
-from headmix.models import AttentionConfig, analytic_macs, get_config
+from headmix.models import AttentionConfig, analytic_macs, build_model, get_config
 from headmix.study import (StudySpec, get_study, match_attention, paired_difference, plan, run_study, summarize,
                            t_quantile, write_report)
 from headmix.study.matching import with_attention
@@ -69,6 +69,21 @@ def test_match_attention_sizes_a_variant_to_the_baseline():
         match_attention(base, {"kind": "talking_heads", "num_heads": 4}, ["head_dim"], tolerance=1e-6, tgt_len=128)
     with pytest.raises(ValueError, match="both fixed"):
         match_attention(base, {"kind": "moa", "num_experts": 4, "top_k": 2}, ["top_k"])
+
+
+def test_rows_keep_the_baselines_conventions():
+    """A row changes the kind of attention, not the model's conventions: a Llama-style baseline's rows have no
+    biases and rotary positions unless the row fixes them."""
+    base = get_config("llama-mini-mha", task="lm")
+    assert base.decoder_self_attention.bias is False and base.decoder_self_attention.rotary is True
+    for fixed in ({"kind": "moa", "num_experts": 8, "top_k": 4}, {"kind": "switchhead", "num_heads": 2,
+                                                                   "num_experts": 4, "top_k": 2}):
+        att = match_attention(base, fixed, ["head_dim"], prefer={"head_dim": 32}).attention
+        assert (att.kind, att.bias, att.rotary) == (fixed["kind"], False, True)
+        assert [n for n, _ in build_model(with_attention(base, att)).named_parameters() if "bias" in n] == []
+    fixed_bias = {"kind": "moa", "num_experts": 8, "top_k": 4, "bias": True, "rotary_base": 500.0}
+    att = match_attention(base, fixed_bias, ["head_dim"], prefer={"head_dim": 32}).attention
+    assert (att.bias, att.rotary_base) == (True, 500.0)
 
 
 def _spec(docs: Path, **kw) -> StudySpec:
@@ -169,7 +184,7 @@ def test_spec_errors_name_the_field(tmp_path):
 
 
 def test_builtin_studies_are_matched_within_two_percent():
-    for name in ("lm-en", "translation-en-de"):
+    for name in ("lm-en", "translation-en-de", "lm-en-llama"):
         spec = get_study(name)
         rows = plan(spec)
         assert len(spec.seeds) >= 3

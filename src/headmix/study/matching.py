@@ -24,6 +24,16 @@ from ..models import AttentionConfig, ModelConfig, analytic_macs
 
 #: The fields a variant may ask to solve for.
 SOLVABLE = ("top_k", "head_dim", "num_heads", "key_dim", "num_experts", "num_shared_heads")
+
+#: Options every row takes from the baseline's attention unless it fixes them: a row changes the kind of
+#: attention, not the model's conventions (a Llama-style baseline has no biases and rotary positions).
+INHERITED = ("bias", "q_bias", "kv_bias", "out_bias", "dropout", "rotary", "rotary_base", "rotary_fraction")
+
+
+def inherited_options(baseline: ModelConfig) -> dict[str, Any]:
+    """The :data:`INHERITED` options of ``baseline``'s attention (its first attention role), unset ones left out."""
+    att = getattr(baseline, baseline.attention_roles()[0])
+    return {name: getattr(att, name) for name in INHERITED if getattr(att, name) is not None}
 ROLES = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 
 
@@ -75,7 +85,8 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
                     src_len: int | None = None, tgt_len: int | None = None) -> Match:
     """The attention config with the fields ``fixed`` and the ``solve`` fields chosen so that the model
     (``baseline`` with this attention in every role) costs the baseline's attention MACs within
-    ``tolerance``. ``ValueError`` naming the variant's fields when no candidate is within it."""
+    ``tolerance``; options ``fixed`` leaves out are the baseline's (:data:`INHERITED`). ``ValueError``
+    naming the variant's fields when no candidate is within it."""
     solve = tuple(solve)
     for field in solve:
         if field not in SOLVABLE:
@@ -88,8 +99,9 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
     target = attention_macs_of(baseline, src_len, tgt_len)
     best: tuple[tuple, Match] | None = None
     closest: Match | None = None
+    inherited = inherited_options(baseline)
     for values in itertools.product(*(_candidates(f, fixed, baseline.d_model) for f in solve)):
-        fields = {**fixed, **dict(zip(solve, values))}
+        fields = {**inherited, **fixed, **dict(zip(solve, values))}
         try:
             att = AttentionConfig(**fields)
             model = with_attention(baseline, att)
