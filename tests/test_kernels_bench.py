@@ -1,4 +1,4 @@
-"""``headmix bench models`` and ``headmix bench decode``: what they count and print (no timing asserted)."""
+"""``headmix bench attention``, ``models`` and ``decode``: what they count and print (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,16 @@ def test_bench_models_demo_pair_is_the_demos_models():
     att = models["moa"].decoder_self_attention
     assert (att.top_k, att.num_experts, att.head_dim) == (4, 16, 48)
     assert rows[0]["ratio"] == 1.0 and rows[1]["macs_ratio"] != 1.0
+
+
+def test_expert_growth_divides_by_the_fewest_experts_row_of_the_same_sequence():
+    from headmix.bench.attention import expert_growth
+
+    rows = [{"seq": 128, "layer": "torch MHA", "fwd_bwd_ms": 1.0},
+            {"seq": 128, "layer": "MoA 8K8E64D", "fwd_bwd_ms": 200.0},
+            {"seq": 128, "layer": "MoA 8K64E64D", "fwd_bwd_ms": 230.0},
+            {"seq": 512, "layer": "MoA 8K8E64D", "fwd_bwd_ms": 100.0},
+            {"seq": 512, "layer": "MoA 8K64E64D", "fwd_bwd_ms": 150.0}]
+    assert expert_growth(rows, 8, 64, [64, 8]) == ["seq 128: fwd+bwd over MoA 8K8E64D: E=64 1.15x",
+                                                   "seq 512: fwd+bwd over MoA 8K8E64D: E=64 1.50x"]
+    assert expert_growth(rows, 8, 64, [8]) == []

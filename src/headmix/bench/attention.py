@@ -165,6 +165,22 @@ def bench_decoding(*, embed_dim: int, top_k: int, head_dim: int, experts: list[i
     return list(result.values())
 
 
+def expert_growth(rows: list[dict], top_k: int, head_dim: int, experts: list[int]) -> list[str]:
+    """Per sequence length, each MoA layer's forward + backward time over the fewest-experts MoA layer's,
+    measured in the same run: how the cost grows with ``E`` at fixed ``k`` and ``head_dim``."""
+    if len(experts) < 2:
+        return []
+    base_e = min(experts)
+    name = lambda e: f"MoA {top_k}K{e}E{head_dim}D"  # noqa: E731
+    lines = []
+    for seq in dict.fromkeys(r["seq"] for r in rows):
+        by_layer = {r["layer"]: r for r in rows if r["seq"] == seq}
+        base = by_layer[name(base_e)]["fwd_bwd_ms"]
+        ratios = ", ".join(f"E={e} {by_layer[name(e)]['fwd_bwd_ms'] / base:.2f}x" for e in experts if e != base_e)
+        lines.append(f"seq {seq}: fwd+bwd over {name(base_e)}: {ratios}")
+    return lines
+
+
 def format_rows(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     header = "| " + " | ".join(c[1] for c in columns) + " |"
     sep = "|" + "|".join("---" for _ in columns) + "|"
@@ -216,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
                         batch_tokens=args.batch_tokens, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
                         device=device, dtype=dtype, switchheads=switchheads, clock=clock)
     print(format_rows(rows, LAYER_COLUMNS))
+    for line in expert_growth(rows, args.top_k, args.head_dim, args.experts):
+        print(line)
     if not args.no_decode:
         print()
         print("# decoding: batch 8, prompt 128, then 64 steps of one token with the cache")
