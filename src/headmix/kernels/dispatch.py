@@ -68,11 +68,12 @@ DENSE_SMALL_MAX_EXPERTS_PER_K = 8
 #: batch 1, E 64: sorted 1087, gather 1156, dense 3497.
 DECODE_MIN_EXPERTS_PER_K = 2
 
-#: Map + reduce without gradient, one thread, CPU time, median, us (2026-11-22, load 3; ``python
-#: benchmarks/grouped_matmul.py --sweep`` prints the grid, the fwd column): embed 512, k 8, E 64: N*k = 8 bag 112, sorted 667, dense 3466; 64: bag 528,
-#: sorted 2652; 128: bag 1811, sorted 4744; 1024: bag 8205, sorted 6279. E 32: 256 slots bag 1618, sorted
-#: 2570; 512 slots bag 4399, sorted 4133. Embed 128, k 4, E 16: bag wins up to 512 slots (404 against
-#: sorted 562). With ``E <= 1.5 k`` dense stays ahead (E 8, k 8, 64 slots: dense 331, bag 594).
+#: ``bag`` up to this many slots (``N*k``) in decoding: map + reduce without gradient, one thread, CPU
+#: time, us, 2026-11-22 (load 3): embed 512, k 8, E 64: 8 slots bag 112, sorted 667, dense 3466; 64 slots
+#: bag 528, sorted 2652; 128 slots bag 1811, sorted 4744; 1024 slots bag 8205, sorted 6279. E 32: 256 slots
+#: bag 1618, sorted 2570; 512 slots bag 4399, sorted 4133. Embed 128, k 4, E 16: bag ahead up to 512 slots
+#: (404 against sorted's 562). With ``E <= 1.5 k`` dense stays ahead (E 8, k 8, 64 slots: dense 331, bag
+#: 594). ``python benchmarks/grouped_matmul.py --sweep`` prints the grid (its fwd columns).
 BAG_MAX_SLOTS = 256
 
 
