@@ -267,3 +267,30 @@ def test_a_translation_study_scores_each_run_with_bleu(tmp_path, pairs_file):
     table = write_report(spec, plan(spec), results, out)
     assert table["metrics"][:2] == ["valid_nll", "valid_ppl"] and "bleu" in table["metrics"]
     assert table["rows"][0]["metrics"]["bleu"]["mean"] == stored["bleu"]
+
+
+def test_translation_table_shows_the_nll_difference_beside_bleus():
+    from headmix.study.report import to_markdown
+
+    def stat(mean):
+        return {"mean": mean, "std": 0.1}
+
+    att = {"kind": "switchhead", "num_heads": 2, "head_dim": 47, "num_experts": 4, "top_k": 2}
+    rows = [{"name": "MHA", "attention": {"kind": "mha", "num_heads": 4, "head_dim": 32}, "attention_macs": 6e6,
+             "attention_macs_ratio": 1.0, "parameters": 2e6, "seeds": [1, 2, 3], "vs_baseline": {},
+             "metrics": {"valid_nll": stat(4.8), "bleu": stat(1.5), "tokens_per_second": stat(1000.0)}},
+            {"name": "SH", "attention": att, "attention_macs": 6e6, "attention_macs_ratio": 1.0, "parameters": 2e6,
+             "seeds": [1, 2, 3], "metrics": {"valid_nll": stat(4.9), "bleu": stat(1.2)},
+             "vs_baseline": {"bleu": {"mean": -0.3, "low": -1.0, "high": 0.4, "verdict": "no significant difference"},
+                             "valid_nll": {"mean": 0.1, "low": 0.05, "high": 0.15, "verdict": "higher"}}}]
+    table = {"name": "t", "task": "translation", "max_steps": 4, "seeds": [1, 2, 3], "baseline": "MHA",
+             "baseline_preset": "mini-mha", "tolerance": 0.02, "metrics": ["valid_nll", "bleu"], "rows": rows}
+    lines = to_markdown(table).splitlines()
+    header = next(line for line in lines if line.startswith("| row"))
+    assert header.endswith("| Δ bleu [95% CI] | verdict (bleu) | Δ valid_nll [95% CI] | verdict (valid_nll) | tokens/s |")
+    assert lines[-1].startswith("| SH | SwitchHead 2×47, top 2 of 4 experts |")
+    assert lines[-1].endswith("| -0.300 [-1.000, +0.400] | no significant difference | +0.100 [+0.050, +0.150] | higher | – |")
+    assert lines[-2].endswith("| – | baseline | – | baseline | 1,000 |")
+    table["metrics"], table["task"] = ["valid_nll"], "lm"
+    header = next(line for line in to_markdown(table).splitlines() if line.startswith("| row"))
+    assert header.endswith("| valid_nll | Δ valid_nll [95% CI] | verdict | tokens/s |")

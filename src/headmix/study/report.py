@@ -76,34 +76,42 @@ def _fmt(summary: dict[str, Any] | None, digits: int = 3) -> str:
 
 
 def to_markdown(table: dict[str, Any], machine: str = "") -> str:
-    """The study's table in Markdown: one line per row; the last column says what the paired
-    difference from the baseline shows for the main metric (BLEU for translation, else validation NLL)."""
+    """The study's table in Markdown: one line per row, with the paired difference from the baseline and what
+    it shows for the main metric (BLEU for translation, else validation NLL) and, for translation, also for the
+    validation NLL."""
     main = "bleu" if "bleu" in table["metrics"] else "valid_nll"
+    compared = [main] + (["valid_nll"] if main != "valid_nll" and "valid_nll" in table["metrics"] else [])
     lines = [f"### {table['name']}: {table['task']}, {table['max_steps']} steps, seeds {table['seeds']}",
              "",
              f"Baseline: **{table['baseline']}** (`{table['baseline_preset']}`); every row's attention MACs within "
              f"{table['tolerance']:.0%} of its. Mean ± standard deviation over seeds; Δ is the row minus the baseline, "
              f"paired by seed, with its 95% Student-t interval." + (f" Machine: {machine}." if machine else ""),
              ""]
+    verdicts = ["verdict"] if len(compared) == 1 else [f"verdict ({m})" for m in compared]
     cols = ["row", "attention", "attn MACs", "params", "seeds"] + [m for m in table["metrics"]] + \
-        [f"Δ {main} [95% CI]", "verdict", "tokens/s"]
+        [c for m, v in zip(compared, verdicts) for c in (f"Δ {m} [95% CI]", v)] + ["tokens/s"]
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
     for row in table["rows"]:
-        diff = row["vs_baseline"].get(main)
-        if diff is None:
-            delta, verdict = "–", "baseline" if row["name"] == table["baseline"] else "–"
-        elif diff["low"] is None:
-            delta, verdict = f"{diff['mean']:+.3f}", diff["verdict"]
-        else:
-            delta, verdict = f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]", diff["verdict"]
         cells = [row["name"], _attention_text(row["attention"]), f"{row['attention_macs'] / 1e6:.2f}M "
                  f"({row['attention_macs_ratio']:.3f}x)", f"{row['parameters'] / 1e6:.2f}M", str(len(row["seeds"]))]
         cells += [_fmt(row["metrics"].get(m), 2 if m in ("bleu", "chrf", "valid_ppl") else 3) for m in table["metrics"]]
+        for m in compared:
+            cells += _difference_cells(row, m, table["baseline"])
         tps = row["metrics"].get("tokens_per_second")
-        cells += [delta, verdict, f"{tps['mean']:,.0f}" if tps else "–"]
+        cells.append(f"{tps['mean']:,.0f}" if tps else "–")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _difference_cells(row: dict[str, Any], metric: str, baseline: str) -> list[str]:
+    """``[Δ with its interval, verdict]`` of ``row`` against the baseline for ``metric``."""
+    diff = row["vs_baseline"].get(metric)
+    if diff is None:
+        return ["–", "baseline" if row["name"] == baseline else "–"]
+    if diff["low"] is None:
+        return [f"{diff['mean']:+.3f}", diff["verdict"]]
+    return [f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]", diff["verdict"]]
 
 
 def _attention_text(att: dict[str, Any]) -> str:
@@ -115,6 +123,8 @@ def _attention_text(att: dict[str, Any]) -> str:
         return f"MoH {heads}, {att['num_shared_heads']} shared, top {att['top_k']}"
     if kind == "talking_heads":
         return f"talking heads {heads}"
+    if kind == "switchhead":
+        return f"SwitchHead {heads}, top {att['top_k']} of {att['num_experts']} experts"
     if att.get("key_dim"):
         return f"MHA {heads}, key {att['key_dim']}"
     return f"{kind.upper() if kind == 'mha' else kind} {heads}"
