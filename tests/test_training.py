@@ -372,3 +372,20 @@ def test_metrics_log_on_a_full_disk_is_a_one_line_run_error(tmp_path, monkeypatc
         log.write({"step": 2, "loss": 0.5})
     monkeypatch.undo()
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_demo_printout_names_the_winner_only_for_these_sentences_and_points_to_the_study():
+    from headmix.training.demo import format_comparison
+
+    side = {"model": "MoA 4K16E48D", "bleu": 2.0, "chrf": 20.0, "valid_ppl": 100.0, "attention_macs": 1,
+            "macs": 2, "parameters": 3, "steps": 450, "train_seconds": 60.0}
+    report = {"moa": side, "mha": dict(side, model="MHA 4 heads of 32", bleu=1.0), "setup": {"steps": 450},
+              "study": "docs/study.md",
+              "comparison": {"system_interval": [1.5, 2.5], "bleu_difference": 1.0, "p_value": 0.001,
+                             "distinguishable": True, "sentences": 400}}
+    text = format_comparison(report)
+    assert "on these sentences this MoA model beats this MHA model by 1.00 BLEU (paired bootstrap p = 0.001)" in text
+    assert "not training noise" in text and "docs/study.md" in text
+    report["comparison"].update(bleu_difference=-0.2, p_value=0.4, distinguishable=False)
+    text = format_comparison(report)
+    assert "the two cannot be told apart: BLEU difference -0.20, paired bootstrap p = 0.400 over 400 sentences" in text

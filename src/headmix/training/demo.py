@@ -154,14 +154,16 @@ def format_comparison(report: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     c = report["comparison"]
     low, high = c["system_interval"]
-    verdict = (f"MoA {'beats' if c['bleu_difference'] > 0 else 'trails'} MHA by {abs(c['bleu_difference']):.2f} BLEU "
-               f"(paired bootstrap p = {c['p_value']:.3f})" if c["distinguishable"] else
+    verdict = (f"on these sentences this MoA model {'beats' if c['bleu_difference'] > 0 else 'trails'} this MHA "
+               f"model by {abs(c['bleu_difference']):.2f} BLEU (paired bootstrap p = {c['p_value']:.3f})"
+               if c["distinguishable"] else
                f"at this budget the two cannot be told apart: BLEU difference {c['bleu_difference']:+.2f}, "
                f"paired bootstrap p = {c['p_value']:.3f} over {c['sentences']} sentences")
     return "\n".join([f"headmix demo: {report['moa']['model']} vs {report['mha']['model']}, equal attention MACs"]
                      + lines + [f"MoA BLEU 95% interval [{low:.2f}, {high:.2f}]; {verdict}.",
-                                f"One seed and {report['setup']['steps']} steps; the comparison with seeds and "
-                                f"confidence intervals is in {report['study']} (headmix study --list)."])
+                                f"The bootstrap covers the choice of test sentences, not training noise: one seed and "
+                                f"{report['setup']['steps']} steps cannot rank the two attentions. The comparison "
+                                f"over seeds, with confidence intervals, is in {report['study']} (headmix study --list)."])
 
 
 def loss_curves_figure(metrics: dict[str, list[dict[str, Any]]]):
