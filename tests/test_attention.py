@@ -1005,7 +1005,7 @@ def test_moa_auto_kernel_follows_grad_mode(monkeypatch):
         layer(x)
         assert calls == ["bag_map", "bag_reduce"]
         calls.clear()
-        layer(torch.randn(2, 65, D))  # 260 slots
+        layer(torch.randn(4, 65, D))  # 520 slots
         assert calls == ["sorted_map", "sorted_reduce"]
     calls.clear()
     layer(x.requires_grad_()).output.sum().backward()

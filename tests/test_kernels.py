@@ -365,10 +365,10 @@ def test_auto_rule():
     assert choose_impl(cpu, 4096 * 6, 8, 6) == "dense"  # mini-moa, small-moa
     assert choose_impl(cpu, 4096 * 8, 64, 8) == "sorted"
     assert choose_impl(cpu, 4096 * 2, 32, 2) == "sorted"
-    # decoding (no gradient): read only the selected experts, bag up to 256 slots, then sorted
+    # decoding (no gradient): read only the selected experts, bag up to 512 slots, then sorted
     assert choose_impl(cpu, 8, 32, 8, needs_grad=False) == "bag"
-    assert choose_impl(cpu, 256, 64, 8, needs_grad=False) == "bag"
-    assert choose_impl(cpu, 257, 64, 8, needs_grad=False) == "sorted"
+    assert choose_impl(cpu, 512, 64, 8, needs_grad=False) == "bag"
+    assert choose_impl(cpu, 513, 64, 8, needs_grad=False) == "sorted"
     assert choose_impl(cpu, 4096 * 8, 64, 8, needs_grad=False) == "sorted"
     assert choose_impl(cpu, 8, 17, 8, needs_grad=False) == "bag"
     assert choose_impl(cpu, 8, 32, 8, needs_grad=True) == "dense"

@@ -68,13 +68,14 @@ DENSE_SMALL_MAX_EXPERTS_PER_K = 8
 #: batch 1, E 64: sorted 1087, gather 1156, dense 3497.
 DECODE_MIN_EXPERTS_PER_K = 2
 
-#: ``bag`` up to this many slots (``N*k``) in decoding: map + reduce without gradient, one thread, CPU
-#: time, us, 2026-11-22 (load 3): embed 512, k 8, E 64: 8 slots bag 112, sorted 667, dense 3466; 64 slots
-#: bag 528, sorted 2652; 128 slots bag 1811, sorted 4744; 1024 slots bag 8205, sorted 6279. E 32: 256 slots
-#: bag 1618, sorted 2570; 512 slots bag 4399, sorted 4133. Embed 128, k 4, E 16: bag ahead up to 512 slots
-#: (404 against sorted's 562). With ``E <= 1.5 k`` dense stays ahead (E 8, k 8, 64 slots: dense 331, bag
-#: 594). ``python benchmarks/grouped_matmul.py --sweep`` prints the grid (its fwd columns).
-BAG_MAX_SLOTS = 256
+#: ``bag`` up to this many slots (``N*k``) in decoding. ``python benchmarks/grouped_matmul.py --sweep
+#: --sweep-tokens 1 8 32 64 128 --sweep-k 8 --sweep-experts-per-k 1 4 8`` (embed 512, k 8, map + reduce
+#: without gradient, 2 threads, min of 5, idle, 2026-11-22), ms, bag / sorted: E 64: 8 slots 0.30 / 0.60,
+#: 64 slots 0.93 / 2.32, 256 slots 1.73 / 3.68, 512 slots 2.33 / 3.76, 1024 slots 3.76 / 4.45; E 32: 512
+#: slots 2.08 / 2.43, 1024 slots 3.95 / 4.01. With one thread under load bag's lead ends near 512 slots
+#: (E 32: 4.40 against sorted's 4.13 ms; E 64: 5.09 against 5.59), hence 512. With ``E <= 1.5 k`` dense
+#: stays the choice (E 8, 64 slots: dense 0.51, bag 0.56).
+BAG_MAX_SLOTS = 512
 
 
 def choose_impl(
@@ -87,7 +88,7 @@ def choose_impl(
 
       1. ``dense``  if ``k == E`` or ``E <= 1.5 k``
       2. no gradient needed and ``E > 2k`` (decoding: read only the selected experts): ``bag`` if
-         ``N*k <= 256``, else ``sorted``
+         ``N*k <= 512``, else ``sorted``
       3. ``dense``  if ``N*k <= 128`` and ``E <= 8k`` (small batches)
       4. ``sorted`` otherwise (cost ~ N*k, independent of E)
     """
