@@ -21,26 +21,18 @@ cache-hot from one expert to the next. This isolates the GEMM cost from the gath
     python benchmarks/expert_gemm_shapes.py                      # N 4096, d 512, h 64, k 8, E 64
     python benchmarks/expert_gemm_shapes.py --tokens 2688 --d-model 128 --head-dim 48 --top-k 4 --experts 16
 
-One thread, CPU time of this process (robust on a shared machine), median of ``--repeats``.
+One thread, CPU time of this process (robust on a shared machine), median of ``--repeats`` interleaved
+runs (``headmix.bench.timing.interleaved_timings``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return statistics.median(times)
+from headmix.bench.timing import interleaved_timings
 
 
 def main() -> None:
@@ -82,12 +74,14 @@ def main() -> None:
         "reduce wgrad": lambda: torch.mm(xd.t(), gd, out=grad_wd),
     }
     print(f"# {n} tokens, d_model {d}, head_dim {h}, k {k}, E {e} ({rows} rows per expert); one thread, "
-          f"CPU time, median of {args.repeats}; torch {torch.__version__}")
+          f"CPU time, median of {args.repeats} interleaved; torch {torch.__version__}")
     print("| product | per-expert GEMMs ms | dense GEMM ms | per-expert / dense |")
     print("|---|---|---|---|")
     total_e = total_d = 0.0
     for name in per_expert:
-        te, td = _time(per_expert[name], args.repeats), _time(dense[name], args.repeats)
+        t = interleaved_timings({"per expert": per_expert[name], "dense": dense[name]}, args.repeats, 1, "cpu",
+                                clock=time.process_time)
+        te, td = t["per expert"], t["dense"]
         total_e, total_d = total_e + te, total_d + td
         print(f"| {name} | {1e3 * te:.1f} | {1e3 * td:.1f} | {te / td:.2f} |")
     print(f"| all six | {1e3 * total_e:.1f} | {1e3 * total_d:.1f} | {total_e / total_d:.2f} |")
