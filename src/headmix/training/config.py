@@ -76,6 +76,8 @@ class TrainConfig:
     average_last: int = option(10, "the final model is the average of the last N checkpoints (the paper's 10)")
     distributed: str = option("ddp", "data parallelism under torchrun", choices=("ddp", "fsdp"))
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    compile: bool = option(False, "torch.compile the model for training (the compile time is reported once and "
+                                  "left out of tokens/s)")
     progress: bool = option(True, "show a progress bar")
 
     @property
