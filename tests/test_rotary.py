@@ -217,3 +217,67 @@ def test_rotary_layer_built_on_meta_and_materialised_is_correct():
     x = torch.randn(1, 5, D)
     torch.testing.assert_close(layer(x, is_causal=True).output, reference(x, is_causal=True).output)
     assert list(layer.rotary.buffers()) == []
+
+
+# --------------------------------------------------------------------------- self-attention with key/value given
+
+def _token_mask(out):
+    """The routing's token mask of a layer output (SwitchHead: its output side), or None."""
+    routing = out.routing
+    if routing is None:
+        return None
+    return (routing.output if hasattr(routing, "output") else routing).token_mask
+
+
+def _decode_explicit(layer, x, prompt: int):
+    """:func:`decode_step_by_step` with every call written ``layer(x_t, x_t, x_t, ...)``."""
+    chunk = x[:, :prompt]
+    out = layer(chunk, chunk, chunk, is_causal=True, use_cache=True)
+    steps, cache = [out.output], out.cache
+    for t in range(prompt, x.shape[1]):
+        chunk = x[:, t:t + 1]
+        out = layer(chunk, chunk, chunk, is_causal=True, use_cache=True, cache=cache)
+        steps.append(out.output)
+        cache = out.cache
+    return torch.cat(steps, 1), cache
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_explicit_self_attention_is_self_attention(kind):
+    """``layer(x, x, x)`` and ``layer(x, x)`` (the query tensor itself as key and value) are ``layer(x)`` in
+    every respect: rotary positions, the growing cache, the token mask derived from the padding mask
+    (zeroed padded queries, the routing's token mask); another tensor as key is cross-attention."""
+    layer = make(kind, rotary=True, rotary_base=100.0, rotary_fraction=0.5, zero_padded_queries=True)
+    x = torch.randn(2, 6, D)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    expected = layer(x, is_causal=True, key_padding_mask=kpm)
+    for args in ((x, x), (x, x, x)):
+        got = layer(*args, is_causal=True, key_padding_mask=kpm)
+        torch.testing.assert_close(got.output, expected.output, rtol=0, atol=0)
+        torch.testing.assert_close(got.aux_loss, expected.aux_loss, rtol=0, atol=0)
+        if _token_mask(expected) is not None:
+            assert torch.equal(_token_mask(got), _token_mask(expected))
+    assert torch.equal(expected.output[1, 4:], torch.zeros_like(expected.output[1, 4:]))  # padded queries zeroed
+    # cached decoding: same outputs, same cache (a growing one, keys rotated at their positions)
+    steps, cache = decode_step_by_step(layer, x, prompt=3)
+    explicit_steps, explicit_cache = _decode_explicit(layer, x, prompt=3)
+    torch.testing.assert_close(explicit_steps, steps, rtol=0, atol=0)
+    assert not explicit_cache.static and explicit_cache.length == x.shape[1]
+    torch.testing.assert_close(explicit_cache.key, cache.key, rtol=0, atol=0)
+    # a copy of x is another tensor: cross-attention, not rotated
+    copy = x.clone()
+    cross = layer(x, copy, is_causal=True).output
+    rotary, layer.rotary = layer.rotary, None
+    torch.testing.assert_close(cross, layer(x, x, is_causal=True).output, rtol=0, atol=0)
+    layer.rotary = rotary
+    assert not torch.allclose(cross, layer(x, is_causal=True).output, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mha", "switchhead"])
+def test_query_as_key_with_another_value_is_cross_attention(kind):
+    layer = make(kind, rotary=True)
+    x, v = torch.randn(2, 5, D), torch.randn(2, 5, D)
+    got = layer(x, x, v).output
+    layer.rotary = None
+    torch.testing.assert_close(got, layer(x, x, v).output, rtol=0, atol=0)

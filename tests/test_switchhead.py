@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from headmix import SwitchHeadAttention, SwitchHeadRouting
-from headmix.attention.reference import reference_switchhead
+from headmix.attention.reference import (
+    reference_mask,
+    reference_rotary,
+    reference_softmax_attention,
+    reference_switchhead,
+    reference_switchhead_selection,
+)
 from headmix.kernels import IMPLS
 from kernel_cases import define_interpreted_kernels
 from test_attention import D, decode_step_by_step, inputs_for as attention_inputs_for
@@ -210,6 +216,104 @@ def test_expert_dropout_only_changes_the_choice_in_training():
     assert torch.equal(layer(x).routing.output.expert_index, plain.expert_index)
 
 
+# --------------------------------------------------------------------------- dropout placement
+
+def query_dropout_reference(layer: SwitchHeadAttention, x: torch.Tensor, keep: torch.Tensor, **masks) -> torch.Tensor:
+    """SwitchHead self-attention with the authors' dropout placement (RobertCsordas/switchhead,
+    ``SwitchHeadCore.forward``: ``q = self.dropout(q)`` on the projected queries of every head, before
+    ``attend`` rotates them), written out one head and one expert at a time: ``keep`` ``(batch, heads, time,
+    head_dim)`` holds the dropout's multipliers (0 or ``1 / (1 - p)``); no dropout on the attention."""
+    n_h, n_e, d = layer.num_heads, layer.num_experts, layer.head_dim
+    allowed, added = reference_mask(x.shape[0], 1, x.shape[1], x.shape[1], **masks)
+    _, w_v = reference_switchhead_selection(layer, x, layer.value_selector)
+    _, w_o = reference_switchhead_selection(layer, x, layer.output_selector)
+    y = torch.zeros_like(x)
+    for h in range(n_h):
+        sl = slice(h * d, (h + 1) * d)
+        q_h = (x @ layer.q_proj.weight[sl].T) * keep[:, h]                   # dropped queries
+        k_h = x @ layer.k_proj.weight[sl].T
+        v_h = sum(w_v[..., h, e:e + 1] * (x @ layer.value_experts[h * n_e + e]) for e in range(n_e))
+        q_h = reference_rotary(q_h.unsqueeze(1), layer.rotary)                # rotated after the dropout
+        k_h = reference_rotary(k_h.unsqueeze(1), layer.rotary)
+        o_h = reference_softmax_attention(q_h, k_h, v_h.unsqueeze(1), allowed, added, 1.0 / math.sqrt(d)).squeeze(1)
+        y = y + sum(w_o[..., h, e:e + 1] * (o_h @ layer.output_experts[h * n_e + e]) for e in range(n_e))
+    return y
+
+
+def test_query_dropout_matches_the_authors_placement():
+    p = 0.4
+    layer = make(rotary=True, rotary_fraction=0.5, dropout=p, dropout_on="queries").double().train()
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    torch.manual_seed(7)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = layer(x1, is_causal=True, key_padding_mask=kpm).output
+    # The same multipliers: the layer draws nothing else (no expert dropout), and its queries are a
+    # (batch, heads, time, head_dim) view of the (batch, time, heads * head_dim) projection, as the authors'.
+    torch.manual_seed(7)
+    keep = F.dropout(torch.ones(2, 6, layer.num_heads, layer.head_dim, dtype=torch.float64), p).transpose(1, 2)
+    assert 0 < int((keep == 0).sum()) < keep.numel()
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    grads = {n: q.grad.clone() for n, q in layer.named_parameters()}
+    layer.zero_grad()
+    expected = query_dropout_reference(layer, x2, keep, is_causal=True, key_padding_mask=kpm)
+    (expected * w).sum().backward()
+    # float64, but the layer's rotary angles are float32 (as Hugging Face Llama): agreement to ~1e-8
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-7)
+    for n, q in layer.named_parameters():
+        torch.testing.assert_close(grads[n], q.grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dropout_on", ["attention", "queries"])
+def test_dropout_applies_in_training_only(dropout_on):
+    layer = make(rotary=True, dropout=0.5, dropout_on=dropout_on)
+    x = torch.randn(2, 6, D)
+    plain = reference_switchhead(layer, x, is_causal=True)
+    torch.testing.assert_close(layer(x, is_causal=True).output, plain, atol=2e-6, rtol=1e-5)  # eval: no dropout
+    layer.train()
+    torch.manual_seed(3)
+    dropped = layer(x, is_causal=True).output
+    assert not torch.allclose(dropped, plain, atol=1e-3)
+    torch.manual_seed(3)  # the same draws reproduce the same call
+    torch.testing.assert_close(layer(x, is_causal=True).output, dropped, rtol=0, atol=0)
+
+
+def test_dropout_placements_differ_and_attention_is_the_default():
+    assert make().dropout_on == "attention"
+    x = torch.randn(2, 6, D)
+    outs = {}
+    for placement in ("attention", "queries"):
+        layer = make(dropout=0.5, dropout_on=placement).train()
+        torch.manual_seed(3)
+        outs[placement] = layer(x, is_causal=True).output
+    assert not torch.allclose(outs["attention"], outs["queries"], atol=1e-3)
+
+
+def test_query_dropout_matches_the_authors_module_in_training(monkeypatch):
+    theirs_mod = _authors_switchhead()
+    monkeypatch.setattr(theirs_mod, "cvmm", torch_cvmm)
+    h, dh, e, k, p = 2, 8, 4, 2, 0.3  # their rotary needs an even half head
+    torch.manual_seed(0)
+    theirs = theirs_mod.SwitchHeadRope(D, h, e, dropout=p, d_head=dh, moe_k=k).train()  # rotate_fraction 0.5
+    ours = SwitchHeadAttention(D, h, e, k, dh, dropout=p, dropout_on="queries", rotary=True,
+                               rotary_fraction=0.5).train()
+    with torch.no_grad():
+        ours.q_proj.weight.copy_(theirs.q.weight)
+        ours.k_proj.weight.copy_(theirs.k.weight)
+        ours.output_selector.weight.copy_(theirs.sel_o)
+        ours.value_selector.weight.copy_(theirs.sel_v)
+        ours.value_experts.copy_(theirs.v)
+        ours.output_experts.copy_(theirs.o)
+    x = torch.randn(2, 6, D)
+    torch.manual_seed(5)
+    mine = ours(x, x, x, is_causal=True).output  # their call form: key and value given
+    torch.manual_seed(5)
+    torch.testing.assert_close(mine, theirs(x, x, x, None)[0], atol=2e-6, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- caches
 
 @pytest.mark.parametrize("config", ["2h4e2k", "2h1e1k"])
@@ -296,6 +400,7 @@ def test_bf16_autocast_close_to_float32():
     (dict(expert_dropout=-0.1), r"expert_dropout must be in \[0, 1\)"),
     (dict(init_scale=0.0), "init_scale must be a positive number"),
     (dict(expert_impl="fast"), "expert_impl must be one of"),
+    (dict(dropout_on="values"), r"dropout_on must be one of \('attention', 'queries'\)"),
 ])
 def test_bad_arguments_give_one_line_errors(kwargs, message):
     args = dict(num_heads=2, num_experts=4, top_k=2, head_dim=4) | kwargs
@@ -420,6 +525,14 @@ def test_config_switchhead_fields_and_errors():
     layer = att.build(16)
     assert (layer.head_dim, layer.expert_dropout, layer.init_scale, layer.expert_impl) == (8, 0.25, 0.5, "sorted")
     assert AttentionConfig.from_dict(att.to_dict()) == att
+    assert layer.dropout_on == "attention"  # unset: the attention probabilities
+    queries = AttentionConfig(kind="switchhead", num_heads=2, num_experts=4, top_k=2, dropout=0.1, dropout_on="queries")
+    assert queries.build(16).dropout_on == "queries"
+    assert AttentionConfig.from_dict(queries.to_dict()) == queries
+    with pytest.raises(ValueError, match=r"attention.dropout_on must be one of \('attention', 'queries'\)"):
+        AttentionConfig(kind="switchhead", num_heads=2, num_experts=2, top_k=1, dropout_on="values")
+    with pytest.raises(ValueError, match="attention.dropout_on applies to kind 'switchhead' only"):
+        AttentionConfig(kind="mha", num_heads=2, dropout_on="queries")
     with pytest.raises(ValueError, match="attention.num_experts is required for kind 'switchhead'"):
         AttentionConfig(kind="switchhead", num_heads=2, top_k=1)
     with pytest.raises(ValueError, match="attention.top_k K=3 exceeds num_experts E=2"):

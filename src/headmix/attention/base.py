@@ -99,9 +99,15 @@ class AttentionLayer(nn.Module):
         self.layer_id = next(_layer_ids)  # a new instance, a new id
 
     def _check_inputs(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The checked ``(query, key, value)``, with self-attention in one form: a call that passes the query
+        tensor itself as the key (and as the value, or no value), ``layer(x, x, x)``, is returned as
+        ``(x, None, None)``, so it is self-attention in every respect (rotary positions, the growing cache,
+        the padding-derived token mask): see :func:`is_self_attention`."""
         check_embed_input("query", query, self.embed_dim)
         if key is None and value is not None:
             raise ValueError("value was given without key: pass key too (key=None means self-attention)")
+        if is_self_attention(query, key, value):
+            return query, None, None
         if key is not None:
             check_embed_input("key", key, self.embed_dim)
             if value is None:
@@ -155,10 +161,19 @@ class AttentionLayer(nn.Module):
 
     def _rotate_queries(self, q: Tensor, key: Tensor | None, cache: KVCache | None, past_len: int) -> Tensor:
         """Rotary positions on the ``(batch, heads, time, size)`` queries of a self-attention call (position
-        ``past_len + t``); cross-attention calls (``key`` given or a static cache) are not rotated."""
+        ``past_len + t``); cross-attention calls (``key`` not None after :meth:`_check_inputs`, or a static
+        cache) are not rotated."""
         if self.rotary is None or key is not None or (cache is not None and cache.static):
             return q
         return self.rotary(q, offset=past_len)
+
+
+def is_self_attention(query: Tensor, key: Tensor | None, value: Tensor | None) -> bool:
+    """The layers' rule for self-attention: ``key`` is None, or ``key`` is the query tensor itself (the same
+    object) and ``value`` is None or the query too. ``layer(x)``, ``layer(x, x)`` and ``layer(x, x, x)`` are the
+    same call; any other key (another tensor, even one equal to the query, such as ``x.clone()``) is
+    cross-attention: no rotary positions (they would compare positions of two sequences) and a static cache."""
+    return key is None or (key is query and (value is None or value is query))
 
 
 def check_positive(name: str, value: int) -> None:

@@ -131,6 +131,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
         q, k, v, new_cache, (bias, empty, causal) = self._heads_and_masks(
             query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
             use_cache=use_cache, cache=cache)

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from .base import is_self_attention
 from .moa import MixtureOfAttentionHeads
 from .mha import MultiHeadAttention
 from .moh import MixtureOfHeadsAttention
@@ -96,9 +97,10 @@ def reference_rotary(x: Tensor, rotary, offset: int = 0) -> Tensor:
     return torch.cat([rotated.to(x.dtype), x[..., d:]], dim=-1)
 
 
-def _self_rotary(layer, key: Tensor | None):
-    """The layer's rotary module in self-attention; cross-attention is not rotated."""
-    return layer.rotary if key is None else None
+def _self_rotary(layer, query: Tensor, key: Tensor | None, value: Tensor | None):
+    """The layer's rotary module in self-attention (``key`` None or the query itself, see
+    :func:`~headmix.attention.base.is_self_attention`); cross-attention is not rotated."""
+    return layer.rotary if is_self_attention(query, key, value) else None
 
 
 def _inputs(query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -116,7 +118,7 @@ def reference_mha(layer: MultiHeadAttention | TalkingHeadsAttention, query: Tens
                   value: Tensor | None = None, **masks) -> Tensor:
     """Multi-head attention, ``Concat(head_1..head_h) W_O`` (Vaswani et al. 2017); with the talking-heads
     mixing matrices of a :class:`TalkingHeadsAttention`."""
-    rotary = _self_rotary(layer, key)
+    rotary = _self_rotary(layer, query, key, value)
     key, value = _inputs(query, key, value)
     h = layer.num_heads
     q = reference_rotary(_heads(layer.q_proj(query), h), rotary)
@@ -151,7 +153,7 @@ def reference_moa(layer: MixtureOfAttentionHeads, query: Tensor, key: Tensor | N
     expert ``i``'s query ``q_t W_q^i`` is split into ``G`` heads and head ``g`` attends with the shared
     key/value head ``g`` (``K W_k`` split the same way); the ``G`` head outputs, concatenated, go through
     ``W_o^i``."""
-    rotary = _self_rotary(layer, key)
+    rotary = _self_rotary(layer, query, key, value)
     key, value = _inputs(query, key, value)
     _, _, index, w = reference_moa_routing(layer, query)
     groups = layer.kv_heads
@@ -217,7 +219,7 @@ def reference_moh_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
 def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                   **masks) -> Tensor:
     """MoH: ``sum_i g_i H^i W_O^i`` with the two-stage weights, one head at a time."""
-    rotary = _self_rotary(layer, key)
+    rotary = _self_rotary(layer, query, key, value)
     key, value = _inputs(query, key, value)
     h, d = layer.num_heads, layer.head_dim
     allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
@@ -257,7 +259,7 @@ def reference_switchhead(layer: SwitchHeadAttention, query: Tensor, key: Tensor 
     ``o^h = softmax(q W_q^h (K W_k^h)^T / sqrt(d_h)) V^h``, ``y_t = sum_h sum_e w'^h_{t,e} o_t^h W_o^{h,e}``
     (every expert evaluated, unselected ones weighted 0). With one expert there is no value selector. Rotary
     positions (self-attention) on each head's queries and keys, as :func:`reference_rotary`."""
-    rotary = _self_rotary(layer, key)
+    rotary = _self_rotary(layer, query, key, value)
     key, value = _inputs(query, key, value)
     n_h, n_e, d = layer.num_heads, layer.num_experts, layer.head_dim
     allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)

@@ -19,6 +19,10 @@ from .moa import autocast_dtype
 from .padding import check_flag, real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding, make_rotary
 
+#: Where SwitchHead's ``dropout`` applies: ``"attention"`` (the attention probabilities, as the other headmix
+#: layers) or ``"queries"`` (the projected queries of each head, before rotary, as the authors' code).
+DROPOUT_PLACEMENTS = ("attention", "queries")
+
 
 @dataclass
 class SwitchHeadRouting:
@@ -65,8 +69,10 @@ class SwitchHeadAttention(AttentionLayer):
 
     ``expert_dropout`` (training only, as the authors): each expert is excluded from the top-k choice
     with this probability per token and head; the weights stay the undropped sigmoids. There is no
-    auxiliary loss (the authors use none): ``aux_loss`` is zero. ``dropout`` is the dropout on the
-    attention probabilities, as in the other headmix layers (the authors' code drops the queries).
+    auxiliary loss (the authors use none): ``aux_loss`` is zero. ``dropout`` (training only) applies where
+    ``dropout_on`` says: ``"attention"`` (default) drops attention probabilities, as the other headmix layers;
+    ``"queries"`` drops the projected queries ``q_t W_q^h`` of every head before rotary, as the authors'
+    ``SwitchHeadCore.forward`` (``q = self.dropout(q)`` before ``attend``), with no dropout on the attention.
     ``init_scale`` scales the initial weights as the authors' ``reset_parameters(init_scale)``: normal
     with std ``init_scale / sqrt(fan_in)`` (``fan_in = num_heads * head_dim`` for ``W_o``), the selector
     rows renormalised as theirs. ``bias`` adds biases to the query and key projections and to the output
@@ -75,7 +81,10 @@ class SwitchHeadAttention(AttentionLayer):
     ``num_heads * num_experts`` (token ``t``, head ``h`` uses expert ``h * num_experts + e``).
 
     ``rotary=True`` (``rotary_base``, ``rotary_fraction``, or a :class:`RotaryEmbedding`) rotates each head's
-    queries and keys of self-attention by position, as in the other layers and the authors' ``SwitchHeadRope``;
+    queries and keys of self-attention by position, as in the other layers and the authors' ``SwitchHeadRope``
+    (which rotates half of each head by default: ``rotary_fraction=0.5``). Self-attention is ``key=None`` or
+    the query tensor itself passed as key (and value): ``layer(x, x, x)`` is ``layer(x)``; a different key
+    tensor is cross-attention and is not rotated (the authors rotate every call);
     ``zero_padded_queries=True`` returns zeros at padded queries.
 
     The cache holds the keys (after rotation) and the values after the expert mixing, ``(batch, num_heads, S,
@@ -86,12 +95,14 @@ class SwitchHeadAttention(AttentionLayer):
     def __init__(self, embed_dim: int, num_heads: int, num_experts: int, top_k: int, head_dim: int | None = None, *,
                  bias: bool = False, dropout: float = 0.0, expert_dropout: float = 0.0, init_scale: float = 1.0,
                  expert_impl: str = "auto", rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0,
-                 rotary_fraction: float = 1.0, zero_padded_queries: bool = False):
+                 rotary_fraction: float = 1.0, zero_padded_queries: bool = False, dropout_on: str = "attention"):
         super().__init__(embed_dim)
         self.head_dim, _ = resolve_head_dims(embed_dim, num_heads, head_dim, None)
         check_experts(num_experts, top_k)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if dropout_on not in DROPOUT_PLACEMENTS:
+            raise ValueError(f"dropout_on must be one of {DROPOUT_PLACEMENTS}, got {dropout_on!r}")
         if not 0.0 <= expert_dropout < 1.0:
             raise ValueError(f"expert_dropout must be in [0, 1), got {expert_dropout}")
         if not isinstance(init_scale, (int, float)) or isinstance(init_scale, bool) or not init_scale > 0:
@@ -100,6 +111,7 @@ class SwitchHeadAttention(AttentionLayer):
             raise ValueError(f"expert_impl must be one of {IMPLS}, got {expert_impl!r}")
         self.num_heads, self.num_experts, self.top_k = num_heads, num_experts, top_k
         self.dropout, self.expert_dropout, self.init_scale = dropout, expert_dropout, float(init_scale)
+        self.dropout_on = dropout_on
         self.expert_impl = expert_impl
         h, e, dh = num_heads, num_experts, self.head_dim
         self.q_proj = nn.Linear(embed_dim, h * dh, bias=bias)
@@ -191,11 +203,15 @@ class SwitchHeadAttention(AttentionLayer):
             return keys, values
 
         keys, values, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache, project=project)
-        q = self._rotate_queries(split_heads(self.q_proj(query), h), key, cache, past_len)
+        q = split_heads(self.q_proj(query), h)
+        if self.training and self.dropout_on == "queries":
+            q = F.dropout(q, self.dropout)  # the authors' placement: queries, before rotary
+        q = self._rotate_queries(q, key, cache, past_len)
+        attention_dropout = self.dropout if self.training and self.dropout_on == "attention" else 0.0
         bias, empty, causal = attention_bias(batch, h, tgt, keys.shape[2], key_padding_mask=key_padding_mask,
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=q.dtype, device=q.device)
-        o = scaled_dot_product(q, keys, values, bias, empty, self.dropout if self.training else 0.0, causal=causal)
+        o = scaled_dot_product(q, keys, values, bias, empty, attention_dropout, causal=causal)
 
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
         routing = self.select(query, self.output_selector, token_mask)

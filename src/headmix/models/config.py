@@ -43,6 +43,7 @@ _KIND_FIELDS = {
     "key_dim": ("mha", "talking_heads"),
     "expert_dropout": ("switchhead",),
     "init_scale": ("switchhead",),
+    "dropout_on": ("switchhead",),
     "q_bias": ("mha", "moh", "talking_heads"),
     "kv_bias": ("mha", "moa", "moh", "talking_heads"),
     "out_bias": ("mha", "moa", "moh", "talking_heads"),
@@ -88,9 +89,11 @@ class AttentionConfig:
       ``d_model // num_heads``), each with ``num_experts`` value and output projections of which ``top_k``
       are selected per token by sigmoid selectors; ``expert_dropout`` (default 0), ``init_scale`` (default
       1) and ``expert_impl`` apply to it. Its ``bias`` adds query/key and output biases (the authors' layer
-      has none: the presets set ``bias=False``).
+      has none: the presets set ``bias=False``). ``dropout_on`` (unset = ``"attention"``) places its dropout:
+      ``"attention"`` drops the attention probabilities, ``"queries"`` the projected queries as the authors'
+      code does (the presets leave it unset: ``"attention"``, the placement of every other kind).
 
-    ``dropout`` is the dropout on the attention probabilities.
+    ``dropout`` is the dropout on the attention probabilities (SwitchHead: where ``dropout_on`` says).
 
     ``bias`` switches all the layer's biases; ``q_bias`` (not for MoA, whose experts have none), ``kv_bias``
     and ``out_bias``, when set, override it for the query, key/value and output projections.
@@ -101,7 +104,8 @@ class AttentionConfig:
     peers' conventions, see ``docs/implementations.md``.
 
     ``rotary`` rotates queries and keys of self-attention by position (RoPE, any kind; ``rotary_base`` is the
-    ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated).
+    ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated:
+    default 1.0, the whole head, as Llama; the SwitchHead authors' ``SwitchHeadRope`` rotates 0.5).
     """
 
     kind: str = "mha"
@@ -123,6 +127,7 @@ class AttentionConfig:
     bias: bool = True
     expert_dropout: float | None = None
     init_scale: float | None = None
+    dropout_on: str | None = None
     q_bias: bool | None = None
     kv_bias: bool | None = None
     out_bias: bool | None = None
@@ -179,6 +184,8 @@ class AttentionConfig:
             if self.init_scale is not None and (not isinstance(self.init_scale, (int, float))
                                                 or isinstance(self.init_scale, bool) or not self.init_scale > 0):
                 raise ValueError(f"{name}.init_scale must be a positive number, got {self.init_scale!r}")
+            if self.dropout_on is not None:
+                _choice(f"{name}.dropout_on", self.dropout_on, attention.switchhead.DROPOUT_PLACEMENTS)
         if self.kind == "talking_heads" and not (self.pre_softmax or self.post_softmax):
             raise ValueError(f"{name}: talking_heads needs pre_softmax or post_softmax (otherwise use kind 'mha')")
         _fraction(f"{name}.dropout", self.dropout)
@@ -253,7 +260,7 @@ class AttentionConfig:
                 dropout=self.dropout, expert_dropout=self.expert_dropout or 0.0,
                 init_scale=1.0 if self.init_scale is None else self.init_scale, expert_impl=self.expert_impl,
                 rotary=self.rotary, rotary_base=self.rotary_base, rotary_fraction=self.rotary_fraction,
-                zero_padded_queries=self.zero_padded_queries)
+                zero_padded_queries=self.zero_padded_queries, dropout_on=self.dropout_on or "attention")
         return attention.TalkingHeadsAttention(
             embed_dim, self.num_heads, self.pre_softmax, self.post_softmax, head_dim=self.head_dim,
             key_dim=self.key_dim, **common)

@@ -187,12 +187,18 @@ MINI_MOA = (6, 8, 32)
 #: the attention matrices of tiny-/mini-mha's 4), each with 4 value and 4 output experts of which 2 are
 #: used per token; head_dim chosen so the attention MACs are within ~2% of the MHA preset's on 32+32-token
 #: translation batches (see docs/models.md).
+#: Positions: the tiny-/mini-switchhead presets use the CPU presets' sinusoidal positions (no rotary), and
+#: llama-{tiny,mini}-switchhead rotate the WHOLE head (``rotary_fraction=1.0``) like every llama-* preset,
+#: so that they differ from llama-*-mha/moa in the attention only. The authors' ``SwitchHeadRope`` rotates
+#: half of each head (``rotate_fraction=0.5``): set ``rotary_fraction=0.5`` for their layer.
 TINY_SWITCHHEAD = (2, 4, 2, 22)
 MINI_SWITCHHEAD = (2, 4, 2, 44)
 
 
 def switchhead(num_heads: int, num_experts: int, top_k: int, head_dim: int, dropout: float = 0.0) -> AttentionConfig:
-    """SwitchHead as the authors build it: no biases, no expert dropout, init scale 1."""
+    """SwitchHead as the authors build it: no biases, no expert dropout, init scale 1; ``dropout`` on the
+    attention probabilities (``dropout_on`` unset, as every other preset; the authors drop the queries:
+    ``dropout_on="queries"``). Rotary positions come from the model (see :data:`TINY_SWITCHHEAD`)."""
     return AttentionConfig(kind="switchhead", num_heads=num_heads, num_experts=num_experts, top_k=top_k,
                            head_dim=head_dim, dropout=dropout, bias=False)
 
