@@ -9,6 +9,7 @@ import pytest
 
 from headmix.attention import MixtureOfAttentionHeads, MultiHeadAttention
 from headmix.models import analytic_macs, analytic_parameters, build_model, count_parameters, get_config, measure_macs
+from headmix.models.config import AttentionConfig
 from headmix.models.counting import attention_macs, attention_parameters
 from headmix.models.presets import PAPER_MLM, PAPER_TRANSLATION, PRESETS
 
@@ -187,3 +188,38 @@ def test_moa_kv_heads_counts_are_exact(task):
     assert measure_macs(cfg) == analytic_macs(cfg).full
     att = cfg.decoder_self_attention
     assert attention_parameters(att, cfg.d_model)[1] == (2 * att.num_experts + 2) * 2 * att.head_dim * cfg.d_model
+
+
+# --------------------------------------------------------------------------- SwitchHead: the authors' count
+
+def authors_attention_flops(state_size, n_heads, unroll, hps, att_k, n_experts, cblocks=0, q_e=0, k_e=0, v_e=1,
+                            o_e=1):
+    """Transcribed from RobertCsordas/moe_attention, ``paper/common.py``, ``get_attention_flops``, the
+    ``preln_moeatt`` branch with ``moe.att.variant`` ``full_rope`` (SwitchHead: value and output experts,
+    ``v_e = o_e = 1``); ``unroll`` is the sequence length, ``hps`` the head size, ``cblocks`` the context
+    blocks (0 here: no Transformer-XL memory)."""
+    n_exp = int(q_e) + int(k_e) + int(v_e) + int(o_e)
+    n_total_proj = n_exp * att_k + 4 - n_exp
+    n_sels = min(1, int(k_e) + int(v_e)) + min(1, int(q_e) + int(o_e))
+    return n_heads * hps * unroll ** 2 * (1 + cblocks) * 2 + n_total_proj * state_size * n_heads * hps * unroll \
+        + n_exp * n_heads * att_k * unroll * hps + n_sels * n_experts * state_size * unroll * (1 + cblocks)
+
+
+@pytest.mark.parametrize("d, h, dh, e, k, t", [
+    (1024, 4, 100, 4, 2, 1024),   # the issue's size
+    (512, 2, 64, 8, 3, 256),
+    (64, 2, 22, 4, 2, 10),        # tiny-switchhead at Appendix E's length
+    (128, 3, 17, 5, 1, 33),
+    (96, 2, 48, 1, 1, 7),         # one expert per head
+])
+def test_switchhead_paper_macs_are_the_authors_count(d, h, dh, e, k, t):
+    att = AttentionConfig(kind="switchhead", num_heads=h, num_experts=e, top_k=k, head_dim=dh, bias=False)
+    assert attention_macs(att, d, t, t)[1] == authors_attention_flops(d, h, t, dh, k, e)
+
+
+def test_switchhead_paper_column_of_a_model_is_the_authors_count():
+    cfg = get_config("llama-tiny-switchhead")
+    att = cfg.decoder_self_attention
+    paper = analytic_macs(cfg, tgt_len=40).paper["decoder.self_attention"]
+    assert paper == cfg.decoder_layers * authors_attention_flops(cfg.d_model, att.num_heads, 40, att.head_dim,
+                                                                 att.top_k, att.num_experts)

@@ -558,12 +558,16 @@ def test_paper_counts_of_one_layer(num_experts, top_k, bias):
     assert weights == 2 * h * (num_experts + 1) * dh * d
     assert attention_parameters(att, d) == (sum(p.numel() for p in layer.parameters()), weights)
     full, paper = attention_macs(att, d, t, t)
-    assert paper == 2 * h * t * dh * (d * (1 + top_k) + t)                  # self-attention form
-    selectors = t * d * h * num_experts * (2 if num_experts > 1 else 1)
-    assert full == paper + selectors
-    # cross-attention: K and V projections over the S source tokens
-    _, paper_cross = attention_macs(att, d, t, s)
-    assert paper_cross == h * ((t + s) * d * dh + top_k * (s + t) * d * dh + 2 * t * s * dh)
+    products = 2 * h * t * dh * (d * (1 + top_k) + t)                       # self-attention form
+    selectors = t * d * h * num_experts * (2 if num_experts > 1 else 1)     # the layer's H E d_m per side
+    assert full == products + selectors
+    # the authors' count adds the weighted sums (k d_h per token, head, side) and selectors as E d_m per side
+    assert paper == products + 2 * h * top_k * t * dh + 2 * num_experts * d * t
+    # cross-attention: K and V projections, the value-side sum and selector over the S source tokens
+    full_cross, paper_cross = attention_macs(att, d, t, s)
+    products_cross = h * ((t + s) * d * dh + top_k * (s + t) * d * dh + 2 * t * s * dh)
+    assert full_cross == products_cross + (t + (s if num_experts > 1 else 0)) * d * h * num_experts
+    assert paper_cross == products_cross + h * top_k * dh * (s + t) + num_experts * d * (s + t)
 
 
 def test_macs_cli_shows_switchhead(capsys):

@@ -13,10 +13,16 @@ Three numbers per model:
   ``C_MHA = T^2 d_m + 4 T d_m^2``. For cross-attention ``T^2`` becomes ``T S`` and the projection term
   keeps the query length ``T``, as printed (with Appendix E's ``S = T = 10`` this is the formula itself).
   MoH and Talking-Heads have no formula in the paper; the column uses eq. 19 for them. SwitchHead
-  (arXiv 2312.07987) is costed the way its paper counts: per head, dense Q and K projections, ``k``
-  value and ``k`` output expert projections, and both attention products,
-  ``C_SH = H (T d_m d_h + S d_m d_h + k S d_m d_h + k T d_h d_m + 2 T S d_h)`` (``= 2 H T d_h (d_m (1 + k) + T)``
-  for self-attention), selectors aside (as MoA's router is left out of eq. 18).
+  (arXiv 2312.07987) is costed exactly as its authors count it (RobertCsordas/moe_attention,
+  ``paper/common.py``, ``get_attention_flops``, variant ``full_rope`` with value and output experts, no
+  context blocks): per head, dense Q and K projections, ``k`` value and ``k`` output expert projections and
+  both attention products, plus the weighted sums of the ``k`` expert outputs (``k d_h`` per token, head and
+  side) and the two selectors counted as ``E d_m`` per token and side (their formula's ``n_experts *
+  state_size``; the layer's selectors are ``H E d_m``, the ``full`` count has those):
+  ``C_SH = H (T d_m d_h + S d_m d_h + k S d_m d_h + k T d_h d_m + 2 T S d_h) + H k d_h (S + T) + E d_m (S + T)``,
+  ``= 2 H T d_h (d_m (1 + k) + T) + 2 H k T d_h + 2 E d_m T`` in self-attention (their formula, with
+  ``unroll = T``); cross-attention puts ``S`` where the key/value side runs (their formula has no
+  cross-attention).
 - ``measured``: run the model once under ``torch.utils.flop_counter.FlopCounterMode`` (MACs =
   FLOPs / 2), with MoA layers on ``expert_impl="sorted"`` so that only the ``k`` selected experts per
   token are computed (and counted).
@@ -84,9 +90,12 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
         return full, paper
     if att.kind == "switchhead":
         h, e, k, dh = att.num_heads, att.num_experts, att.top_k, att.resolved_head_dim(d)
-        paper = h * (t * d * dh + s * d * dh + k * s * d * dh + k * t * dh * d + 2 * t * s * dh)
+        products = h * (t * d * dh + s * d * dh + k * s * d * dh + k * t * dh * d + 2 * t * s * dh)
         selectors = t * d * h * e + (s * d * h * e if e > 1 else 0)  # sigmoid(x W_sel), output and value side
-        return paper + selectors, paper
+        # The SwitchHead authors' count (get_attention_flops): + the weighted sums of the k expert outputs
+        # (value side over S, output side over T) + the two selectors as E d_m per token and side.
+        paper = products + h * k * dh * (s + t) + e * d * (s + t)
+        return products + selectors, paper
     h = att.num_heads
     dv = att.resolved_head_dim(d)
     dk = att.resolved_key_dim(d)
