@@ -192,7 +192,7 @@ def test_translation_training_and_evaluation_on_the_device(tmp_path):
     from headmix.data import load_embedded_translation, write_tsv_pairs
     import sacrebleu
 
-    from headmix.evaluation import evaluate_run
+    from headmix.tasks import evaluate_run
     from headmix.training import TrainConfig, train
     from headmix.training.metrics import read_metrics
 

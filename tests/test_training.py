@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from headmix.data import Tokenizer, load_embedded_documents, write_jsonl_documents
-from headmix.evaluation import corpus_scores, evaluate_run
+from headmix.evaluation import corpus_scores
+from headmix.tasks import evaluate_run
 from headmix.models import build_model, load_pretrained
 from headmix.routing import load_summary
 from headmix.training import TrainConfig, TrainingError, lr_multiplier, train

@@ -200,7 +200,7 @@ def _add_evaluate(sub) -> None:
 
 
 def _run_evaluate(args) -> int:
-    from ..evaluation import evaluate_run
+    from ..tasks import evaluate_run
 
     result = evaluate_run(args.run, split=args.split, beam_size=args.beam, length_penalty=args.length_penalty,
                           limit=args.limit, compound_split=args.compound_split, device=args.device,

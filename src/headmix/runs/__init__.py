@@ -6,7 +6,8 @@
   tokenizer, checkpoints, metrics, final files);
 - :mod:`headmix.runs.checkpoints`: checksummed checkpoints, fall-back to the newest intact one, and the
   keep/average rule that leaves out checkpoints written because of a signal;
-- :mod:`headmix.runs.load`: :func:`load_run` for evaluation, translation, analysis and the demo.
+- :mod:`headmix.runs.load`: :func:`load_run` for evaluation, translation, analysis and the demo (it builds
+  on :mod:`headmix.runs.run`; both read the tokenizer through :mod:`headmix.runs.tokenizer`).
 """
 
 from .checkpoints import average_checkpoints, rng_state, set_rng_state

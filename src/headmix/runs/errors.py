@@ -27,3 +27,8 @@ class RunFileNotFoundError(RunError, FileNotFoundError):
 class RunWriteError(RunError, OSError):
     """Writing a run's file failed (a full disk, a read-only folder); nothing half-written is left.
     Also an ``OSError``, as the failure it stands for."""
+
+
+def short_error(err: BaseException) -> str:
+    """``err`` as one short line for a :class:`RunError` message: its type and at most 200 characters."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"

@@ -12,14 +12,12 @@ from typing import Any
 import torch
 
 from . import checkpoints as ckpt
-from .errors import CheckpointDamagedError, RunError, RunFileNotFoundError
+from .errors import CheckpointDamagedError, RunError, RunFileNotFoundError, short_error
+from .run import Run
+from .tokenizer import load_tokenizer
 
 #: The files of a finished run, relative to its folder.
 FINAL_FILES = ("config.json", "model.safetensors", "tokenizer/tokenizer.json")
-
-
-def _short(err: BaseException) -> str:
-    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
 def _newest_intact_checkpoint(run: Path) -> Path | None:
@@ -57,25 +55,9 @@ def check_finished_run(path: str | os.PathLike) -> Path:
     return run
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer of the run folder ``path``; a missing or damaged ``tokenizer.json`` is a
-    :class:`RunError` naming it."""
-    from ..data import Tokenizer
-
-    file = Path(path) / "tokenizer" / "tokenizer.json"
-    if not file.is_file():
-        raise RunFileNotFoundError(f"{file} not found: the run has no tokenizer")
-    try:
-        return Tokenizer.load(file)
-    except Exception as e:  # tokenizers raises a bare Exception for a damaged file
-        raise RunError(f"{file} is damaged ({_short(e)})") from e
-
-
 def read_train_config(path: str | os.PathLike) -> dict[str, Any]:
     """The run's stored options (``train_config.json``, without the input files' checksums); ``{}`` when
     the folder has none (a model saved without ``headmix train``)."""
-    from .run import Run
-
     run = Run(path)
     return run.read_config() if run.config_path.is_file() else {}
 
@@ -107,15 +89,15 @@ def load_run(path: str | os.PathLike, device: str | torch.device = "cpu") -> Loa
     try:
         ModelConfig.load_json(config_file)
     except (ValueError, TypeError, OSError) as e:
-        raise RunError(f"{config_file} is damaged ({_short(e)}); {_rebuild_hint(run)}") from e
+        raise RunError(f"{config_file} is damaged ({short_error(e)}); {_rebuild_hint(run)}") from e
     try:  # safe_open reads the header and checks the file's length: a truncated file fails here
         with safe_open(str(weights), framework="pt"):
             pass
     except Exception as e:
-        raise RunError(f"{weights} is damaged ({_short(e)}); {_rebuild_hint(run)}") from e
+        raise RunError(f"{weights} is damaged ({short_error(e)}); {_rebuild_hint(run)}") from e
     try:
         model = load_pretrained(run, device)
     except (ValueError, RuntimeError, KeyError) as e:
-        raise RunError(f"{weights} does not match {config_file} ({_short(e)}); {_rebuild_hint(run)}") from e
+        raise RunError(f"{weights} does not match {config_file} ({short_error(e)}); {_rebuild_hint(run)}") from e
     tokenizer = load_tokenizer(run)
     return LoadedRun(path=run, model=model.eval(), tokenizer=tokenizer, train_config=read_train_config(run))

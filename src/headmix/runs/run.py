@@ -44,6 +44,7 @@ from .files import (
     write_guard,
 )
 from .lock import LOCK_FILE, RunLock
+from .tokenizer import load_tokenizer
 
 __all__ = ["Run", "RunError", "RunLockedError", "RunMismatchError", "CheckpointDamagedError", "FILE_FIELDS"]
 
@@ -314,8 +315,6 @@ class Run:
 
     def load_tokenizer(self):
         """The run's tokenizer; :class:`RunError` names a missing or damaged ``tokenizer.json``."""
-        from .load import load_tokenizer
-
         return load_tokenizer(self.path)
 
     # ------------------------------------------------------------------------------------- checkpoints

@@ -170,7 +170,7 @@ def _evaluate(spec: StudySpec, folder: Path, log: Callable[[str], None]) -> dict
     path = folder / "study_eval.json"
     if path.is_file():
         return json.loads(path.read_text())
-    from ..evaluation import evaluate_run
+    from ..tasks import evaluate_run
 
     log(f"study {spec.name}: BLEU of {folder}")
     scores = evaluate_run(folder, split="test", beam_size=spec.bleu_beam, limit=spec.bleu_sentences)

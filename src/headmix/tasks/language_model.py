@@ -15,6 +15,7 @@ from ..data import (
     split_documents,
     write_jsonl_documents,
 )
+from ..evaluation import validation_loss
 from .base import EvaluationOptions, Task
 
 
@@ -50,8 +51,6 @@ class LanguageModelTask(Task):
     def evaluate(self, run: Any, options: EvaluationOptions) -> dict[str, Any]:
         """Perplexity on one of the run's document splits (masked LM: over the masked positions of one
         seeded masking, as RoBERTa reports it)."""
-        from ..evaluation import validation_loss
-
         docs = self.read_items(self.split_path(Path(run.path) / "data", options.split))
         if options.limit is not None:
             docs = docs[:options.limit]

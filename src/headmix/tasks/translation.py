@@ -18,6 +18,7 @@ from ..data import (
     split_pairs,
     write_tsv_pairs,
 )
+from ..evaluation import corpus_scores, translate
 from ..runs import atomic_write
 from .base import EvaluationOptions, Task
 
@@ -66,8 +67,6 @@ class TranslationTask(Task):
 
     def evaluate(self, run: Any, options: EvaluationOptions) -> dict[str, Any]:
         """Beam-search translations of the split's sources, scored against its targets (BLEU, chrF)."""
-        from ..evaluation import corpus_scores, translate
-
         pairs = self.read_items(self.split_path(Path(run.path) / "data", options.split))
         if options.limit is not None:
             pairs = pairs[:options.limit]

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..evaluation import evaluate_run
+from ..tasks import evaluate_run
 from ..models import analytic_macs, get_config
 from ..runs.files import atomic_write
 from .config import TrainConfig

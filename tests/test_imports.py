@@ -1,0 +1,178 @@
+"""No import circles: a static check of headmix's module-level imports (``ast``), a check that the two circles
+once hidden by imports inside functions (``evaluation`` <-> ``tasks``, ``runs.load`` <-> ``runs.run``) stay
+gone, and the packages imported in fresh interpreters, in both orders."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import headmix
+
+SRC = Path(headmix.__file__).resolve().parent.parent
+
+
+def module_names(src: Path, package: str = "headmix") -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file of ``package`` under ``src``."""
+    names = {}
+    for file in sorted((src / package).rglob("*.py")):
+        parts = list(file.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = file
+    return names
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module, inside_functions: bool):
+    """The import statements that run when the module is imported (not in function bodies, unless
+    ``inside_functions``, nor under ``if TYPE_CHECKING``); class bodies and ``if``/``try`` blocks count."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not inside_functions:
+            continue
+        elif isinstance(node, ast.If) and _is_type_checking(node):
+            continue
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def import_graph(src: Path, package: str = "headmix", inside_functions: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules its import runs first. ``from a.b import c`` reaches ``a.b.c`` when it
+    is a module, else ``a.b``; importing ``a.b.c`` also runs the packages ``a`` and ``a.b`` (``__init__``),
+    except the importing module's own parent packages (already being imported)."""
+    modules = module_names(src, package)
+    graph: dict[str, set[str]] = {}
+    for name, file in modules.items():
+        own_package = name if file.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in _imports(ast.parse(file.read_text(), str(file)), inside_functions):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = own_package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                candidates = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                candidates = [alias.name for alias in node.names]
+            for target in candidates:
+                if target not in modules:
+                    continue
+                parts = target.split(".")
+                for i in range(1, len(parts) + 1):
+                    ancestor = ".".join(parts[:i])
+                    if ancestor in modules and not (name == ancestor or name.startswith(ancestor + ".")):
+                        targets.add(ancestor)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing itself), each
+    sorted (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph.get(node, ()):
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_level_import_circle():
+    graph = import_graph(SRC)
+    assert {"headmix.evaluation", "headmix.runs"} <= graph["headmix.tasks.translation"]  # the graph sees imports
+    assert cycles(graph) == []
+
+
+def test_the_checker_finds_a_circle(tmp_path):
+    """The static check on a small package: a circle through a package's ``__init__`` and one through
+    a relative import are found; imports inside functions and under ``TYPE_CHECKING`` are not followed."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .low import f\n")
+    (pkg / "sub" / "low.py").write_text("from ..top import g\n\ndef f():\n    pass\n")
+    (pkg / "top.py").write_text("import pkg.sub\n\ndef g():\n    from .late import h\n")
+    (pkg / "late.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .top import g\n"
+                                 "from . import top\n")
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.sub.low"] == {"pkg.top"}
+    assert cycles(graph) == [["pkg.sub", "pkg.sub.low", "pkg.top"]]
+    assert cycles(import_graph(tmp_path, "pkg", inside_functions=True)) == [
+        ["pkg.late", "pkg.sub", "pkg.sub.low", "pkg.top"]]
+
+
+def test_the_circles_once_hidden_in_functions_are_gone():
+    """Counting the imports inside functions too: evaluation and tasks, runs.load and runs.run are in no
+    circle (the arrows run one way: tasks -> evaluation, runs.load -> runs.run)."""
+    graph = import_graph(SRC, inside_functions=True)
+    assert "headmix.evaluation" in graph["headmix.tasks.translation"]
+    assert "headmix.runs.run" in graph["headmix.runs.load"]
+    for cycle in cycles(graph):
+        assert not {"headmix.evaluation", "headmix.tasks"} <= set(cycle), cycle
+        assert not {"headmix.runs.load", "headmix.runs.run"} <= set(cycle), cycle
+        assert not [m for m in cycle if m.startswith(("headmix.evaluation", "headmix.tasks"))], cycle
+
+
+def test_packages_import_in_fresh_interpreters_in_both_orders():
+    """Every package imported in a fresh interpreter, in sorted and in reverse order (each pair of packages
+    meets in both orders, the first of each list imports alone), and the former circles' pairs both ways."""
+    packages = sorted(name for name, file in module_names(SRC).items() if file.name == "__init__.py")
+    # every package first once; each pair of the former circles in both orders (runs imports neither
+    # evaluation nor tasks, so the two pairs share interpreters)
+    orders = [packages, packages[::-1],
+              ["headmix.runs.load", "headmix.runs.run", "headmix.evaluation", "headmix.tasks"],
+              ["headmix.runs.run", "headmix.runs.load", "headmix.tasks", "headmix.evaluation"]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    runs = [subprocess.Popen([sys.executable, "-c", script, *order], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for order in orders]
+    failures = []
+    for order, proc in zip(orders, runs):
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode:
+            failures.append(f"{' then '.join(order)}: {err.strip().splitlines()[-1]}")
+    assert not failures, failures
