@@ -65,8 +65,10 @@ class MultiHeadAttention(AttentionLayer):
     ``rotary=True`` rotates queries and keys by their positions (RoPE, :class:`RotaryEmbedding` over the
     ``key_dim`` of each head, built from ``rotary_base`` and ``rotary_fraction``; a module instance is used
     as given). In self-attention the queries and keys of a call start at position ``cache.length`` (0
-    without a cache) and keys are cached after rotation; cross-attention calls (``key`` given) are not
-    rotated.
+    without a cache) and keys are cached after rotation. Self-attention is ``key=None`` or the query tensor
+    itself passed as key (and value): ``layer(x, x, x)`` is ``layer(x)`` in every respect (rotary, growing
+    cache, the token mask from ``key_padding_mask``); any other key tensor, even an equal copy, is
+    cross-attention, which is not rotated (see :func:`~headmix.attention.base.is_self_attention`).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int | None = None, key_dim: int | None = None,

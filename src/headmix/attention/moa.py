@@ -49,7 +49,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
 
     ``rotary=True`` (RoPE, :class:`RotaryEmbedding`; ``rotary_base``, ``rotary_fraction``, or a module
     instance) rotates the shared key head and each selected expert's query by position, as JetMoE does;
-    self-attention only, keys cached after rotation, see :class:`MultiHeadAttention`.
+    self-attention only (``key=None`` or the query itself as key), keys cached after rotation, see
+    :class:`MultiHeadAttention`.
 
     ``expert_impl`` picks the kernel of the grouped expert projections (``"auto"``, ``"reference"``,
     ``"dense"``, ``"sorted"``, ``"gather"``, ``"bag"``, ``"triton"``; see :mod:`headmix.kernels`).

@@ -49,7 +49,8 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     (MoA eq. 13-15) over the routed heads, weighted by ``load_balance_weight``;
     ``load_balance_fractions="per_token"`` uses the MoH code's convention (``top_k`` times larger, see
     :func:`headmix.routing.load_balancing_loss`). ``zero_padded_queries=True`` zeroes the output at the
-    padded query positions (see :class:`MixtureOfAttentionHeads`).
+    padded query positions (see :class:`MixtureOfAttentionHeads`). ``rotary`` options and the
+    self-attention rule (``layer(x, x, x)`` is ``layer(x)``) as :class:`MultiHeadAttention`.
 
     Every head's attention is computed densely; the head weights then select (see ``docs/`` for the
     MACs this costs).

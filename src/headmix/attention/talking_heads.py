@@ -23,7 +23,8 @@ class TalkingHeadsAttention(MultiHeadAttention):
     ``post_softmax``: the attention weights are mixed again after it. Both matrices start as the
     identity, so a fresh layer equals :class:`MultiHeadAttention` with the same projections.
     Masks apply to the mixed logits. The full ``(batch, heads, T, S)`` weights are materialised
-    (``h T S`` memory): no flash kernel applies. ``rotary`` options as :class:`MultiHeadAttention`.
+    (``h T S`` memory): no flash kernel applies. ``rotary`` options and the self-attention rule
+    (``layer(x, x, x)`` is ``layer(x)``) as :class:`MultiHeadAttention`.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, pre_softmax: bool = True, post_softmax: bool = True, *,

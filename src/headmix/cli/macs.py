@@ -75,8 +75,8 @@ def _print_report(r: dict) -> None:
         if i == 0 or i == len(rows) - 1:
             print("  ".join("-" * w for w in widths))
     print("MACs: every multiply-accumulate of the matrix products (Q K^T and weights x V both counted); "
-          "paper eq.: attention by eq. 18/19 as printed (one T^2 term, no router), SwitchHead by its paper "
-          "(both attention products, no selectors); measured: torch FlopCounterMode / 2 with MoA and "
+          "paper eq.: attention by eq. 18/19 as printed (one T^2 term, no router), SwitchHead by its authors' count "
+          "(get_attention_flops: both attention products, selectors as E d); measured: torch FlopCounterMode / 2 with MoA and "
           "SwitchHead on expert_impl='sorted'.")
 
 
