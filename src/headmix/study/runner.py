@@ -163,15 +163,13 @@ def _evaluate(spec: StudySpec, folder: Path, log: Callable[[str], None]) -> dict
     """For tasks that score generated text (translation: BLEU/chrF), the run's final model on the first
     ``bleu_sentences`` test items, stored in ``study_eval.json`` so a rerun does not translate again. The
     language models' metric is the validation loss already in the summary."""
-    from ..tasks import get_task
+    from ..tasks import evaluate_run, get_task
 
     if not get_task(spec.task).scores_generations:
         return {}
     path = folder / "study_eval.json"
     if path.is_file():
         return json.loads(path.read_text())
-    from ..tasks import evaluate_run
-
     log(f"study {spec.name}: BLEU of {folder}")
     scores = evaluate_run(folder, split="test", beam_size=spec.bleu_beam, limit=spec.bleu_sentences)
     result = {k: scores[k] for k in ("bleu", "chrf", "sentences", "bleu_signature")}
