@@ -9,15 +9,15 @@ deviation over seeds and the difference from the baseline paired by seed with a 
 
 from .builtin import BUILTIN, get_study
 from .matching import Match, attention_macs_of, match_attention
-from .report import aggregate, to_markdown, write_report
-from .runner import PlannedRow, RunResult, plan, run_study
+from .report import aggregate, equal_time, nll_at_time, to_markdown, write_report
+from .runner import PlannedRow, RunResult, drop_checkpoints, finished_results, plan, run_study
 from .spec import RowSpec, StudySpec
 from .stats import PairedDifference, paired_difference, summarize, t_quantile
 
 __all__ = [
     "StudySpec", "RowSpec", "BUILTIN", "get_study",
     "match_attention", "attention_macs_of", "Match",
-    "plan", "run_study", "PlannedRow", "RunResult",
-    "aggregate", "to_markdown", "write_report",
+    "plan", "run_study", "finished_results", "drop_checkpoints", "PlannedRow", "RunResult",
+    "aggregate", "equal_time", "nll_at_time", "to_markdown", "write_report",
     "paired_difference", "PairedDifference", "summarize", "t_quantile",
 ]
