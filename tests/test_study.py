@@ -365,7 +365,7 @@ def test_equal_time_by_hand_on_made_up_curves():
     assert timed["MHA"]["summary"]["mean"] == pytest.approx(4.1) and timed["MHA"]["tokens_per_second_ratio"] == 1.0
     rows = [{"name": n, "equal_time": timed[n]} for n in ("MHA", "Slow", "Short")]
     lines = equal_time_markdown({"rows": rows, "baseline": "MHA"})
-    assert "| Short | " in lines[-1] and "not reached (seed 1)" in lines[-1]
+    assert "| Short | " in lines[-1] and "not reached (seed 1 ended at 9 s)" in lines[-1]
     assert lines[-2].startswith("| Slow | 0.64 | 11 | 4.550 ± 0.071 | +0.450 [")
 
 

@@ -84,6 +84,8 @@ def equal_time(planned: list[PlannedRow], results: list[RunResult]) -> dict[str,
             value = nll_at_time(run, seconds)
             if value is None:
                 entry["not_reached"].append(seed)
+                end = baseline_end(run)
+                entry.setdefault("ended", {})[str(seed)] = end[0] if end else None
             else:
                 entry["valid_nll"][str(seed)] = value
         values = {int(k): v for k, v in entry["valid_nll"].items()}
@@ -205,7 +207,10 @@ def equal_time_markdown(table: dict[str, Any]) -> list[str]:
         cells = [row["name"], f"{ratio:.2f}" if ratio is not None else "–",
                  f"{sum(seconds) / len(seconds):,.0f}" if seconds else "–"]
         if timed.get("not_reached"):
-            cells += [f"not reached (seed {', '.join(map(str, timed['not_reached']))})", "–", "–"]
+            ended = timed.get("ended", {})
+            cells += ["not reached (" + ", ".join(
+                f"seed {s}" + (f" ended at {ended[str(s)]:,.0f} s" if ended.get(str(s)) is not None else "")
+                for s in timed["not_reached"]) + ")", "–", "–"]
         else:
             cells.append(_fmt(timed.get("summary")))
             diff = timed.get("vs_baseline")

@@ -163,6 +163,9 @@ def read_result(spec: StudySpec, row: str, seed: int, out: Path, log: Callable[[
 def finished_results(spec: StudySpec, out: str | os.PathLike, log: Callable[[str], None] = print) -> list[RunResult]:
     """The results of the study's finished runs in ``out``, training nothing (``headmix study --report``)."""
     out = Path(out)
+    if not (out / "study.json").is_file():
+        raise FileNotFoundError(f"{out} holds no study (no study.json)")
+    check_plan(spec, plan(spec), out)
     return [read_result(spec, row.name, seed, out, log) for seed in spec.seeds for row in spec.rows
             if (out / "runs" / slug(row.name) / f"seed-{seed}" / "summary.json").is_file()]
 
@@ -266,8 +269,8 @@ def interpolate(xs: list[float], ys: list[float], x: float, *, clamp: bool = Fal
     return ys[0]
 
 
-def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
-    """``study.json`` and ``configs/ROW.json``; a rerun with another spec in the same folder is refused."""
+def check_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> dict[str, Any]:
+    """``study.json``'s record of ``spec``; ``ValueError`` when ``out`` holds another study."""
     record = {"spec": spec.to_dict(), "rows": [r.to_dict() for r in planned]}
     path = out / "study.json"
     if path.is_file():
@@ -275,6 +278,13 @@ def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
         if stored.get("rows") != record["rows"] or _comparable(stored.get("spec", {})) != _comparable(record["spec"]):
             raise ValueError(f"{out} holds another study ({path}): use another --out, or the same spec "
                              f"(only seeds may be added)")
+    return record
+
+
+def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
+    """``study.json`` and ``configs/ROW.json``; a rerun with another spec in the same folder is refused."""
+    record = check_plan(spec, planned, out)
+    path = out / "study.json"
     for row in planned:
         target = out / "configs" / f"{slug(row.name)}.json"
         target.parent.mkdir(parents=True, exist_ok=True)
