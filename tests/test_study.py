@@ -374,13 +374,15 @@ def test_validation_times_of_old_and_new_metrics_files(tmp_path):
     newer validation records carry their own."""
     from headmix.study.runner import validation_times
 
-    records = [{"split": "train", "step": 25, "time": 2.0}, {"split": "train", "step": 50, "time": 4.0},
+    records = [{"split": "valid", "step": 10, "nll": 6.0},  # before the first train record: from step 0, time 0
+               {"split": "train", "step": 25, "time": 2.0}, {"split": "train", "step": 50, "time": 4.0},
                {"split": "valid", "step": 50, "nll": 5.0}, {"split": "train", "step": 75, "time": 7.0},
                {"split": "valid", "step": 60, "nll": 4.9}, {"split": "train", "step": 100, "time": 9.0},
                {"split": "valid", "step": 100, "nll": 4.5, "time": 9.5},
                {"split": "valid", "step": 100, "nll": 4.4, "averaged": 1}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert validation_times(tmp_path) == {50: 4.0, 60: pytest.approx(4.0 + 3.0 * 10 / 25), 100: 9.5}
+    assert validation_times(tmp_path) == {10: pytest.approx(2.0 * 10 / 25), 50: 4.0,
+                                          60: pytest.approx(4.0 + 3.0 * 10 / 25), 100: 9.5}
 
 
 def test_machines_are_reported_per_row_with_a_warning_when_they_differ():
@@ -464,21 +466,26 @@ def test_lm_en_gpu_runs_through_the_cli_at_a_tiny_size(tmp_path, docs_file, monk
 
 
 def test_drop_checkpoints_keeps_what_it_did_not_write(tmp_path, docs_file):
+    import shutil
+
     from headmix.study.runner import drop_checkpoints
 
     spec = _spec(docs_file, seeds=[1], rows=[RowSpec("MHA")])
     out = tmp_path / "study"
     results = run_study(spec, out, log=lambda m: None)
     folder = out / results[0].folder
+    # a run that has not finished (no summary yet) keeps its checkpoints: it resumes from them
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(folder, unfinished)
+    (unfinished / "summary.json").unlink()
+    kept = sorted(p.name for p in (unfinished / "checkpoints").iterdir())
+    assert kept and drop_checkpoints(unfinished, lambda m: None) == []
+    assert sorted(p.name for p in (unfinished / "checkpoints").iterdir()) == kept
     (folder / "checkpoints" / "mine.txt").write_text("a user's file")
     assert len(list((folder / "checkpoints").iterdir())) > 1
     assert drop_checkpoints(folder, lambda m: None)
     assert [p.name for p in (folder / "checkpoints").iterdir()] == ["mine.txt"]
     assert (folder / "model.safetensors").is_file() and (folder / "summary.json").is_file()
-    unfinished = tmp_path / "unfinished"
-    (unfinished / "checkpoints" / "step-2").mkdir(parents=True)
-    (unfinished / "train_config.json").write_text("{}")
-    assert drop_checkpoints(unfinished, lambda m: None) == [] and (unfinished / "checkpoints" / "step-2").is_dir()
 
 
 @pytest.mark.gpu
