@@ -78,8 +78,6 @@ def read_shared_splits(cfg: TrainConfig, run, log: Callable[[str], None]) -> tup
     mine = {**{k: getattr(cfg, k) for k in SPLIT_OPTIONS}, "data": [str(Path(p).expanduser().resolve()) for p in cfg.data]}
     for key in SPLIT_OPTIONS:
         theirs = stored.get(key)
-        if key != "data" and isinstance(theirs, list) != isinstance(mine[key], list):
-            theirs = type(mine[key])(theirs)
         if theirs != mine[key]:
             raise ValueError(f"shared_data {cfg.shared_data} was split with {key}={stored.get(key)!r}, this run "
                              f"has {key}={mine[key]!r}: give the folder prepared for this data")
