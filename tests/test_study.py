@@ -213,7 +213,7 @@ def test_builtin_studies_are_matched_within_two_percent():
     assert [r.name for r in large.rows] == ["MHA", "MoA", "MoH", "SwitchHead"]
 
 
-def test_cli_plan_and_list(capsys):
+def test_cli_plan_and_list(capsys, tmp_path):
     from headmix.cli.main import main
 
     assert main(["study", "--list"]) == 0
@@ -226,6 +226,9 @@ def test_cli_plan_and_list(capsys):
     assert rows[0]["name"] == "MHA" and all(abs(r["attention_macs_ratio"] - 1) <= 0.02 for r in rows)
     assert main(["study", "nope"]) == 2
     assert "unknown study" in capsys.readouterr().err
+    assert main(["study", "lm-en", "--out", str(tmp_path / "s"), "--device", "gpu"]) == 2
+    assert "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
 
 
 def test_demo_pair_is_matched_and_the_paired_bleu_test_is_sacrebleus():

@@ -62,10 +62,6 @@ def apply_overrides(spec, args) -> None:
             spec.training[name] = value
     if args.drop_checkpoints is not None:
         spec.drop_checkpoints = args.drop_checkpoints
-    if "device" in spec.training:
-        from ..training.config import pick_device
-
-        pick_device(spec.training["device"])  # a one-line error for a bad --device, before any work
 
 
 def list_studies() -> None:
@@ -99,7 +95,10 @@ def run(args) -> int:
     if args.report:
         results = finished_results(spec, args.out, log)
     else:
+        from ..training.config import pick_device
         from .main import stop_on_signals
+
+        pick_device(spec.training.get("device", "auto"))  # a one-line error for a bad --device, before any work
 
         def report(results):
             write_report(spec, planned, results, args.out)
