@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..data import (
@@ -52,7 +51,7 @@ class LanguageModelTask(Task):
         seeded masking, as RoBERTa reports it)."""
         from ..evaluation import validation_loss
 
-        docs = self.read_items(self.split_path(Path(run.path) / "data", options.split))
+        docs = self.read_items(self.stored_split(run.path, options.split))
         if options.limit is not None:
             docs = docs[:options.limit]
         seed, max_len = run.train_config["seed"], run.train_config["max_len"]

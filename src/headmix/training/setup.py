@@ -4,6 +4,8 @@ config, bf16 autocast, the optimizer and the learning-rate schedule."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,7 +69,8 @@ def read_shared_splits(cfg: TrainConfig, run, log: Callable[[str], None]) -> tup
     """The splits of the folder ``cfg.shared_data`` (written once by :func:`prepare_shared_data`), after checking
     that they come from this run's corpus and split options; the run folder gets no copy of them. A run that
     already stored its own splits (started before it shared) keeps reading those."""
-    from ..runs import Run
+    from ..runs import Run, atomic_write
+    from ..tasks.base import SHARED_SPLITS
 
     task = cfg.task_spec
     own = {s: task.split_path(run.data_dir, s) for s in SPLITS}
@@ -92,15 +95,22 @@ def read_shared_splits(cfg: TrainConfig, run, log: Callable[[str], None]) -> tup
     tok = Tokenizer.load(cfg.tokenizer) if cfg.tokenizer else Tokenizer.load(shared.tokenizer_dir)
     if not (run.tokenizer_dir / "tokenizer.json").is_file():
         run.save_tokenizer(tok)  # the run folder stays loadable on its own (evaluate, analyze)
+    pointer = run.data_dir / SHARED_SPLITS
+    if not pointer.is_file():  # where evaluate and analyze find the splits (Task.stored_split)
+        atomic_write(pointer, json.dumps({"data": os.path.relpath(shared.data_dir.resolve(),
+                                                                  run.data_dir.resolve())}) + "\n")
     return {s: task.read_items(f) for s, f in files.items()}, tok
 
 
 def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, tokenizer_file: Path):
     """``task.dataset(items, tok, max_len)``, tokenised once per shared folder: with ``cfg.shared_data`` the
-    dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length and the tokenizer's checksum) and
-    read back by the next run. Without it, tokenised here as before."""
+    dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, the tokenizer's checksum and the
+    headmix version, as a pickle: only a folder this function wrote is read back, so never point
+    ``shared_data`` at a folder from an untrusted source) and read back by the next run. Without it,
+    tokenised here as before."""
     import pickle
 
+    from .. import __version__
     from ..runs import atomic_output
     from ..runs.run import content_sha256
 
@@ -108,7 +118,7 @@ def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, to
     if cfg.shared_data is None:
         return task.dataset(items, tok, cfg.max_len)
     digest = content_sha256(tokenizer_file)[:16]
-    path = Path(cfg.shared_data) / "tokenized" / f"{split}-len{cfg.max_len}-{digest}.pkl"
+    path = Path(cfg.shared_data) / "tokenized" / f"{split}-len{cfg.max_len}-{digest}-v{__version__}.pkl"
     if path.is_file():
         with open(path, "rb") as f:
             return pickle.load(f)  # written by this function in the study's own folder
