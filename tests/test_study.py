@@ -226,6 +226,17 @@ def test_cli_plan_and_list(capsys, tmp_path):
     assert rows[0]["name"] == "MHA" and all(abs(r["attention_macs_ratio"] - 1) <= 0.02 for r in rows)
     assert main(["study", "nope"]) == 2
     assert "unknown study" in capsys.readouterr().err
+    # --device, --bf16, --compile, --data and --drop-checkpoints reach the spec the runs are made from
+    import os
+
+    from headmix.cli.main import build_parser
+    from headmix.cli.study import apply_overrides
+
+    spec = get_study("lm-en")
+    apply_overrides(spec, build_parser().parse_args(["study", "lm-en", "--device", "cuda:1", "--bf16", "on", "--compile",
+                                                     "--drop-checkpoints", "--data", "x.jsonl"]))
+    assert (spec.training["device"], spec.training["bf16"], spec.training["compile"]) == ("cuda:1", "on", True)
+    assert spec.drop_checkpoints is True and spec.data == [os.path.abspath("x.jsonl")]
     assert main(["study", "lm-en", "--out", str(tmp_path / "s"), "--device", "gpu"]) == 2
     assert "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()

@@ -4,7 +4,10 @@ A study (:class:`StudySpec`) is a baseline model and rows of attention variants;
 baseline's attention MACs (:func:`match_attention`), trained for the same steps on the same data with
 several seeds (:func:`run_study`, each run a resumable run folder), and reported with the mean ± standard
 deviation over seeds and the difference from the baseline paired by seed with a 95% interval
-(:func:`write_report`). Built-in studies: :data:`BUILTIN`.
+(:func:`write_report`), beside the equal-time comparison (tokens/s relative to the baseline and the
+validation NLL at the baseline's training time, :func:`equal_time`). The corpus is split and tokenised once
+per study (``OUT/shared/``). Built-in studies: :data:`BUILTIN` (``lm-en-gpu`` and ``lm-en-gpu-large`` want a
+GPU).
 """
 
 from .builtin import BUILTIN, get_study
