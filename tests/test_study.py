@@ -123,6 +123,17 @@ def test_tiny_study_end_to_end_with_resume(tmp_path, docs_file, monkeypatch):
         return real_train(cfg, **kw)
 
     monkeypatch.setattr(training, "train", counting_train)
+    # the corpus is read, split and tokenised once for the whole study (2 rows x 2 seeds)
+    from headmix.tasks import get_task
+
+    task_class = type(get_task("lm"))
+    calls = {"read_corpus": 0, "split_corpus": 0, "dataset": 0}
+    for name in calls:
+        def spy(self, *a, _name=name, _real=getattr(task_class, name), **kw):
+            calls[_name] += 1
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(task_class, name, spy)
     out = tmp_path / "study"
     first = run_study(spec, out, log=lambda m: None)
     assert trained == [("MHA", 1), ("MoA", 1)] and len(first) == 2
@@ -132,9 +143,13 @@ def test_tiny_study_end_to_end_with_resume(tmp_path, docs_file, monkeypatch):
     trained.clear()
     results = run_study(spec2, out, log=lambda m: None)
     assert trained == [("MHA", 2), ("MoA", 2)] and len(results) == 4
-    # every run, whatever its seed, has the same split and the same tokenizer
-    for name in ("data/valid.jsonl", "data/train.jsonl", "tokenizer/tokenizer.json"):
-        assert len({(out / r.folder / name).read_bytes() for r in results}) == 1, name
+    assert calls == {"read_corpus": 1, "split_corpus": 1, "dataset": 2}  # train and valid, tokenised once
+    # every run reads the study's one split and tokenizer; no run folder holds a copy of the splits
+    assert all((out / "shared/data" / f"{s}.jsonl").is_file() for s in ("train", "valid", "test"))
+    assert all([p.name for p in (out / r.folder / "data").iterdir()] == ["shared.json"] for r in results)
+    assert len({(out / r.folder / "tokenizer/tokenizer.json").read_bytes() for r in results}) == 1
+    assert all(r.summary["machine"]["torch_threads"] >= 1 and r.summary["machine"]["device_type"] == "cpu"
+               for r in results)
     table = write_report(spec2, plan(spec2), results, out)
 
     # the statistics in the table, by hand from the runs' summaries
@@ -184,23 +199,47 @@ def test_spec_errors_name_the_field(tmp_path):
 
 
 def test_builtin_studies_are_matched_within_two_percent():
-    for name in ("lm-en", "translation-en-de", "lm-en-llama"):
+    for name in ("lm-en", "translation-en-de", "lm-en-llama", "lm-en-gpu", "lm-en-gpu-large"):
         spec = get_study(name)
         rows = plan(spec)
         assert len(spec.seeds) >= 3
         assert all(abs(r.macs_ratio - 1) <= 0.02 for r in rows), [(r.name, r.macs_ratio) for r in rows]
+    # lm-en-gpu is the spec measured on the H100 (../shared/gpu-2026-11-23/study/gpu-lm.toml): the same rows
+    gpu = {r.name: r.to_dict()["attention"] for r in plan(get_study("lm-en-gpu"))}
+    assert {n: a["head_dim"] for n, a in gpu.items()} == {"MHA": 64, "MoA E=12": 84, "MoA E=48": 83, "MoH": 64,
+                                                          "SwitchHead": 96}
+    large = get_study("lm-en-gpu-large")
+    assert large.max_steps * large.training["max_tokens"] >= 50_000_000
+    assert [r.name for r in large.rows] == ["MHA", "MoA", "MoH", "SwitchHead"]
 
 
-def test_cli_plan_and_list(capsys):
+def test_cli_plan_and_list(capsys, tmp_path):
     from headmix.cli.main import main
 
     assert main(["study", "--list"]) == 0
-    assert "lm-en" in capsys.readouterr().out
+    listed = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "sized for the CPU" in listed["lm-en"] and "wants a GPU" in listed["lm-en-gpu"]
+    assert "2 (MHA) to 4 (MoA E=48) minutes" in listed["lm-en-gpu"]  # 11.5M tokens x 3 at 326k/s and 0.44x
+    assert "ESTIMATE" in listed["lm-en-gpu-large"]
     assert main(["study", "lm-en", "--plan"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["name"] == "MHA" and all(abs(r["attention_macs_ratio"] - 1) <= 0.02 for r in rows)
     assert main(["study", "nope"]) == 2
     assert "unknown study" in capsys.readouterr().err
+    # --device, --bf16, --compile, --data and --drop-checkpoints reach the spec the runs are made from
+    import os
+
+    from headmix.cli.main import build_parser
+    from headmix.cli.study import apply_overrides
+
+    spec = get_study("lm-en")
+    apply_overrides(spec, build_parser().parse_args(["study", "lm-en", "--device", "cuda:1", "--bf16", "on", "--compile",
+                                                     "--drop-checkpoints", "--data", "x.jsonl"]))
+    assert (spec.training["device"], spec.training["bf16"], spec.training["compile"]) == ("cuda:1", "on", True)
+    assert spec.drop_checkpoints is True and spec.data == [os.path.abspath("x.jsonl")]
+    assert main(["study", "lm-en", "--out", str(tmp_path / "s"), "--device", "gpu"]) == 2
+    assert "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
 
 
 def test_demo_pair_is_matched_and_the_paired_bleu_test_is_sacrebleus():
@@ -288,9 +327,189 @@ def test_translation_table_shows_the_nll_difference_beside_bleus():
     lines = to_markdown(table).splitlines()
     header = next(line for line in lines if line.startswith("| row"))
     assert header.endswith("| Δ bleu [95% CI] | verdict (bleu) | Δ valid_nll [95% CI] | verdict (valid_nll) | tokens/s |")
-    assert lines[-1].startswith("| SH | SwitchHead 2×47, top 2 of 4 experts |")
-    assert lines[-1].endswith("| -0.300 [-1.000, +0.400] | no significant difference | +0.100 [+0.050, +0.150] | higher | – |")
-    assert lines[-2].endswith("| – | baseline | – | baseline | 1,000 |")
+    first = lines.index(header)
+    assert lines[first + 3].startswith("| SH | SwitchHead 2×47, top 2 of 4 experts |")
+    assert lines[first + 3].endswith("| -0.300 [-1.000, +0.400] | no significant difference | +0.100 [+0.050, +0.150] | higher | – |")
+    assert lines[first + 2].endswith("| – | baseline | – | baseline | 1,000 |")
     table["metrics"], table["task"] = ["valid_nll"], "lm"
     header = next(line for line in to_markdown(table).splitlines() if line.startswith("| row"))
     assert header.endswith("| valid_nll | Δ valid_nll [95% CI] | verdict | tokens/s |")
+
+
+# ------------------------------------------------------------------------------------ equal time, GPU studies
+
+def _run(row, seed, steps_times_nll, seconds, tokens=1000, machine=None):
+    from headmix.study import RunResult
+
+    summary = {"valid": {"nll": 0.0, "ppl": 1.0}, "train_seconds": seconds, "tokens": tokens,
+               "machine": machine or {"device_type": "cpu", "device_name": "X", "torch_threads": 2, "torch": "t"}}
+    return RunResult(row, seed, f"runs/{row}/seed-{seed}", summary, {},
+                     {s: v for s, (t, v) in steps_times_nll.items()}, {s: t for s, (t, v) in steps_times_nll.items()})
+
+
+def test_equal_time_by_hand_on_made_up_curves():
+    """The validation NLL at the baseline's training time, read off made-up curves by hand."""
+    from types import SimpleNamespace
+
+    from headmix.study.report import equal_time, equal_time_markdown
+
+    results = [_run("MHA", 1, {10: (5.0, 5.0), 20: (10.0, 4.0)}, 10.0),
+               _run("MHA", 2, {10: (6.0, 5.2), 20: (12.0, 4.2)}, 12.0),
+               # slower: at 10 s (seed 1) 4.8 + (3.6 - 4.8) * 2/8 = 4.5; at 12 s (seed 2) 5.0 - 1.2 * 3/9 = 4.6
+               _run("Slow", 1, {10: (8.0, 4.8), 20: (16.0, 3.6)}, 16.0),
+               _run("Slow", 2, {10: (9.0, 5.0), 20: (18.0, 3.8)}, 18.0),
+               # seed 1 ended at 9 s, before the baseline's 10 s
+               _run("Short", 1, {10: (4.0, 4.9), 20: (9.0, 4.1)}, 9.0),
+               _run("Short", 2, {10: (5.0, 4.9), 20: (13.0, 4.1)}, 13.0)]
+    planned = [SimpleNamespace(name=n) for n in ("MHA", "Slow", "Short")]
+    timed = equal_time(planned, results)
+    slow = timed["Slow"]
+    assert slow["baseline_seconds"] == {"1": 10.0, "2": 12.0}
+    assert slow["valid_nll"]["1"] == pytest.approx(4.5) and slow["valid_nll"]["2"] == pytest.approx(4.6)
+    d = [4.5 - 4.0, 4.6 - 4.2]
+    m, sd = sum(d) / 2, abs(d[0] - d[1]) / math.sqrt(2)
+    half = 12.706205 * sd / math.sqrt(2)
+    vs = slow["vs_baseline"]
+    assert vs["mean"] == pytest.approx(m) and vs["low"] == pytest.approx(m - half, rel=1e-5)
+    assert vs["high"] == pytest.approx(m + half, rel=1e-5) and vs["verdict"] == "no significant difference"
+    # tokens/s relative to the baseline: the means over seeds, 1000/16 and 1000/18 against 1000/10 and 1000/12
+    assert slow["tokens_per_second_ratio"] == pytest.approx((1000 / 16 + 1000 / 18) / (1000 / 10 + 1000 / 12))
+    assert timed["Short"]["not_reached"] == [1] and timed["Short"]["vs_baseline"] is None
+    assert timed["Short"]["valid_nll"]["2"] == pytest.approx(4.9 + (4.1 - 4.9) * 7 / 8)
+    assert timed["MHA"]["summary"]["mean"] == pytest.approx(4.1) and timed["MHA"]["tokens_per_second_ratio"] == 1.0
+    rows = [{"name": n, "equal_time": timed[n]} for n in ("MHA", "Slow", "Short")]
+    lines = equal_time_markdown({"rows": rows, "baseline": "MHA"})
+    assert "| Short | " in lines[-1] and "not reached (seed 1 ended at 9 s)" in lines[-1]
+    assert lines[-2].startswith("| Slow | 0.64 | 11 | 4.550 ± 0.071 | +0.450 [")
+
+
+def test_validation_times_of_old_and_new_metrics_files(tmp_path):
+    """Old metrics.jsonl: ``time`` on train records only, mapped to the validation steps by interpolation;
+    newer validation records carry their own."""
+    from headmix.study.runner import validation_times
+
+    records = [{"split": "valid", "step": 10, "nll": 6.0},  # before the first train record: from step 0, time 0
+               {"split": "train", "step": 25, "time": 2.0}, {"split": "train", "step": 50, "time": 4.0},
+               {"split": "valid", "step": 50, "nll": 5.0}, {"split": "train", "step": 75, "time": 7.0},
+               {"split": "valid", "step": 60, "nll": 4.9}, {"split": "train", "step": 100, "time": 9.0},
+               {"split": "valid", "step": 100, "nll": 4.5, "time": 9.5},
+               {"split": "valid", "step": 100, "nll": 4.4, "averaged": 1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert validation_times(tmp_path) == {10: pytest.approx(2.0 * 10 / 25), 50: 4.0,
+                                          60: pytest.approx(4.0 + 3.0 * 10 / 25), 100: 9.5}
+
+
+def test_machines_are_reported_per_row_with_a_warning_when_they_differ():
+    from headmix.study.report import machines, machines_markdown
+
+    gpu = {"device_type": "cuda", "device_name": "NVIDIA H100", "torch_threads": 16, "torch": "2.11"}
+    results = [_run("MHA", 1, {}, 1.0), _run("MoA", 1, {}, 1.0, machine=gpu)]
+    ran_on = machines(results)
+    assert ran_on == {"MHA": ["X (cpu), 2 threads, torch t"], "MoA": ["NVIDIA H100 (cuda), 16 threads, torch 2.11"]}
+    rows = [{"name": n, "machines": ran_on[n]} for n in ran_on]
+    assert "Warning" in "\n".join(machines_markdown({"rows": rows, "machines_differ": True}))
+
+
+def test_shared_splits_of_another_split_are_refused(tmp_path, docs_file):
+    from headmix.tasks import get_task
+    from headmix.runs import Run
+    from headmix.training import TrainConfig
+    from headmix.training.config import IDENTITY
+    from headmix.training.setup import prepare_data, prepare_shared_data
+
+    common = dict(task="lm", data=[str(docs_file)], vocab_size=300, split_seed=3, valid_size=0.05, test_size=0.05)
+    shared = prepare_shared_data(TrainConfig(out=str(tmp_path / "shared"), seed=3, **common), lambda m: None).parent
+    ok = TrainConfig(out=str(tmp_path / "run"), seed=1, shared_data=str(shared), tokenizer=str(shared / "tokenizer"),
+                     **common)
+    with Run.create_or_resume(ok.out, ok.to_dict(), identity=IDENTITY) as run:
+        parts, _ = prepare_data(ok, run, lambda m: None)
+    assert parts["valid"] == ok.task_spec.read_items(shared / "data/valid.jsonl") and parts["valid"]
+    assert [p.name for p in (tmp_path / "run/data").iterdir()] == ["shared.json"]  # no copy of the splits
+    assert get_task("lm").stored_split(tmp_path / "run", "valid").resolve() == (shared / "data/valid.jsonl").resolve()
+    for change in ({"valid_size": 0.1}, {"split_seed": 4}):
+        bad = TrainConfig(out=str(tmp_path / f"bad{len(change)}{list(change)[0]}"), seed=1, shared_data=str(shared),
+                          tokenizer=str(shared / "tokenizer"), **{**common, **change})
+        with Run.create_or_resume(bad.out, bad.to_dict(), identity=IDENTITY) as run:
+            with pytest.raises(ValueError, match=f"shared_data .* {list(change)[0]}="):
+                prepare_data(bad, run, lambda m: None)
+
+
+def _tiny_gpu_spec(docs: Path):
+    """``lm-en-gpu`` as built in, at a size the CPU trains in seconds (its rows, matching and options kept)."""
+    from headmix.models.presets import llama_model, mha
+    from headmix.study.builtin import lm_en_gpu
+
+    spec = lm_en_gpu()
+    spec.baseline = llama_model(mha(6), 300, d_model=96, layers=1, max_positions=64).to_dict()
+    spec.data, spec.seeds, spec.max_steps = [str(docs)], [1], 2
+    spec.training.update({"max_len": 32, "max_tokens": 256, "vocab_size": 300, "warmup_steps": 1, "eval_every": 1,
+                          "log_every": 1, "save_every": 1, "valid_size": 0.05, "test_size": 0.05})
+    for row in spec.rows:
+        row.prefer = {"head_dim": 16}
+    return spec
+
+
+def _run_tiny_gpu_study(tmp_path, docs_file, monkeypatch, device):
+    from headmix.cli.main import main
+    from headmix.study import builtin
+
+    monkeypatch.setitem(builtin.BUILTIN, "lm-en-gpu", lambda: _tiny_gpu_spec(docs_file))
+    out = tmp_path / "gpu-study"
+    assert main(["study", "lm-en-gpu", "--out", str(out), "--device", device, "--bf16", "off", "--no-progress"]) == 0
+    return out
+
+
+def test_lm_en_gpu_runs_through_the_cli_at_a_tiny_size(tmp_path, docs_file, monkeypatch):
+    out = _run_tiny_gpu_study(tmp_path, docs_file, monkeypatch, "cpu")
+    runs = sorted(out.glob("runs/*/seed-1"))
+    assert len(runs) == 5
+    for run in runs:
+        cfg = json.loads((run / "train_config.json").read_text())
+        assert (cfg["device"], cfg["bf16"], cfg["compile"]) == ("cpu", "off", False)
+        assert not (run / "checkpoints").exists() and (run / "model.safetensors").is_file()  # dropped, model kept
+    md = (out / "results.md").read_text()
+    assert "Equal time: what to train on this machine" in md and "| MoA E=48 | " in md
+    assert (out / "valid_curves_time.png").is_file()
+    table = json.loads((out / "results.json").read_text())
+    assert table["rows"][0]["equal_time"]["tokens_per_second_ratio"] == 1.0
+    assert table["machines_differ"] is False and "Warning" not in md  # every run on this machine
+    # --report rewrites the report from the finished runs, training nothing
+    from headmix.cli.main import main
+
+    (out / "results.md").unlink()
+    assert main(["study", "lm-en-gpu", "--out", str(out), "--bf16", "off", "--report"]) == 0  # bf16 defines it
+    assert "Equal time" in (out / "results.md").read_text()
+
+
+def test_drop_checkpoints_keeps_what_it_did_not_write(tmp_path, docs_file):
+    import shutil
+
+    from headmix.study.runner import drop_checkpoints
+
+    spec = _spec(docs_file, seeds=[1], rows=[RowSpec("MHA")])
+    out = tmp_path / "study"
+    results = run_study(spec, out, log=lambda m: None)
+    folder = out / results[0].folder
+    # a run that has not finished (no summary yet) keeps its checkpoints: it resumes from them
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(folder, unfinished)
+    (unfinished / "summary.json").unlink()
+    kept = sorted(p.name for p in (unfinished / "checkpoints").iterdir())
+    assert kept and drop_checkpoints(unfinished, lambda m: None) == []
+    assert sorted(p.name for p in (unfinished / "checkpoints").iterdir()) == kept
+    (folder / "checkpoints" / "mine.txt").write_text("a user's file")
+    assert len(list((folder / "checkpoints").iterdir())) > 1
+    assert drop_checkpoints(folder, lambda m: None)
+    assert [p.name for p in (folder / "checkpoints").iterdir()] == ["mine.txt"]
+    assert (folder / "model.safetensors").is_file() and (folder / "summary.json").is_file()
+
+
+@pytest.mark.gpu
+def test_lm_en_gpu_runs_on_cuda(tmp_path, docs_file, monkeypatch):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    out = _run_tiny_gpu_study(tmp_path, docs_file, monkeypatch, "cuda")
+    summary = json.loads(next(out.glob("runs/MHA/seed-1")).joinpath("summary.json").read_text())
+    assert summary["machine"]["device_type"] == "cuda"
+    assert summary["machine"]["device_name"] == torch.cuda.get_device_name(0)

@@ -34,7 +34,7 @@ def dataset_path(run_dir: str | os.PathLike, task: str, split: str = "valid", da
         return path
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    path = get_task(task).split_path(Path(run_dir) / "data", split)
+    path = get_task(task).stored_split(run_dir, split)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the run has no {split} split (give --data FILE)")
     return path

@@ -14,10 +14,25 @@
 
 A row's free fields (``solve``) are sized to the baseline's attention MACs within 2%
 (:mod:`headmix.study.matching`), preferring the baseline's head size of 32.
+
+Studies that want a GPU (``headmix study --list`` says how long a row takes on one H100):
+
+- ``lm-en-gpu``: the study measured on one H100 on 2026-11-23 (``docs/study.md``): a Llama-style decoder,
+  d_model 384, 6 layers (MHA 6 heads of 64), vocabulary 16000, blocks of 512 tokens, 700 steps of 16384 tokens
+  (11.5M tokens per run), lr 1.5e-3, bf16 on CUDA; rows MHA, MoA with ``k = 6`` of 12 and of 48 experts, MoH
+  (6 heads, 2 shared, top 2) and SwitchHead (3 heads, top 2 of 4 experts); 3 seeds. Its corpus was
+  ``../shared/data/en-docs.jsonl.gz`` (give it with ``--data``); by default the embedded English documents.
+- ``lm-en-gpu-large``: the Llama-style decoder of d_model 768, 12 layers (MHA 12 heads of 64), vocabulary
+  32000, blocks of 1024 tokens, 1536 steps of 32768 tokens (50.3M tokens per run); rows MHA, MoA (``k = 12``
+  of 48), MoH (12 heads, 4 shared, top 4), SwitchHead (6 heads, top 2 of 4). Its corpus is the larger Debian
+  documentation corpus (``DEBIAN_DOCS``, built by ``headmix data ...``; ``--data`` gives another file).
 """
 
 from __future__ import annotations
 
+import os
+
+from ..models.presets import llama_model, mha
 from .spec import RowSpec, StudySpec
 
 _PREFER = {"head_dim": 32}
@@ -60,7 +75,73 @@ def translation_en_de() -> StudySpec:
                                "keep_checkpoints": 2, "vocab_size": 8000})
 
 
-BUILTIN = {"lm-en": lm_en, "translation-en-de": translation_en_de, "lm-en-llama": lm_en_llama}
+#: Measured on one H100 80GB HBM3 on 2026-11-23 (torch 2.11.0+cu130, bf16, ``lm-en-gpu``'s spec, seed 1;
+#: ``../shared/gpu-2026-11-23/study/``): MHA's training tokens per second, and each row's relative to it.
+H100_LM_EN_GPU_TOKENS_PER_SECOND = 326_000
+H100_LM_EN_GPU_RATIOS = {"MHA": 1.0, "MoA E=12": 0.47, "MoA E=48": 0.44, "MoH": 0.63, "SwitchHead": 0.46}
+#: Measured on the same H100 (``grouped_and_model_steps.log``, issue 20): whole training steps of the Llama-style
+#: d_model 768, 12-layer decoder, batch 8 x 1024, eager, bf16: MHA 12x64 61.65 ms, MoA 12K48E64D 110.02 ms.
+H100_LARGE_STEP_MS = {"MHA": 61.65, "MoA": 110.02}
+#: Where ``lm-en-gpu-large`` looks for its corpus (built by ``headmix data ...``; ``--data`` gives another).
+DEBIAN_DOCS = "~/.cache/headmix/corpora/debian-docs-en.jsonl.gz"
+
+_GPU_TRAINING = {"device": "auto", "bf16": "auto", "schedule": "linear", "average_last": 1, "keep_checkpoints": 1}
+
+
+def _gpu_row(name: str, kind: str, prefer: int = 64, **fields) -> RowSpec:
+    return RowSpec(name, {"kind": kind, **fields}, ["head_dim"], {"head_dim": prefer})
+
+
+def _minutes(tokens: int, tokens_per_second: float, seeds: int) -> float:
+    return tokens * seeds / tokens_per_second / 60
+
+
+def lm_en_gpu() -> StudySpec:
+    baseline = llama_model(mha(6), 16000, d_model=384, layers=6, max_positions=512).to_dict()
+    rows = [RowSpec("MHA"), _gpu_row("MoA E=12", "moa", num_experts=12, top_k=6),
+            _gpu_row("MoA E=48", "moa", num_experts=48, top_k=6),
+            _gpu_row("MoH", "moh", num_heads=6, num_shared_heads=2, top_k=2),
+            _gpu_row("SwitchHead", "switchhead", num_heads=3, num_experts=4, top_k=2)]
+    steps, batch, seeds = 700, 16384, [1, 2, 3]
+    per_row = {name: _minutes(steps * batch, H100_LM_EN_GPU_TOKENS_PER_SECOND * ratio, len(seeds))
+               for name, ratio in H100_LM_EN_GPU_RATIOS.items()}
+    gpu = (f"a row ({len(seeds)} seeds) trains for about {min(per_row.values()):.0f} (MHA) to "
+           f"{max(per_row.values()):.0f} ({max(per_row, key=per_row.get)}) minutes on one H100: derived from the "
+           f"measured {H100_LM_EN_GPU_TOKENS_PER_SECOND // 1000}k tokens/s of MHA and the rows' measured ratios "
+           f"(2026-11-23, before the GPU speed work), plus data preparation and validation")
+    return StudySpec(name="lm-en-gpu", task="lm", baseline=baseline, rows=rows, seeds=seeds, max_steps=steps,
+                     training={**_GPU_TRAINING, "max_len": 512, "max_tokens": batch, "vocab_size": 16000,
+                               "lr": 1.5e-3, "warmup_steps": 100, "eval_every": 100, "log_every": 50,
+                               "save_every": 350},
+                     drop_checkpoints=True, gpu=gpu,
+                     data_note="the H100 table in docs/study.md was measured on ../shared/data/en-docs.jsonl.gz")
+
+
+def lm_en_gpu_large() -> StudySpec:
+    baseline = llama_model(mha(12), 32000, d_model=768, layers=12, max_positions=1024).to_dict()
+    rows = [RowSpec("MHA"), _gpu_row("MoA", "moa", num_experts=48, top_k=12),
+            _gpu_row("MoH", "moh", num_heads=12, num_shared_heads=4, top_k=4),
+            _gpu_row("SwitchHead", "switchhead", prefer=128, num_heads=6, num_experts=4, top_k=2)]
+    steps, batch, seeds = 1536, 32768, [1, 2, 3]
+    mha_tps = 8 * 1024 / (H100_LARGE_STEP_MS["MHA"] / 1000)
+    moa_tps = 8 * 1024 / (H100_LARGE_STEP_MS["MoA"] / 1000)
+    gpu = (f"an ESTIMATE, not a measurement: a row ({len(seeds)} seeds, {steps * batch / 1e6:.1f}M tokens per run) "
+           f"trains for about {_minutes(steps * batch, mha_tps, len(seeds)):.0f} minutes (MHA) and "
+           f"{_minutes(steps * batch, moa_tps, len(seeds)):.0f} (MoA) on one H100, from the eager whole-step times "
+           f"of this model measured in issue 20 (2026-11-23: MHA {H100_LARGE_STEP_MS['MHA']} ms, MoA "
+           f"{H100_LARGE_STEP_MS['MoA']} ms per 8 x 1024 tokens); MoH and SwitchHead about as long as MoA")
+    return StudySpec(name="lm-en-gpu-large", task="lm", baseline=baseline, rows=rows, seeds=seeds, max_steps=steps,
+                     data=[os.path.expanduser(DEBIAN_DOCS)],
+                     training={**_GPU_TRAINING, "max_len": 1024, "max_tokens": batch, "vocab_size": 32000,
+                               "lr": 1e-3, "warmup_steps": 200, "eval_every": 128, "log_every": 32,
+                               "save_every": 512},
+                     drop_checkpoints=True, gpu=gpu,
+                     data_note=f"lm-en-gpu-large reads the Debian documentation corpus, built by `headmix data ...` "
+                               f"into {DEBIAN_DOCS}")
+
+
+BUILTIN = {"lm-en": lm_en, "translation-en-de": translation_en_de, "lm-en-llama": lm_en_llama,
+           "lm-en-gpu": lm_en_gpu, "lm-en-gpu-large": lm_en_gpu_large}
 
 
 def get_study(name: str) -> StudySpec:

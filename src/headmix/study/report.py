@@ -1,7 +1,14 @@
 """A study's results: per row the mean and standard deviation over seeds, the difference from the baseline
 paired by seed with its 95% interval, MACs, parameters, wall-clock and tokens per second; written as JSON,
-a Markdown table and plots (validation loss against steps with a band over seeds, final quality against
-parameters, quality against the number of experts).
+a Markdown table and plots (validation loss against steps with a band over seeds and against wall-clock
+seconds, final quality against parameters, quality against the number of experts).
+
+Two comparisons, side by side. **Equal MACs** (every row trained for the same steps, its attention sized to
+the baseline's MACs) asks which *method* is better per unit of compute. **Equal time** asks what to train
+*on this machine*: each row's tokens per second relative to the baseline's, and its validation NLL at the
+baseline's training time (the wall-clock of the baseline's last validation, seed by seed), read off the
+row's validation curve against wall-clock, interpolated linearly; "not reached" when the row's run ended
+earlier. Its difference from the baseline's NLL is paired by seed like the equal-MACs one.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..runs.files import atomic_output, atomic_write
-from .runner import PlannedRow, RunResult, slug
+from ..training.machine import describe_machine
+from .runner import PlannedRow, RunResult, interpolate, slug
 from .stats import paired_difference, summarize
 from .spec import StudySpec
 
@@ -33,11 +41,78 @@ def run_metrics(result: RunResult) -> dict[str, float]:
     return metrics
 
 
+def nll_at_time(result: RunResult, seconds: float) -> float | None:
+    """The validation NLL of a run at ``seconds`` of training: its periodic validations against their
+    wall-clock (:attr:`RunResult.curve_times`), interpolated linearly; ``None`` when the run ended earlier
+    (or ``seconds`` falls before its first validation)."""
+    steps = sorted(s for s in result.curve if s in result.curve_times)
+    return interpolate([result.curve_times[s] for s in steps], [result.curve[s] for s in steps], seconds)
+
+
+def baseline_end(result: RunResult) -> tuple[float, float] | None:
+    """``(seconds, NLL)`` of a baseline run's last periodic validation: the training time the equal-time
+    comparison gives every row."""
+    steps = [s for s in result.curve if s in result.curve_times]
+    if not steps:
+        return None
+    last = max(steps)
+    return result.curve_times[last], result.curve[last]
+
+
+def equal_time(planned: list[PlannedRow], results: list[RunResult]) -> dict[str, dict[str, Any]]:
+    """Per row: tokens/s relative to the baseline's (ratio of the means over seeds), and per seed the
+    validation NLL at the baseline's training time of that seed, with the difference from the baseline paired
+    by seed (only when every paired seed reached that time; else the seeds that did not)."""
+    baseline = planned[0].name
+    runs = {(r.row, r.seed): r for r in results}
+    ends = {r.seed: baseline_end(r) for r in results if r.row == baseline}
+    ends = {s: e for s, e in ends.items() if e is not None}
+    tps = {name: [run_metrics(r)["tokens_per_second"] for r in results if r.row == name]
+           for name in (p.name for p in planned)}
+    base_tps = sum(tps[baseline]) / len(tps[baseline]) if tps[baseline] else None
+    table = {}
+    for row in planned:
+        entry: dict[str, Any] = {"tokens_per_second_ratio": None, "baseline_seconds": {}, "valid_nll": {},
+                                 "not_reached": [], "summary": None, "vs_baseline": None}
+        if tps[row.name] and base_tps:
+            entry["tokens_per_second_ratio"] = sum(tps[row.name]) / len(tps[row.name]) / base_tps
+        for seed, (seconds, _) in sorted(ends.items()):
+            run = runs.get((row.name, seed))
+            if run is None:
+                continue
+            entry["baseline_seconds"][str(seed)] = seconds
+            value = nll_at_time(run, seconds)
+            if value is None:
+                entry["not_reached"].append(seed)
+                end = baseline_end(run)
+                entry.setdefault("ended", {})[str(seed)] = end[0] if end else None
+            else:
+                entry["valid_nll"][str(seed)] = value
+        values = {int(k): v for k, v in entry["valid_nll"].items()}
+        if values and not entry["not_reached"]:
+            entry["summary"] = summarize([values[s] for s in sorted(values)]).to_dict()
+            if row.name != baseline:
+                diff = paired_difference(values, {s: e[1] for s, e in ends.items()})
+                entry["vs_baseline"] = {**diff.to_dict(), "verdict": diff.verdict(True)}
+        table[row.name] = entry
+    return table
+
+
+def machines(results: list[RunResult]) -> dict[str, list[str]]:
+    """Per row, the machines its runs trained on (as recorded in their summaries)."""
+    by_row: dict[str, set[str]] = {}
+    for r in results:
+        by_row.setdefault(r.row, set()).add(describe_machine(r.summary.get("machine") or {}))
+    return {row: sorted(m) for row, m in by_row.items()}
+
+
 def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResult]) -> dict[str, Any]:
     """The study's table as a dict (what ``results.json`` holds)."""
     by_row: dict[str, dict[int, dict[str, float]]] = {r.name: {} for r in planned}
     for res in results:
         by_row.setdefault(res.row, {})[res.seed] = run_metrics(res)
+    timed = equal_time(planned, results)
+    ran_on = machines(results)
     baseline = planned[0].name
     metric_names = [m for m in LOWER_IS_BETTER if any(m in v for seeds in by_row.values() for v in seeds.values())]
     rows = []
@@ -55,16 +130,21 @@ def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResul
                     except ValueError:  # no seed in common yet
                         continue
                     entry["vs_baseline"][m] = {**diff.to_dict(), "verdict": diff.verdict(LOWER_IS_BETTER[m])}
+        entry["equal_time"] = timed[row.name]
+        entry["machines"] = ran_on.get(row.name, [])
         rows.append(entry)
-    return {"name": spec.name, "task": spec.task, "baseline": baseline, "baseline_preset": spec.baseline,
+    recorded = {m for ms in ran_on.values() for m in ms}
+    return {"name": spec.name, "task": spec.task, "baseline": baseline, "baseline_preset": spec.baseline_name,
             "max_steps": spec.max_steps, "seeds": spec.seeds, "tolerance": spec.tolerance,
-            "metrics": metric_names, "rows": rows,
-            "curves": {r.name: _curves(results, r.name) for r in planned}}
+            "metrics": metric_names, "rows": rows, "machines_differ": len(recorded) > 1,
+            "curves": {r.name: _curves(results, r.name) for r in planned},
+            "curve_times": {r.name: _curves(results, r.name, times=True) for r in planned}}
 
 
-def _curves(results: list[RunResult], row: str) -> dict[str, dict[str, float]]:
-    """Validation NLL per step of each seed of ``row``."""
-    return {str(r.seed): {str(step): v for step, v in r.curve.items()} for r in results if r.row == row}
+def _curves(results: list[RunResult], row: str, *, times: bool = False) -> dict[str, dict[str, float]]:
+    """Validation NLL (``times``: the training seconds) per step of each seed of ``row``."""
+    return {str(r.seed): {str(step): v for step, v in (r.curve_times if times else r.curve).items()}
+            for r in results if r.row == row}
 
 
 def _fmt(summary: dict[str, Any] | None, digits: int = 3) -> str:
@@ -83,9 +163,12 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
     compared = [main] + (["valid_nll"] if main != "valid_nll" and "valid_nll" in table["metrics"] else [])
     lines = [f"### {table['name']}: {table['task']}, {table['max_steps']} steps, seeds {table['seeds']}",
              "",
+             "#### Equal MACs: which method is better per unit of compute",
+             "",
              f"Baseline: **{table['baseline']}** (`{table['baseline_preset']}`); every row's attention MACs within "
-             f"{table['tolerance']:.0%} of its. Mean ± standard deviation over seeds; Δ is the row minus the baseline, "
-             f"paired by seed, with its 95% Student-t interval." + (f" Machine: {machine}." if machine else ""),
+             f"{table['tolerance']:.0%} of its, every run the same steps. Mean ± standard deviation over seeds; Δ is "
+             f"the row minus the baseline, paired by seed, with its 95% Student-t interval."
+             + (f" {machine}" if machine else ""),
              ""]
     verdicts = ["verdict"] if len(compared) == 1 else [f"verdict ({m})" for m in compared]
     cols = ["row", "attention", "attn MACs", "params", "seeds"] + [m for m in table["metrics"]] + \
@@ -101,7 +184,55 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
         tps = row["metrics"].get("tokens_per_second")
         cells.append(f"{tps['mean']:,.0f}" if tps else "–")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [""] + equal_time_markdown(table) + [""] + machines_markdown(table)
     return "\n".join(lines) + "\n"
+
+
+def equal_time_markdown(table: dict[str, Any]) -> list[str]:
+    """The equal-time table: what to train on the machine the study ran on."""
+    lines = ["#### Equal time: what to train on this machine",
+             "",
+             f"Tokens per second relative to **{table['baseline']}** in this study, and the validation NLL of each "
+             f"row at the baseline's training time (the wall-clock of its last validation, per seed), read off the "
+             f"row's validation curve against wall-clock seconds, interpolated linearly; \"not reached\" when the "
+             f"row's run ended earlier. Δ is paired by seed, with its 95% Student-t interval. Times include the "
+             f"periodic validations; they are only comparable between rows that ran on the same machine.",
+             "",
+             "| row | tokens/s vs baseline | baseline's time (s) | valid NLL at that time | Δ [95% CI] | verdict |",
+             "|---|---|---|---|---|---|"]
+    for row in table["rows"]:
+        timed = row.get("equal_time") or {}
+        ratio = timed.get("tokens_per_second_ratio")
+        seconds = list((timed.get("baseline_seconds") or {}).values())
+        cells = [row["name"], f"{ratio:.2f}" if ratio is not None else "–",
+                 f"{sum(seconds) / len(seconds):,.0f}" if seconds else "–"]
+        if timed.get("not_reached"):
+            ended = timed.get("ended", {})
+            cells += ["not reached (" + ", ".join(
+                f"seed {s}" + (f" ended at {ended[str(s)]:,.0f} s" if ended.get(str(s)) is not None else "")
+                for s in timed["not_reached"]) + ")", "–", "–"]
+        else:
+            cells.append(_fmt(timed.get("summary")))
+            diff = timed.get("vs_baseline")
+            if diff is None:
+                cells += ["–", "baseline" if row["name"] == table["baseline"] else "–"]
+            elif diff["low"] is None:
+                cells += [f"{diff['mean']:+.3f}", diff["verdict"]]
+            else:
+                cells += [f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]", diff["verdict"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def machines_markdown(table: dict[str, Any]) -> list[str]:
+    """Where each row's runs trained (from their summaries), with a warning when rows ran on different
+    machines."""
+    lines = ["Machines (recorded by each run): " + "; ".join(
+        f"{row['name']}: {' / '.join(row.get('machines') or ['–'])}" for row in table["rows"]) + "."]
+    if table.get("machines_differ"):
+        lines += ["", "**Warning: the runs did not all train on the same machine (or the machine was not recorded "
+                      "for some): tokens/s and the equal-time comparison mix machines.**"]
+    return lines
 
 
 def _difference_cells(row: dict[str, Any], metric: str, baseline: str) -> list[str]:
@@ -131,8 +262,8 @@ def _attention_text(att: dict[str, Any]) -> str:
 
 
 def plot(table: dict[str, Any], out: Path) -> list[Path]:
-    """Three figures with matplotlib's object API (no global backend switch): ``valid_curves.png``,
-    ``quality_vs_params.png`` and, when the study has MoA rows, ``quality_vs_experts.png``."""
+    """Four figures with matplotlib's object API (no global backend switch): ``valid_curves.png`` (against
+    steps), ``valid_curves_time.png`` (against wall-clock seconds), ``quality_vs_params.png`` and, when the study has MoA rows, ``quality_vs_experts.png``."""
     from matplotlib.figure import Figure
 
     main = "bleu" if "bleu" in table["metrics"] else "valid_nll"
@@ -158,6 +289,27 @@ def plot(table: dict[str, Any], out: Path) -> list[Path]:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     paths.append(_save(fig, out / "valid_curves.png"))
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    colours = {}
+    for row in table["rows"]:
+        curves = table["curves"].get(row["name"], {})
+        times = table.get("curve_times", {}).get(row["name"], {})
+        for seed, curve in curves.items():
+            steps = sorted((int(s) for s in curve if s in times.get(seed, {})))
+            if not steps:
+                continue
+            line, = ax.plot([times[seed][str(s)] for s in steps], [curve[str(s)] for s in steps], lw=1,
+                            color=colours.get(row["name"]), label=None if row["name"] in colours else row["name"])
+            colours[row["name"]] = line.get_color()
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("validation NLL (nats/token)")
+    ax.set_title(f"{table['name']}: one line per seed")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    paths.append(_save(fig, out / "valid_curves_time.png"))
 
     fig = Figure(figsize=(6, 4.5))
     ax = fig.subplots()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..models import AttentionConfig, ModelConfig, analytic_macs, analytic_parameters, get_config
+from ..models import AttentionConfig, ModelConfig, analytic_macs, analytic_parameters
 from ..runs.files import atomic_write
 from .matching import Match, attention_macs_of, match_attention, with_attention
 from .spec import StudySpec
@@ -65,7 +65,7 @@ def macs_lengths(spec: StudySpec, baseline: ModelConfig) -> tuple[int | None, in
 
 def plan(spec: StudySpec) -> list[PlannedRow]:
     """Each row's model config, sized to the baseline's attention MACs (see :mod:`headmix.study.matching`)."""
-    baseline = get_config(spec.baseline, task=spec.task)
+    baseline = spec.baseline_config()
     src_len, tgt_len = macs_lengths(spec, baseline)
     target = attention_macs_of(baseline, src_len, tgt_len)
     rows = []
@@ -107,6 +107,8 @@ class RunResult:
     evaluation: dict[str, Any] = field(default_factory=dict)
     #: validation NLL by step (the periodic validations of metrics.jsonl)
     curve: dict[int, float] = field(default_factory=dict)
+    #: training wall-clock seconds at each step of ``curve`` (:func:`validation_times`)
+    curve_times: dict[int, float] = field(default_factory=dict)
 
 
 def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False,
@@ -122,6 +124,10 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
     planned = plan(spec)
     out.mkdir(parents=True, exist_ok=True)
     _write_plan(spec, planned, out)
+    missing = [p for p in spec.data if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"study {spec.name}: data file not found: {missing[0]} (give the corpus with "
+                                f"--data FILE{'; ' + spec.data_note if spec.data_note else ''})")
     tokenizer = prepare_shared_tokenizer(spec, out, log)
     results: list[RunResult] = []
     for seed in spec.seeds:
@@ -133,17 +139,58 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                 config_path = out / "configs" / f"{slug(row.name)}.json"
                 cfg = TrainConfig(task=spec.task, preset=str(config_path), out=str(folder), data=list(spec.data),
                                   seed=seed, split_seed=spec.split_seed, tokenizer=str(tokenizer),
-                                  max_steps=spec.max_steps, progress=progress, **spec.training)
+                                  shared_data=str(tokenizer.parent), max_steps=spec.max_steps, progress=progress,
+                                  **spec.training)
                 summary = train(cfg, stop=stop)
                 if not summary_path.is_file():  # stopped before the end: the run resumes next time
                     return results
-            summary = json.loads(summary_path.read_text())
-            evaluation = _evaluate(spec, folder, log)
-            results.append(RunResult(row.name, seed, str(folder.relative_to(out)), summary, evaluation,
-                                     validation_curve(folder)))
+            if spec.drop_checkpoints:
+                drop_checkpoints(folder, log)
+            results.append(read_result(spec, row.name, seed, out, log))
             if on_result is not None:
                 on_result(results)
     return results
+
+
+def read_result(spec: StudySpec, row: str, seed: int, out: Path, log: Callable[[str], None] = print) -> RunResult:
+    """The result of the finished run of ``row`` and ``seed`` in the study folder ``out``."""
+    folder = out / "runs" / slug(row) / f"seed-{seed}"
+    summary = json.loads((folder / "summary.json").read_text())
+    return RunResult(row, seed, str(folder.relative_to(out)), summary, _evaluate(spec, folder, log),
+                     validation_curve(folder), validation_times(folder))
+
+
+def finished_results(spec: StudySpec, out: str | os.PathLike, log: Callable[[str], None] = print) -> list[RunResult]:
+    """The results of the study's finished runs in ``out``, training nothing (``headmix study --report``)."""
+    out = Path(out)
+    if not (out / "study.json").is_file():
+        raise FileNotFoundError(f"{out} holds no study (no study.json)")
+    check_plan(spec, plan(spec), out)
+    return [read_result(spec, row.name, seed, out, log) for seed in spec.seeds for row in spec.rows
+            if (out / "runs" / slug(row.name) / f"seed-{seed}" / "summary.json").is_file()]
+
+
+def drop_checkpoints(folder: Path, log: Callable[[str], None]) -> list[Path]:
+    """Remove the checkpoints of the finished run ``folder`` (its final model, summary and metrics stay), for a
+    study that keeps only what it reports (``drop_checkpoints = true``). Only a run that finished (its summary
+    and final model exist) and only the checkpoint folders the run wrote itself are removed, under the run's
+    lock; anything else in the folder is left alone."""
+    import shutil
+
+    from ..runs import FINAL_FILES, Run
+
+    run = Run(folder)
+    if not run.summary_path.is_file() or not all((folder / f).is_file() for f in FINAL_FILES):
+        return []
+    with run:
+        dropped = run.checkpoints()
+        for path in dropped:
+            shutil.rmtree(path)
+        if run.checkpoints_dir.is_dir() and not any(run.checkpoints_dir.iterdir()):
+            run.checkpoints_dir.rmdir()
+    if dropped:
+        log(f"study: removed {len(dropped)} checkpoint(s) of the finished run {folder}")
+    return dropped
 
 
 def prepare_shared_tokenizer(spec: StudySpec, out: Path, log: Callable[[str], None]) -> Path:
@@ -185,8 +232,43 @@ def validation_curve(folder: Path) -> dict[int, float]:
             if r.get("split") == "valid" and "averaged" not in r and "nll" in r}
 
 
-def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
-    """``study.json`` and ``configs/ROW.json``; a rerun with another spec in the same folder is refused."""
+def validation_times(folder: Path) -> dict[int, float]:
+    """The training wall-clock seconds at each periodic validation of a run: a validation record's own
+    ``time`` when it has one, else (metrics.jsonl of older runs: ``time`` only on train records) the time of
+    the train records interpolated linearly in the step (the run starts at step 0, time 0; a step past the
+    last train record takes that record's time)."""
+    from ..training.metrics import read_metrics
+
+    records = read_metrics(folder)
+    train = sorted((r["step"], r["time"]) for r in records if r.get("split") == "train" and "time" in r)
+    steps = [0] + [s for s, _ in train]
+    times = [0.0] + [t for _, t in train]
+    result = {}
+    for r in records:
+        if r.get("split") != "valid" or "averaged" in r or "nll" not in r:
+            continue
+        result[r["step"]] = r["time"] if "time" in r else interpolate(steps, times, r["step"], clamp=True)
+    return result
+
+
+def interpolate(xs: list[float], ys: list[float], x: float, *, clamp: bool = False) -> float | None:
+    """``y`` at ``x`` on the polyline through ``(xs, ys)`` (``xs`` increasing); outside ``[xs[0], xs[-1]]``:
+    the end value with ``clamp``, else ``None``."""
+    if not xs:
+        return None
+    if x < xs[0] or x > xs[-1]:
+        if not clamp:
+            return None
+        return ys[0] if x < xs[0] else ys[-1]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[0]
+
+
+def check_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> dict[str, Any]:
+    """``study.json``'s record of ``spec``; ``ValueError`` when ``out`` holds another study."""
     record = {"spec": spec.to_dict(), "rows": [r.to_dict() for r in planned]}
     path = out / "study.json"
     if path.is_file():
@@ -194,6 +276,13 @@ def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
         if stored.get("rows") != record["rows"] or _comparable(stored.get("spec", {})) != _comparable(record["spec"]):
             raise ValueError(f"{out} holds another study ({path}): use another --out, or the same spec "
                              f"(only seeds may be added)")
+    return record
+
+
+def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
+    """``study.json`` and ``configs/ROW.json``; a rerun with another spec in the same folder is refused."""
+    record = check_plan(spec, planned, out)
+    path = out / "study.json"
     for row in planned:
         target = out / "configs" / f"{slug(row.name)}.json"
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -203,6 +292,13 @@ def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
     atomic_write(path, json.dumps(record, indent=2) + "\n")
 
 
+#: Spec fields that do not define a study: adding seeds extends it; where it runs, whether it compiles and
+#: whether it keeps checkpoints do not change what it measures (the report states each run's machine).
+NOT_DEFINING = ("seeds", "drop_checkpoints", "data_note", "gpu")
+NOT_DEFINING_TRAINING = ("device", "compile", "progress")
+
+
 def _comparable(spec: dict[str, Any]) -> dict[str, Any]:
-    # Adding seeds to a study extends it; every other field defines it.
-    return {k: v for k, v in spec.items() if k != "seeds"}
+    kept = {k: v for k, v in spec.items() if k not in NOT_DEFINING}
+    kept["training"] = {k: v for k, v in spec.get("training", {}).items() if k not in NOT_DEFINING_TRAINING}
+    return kept

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..models import get_config
+from ..models import ModelConfig, get_config
 from .matching import SOLVABLE
 
 #: TrainConfig options a spec may not set: the study sets them itself for every run.
@@ -70,8 +70,9 @@ class StudySpec:
     name: str
     #: translation, mlm or lm
     task: str
-    #: preset name or JSON model config: the model every row shares; its attention is the baseline's
-    baseline: str
+    #: preset name, JSON model config file, or a model config given inline (a table / dict): the model every
+    #: row shares; its attention is the baseline's
+    baseline: str | dict[str, Any]
     rows: list[RowSpec]
     #: seeds of every row (initialisation, batch order, dropout); at least 3 for an interval worth reading
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
@@ -90,15 +91,23 @@ class StudySpec:
     #: translation: test sentences scored with BLEU per run (beam 1 keeps the study affordable)
     bleu_sentences: int = 300
     bleu_beam: int = 1
-    #: other TrainConfig options, the same for every run
+    #: other TrainConfig options, the same for every run (``device``, ``bf16`` and ``compile`` included)
     training: dict[str, Any] = field(default_factory=dict)
+    #: remove each run's checkpoints once it has finished (its final model, metrics and summary stay): a
+    #: study that only needs the summaries keeps its folder small
+    drop_checkpoints: bool = False
+    #: where the corpus comes from, for the message when a data file is missing (``headmix data ...``)
+    data_note: str = ""
+    #: "": a study sized for the CPU; else that it wants a GPU and roughly how long a row takes on one H100,
+    #: with how that was found (measured or estimated), for ``headmix study --list``
+    gpu: str = ""
 
     def validate(self) -> None:
         from ..tasks import TASKS  # the task registry
 
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {tuple(TASKS)}, got {self.task!r}")
-        get_config(self.baseline, task=self.task)  # a clear error for a bad baseline
+        self.baseline_config()  # a clear error for a bad baseline
         if not self.rows:
             raise ValueError("rows must list at least the baseline row")
         if self.rows[0].attention or self.rows[0].solve:
@@ -116,9 +125,31 @@ class StudySpec:
             raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
         if not 0 < self.tolerance < 1:
             raise ValueError(f"tolerance must be in (0, 1), got {self.tolerance!r}")
+        if not isinstance(self.drop_checkpoints, bool):
+            raise ValueError(f"drop_checkpoints must be true or false, got {self.drop_checkpoints!r}")
         owned = sorted(set(self.training) & set(STUDY_OWNED + ("max_steps", "split_seed")))
         if owned:
             raise ValueError(f"training must not set {owned}: the study sets them for every run")
+
+    def baseline_config(self) -> ModelConfig:
+        """The baseline's model config (a preset, a JSON file, or the inline config)."""
+        if isinstance(self.baseline, dict):
+            try:
+                config = ModelConfig.from_dict(self.baseline)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"baseline: not a model config: {err}") from None
+            if config.task != self.task:
+                raise ValueError(f"baseline is a {config.task!r} model, the study's task is {self.task!r}")
+            return config
+        return get_config(self.baseline, task=self.task)
+
+    @property
+    def baseline_name(self) -> str:
+        """The baseline for a report: its preset or file name, or a short description of an inline config."""
+        if isinstance(self.baseline, dict):
+            b = self.baseline
+            return f"inline config: d_model {b.get('d_model')}, {b.get('decoder_layers') or b.get('encoder_layers')} layers"
+        return str(self.baseline)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], base_dir: str | os.PathLike | None = None) -> StudySpec:

@@ -9,6 +9,7 @@ task is one new module that subclasses :class:`Task` and calls :func:`headmix.ta
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,10 @@ from typing import Any, ClassVar, Iterable, Sequence
 import torch
 
 from ..data import ReadReport, Split, TokenBatchSampler, Tokenizer
+
+#: ``RUN/data/SHARED_SPLITS``: the run read its splits from a shared folder (a study's ``shared/``), whose
+#: ``data/`` this file names relative to ``RUN/data`` (``{"data": "../../../shared/data"}``)
+SHARED_SPLITS = "shared.json"
 
 
 @dataclass
@@ -87,6 +92,16 @@ class Task:
 
     def split_path(self, data_dir: str | os.PathLike, split: str) -> Path:
         return Path(data_dir) / f"{split}.{self.data_extension}"
+
+    def stored_split(self, run_dir: str | os.PathLike, split: str) -> Path:
+        """The split a run trained with: ``RUN/data/SPLIT.EXT``, or the shared folder's that
+        ``RUN/data/shared.json`` names (a study's runs keep no copy of the splits)."""
+        data_dir = Path(run_dir) / "data"
+        own = self.split_path(data_dir, split)
+        pointer = data_dir / SHARED_SPLITS
+        if own.is_file() or not pointer.is_file():
+            return own
+        return self.split_path(data_dir / json.loads(pointer.read_text())["data"], split)
 
     # ------------------------------------------------------------------------------------------ batches
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..data import (
@@ -51,7 +50,7 @@ class LanguageModelTask(Task):
     def evaluate(self, run: Any, options: EvaluationOptions) -> dict[str, Any]:
         """Perplexity on one of the run's document splits (masked LM: over the masked positions of one
         seeded masking, as RoBERTa reports it)."""
-        docs = self.read_items(self.split_path(Path(run.path) / "data", options.split))
+        docs = self.read_items(self.stored_split(run.path, options.split))
         if options.limit is not None:
             docs = docs[:options.limit]
         seed, max_len = run.train_config["seed"], run.train_config["max_len"]

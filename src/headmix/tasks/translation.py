@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..data import (
@@ -67,7 +66,7 @@ class TranslationTask(Task):
 
     def evaluate(self, run: Any, options: EvaluationOptions) -> dict[str, Any]:
         """Beam-search translations of the split's sources, scored against its targets (BLEU, chrF)."""
-        pairs = self.read_items(self.split_path(Path(run.path) / "data", options.split))
+        pairs = self.read_items(self.stored_split(run.path, options.split))
         if options.limit is not None:
             pairs = pairs[:options.limit]
         hyps = translate(run.model, run.tokenizer, [p.src for p in pairs], beam_size=options.beam_size,

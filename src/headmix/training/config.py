@@ -48,6 +48,9 @@ class TrainConfig:
     tgt_lang: str = option("de", "target language (translation)")
     strict: bool = option(False, "a malformed input line is an error")
     tokenizer: str | None = option(None, "use this tokenizer folder instead of training one")
+    shared_data: str | None = option(None, "read the splits (and cached token ids) of this folder, prepared once "
+                                           "for several runs (a study's shared/), instead of splitting the corpus "
+                                           "into the run folder; it must come from the same data and split")
     vocab_size: int = option(8000, "size of the BPE vocabulary trained on the train split")
     valid_size: float = option(0.02, "held-out fraction for validation, in [0, 1)")
     test_size: float = option(0.02, "held-out fraction for test, in [0, 1)")
@@ -135,6 +138,9 @@ class TrainConfig:
         for p in self.data:
             if not Path(p).is_file():
                 raise FileNotFoundError(f"data file not found: {p}")
+        if self.shared_data is not None and not (Path(self.shared_data) / "train_config.json").is_file():
+            raise FileNotFoundError(f"shared_data {self.shared_data} is not a folder of shared splits (no "
+                                    f"train_config.json)")
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise FileNotFoundError(f"tokenizer not found: {self.tokenizer}")
         if Path(self.out).exists() and not Path(self.out).is_dir():

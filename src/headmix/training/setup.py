@@ -4,6 +4,8 @@ config, bf16 autocast, the optimizer and the learning-rate schedule."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +27,8 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
     from ..runs import atomic_output
 
     task = cfg.task_spec
+    if cfg.shared_data is not None:
+        return read_shared_splits(cfg, run, log)
     files = {s: task.split_path(run.data_dir, s) for s in SPLITS}
     if all(f.is_file() for f in files.values()) and (run.tokenizer_dir / "tokenizer.json").is_file():
         return {s: task.read_items(f) for s, f in files.items()}, Tokenizer.load(run.tokenizer_dir)
@@ -55,6 +59,74 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
         run.save_tokenizer(tok)
     log(f"data: {split.sizes.as_dict()}, vocabulary {tok.vocab_size}")
     return parts, tok
+
+
+#: The options that decide the splits: a run reads a shared folder's splits only when they agree.
+SPLIT_OPTIONS = ("task", "data", "src_lang", "tgt_lang", "strict", "valid_size", "test_size")
+
+
+def read_shared_splits(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dict[str, list], Tokenizer]:
+    """The splits of the folder ``cfg.shared_data`` (written once by :func:`prepare_shared_data`), after checking
+    that they come from this run's corpus and split options; the run folder gets no copy of them. A run that
+    already stored its own splits (started before it shared) keeps reading those."""
+    from ..runs import Run, atomic_write
+    from ..tasks.base import SHARED_SPLITS
+
+    task = cfg.task_spec
+    own = {s: task.split_path(run.data_dir, s) for s in SPLITS}
+    shared = Run(cfg.shared_data)
+    if all(f.is_file() for f in own.values()) and (run.tokenizer_dir / "tokenizer.json").is_file():
+        return {s: task.read_items(f) for s, f in own.items()}, Tokenizer.load(run.tokenizer_dir)
+    stored = shared.read_config()
+    mine = {**{k: getattr(cfg, k) for k in SPLIT_OPTIONS}, "data": [str(Path(p).expanduser().resolve()) for p in cfg.data]}
+    for key in SPLIT_OPTIONS:
+        theirs = stored.get(key)
+        if theirs != mine[key]:
+            raise ValueError(f"shared_data {cfg.shared_data} was split with {key}={stored.get(key)!r}, this run "
+                             f"has {key}={mine[key]!r}: give the folder prepared for this data")
+    theirs_seed = stored.get("split_seed") if stored.get("split_seed") is not None else stored.get("seed")
+    if theirs_seed != cfg.resolved_split_seed:
+        raise ValueError(f"shared_data {cfg.shared_data} was split with split_seed={theirs_seed!r}, this run has "
+                         f"split_seed={cfg.resolved_split_seed!r}")
+    files = {s: task.split_path(shared.data_dir, s) for s in SPLITS}
+    missing = [str(f) for f in files.values() if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"shared_data {cfg.shared_data} lacks its splits: {', '.join(missing)}")
+    tok = Tokenizer.load(cfg.tokenizer) if cfg.tokenizer else Tokenizer.load(shared.tokenizer_dir)
+    if not (run.tokenizer_dir / "tokenizer.json").is_file():
+        run.save_tokenizer(tok)  # the run folder stays loadable on its own (evaluate, analyze)
+    pointer = run.data_dir / SHARED_SPLITS
+    if not pointer.is_file():  # where evaluate and analyze find the splits (Task.stored_split)
+        atomic_write(pointer, json.dumps({"data": os.path.relpath(shared.data_dir.resolve(),
+                                                                  run.data_dir.resolve())}) + "\n")
+    return {s: task.read_items(f) for s, f in files.items()}, tok
+
+
+def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, tokenizer_file: Path):
+    """``task.dataset(items, tok, max_len)``, tokenised once per shared folder: with ``cfg.shared_data`` the
+    dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, the tokenizer's checksum and the
+    headmix version, as a pickle: only a folder this function wrote is read back, so never point
+    ``shared_data`` at a folder from an untrusted source) and read back by the next run. Without it,
+    tokenised here as before."""
+    import pickle
+
+    from .. import __version__
+    from ..runs import atomic_output
+    from ..runs.run import content_sha256
+
+    task = cfg.task_spec
+    if cfg.shared_data is None:
+        return task.dataset(items, tok, cfg.max_len)
+    digest = content_sha256(tokenizer_file)[:16]
+    path = Path(cfg.shared_data) / "tokenized" / f"{split}-len{cfg.max_len}-{digest}-v{__version__}.pkl"
+    if path.is_file():
+        with open(path, "rb") as f:
+            return pickle.load(f)  # written by this function in the study's own folder
+    dataset = task.dataset(items, tok, cfg.max_len)
+    with atomic_output(path) as tmp:
+        with open(tmp, "wb") as f:
+            pickle.dump(dataset, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return dataset
 
 
 def prepare_shared_data(cfg: TrainConfig, log: Callable[[str], None]) -> Path:

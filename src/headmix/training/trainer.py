@@ -24,7 +24,8 @@ from ..runs import Run, average_checkpoints, rng_state, set_rng_state
 from .config import IDENTITY, TrainConfig, pick_device
 from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
-from .setup import autocast_for, forever, model_config, optimizer_and_schedule, prepare_data
+from .machine import machine_record
+from .setup import autocast_for, cached_dataset, forever, model_config, optimizer_and_schedule, prepare_data
 
 
 class TrainingError(RuntimeError):
@@ -63,10 +64,12 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         torch.manual_seed(cfg.seed)
         model = build_model(mcfg).to(device)
         params = count_parameters(model)
-        train_loader = task.loader(task.dataset(parts["train"], tok, cfg.max_len), tok, max_tokens=cfg.max_tokens,
-                                   train=True, seed=cfg.seed, rank=d.rank, world_size=d.world_size)
-        valid_loader = task.loader(task.dataset(parts["valid"], tok, cfg.max_len), tok, max_tokens=cfg.max_tokens,
-                                   train=False, seed=cfg.seed)
+        tok_file = run.tokenizer_dir / "tokenizer.json"
+        train_loader = task.loader(cached_dataset(cfg, "train", parts["train"], tok, tok_file), tok,
+                                   max_tokens=cfg.max_tokens, train=True, seed=cfg.seed, rank=d.rank,
+                                   world_size=d.world_size)
+        valid_loader = task.loader(cached_dataset(cfg, "valid", parts["valid"], tok, tok_file), tok,
+                                   max_tokens=cfg.max_tokens, train=False, seed=cfg.seed)
         sampler = train_loader.batch_sampler
 
         # Resume: the weights go in before wrapping, the optimizer state after (FSDP needs its params).
@@ -153,8 +156,9 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                                "tokens": tokens_seen * d.world_size, "time": seconds()})
                 window = TrainingWindow()
             if step % cfg.eval_every == 0:
+                reached = seconds()  # the training time of the model validated (the validation not included)
                 valid = validation_loss(model, valid_loader, task, device, autocast)
-                metrics.write({"split": "valid", "step": step, **_numbers(valid)})
+                metrics.write({"split": "valid", "step": step, **_numbers(valid), "time": reached})
             if step % cfg.save_every == 0:
                 save("periodic")
         if progress is not None:
@@ -179,7 +183,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             metrics.write({"split": "valid", "step": step, "averaged": len(averaged), **_numbers(valid)})
             summary = {"preset": cfg.preset, "task": cfg.task, "steps": step, "tokens": tokens_seen * d.world_size,
                        "train_seconds": train_seconds, "parameters": params, "averaged_checkpoints": len(averaged),
-                       "stopped_by": stopped_by, "valid": valid, "world_size": d.world_size}
+                       "stopped_by": stopped_by, "valid": valid, "world_size": d.world_size,
+                       "machine": machine_record(device)}
             run.write_summary(summary)
             log(f"done: {step} steps in {train_seconds:.0f}s, valid loss {valid['loss']:.3f}, ppl {valid['ppl']:.1f}")
         d.barrier()

@@ -1,0 +1,41 @@
+"""What machine a run trained on, recorded in its summary so that a study can tell rows that ran on
+different machines apart (their tokens per second are then not comparable)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else :func:`platform.processor` or the architecture)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_record(device: torch.device) -> dict[str, Any]:
+    """The device a run trained on (the GPU's name for CUDA, the CPU model otherwise), the CPU threads torch
+    used, the CPU count and the torch version."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = cpu_model()
+    return {"device_type": device.type, "device_name": name, "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__}
+
+
+def describe_machine(record: dict[str, Any]) -> str:
+    """One line for a report: ``NVIDIA H100 80GB HBM3 (cuda), 16 threads, torch 2.11.0``."""
+    if not record:
+        return "not recorded"
+    return (f"{record.get('device_name', '?')} ({record.get('device_type', '?')}), {record.get('torch_threads', '?')} "
+            f"threads, torch {record.get('torch', '?')}")
