@@ -109,7 +109,7 @@ def test_custom_ops_opcheck():
     n, k, e, d_in, d_out = 6, 2, 3, 5, 4
     idx, (x, w_map, *_rest) = make_case(n, k, e, d_in, d_out, torch.float32)
     r = expert_routing(idx, e, block_m=16)
-    args = (x, w_map, r.sort_order, r.block_expert, r.block_start, r.offsets, k, 16)
+    args = (x, w_map, r.sort_order, r.offsets, k, 16)
     torch.library.opcheck(grouped_triton.grouped_mm, args)
     grad_y = torch.randn(n * k, d_out)
     torch.library.opcheck(grouped_triton.grouped_mm_wgrad, (x.detach(), grad_y, r.sort_order, r.offsets, k, 16))
