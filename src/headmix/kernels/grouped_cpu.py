@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from .routing_info import ExpertRouting
 
@@ -352,3 +353,32 @@ def sorted_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouti
     """
     _check_chunk_rows(chunk_rows)
     return sorted_reduce_op(h, weight, gates, routing.sort_order, routing.offsets, chunk_rows)
+
+
+# FLOPs for torch.utils.flop_counter.FlopCounterMode (headmix's MAC counts measure with it): 2 per multiply-add,
+# one (S x d_in) @ (d_in x d_out) product per GEMM, S = N*k slots.
+def _gemm_flops(num_slots: int, weight_shape) -> int:
+    return 2 * num_slots * weight_shape[1] * weight_shape[2]
+
+
+@register_flop_formula(torch.ops.headmix.sorted_map)
+def _(x_shape, w_shape, order_shape, *args, out_shape=None, **kwargs) -> int:
+    return _gemm_flops(order_shape[0], w_shape)
+
+
+@register_flop_formula(torch.ops.headmix.sorted_map_backward)
+def _(gy_shape, x_shape, w_shape, order_shape, offsets_shape, top_k, chunk_rows, need_x, need_w, *args,
+      out_shape=None, **kwargs) -> int:
+    return (int(need_x) + int(need_w)) * _gemm_flops(order_shape[0], w_shape)
+
+
+@register_flop_formula(torch.ops.headmix.sorted_reduce)
+def _(h_shape, w_shape, g_shape, order_shape, *args, out_shape=None, **kwargs) -> int:
+    return _gemm_flops(order_shape[0], w_shape)
+
+
+@register_flop_formula(torch.ops.headmix.sorted_reduce_backward)
+def _(gy_shape, h_shape, w_shape, g_shape, order_shape, offsets_shape, chunk_rows, need_h, need_w, need_g, *args,
+      out_shape=None, **kwargs) -> int:
+    return (int(need_h or need_g) + int(need_w)) * _gemm_flops(order_shape[0], w_shape)
+

@@ -60,6 +60,7 @@ import os
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from .routing_info import DEFAULT_BLOCK_M, ExpertRouting
 
@@ -101,6 +102,12 @@ def _kernels():
     from . import _triton_kernels as k
 
     interpreted = not isinstance(k.grouped_mm_kernel, triton.runtime.JITFunction)
+    if interpreted:
+        # Triton imports its gluon package lazily at a kernel's first launch, and that import checks that
+        # TRITON_INTERPRET is still on when triton itself was first imported with it: import it now, while
+        # it is on (the tests switch it on only while the kernels are defined).
+        with contextlib.suppress(ImportError):
+            importlib.import_module("triton.experimental.gluon")
     return k.grouped_mm_kernel, k.grouped_wgrad_kernel, interpreted, tl
 
 
@@ -334,10 +341,11 @@ def _backward(ctx, grad_y):
     if need_x or need_scale:
         # dX_slot[s] = scale[s] dY[s] @ W[e(s)]^T (the forward kernel on the transposed weight view) and
         # d scale[s] = (dY[s] @ W[e(s)]^T) . x[s] in its epilogue
-        if need_scale and ctx.fan_in != 1:
-            raise NotImplementedError("the scale's gradient needs fan_in == 1")
+        partner = None
+        if need_scale:  # x[s // fan_in] as a per-slot view: fan_in copies of each row by a stride-0 expansion
+            partner = x if ctx.fan_in == 1 else x.unsqueeze(-2).expand(*x.shape[:-1], ctx.fan_in, x.shape[-1])
         grad_slot, grad_scale = grouped_mm_input_grad(
-            grad_y, weight, sort_order, offsets, ctx.block_m, scale, x if need_scale else None)
+            grad_y, weight, sort_order, offsets, ctx.block_m, scale, partner)
         if need_x:
             grad_x = grad_slot.view(*x.shape[:-1], ctx.fan_in, x.shape[-1]).sum(-2) if ctx.fan_in > 1 else (
                 grad_slot.view(x.shape))
@@ -347,6 +355,22 @@ def _backward(ctx, grad_y):
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+# FLOPs for torch.utils.flop_counter.FlopCounterMode: 2 per multiply-add of the S x d_in x d_out grouped GEMM.
+@register_flop_formula(torch.ops.headmix.grouped_mm)
+def _(x_shape, w_shape, order_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * order_shape[0] * w_shape[1] * w_shape[2]
+
+
+@register_flop_formula(torch.ops.headmix.grouped_mm_input_grad)
+def _(gy_shape, w_shape, order_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * order_shape[0] * w_shape[1] * w_shape[2]
+
+
+@register_flop_formula(torch.ops.headmix.grouped_mm_wgrad)
+def _(x_shape, gy_shape, order_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * order_shape[0] * x_shape[-1] * gy_shape[-1]
 
 
 def _device_guard(t: Tensor):
@@ -381,3 +405,13 @@ def triton_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouti
     num_tokens, top_k = gates.shape
     z = grouped_mm(h, weight, routing.sort_order, routing.offsets, 1, _block_m(routing), gates.reshape(-1))
     return z.view(num_tokens, top_k, weight.shape[2]).sum(1)
+
+
+def triton_map_weighted(x: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouting, groups: int) -> Tensor:
+    """``y[n, g] = sum_{j of group g} gates[n, j] (x[n] @ W[e(n, j)])`` -> (N, groups, d_out), the gate
+    weighting in the kernel's epilogue (its gradient a row-dot in the backward kernel), then one reduction
+    over the adjacent slots of each group."""
+    num_tokens, top_k = gates.shape
+    y = grouped_mm(x, weight, routing.sort_order, routing.offsets, top_k, _block_m(routing), gates.reshape(-1))
+    return y.view(num_tokens, groups, top_k // groups, weight.shape[2]).sum(2)
+
