@@ -14,7 +14,8 @@ grouped projections (MoA eq. 10 + 12: map + reduce, N tokens, k 8) for each ``ex
 
 Layers come from :data:`LAYERS` (one table). Peers: Hugging Face ``JetMoeAttention`` (from ``transformers``,
 when it is importable) and the SwitchHead authors' layer with their ``cvmm`` Triton kernels (CUDA only), when
-their source is in ``.peers/switchhead`` (``--peers DIR``; docs/performance.md says how to fetch it). Peers
+their repository is in ``.peers/switchhead`` (its ``switchhead/`` package inside; ``--peers DIR``;
+docs/performance.md says how to fetch it). Peers
 are loaded from there for the benchmark only, never into the package.
 """
 
@@ -286,7 +287,7 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--tokens", type=int, default=32768, help="N of the grouped-projection table")
     p.add_argument("--repeats", type=int, default=11)
-    p.add_argument("--peers", default=PEERS_DIR, help="folder holding the peers' sources (switchhead/)")
+    p.add_argument("--peers", default=PEERS_DIR, help="folder holding the peers' repositories (switchhead/)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (batch 1 x 16, d_model 64, N 64, 1 repeat): "
                    "exercises the code path, e.g. on CPU in the tests")
     p.add_argument("--no-triton", action="store_true", help="leave out the rows that need the Triton kernels "
@@ -309,9 +310,9 @@ def main(argv=None) -> int:
         print("error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    peers = os.path.abspath(args.peers)
-    if os.path.isdir(peers) and peers not in sys.path:
-        sys.path.append(peers)  # the benchmark's own process only
+    authors = os.path.abspath(os.path.join(args.peers, "switchhead"))  # the repository's root: switchhead/ inside
+    if os.path.isdir(authors) and authors not in sys.path:
+        sys.path.append(authors)  # the benchmark's own process only
     if device.type == "cuda":
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     out = []
