@@ -25,6 +25,8 @@ With slots ``s`` sorted by expert (``sort_order``), ``e(s)`` the expert of slot
 * ``grouped_mm_kernel``: ``Y[s] = scale[s] * (A[r(s)] @ W[e(s)])`` (``HAS_SCALE``),
   and optionally (``ROWDOT``) ``D[tile, s] = sum_{cols of tile} (A[r(s)] @ W[e(s)]) * H[s]``
   before the scaling: the gate gradient of the reduce (MoA eq. 6) as a row-dot.
+* ``SLOTS_BUCKET`` (unused by the code): the number of slots rounded up to a power of two, a key of the
+  autotuner (:mod:`.grouped_triton`), so that a new batch size within the bucket does not re-tune.
 * ``grouped_wgrad_kernel``: ``DW[split, e] = sum_{s of e in split} (scale[s] A[r(s)])^T DY[s]``;
   program ``(expert * num_splits + split, d_in tile, d_out tile)`` loops over its
   share of the expert's slots (cut into ``num_splits`` chunks of whole blocks).
@@ -72,7 +74,7 @@ def grouped_mm_kernel(
     a_l1, a_l2, a_s0, a_s1, a_s2, stride_ak,
     stride_we, stride_wk, stride_wn, stride_ym, stride_yn,
     h_l1, h_l2, h_s0, h_s1, h_s2, stride_hn, stride_dt,
-    num_experts, K, N,
+    num_experts, K, N, SLOTS_BUCKET,
     FAN_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     E_PAD: tl.constexpr, HAS_SCALE: tl.constexpr, ROWDOT: tl.constexpr,
     ACC_TYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -127,7 +129,7 @@ def grouped_wgrad_kernel(
     a_l1, a_l2, a_s0, a_s1, a_s2, stride_ak,
     dy_l1, dy_l2, dy_s0, dy_s1, dy_s2, stride_dyn,
     stride_ws, stride_we, stride_wk, stride_wn,
-    K, N, num_splits,
+    K, N, num_splits, SLOTS_BUCKET,
     FAN_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, ACC_TYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):

@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import math
 import os
 
@@ -109,6 +110,85 @@ def _kernels():
         with contextlib.suppress(ImportError):
             importlib.import_module("triton.experimental.gluon")
     return k.grouped_mm_kernel, k.grouped_wgrad_kernel, interpreted, tl
+
+
+# ------------------------------------------------------------------------------------------ autotuning
+#: Hopper search space of the grouped GEMM (issue 19): BLOCK_M x BLOCK_N x BLOCK_K x warps x stages, and
+#: smaller row blocks for few slots (decoding). Not yet measured on a GPU: the space is the issue's, the
+#: choice is the autotuner's, per problem (see :func:`_tuning_key`).
+TUNE_BLOCK_M = (64, 128)
+TUNE_BLOCK_N = (64, 128)
+TUNE_BLOCK_K = (32, 64)
+TUNE_WARPS = (4, 8)
+TUNE_STAGES = (3, 4)
+#: Row blocks tried too when the slots (rounded up to a power of two) are at most :data:`SMALL_SLOTS`.
+SMALL_BLOCK_M = (16, 32)
+SMALL_SLOTS = 1024
+
+
+def tuning_space(vary_n: bool, vary_k: bool) -> list[dict]:
+    """The configurations tried: dicts of the varied meta-parameters plus ``num_warps`` / ``num_stages``.
+    ``vary_n`` / ``vary_k`` False keep BLOCK_N / BLOCK_K to the caller (when an output's shape depends on it)."""
+    space = []
+    for m in SMALL_BLOCK_M + TUNE_BLOCK_M:
+        for n in TUNE_BLOCK_N if vary_n else (None,):
+            for kk in TUNE_BLOCK_K if vary_k else (None,):
+                for warps in TUNE_WARPS:
+                    for stages in TUNE_STAGES:
+                        meta = {"BLOCK_M": m}
+                        if n is not None:
+                            meta["BLOCK_N"] = n
+                        if kk is not None:
+                            meta["BLOCK_K"] = kk
+                        space.append({"meta": meta, "num_warps": warps, "num_stages": stages})
+    return space
+
+
+def prune_for_slots(block_ms: list[int], slots_bucket: int) -> list[bool]:
+    """Which row-block sizes to try for ``slots_bucket`` slots: the small ones only up to
+    :data:`SMALL_SLOTS`, and none larger than the bucket (but always the smallest of the large ones)."""
+    keep = []
+    for m in block_ms:
+        if m in SMALL_BLOCK_M:
+            keep.append(slots_bucket <= SMALL_SLOTS)
+        else:
+            keep.append(m <= max(slots_bucket, min(TUNE_BLOCK_M)))
+    return keep
+
+
+def slots_bucket(num_slots: int) -> int:
+    return 1 << max(num_slots - 1, 0).bit_length()
+
+
+def autotune_enabled() -> bool:
+    """Autotuning runs for the compiled kernels unless ``HEADMIX_TRITON_AUTOTUNE=0``; never in the
+    interpreter (one configuration, the one of :func:`_config`)."""
+    return os.environ.get("HEADMIX_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@functools.cache
+def _tuned(kind: str):
+    """The autotuned kernel ``kind`` ("mm": BLOCK_M/N/K varied; "mm_fixed_n": BLOCK_N given by the caller,
+    for the row-dot whose partial sums are per BLOCK_N tile; "wgrad": BLOCK_M varied, tiles given), or None
+    in the interpreter or with autotuning off. The chosen configurations are kept by Triton
+    (``cache_results=True``: its cache directory, per device and key), so a later run does not re-tune."""
+    mm_kernel, wgrad_kernel, interpreted, _ = _kernels()
+    if interpreted or not autotune_enabled():
+        return None
+    import triton
+
+    vary_n, vary_k = kind == "mm", kind != "wgrad"
+    configs = [triton.Config(c["meta"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+               for c in tuning_space(vary_n, vary_k)]
+
+    def prune(configs, named_args, **kwargs):
+        keep = prune_for_slots([c.kwargs["BLOCK_M"] for c in configs], named_args["SLOTS_BUCKET"])
+        return [c for c, k in zip(configs, keep) if k]
+
+    key = ["SLOTS_BUCKET", "K", "N", "FAN_IN", "HAS_SCALE"] + (["ROWDOT", "num_experts"] if kind != "wgrad" else [])
+    options = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
+                           **options)(wgrad_kernel if kind == "wgrad" else mm_kernel)
 
 
 def kernels_interpreted() -> bool:
@@ -196,18 +276,30 @@ def _launch_mm(a: Tensor, weight: Tensor, sort_order: Tensor, offsets: Tensor, f
     if k_dim == 0:
         return y.zero_(), dots.zero_()
     h = rowdot if rowdot is not None else a
+    args = (
+        a, weight, y, scale if scale is not None else a, h, dots if rowdot is not None else a,
+        sort_order, offsets,
+        *_lead(a), a.stride(-1),
+        weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), y.stride(1),
+        *_lead(h), h.stride(-1), dots.stride(0) if rowdot is not None else 0,
+        num_experts, k_dim, n_dim, slots_bucket(num_slots),
+    )
+    flags = {"FAN_IN": fan_in, "E_PAD": _e_pad(num_experts), "HAS_SCALE": scale is not None,
+             "ROWDOT": rowdot is not None, "ACC_TYPE": cfg["ACC_TYPE"], "INPUT_PRECISION": cfg["INPUT_PRECISION"],
+             "UPCAST": cfg["UPCAST"]}
+    tuned = _tuned("mm_fixed_n" if rowdot is not None else "mm") if block_m == 0 else None
     with _device_guard(a):
-        grid = (_num_row_blocks(num_slots, num_experts, block_m), tiles)
-        mm_kernel[grid](
-            a, weight, y, scale if scale is not None else a, h, dots if rowdot is not None else a,
-            sort_order, offsets,
-            *_lead(a), a.stride(-1),
-            weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), y.stride(1),
-            *_lead(h), h.stride(-1), dots.stride(0) if rowdot is not None else 0,
-            num_experts, k_dim, n_dim,
-            FAN_IN=fan_in, BLOCK_M=block_m, E_PAD=_e_pad(num_experts),
-            HAS_SCALE=scale is not None, ROWDOT=rowdot is not None, **cfg, **_launch_opts(a.device),
-        )
+        if tuned is None:
+            bm = block_m or DEFAULT_BLOCK_M
+            grid = (_num_row_blocks(num_slots, num_experts, bm), tiles)
+            mm_kernel[grid](*args, **flags, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                            **_launch_opts(a.device))
+        elif rowdot is not None:  # the partial row-dots are per BLOCK_N tile: BLOCK_N stays ours
+            tuned[lambda meta: (_num_row_blocks(num_slots, num_experts, meta["BLOCK_M"]), tiles)](
+                *args, **flags, BLOCK_N=cfg["BLOCK_N"])
+        else:
+            tuned[lambda meta: (_num_row_blocks(num_slots, num_experts, meta["BLOCK_M"]),
+                                triton_cdiv(n_dim, meta["BLOCK_N"]))](*args, **flags)
     return y, dots
 
 
@@ -224,7 +316,8 @@ def grouped_mm(
     """``Y[s] = scale[s] * (x[s // fan_in] @ weight[e(s)])`` for the S = len(sort_order) slots, in slot order.
 
     ``x``: (R, d_in) rows, or (R0, R1, d_in) / (R0, R1, R2, d_in) read in place (any strides) with its leading
-    dims flattened to rows; ``scale``: (S,) per-slot factors in slot order, or None.
+    dims flattened to rows; ``scale``: (S,) per-slot factors in slot order, or None; ``block_m``: rows per
+    program, 0 to let the autotuner choose (:func:`_tuned`; :data:`DEFAULT_BLOCK_M` in the interpreter).
     """
     return _launch_mm(x, weight, sort_order, offsets, fan_in, block_m, scale, None)[0]
 
@@ -303,18 +396,25 @@ def grouped_mm_wgrad(
         return dw.zero_()
     cfg = _config(x.dtype, k_dim, n_dim, tl, x.device)
     tiles = (triton_cdiv(k_dim, cfg["BLOCK_K"]), triton_cdiv(n_dim, cfg["BLOCK_N"]))
-    splits = num_splits or wgrad_splits(sort_order.shape[0], num_experts, tiles[0] * tiles[1], block_m, x.device)
+    splits = num_splits or wgrad_splits(sort_order.shape[0], num_experts, tiles[0] * tiles[1],
+                                        block_m or DEFAULT_BLOCK_M, x.device)
     # partial sums are kept in the accumulator's precision
     out = dw if splits == 1 else x.new_empty(splits, num_experts, k_dim, n_dim, dtype=_partial_dtype(x.dtype))
     stride_split = 0 if splits == 1 else out.stride(0)
+    args = (
+        x, grad_y, scale if scale is not None else x, out, sort_order, offsets,
+        *_lead(x), x.stride(-1), *_lead(grad_y), grad_y.stride(-1),
+        stride_split, out.stride(-3), out.stride(-2), out.stride(-1),
+        k_dim, n_dim, splits, slots_bucket(sort_order.shape[0]),
+    )
+    flags = {"FAN_IN": fan_in, "HAS_SCALE": scale is not None, **cfg}
+    tuned = _tuned("wgrad") if block_m == 0 else None
     with _device_guard(x):
-        wgrad_kernel[(num_experts * splits, *tiles)](
-            x, grad_y, scale if scale is not None else x, out, sort_order, offsets,
-            *_lead(x), x.stride(-1), *_lead(grad_y), grad_y.stride(-1),
-            stride_split, out.stride(-3), out.stride(-2), out.stride(-1),
-            k_dim, n_dim, splits,
-            FAN_IN=fan_in, BLOCK_M=block_m, HAS_SCALE=scale is not None, **cfg, **_launch_opts(x.device),
-        )
+        if tuned is None:
+            wgrad_kernel[(num_experts * splits, *tiles)](*args, **flags, BLOCK_M=block_m or DEFAULT_BLOCK_M,
+                                                         **_launch_opts(x.device))
+        else:
+            tuned[(num_experts * splits, *tiles)](*args, **flags)
     return dw if splits == 1 else out.sum(0).to(dw.dtype)
 
 
@@ -383,7 +483,9 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _block_m(routing: ExpertRouting) -> int:
-    return routing.block_m if routing.block_m is not None else DEFAULT_BLOCK_M
+    """The routing's ``block_m``, or 0: the autotuner chooses (compiled kernels), :data:`DEFAULT_BLOCK_M`
+    in the interpreter."""
+    return routing.block_m if routing.block_m is not None else 0
 
 
 def triton_map(x: Tensor, weight: Tensor, routing: ExpertRouting) -> Tensor:
