@@ -97,3 +97,17 @@ def test_sorted_custom_ops_opcheck():
     r = expert_routing(idx, e)
     torch.library.opcheck(grouped_cpu.sorted_map_op, (x, w_map, r.sort_order, r.offsets, k, None))
     torch.library.opcheck(grouped_cpu.sorted_reduce_op, (h, w_red, gates, r.sort_order, r.offsets, 2))
+
+
+@pytest.mark.parametrize("kind, impl", [("moa", "triton"), ("switchhead", "sorted")])
+def test_dynamic_shapes_compile_once(kind, impl):
+    """With dynamic shapes (what torch.compile switches to after a shape change) three sequence lengths run
+    one graph: the kernels' fake implementations take symbolic sizes."""
+    layer = make_layer(kind, impl)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    for time in (5, 7, 9):
+        x = torch.randn(2, time, D)
+        torch.testing.assert_close(compiled(x, is_causal=True).output, layer(x, is_causal=True).output)
+    assert counter.frame_count == 1
