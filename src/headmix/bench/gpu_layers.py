@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -174,7 +173,13 @@ def _time_ms(fns: dict[str, Callable[[], None]], device: torch.device, repeats: 
     return {name: s * 1000 for name, s in interleaved_timings(fns, repeats, 1, device).items()}
 
 
-def layer_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:
+#: Rows whose failure only leaves them empty (a peer that is absent or differs); any other failing row makes
+#: :func:`main` exit with status 1.
+PEER_ROWS = {"HF JetMoeAttention 8K32E64D (sdpa)", "SwitchHead authors' cvmm 2H4E2K"}
+
+
+def layer_table(args, device: torch.device, dtype: torch.dtype) -> tuple[list[str], list[str]]:
+    """The table's lines and the names of the rows that failed."""
     lines = [f"## one layer fwd+bwd, batch {args.batch} x {args.time}, d_model {args.d_model}, causal, {dtype}, "
              f"{device}; wall = median ms" + ("" if device.type == "cuda" else f" ({machine_load()})"),
              "", "| layer | wall ms | x torch MHA | GPU-busy ms | kernels per step | peak MiB |", "|---|---|---|---|---|---|"]
@@ -197,8 +202,9 @@ def layer_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:
                 step()
                 steps[spec.name] = step
                 continue
-            except (ImportError, AttributeError, TypeError) as err:  # a peer that is absent or differs
-                why = f"unavailable: {type(err).__name__}: {str(err).splitlines()[0][:100]}"
+            except Exception as err:  # noqa: BLE001 - a peer that is absent or differs, or a failing row:
+                # the other rows are still measured, and main() exits with status 1
+                why = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
         rows[spec.name] = {"skip": why}
     for name, step in steps.items():
         row = rows.setdefault(name, {})
@@ -214,6 +220,7 @@ def layer_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:
             row["kernels"] = _aten_ops(step)
     for name, ms in _time_ms(steps, device, args.repeats).items():
         rows[name]["ms"] = ms
+    failed = [name for name, r in rows.items() if r.get("skip", "").startswith("failed")]
     base = rows.get(LAYERS[0].name, {}).get("ms")
     for spec in LAYERS:
         r = rows[spec.name]
@@ -224,7 +231,7 @@ def layer_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:
         busy = f"{r['busy']:.2f}" if "busy" in r else ""
         peak = f"{r['peak']:.0f}" if "peak" in r else ""
         lines.append(f"| {spec.name} | {r['ms']:.3f} | {ratio} | {busy} | {r['kernels']:.0f} | {peak} |")
-    return lines
+    return lines, failed
 
 
 def grouped_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -315,13 +322,17 @@ def main(argv=None) -> int:
         sys.path.append(authors)  # the benchmark's own process only
     if device.type == "cuda":
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    out = []
+    out, failed = [], []
     if not args.skip_layers:
-        out += layer_table(args, device, dtype) + [""]
+        lines, failed = layer_table(args, device, dtype)
+        out += lines + [""]
     if not args.skip_grouped:
         out += grouped_table(args, device, dtype)
     print("\n".join(out))
-    return 0
+    errors = [name for name in failed if name not in PEER_ROWS]
+    if errors:
+        print(f"error: failed rows: {', '.join(errors)}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -185,7 +185,7 @@ def _tuned(kind: str):
         keep = prune_for_slots([c.kwargs["BLOCK_M"] for c in configs], named_args["SLOTS_BUCKET"])
         return [c for c, k in zip(configs, keep) if k]
 
-    key = ["SLOTS_BUCKET", "K", "N", "FAN_IN", "HAS_SCALE"] + (["ROWDOT", "num_experts"] if kind != "wgrad" else [])
+    key = ["SLOTS_BUCKET", "K", "N", "FAN_IN", "HAS_SCALE"] + (["ROWDOT"] if kind != "wgrad" else [])
     options = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
                            **options)(wgrad_kernel if kind == "wgrad" else mm_kernel)
