@@ -116,6 +116,11 @@ def test_custom_ops_opcheck():
     grad_y = torch.randn(n * k, d_out)
     torch.library.opcheck(grouped_triton.grouped_mm_wgrad, (x.detach(), grad_y, r.sort_order, r.offsets, k, 16))
     torch.library.opcheck(grouped_triton.grouped_mm_wgrad, (x.detach(), grad_y, r.sort_order, r.offsets, k, 16, 2))
+    # the reduce's form: gates as the per-slot scale (their gradient a row-dot), h (N, k, d_in) read in place
+    h, w_red, gates = _rest
+    torch.library.opcheck(grouped_triton.grouped_mm, (h, w_red, r.sort_order, r.offsets, 1, 16, gates.reshape(-1)))
+    torch.library.opcheck(grouped_triton.grouped_mm_input_grad,
+                          (grad_y, w_red.detach(), r.sort_order, r.offsets, 16, gates.detach().reshape(-1), h.detach()))
 
 
 def test_torch_compile_traces_custom_ops():
