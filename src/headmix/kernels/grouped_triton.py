@@ -56,7 +56,6 @@ import contextlib
 import functools
 import importlib.util
 import inspect
-import math
 import os
 
 import torch
@@ -243,10 +242,6 @@ def _lead(t: Tensor) -> tuple[int, int, int, int, int]:
         raise ValueError(f"the kernels read 2- to 4-d operands, got shape {tuple(t.shape)}")
     lead = [(1, 0)] * (3 - len(lead)) + lead
     return lead[1][0], max(lead[2][0], 1), lead[0][1], lead[1][1], lead[2][1]
-
-
-def _rows(t: Tensor) -> int:
-    return math.prod(t.shape[:-1])
 
 
 def _e_pad(num_experts: int) -> int:
