@@ -36,9 +36,10 @@ bench: setup
 	$(BIN)/headmix bench models
 	$(BIN)/headmix bench decode
 
-# On a machine with a CUDA GPU (and a CUDA build of PyTorch): the gpu-marked tests and the GPU benchmarks.
-gpu-check: setup
-	PYTHON=$(BIN)/python benchmarks/gpu_check.sh
+# On a machine with a CUDA GPU: the gpu-marked tests and the GPU benchmarks, with the machine's own python3
+# (CUDA PyTorch and Triton already installed; no venv, no network; headmix from src/). PYTHON=... picks another.
+gpu-check:
+	PYTHON=$(PYTHON) benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

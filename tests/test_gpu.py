@@ -187,6 +187,62 @@ def test_moa_compiles_with_inductor_in_one_graph():
         assert relative_error(a, b) <= 1e-4, f"tensor {i}: {relative_error(a, b):.3g}"
 
 
+@needs_cuda
+@pytest.mark.parametrize("kind", ["moa", "switchhead"])
+def test_training_step_has_no_host_sync(kind):
+    """CUDA's sync debug mode raises on any synchronising call in a fwd+bwd on the Triton path (issue 20)."""
+    from headmix.attention import SwitchHeadAttention
+
+    torch.manual_seed(0)
+    layer = make_moa(expert_impl="triton") if kind == "moa" else SwitchHeadAttention(
+        64, 2, 4, 2, head_dim=24, expert_impl="triton").to(DEVICE)
+    x = torch.randn(2, 64, 64, device=DEVICE, requires_grad=True)
+    outputs_and_grads(layer, x, is_causal=True)  # warm-up: kernel compilation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs_and_grads(layer, x, is_causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_switchhead_triton_matches_reference():
+    """SwitchHead's value mixing (gates in the kernel epilogue) and output reduce (the expanded attention
+    output read in place) against the reference loop, odd head size, cross-attention with padding."""
+    from headmix.attention import SwitchHeadAttention
+
+    def make(impl):
+        torch.manual_seed(0)
+        return SwitchHeadAttention(48, 2, 5, 2, head_dim=23, expert_impl=impl).to(DEVICE)
+
+    x = torch.randn(2, 11, 48, device=DEVICE, requires_grad=True)
+    mem = torch.randn(2, 13, 48, device=DEVICE)
+    pad = torch.zeros(2, 13, dtype=torch.bool, device=DEVICE)
+    pad[1, 9:] = True
+    results = []
+    for impl in ("reference", "triton"):
+        layer = make(impl)
+        out = layer(x, mem, mem, key_padding_mask=pad)
+        loss = out.output.float().square().mean()
+        results.append([out.output.detach(), *torch.autograd.grad(loss, [x, *layer.parameters()])])
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert relative_error(a, b) <= 1e-4, f"tensor {i}: {relative_error(a, b):.3g}"
+
+
+@needs_cuda
+def test_switchhead_compiles_with_inductor_in_one_graph():
+    from headmix.attention import SwitchHeadAttention
+
+    torch.manual_seed(0)
+    layer = SwitchHeadAttention(256, 2, 4, 2, head_dim=64, expert_impl="triton").to(DEVICE)
+    x = torch.randn(2, 128, 256, device=DEVICE, requires_grad=True)
+    want = outputs_and_grads(layer, x, is_causal=True)
+    torch._dynamo.reset()
+    got = outputs_and_grads(torch.compile(layer, fullgraph=True), x, is_causal=True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relative_error(a, b) <= 1e-4, f"tensor {i}: {relative_error(a, b):.3g}"
+
+
 def test_translation_training_and_evaluation_on_the_device(tmp_path):
     # on CUDA in bf16 (bf16="auto"), through the Triton kernels
     from headmix.data import load_embedded_translation, write_tsv_pairs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from headmix.attention import MixtureOfAttentionHeads, MultiHeadAttention
@@ -87,3 +88,25 @@ def test_expert_growth_divides_by_the_fewest_experts_row_of_the_same_sequence():
     assert expert_growth(rows, 8, 64, [64, 8]) == ["seq 128: fwd+bwd over MoA 8K8E64D: E=64 1.15x",
                                                    "seq 512: fwd+bwd over MoA 8K8E64D: E=64 1.50x"]
     assert expert_growth(rows, 8, 64, [8]) == []
+
+
+def test_gpu_layer_table_runs_at_tiny_sizes_on_cpu(capsys):
+    """benchmarks/gpu_layers.py's code path (make gpu-check runs it on a GPU): every row of the one layer
+    table is printed, measured or with why it was left out, and the grouped projections against the dense
+    Linear baseline."""
+    from headmix.bench import gpu_layers
+
+    assert gpu_layers.main(["--tiny", "--device", "cpu", "--no-triton"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    for spec in gpu_layers.LAYERS:
+        assert spec.name in rows, spec.name
+        if spec.needs:
+            assert "skipped: needs Triton" in rows[spec.name] or "needs CUDA" in rows[spec.name]
+    measured = rows["MoA 8K32E64D dense"].split(" | ")
+    assert float(measured[1]) > 0 and int(measured[4]) > 0  # wall ms, ATen operations per step
+    assert rows["torch MHA 8x64"].split(" | ")[2] == "1.00"
+    for variant in ("two dense Linear", "grouped dense", "grouped sorted"):
+        assert variant in rows, variant
+    with pytest.raises(SystemExit):
+        gpu_layers.main(["--device", "cpu", "--batch", "0"])

@@ -48,8 +48,10 @@ def test_triton_matches_reference_float32(case):
         assert torch.all(got[3][unused] == 0) and torch.all(got[5][unused] == 0)
 
 
-def test_triton_float64_matches_einsum():
-    n, k, e, d_in, d_out = 7, 2, 4, 5, 6
+@pytest.mark.parametrize("n, k, e, d_in, d_out", [(7, 2, 4, 5, 6), (5, 2, 3, 70, 4)], ids=["small", "wide_d_in"])
+def test_triton_float64_matches_einsum(n, k, e, d_in, d_out):
+    # wide_d_in: the reduce's input gradient spans two 64-column tiles, so the gate gradient's row-dot comes
+    # in two partial sums
     idx, tensors = make_case(n, k, e, d_in, d_out, torch.float64)
     got = run("triton", idx, e, *tensors, block_m=16)
     want = run_einsum(idx, *tensors)
@@ -109,11 +111,16 @@ def test_custom_ops_opcheck():
     n, k, e, d_in, d_out = 6, 2, 3, 5, 4
     idx, (x, w_map, *_rest) = make_case(n, k, e, d_in, d_out, torch.float32)
     r = expert_routing(idx, e, block_m=16)
-    args = (x, w_map, r.sort_order, r.block_expert, r.block_start, r.offsets, k, 16)
+    args = (x, w_map, r.sort_order, r.offsets, k, 16)
     torch.library.opcheck(grouped_triton.grouped_mm, args)
     grad_y = torch.randn(n * k, d_out)
     torch.library.opcheck(grouped_triton.grouped_mm_wgrad, (x.detach(), grad_y, r.sort_order, r.offsets, k, 16))
     torch.library.opcheck(grouped_triton.grouped_mm_wgrad, (x.detach(), grad_y, r.sort_order, r.offsets, k, 16, 2))
+    # the reduce's form: gates as the per-slot scale (their gradient a row-dot), h (N, k, d_in) read in place
+    h, w_red, gates = _rest
+    torch.library.opcheck(grouped_triton.grouped_mm, (h, w_red, r.sort_order, r.offsets, 1, 16, gates.reshape(-1)))
+    torch.library.opcheck(grouped_triton.grouped_mm_input_grad,
+                          (grad_y, w_red.detach(), r.sort_order, r.offsets, 16, gates.detach().reshape(-1), h.detach()))
 
 
 def test_torch_compile_traces_custom_ops():
@@ -138,3 +145,59 @@ def test_env_restored():
     assert grouped_triton.kernels_interpreted()
     # defining the kernels must not leave TRITON_INTERPRET changed for the rest of the session
     assert os.environ.get("TRITON_INTERPRET") == _ENV_BEFORE
+
+
+def test_tuning_space_and_pruning():
+    """Issue 19's Hopper space (BLOCK_M {64,128} x BLOCK_N {64,128} x BLOCK_K {32,64} x warps {4,8} x stages
+    {3,4}) and the small row blocks for few slots (decoding)."""
+    full = grouped_triton.tuning_space(vary_n=True, vary_k=True)
+    large = [c for c in full if c["meta"]["BLOCK_M"] in (64, 128)]
+    assert len(large) == 32 and len(full) == 64
+    assert {(c["meta"]["BLOCK_N"], c["meta"]["BLOCK_K"], c["num_warps"], c["num_stages"]) for c in large} == {
+        (n, k, w, s) for n in (64, 128) for k in (32, 64) for w in (4, 8) for s in (3, 4)}
+    assert all("BLOCK_N" not in c["meta"] for c in grouped_triton.tuning_space(vary_n=False, vary_k=True))
+    assert all(set(c["meta"]) == {"BLOCK_M"} for c in grouped_triton.tuning_space(vary_n=False, vary_k=False))
+    ms = [16, 32, 64, 128]
+    assert grouped_triton.prune_for_slots(ms, grouped_triton.slots_bucket(8 * 8)) == [True, True, True, False]
+    assert grouped_triton.prune_for_slots(ms, grouped_triton.slots_bucket(16 * 2048 * 8)) == [False, False, True, True]
+    assert grouped_triton.prune_for_slots(ms, 16) == [True, True, True, False]  # always one large block
+    assert grouped_triton.slots_bucket(1000) == 1024 and grouped_triton.slots_bucket(1024) == 1024
+
+
+def test_interpreter_runs_one_configuration(monkeypatch):
+    # no autotuning in the interpreter (it would time numpy), and HEADMIX_TRITON_AUTOTUNE=0 turns it off
+    assert grouped_triton._tuned("mm") is None and grouped_triton._tuned("wgrad") is None
+    monkeypatch.setenv("HEADMIX_TRITON_AUTOTUNE", "0")
+    assert not grouped_triton.autotune_enabled()
+    monkeypatch.setenv("HEADMIX_TRITON_AUTOTUNE", "1")
+    assert grouped_triton.autotune_enabled()
+
+
+def test_autotuned_launch_path(monkeypatch):
+    """The compiled-kernel launch path through triton.autotune (grids from the chosen meta-parameters,
+    BLOCK_N kept for the row-dot, BLOCK_M only for the weight gradient), run in the interpreter with the
+    space cut to one configuration (so nothing is timed): against the reference, float64 and float32."""
+    mm, wgrad, _, tl = grouped_triton._kernels()
+    one = [{"meta": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16}, "num_warps": 4, "num_stages": 3}]
+
+    def space(vary_n, vary_k):
+        meta = {k: v for k, v in one[0]["meta"].items() if k == "BLOCK_M" or (k == "BLOCK_N" and vary_n)
+                or (k == "BLOCK_K" and vary_k)}
+        return [{**one[0], "meta": meta}]
+
+    pretend_compiled = lambda: (mm, wgrad, False, tl)  # noqa: E731
+    pretend_compiled.cache_info = grouped_triton._kernels.cache_info
+    monkeypatch.setattr(grouped_triton, "_kernels", pretend_compiled)
+    monkeypatch.setattr(grouped_triton, "tuning_space", space)
+    monkeypatch.setattr(grouped_triton, "_check_device", lambda t: None)
+    monkeypatch.setattr(grouped_triton, "can_run_on_cpu", lambda: True)
+    grouped_triton._tuned.cache_clear()
+    try:
+        assert grouped_triton._tuned("mm") is not None
+        for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+            idx, tensors = make_case(13, 2, 5, 17, 40, dtype, allowed=[0, 1, 3, 4])
+            want = run("reference", idx, 5, *tensors)
+            got = run("triton", idx, 5, *tensors)  # routing without block_m: the autotuner's choice
+            assert_all_close(got, want, tol, tol, f"autotuned {dtype}")
+    finally:
+        grouped_triton._tuned.cache_clear()

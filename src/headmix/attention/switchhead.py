@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
+from ..kernels import IMPLS, expert_map, expert_map_weighted, expert_reduce, expert_routing
 from ..routing import Routing
 from ..routing.router import router_dtype
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, scaled_dot_product, zero_loss
@@ -159,7 +159,7 @@ class SwitchHeadAttention(AttentionLayer):
                     pick = s.masked_fill(torch.rand_like(s) < self.expert_dropout, float("-inf"))
                 index = pick.topk(k, dim=-1).indices                               # (N, H, k)
             gates = s.gather(-1, index)                                             # selected sigmoids
-            index = index + torch.arange(h, device=x.device)[:, None] * e           # expert h * E + e
+            index = index + torch.arange(0, h * e, e, device=x.device)[:, None]     # expert h * E + e
         mask = None if token_mask is None else token_mask.reshape(n)
         return Routing(logits, s.view(n, h * e), index.view(n, h * k), gates.view(n, h * k), mask, (batch, time))
 
@@ -177,12 +177,13 @@ class SwitchHeadAttention(AttentionLayer):
         else:
             routing = self.select(key, self.value_selector, token_mask)
             index, gates = routing.expert_index, routing.gates
-        info = expert_routing(index, h * self.num_experts)
-        # x_t W_v^{h,e} for the k selected experts of every head: (N, H * k, head_dim).
-        v = expert_map(value.reshape(n, dim).to(compute), self.value_experts.to(compute), info, impl=self.expert_impl)
-        k_v = 1 if gates is None else self.top_k
-        v = v.view(n, h, k_v, dh)
-        v = v.squeeze(2) if gates is None else (v * gates.view(n, h, k_v, 1).to(v.dtype)).sum(2)
+        info = expert_routing(index, h * self.num_experts, check_range=False)  # top-k: in range
+        # v^h_t = sum_{e in topk} s_{t,e}^h x_t W_v^{h,e} for every head: (N, H, head_dim).
+        x_v, w_v = value.reshape(n, dim).to(compute), self.value_experts.to(compute)
+        if gates is None:
+            v = expert_map(x_v, w_v, info, impl=self.expert_impl)
+        else:
+            v = expert_map_weighted(x_v, w_v, gates.to(compute), info, h, impl=self.expert_impl)
         return k, v.view(batch, src, h, dh).transpose(1, 2), routing
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -215,12 +216,12 @@ class SwitchHeadAttention(AttentionLayer):
 
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
         routing = self.select(query, self.output_selector, token_mask)
-        info = expert_routing(routing.expert_index, h * self.num_experts)
+        info = expert_routing(routing.expert_index, h * self.num_experts, check_range=False)  # top-k: in range
         compute = autocast_dtype(query) or query.dtype
         n = batch * tgt
-        # o_t^h once per selected expert of head h (slot h * k + j), then sum_{h, j} s' o_t^h W_o^{h,e}.
-        o = o.transpose(1, 2).reshape(n, h, 1, self.head_dim).expand(n, h, k, self.head_dim)
-        o = o.reshape(n, h * k, self.head_dim).to(compute)
+        # o_t^h once per selected expert of head h (slot h * k + j: a stride-0 view, the Triton kernels read it
+        # in place), then sum_{h, j} s' o_t^h W_o^{h,e}.
+        o = o.transpose(1, 2).reshape(n, h, 1, self.head_dim).to(compute).expand(n, h, k, self.head_dim)
         y = expert_reduce(o, self.output_experts.to(compute), routing.gates.to(compute), info,
                           impl=self.expert_impl).view(batch, tgt, dim)
         if self.out_bias is not None:

@@ -12,7 +12,9 @@ optional) and ``auto`` (see
 :func:`headmix.kernels.dispatch.choose_impl`).
 """
 
-from .dispatch import IMPLS, choose_impl, expert_map, expert_reduce
+from .dispatch import IMPLS, choose_impl, expert_map, expert_map_weighted, expert_reduce
 from .routing_info import ExpertRouting, expert_routing
 
-__all__ = ["IMPLS", "ExpertRouting", "choose_impl", "expert_map", "expert_reduce", "expert_routing"]
+__all__ = [
+    "IMPLS", "ExpertRouting", "choose_impl", "expert_map", "expert_map_weighted", "expert_reduce", "expert_routing",
+]

@@ -32,7 +32,7 @@ from torch import Tensor
 from . import grouped_cpu, reference
 from .routing_info import ExpertRouting
 
-__all__ = ["IMPLS", "choose_impl", "expert_map", "expert_reduce"]
+__all__ = ["IMPLS", "choose_impl", "expert_map", "expert_map_weighted", "expert_reduce"]
 
 IMPLS = ("auto", "reference", "dense", "sorted", "gather", "bag", "triton")
 
@@ -115,10 +115,11 @@ def _check_common(name: str, inp, weight, routing, impl: str, want_dim: int) -> 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     n, k, num_experts = routing.num_tokens, routing.top_k, routing.num_experts
-    if not isinstance(inp, Tensor) or inp.dim() != want_dim:
+    grouped = want_dim == 3 and isinstance(inp, Tensor) and inp.dim() == 4  # (N, G, k / G, d_in)
+    if not isinstance(inp, Tensor) or (inp.dim() != want_dim and not grouped):
         want = "(N, d_in)" if want_dim == 2 else "(N, k, d_in)"
         raise ValueError(f"{name} must be a {want_dim}-d tensor {want}, got {_shape(inp)}")
-    if inp.shape[0] != n or (want_dim == 3 and inp.shape[1] != k):
+    if inp.shape[0] != n or (want_dim == 3 and inp.shape[1] * (inp.shape[2] if grouped else 1) != k):
         want = f"({n}, *)" if want_dim == 2 else f"({n}, {k}, *)"
         raise ValueError(f"{name} must have shape {want} to match expert_index (N, k) = ({n}, {k}), got {_shape(inp)}")
     if not inp.dtype.is_floating_point:
@@ -182,11 +183,45 @@ def expert_map(x: Tensor, weight: Tensor, routing: ExpertRouting, impl: str = "a
     return grouped_triton.triton_map(x, weight, routing)
 
 
+def expert_map_weighted(x: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouting, groups: int,
+                        impl: str = "auto") -> Tensor:
+    """The gate-weighted sum of the mapped slots per group of ``k / groups`` slots (SwitchHead's values,
+    arXiv 2312.07987, ``v^h_t = sum_{e in topk(s^h_t)} s^h_{t,e} x_t W_v^{h,e}``, one group per head):
+    ``y[n, g] = sum_{j of group g} gates[n, j] * (x[n] @ weight[expert_index[n, j]])``, slot ``j`` in group
+    ``j // (k / groups)``.
+
+    Args:
+        x: (N, d_in); weight: (E, d_in, d_out); gates: (N, k), cast to ``x.dtype``;
+        routing: of the (N, k) choice; groups: divides k; impl: one of :data:`IMPLS`.
+
+    Returns:
+        (N, groups, d_out). ``triton`` scales the slots in its kernel (no (N, k, d_out) product with the
+        gates); the others weight :func:`expert_map`'s output.
+    """
+    _check_common("x", x, weight, routing, impl, 2)
+    n, k = routing.num_tokens, routing.top_k
+    if not isinstance(groups, int) or groups < 1 or k % groups:
+        raise ValueError(f"groups must be a positive divisor of k = {k}, got {groups!r}")
+    if not isinstance(gates, Tensor) or tuple(gates.shape) != (n, k):
+        raise ValueError(f"gates must have shape (N, k) = ({n}, {k}), got {_shape(gates)}")
+    if not gates.dtype.is_floating_point or gates.device != x.device:
+        raise ValueError(f"gates must be a floating-point tensor on {x.device}, got {gates.dtype} on {gates.device}")
+    gates = gates.to(x.dtype)
+    if _resolve(impl, x, routing, _needs_grad(x, weight, gates)) == "triton":
+        from . import grouped_triton
+
+        return grouped_triton.triton_map_weighted(x, weight, gates, routing, groups)
+    y = expert_map(x, weight, routing, impl)
+    return (y * gates.unsqueeze(-1)).view(n, groups, k // groups, weight.shape[2]).sum(2)
+
+
 def expert_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouting, impl: str = "auto") -> Tensor:
     """MoA eq. 12 + 6: ``y[n, :] = sum_j gates[n, j] * (h[n, j, :] @ weight[expert_index[n, j]])``.
 
     Args:
-        h: (N, k, d_in) per-slot inputs (e.g. the k heads' attention outputs).
+        h: (N, k, d_in) per-slot inputs (e.g. the k heads' attention outputs), or (N, G, k / G, d_in), slot
+            ``j = g k / G + i`` (e.g. an expanded view, one row per group repeated over its k / G slots): the
+            ``triton`` kernels read it in place whatever its strides, the others reshape it to (N, k, d_in).
         weight: (E, d_in, d_out) stacked per-expert projections (e.g. W_o^i).
         gates: (N, k) gate weights of the selected experts; cast to ``h.dtype``.
         routing: :func:`~headmix.kernels.expert_routing` of the router's (N, k) choice.
@@ -203,6 +238,8 @@ def expert_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouti
         raise ValueError(f"gates must be a floating-point tensor on {h.device}, got {gates.dtype} on {gates.device}")
     gates = gates.to(h.dtype)
     impl = _resolve(impl, h, routing, _needs_grad(h, weight, gates))
+    if h.dim() == 4 and impl != "triton":
+        h = h.reshape(n, k, h.shape[-1])
     if impl == "reference":
         return reference.reference_reduce(h, weight, gates, routing.expert_index)
     if impl == "dense":

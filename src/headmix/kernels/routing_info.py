@@ -22,6 +22,7 @@ on ``N``, ``k``, ``E`` and ``block_m``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,14 +44,13 @@ class ExpertRouting:
         top_k: k.
         sort_order: (N*k,) long, flat slot ids ``n*k + j`` stably sorted by expert.
         sorted_expert: (N*k,) long, ``expert_index.flatten()[sort_order]``.
-        sorted_token: (N*k,) long, the token ``n = sort_order // k`` of each sorted slot.
-        counts: (E,) long, slots per expert.
         offsets: (E+1,) long, ``[0, cumsum(counts)]``.
-        block_m: rows per Triton block, or ``None`` when no block table was built.
-        block_expert: (num_blocks,) int32, expert of each ``block_m``-row block of
-            the sorted slots, ``E`` for the unused tail blocks (the table has a
-            static length ``cdiv(N*k, block_m) + min(E, N*k)``, an upper bound).
-        block_start: (num_blocks,) int32, first sorted row of each block.
+        block_m: rows per Triton program (``None``: :data:`DEFAULT_BLOCK_M`).
+
+    Computed when read (not every kernel needs them, and each costs a kernel launch on a GPU):
+    ``sorted_token`` (N*k,) the token ``n = sort_order // k`` of each sorted slot; ``counts`` (E,) slots
+    per expert; ``block_expert`` / ``block_start``, the ``block_m``-row block table of
+    :func:`block_table` (the Triton kernels find their block from ``offsets`` themselves).
     """
 
     expert_index: Tensor
@@ -58,12 +58,8 @@ class ExpertRouting:
     top_k: int
     sort_order: Tensor
     sorted_expert: Tensor
-    sorted_token: Tensor
-    counts: Tensor
     offsets: Tensor
     block_m: int | None = None
-    block_expert: Tensor | None = None
-    block_start: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -77,30 +73,38 @@ class ExpertRouting:
     def device(self) -> torch.device:
         return self.expert_index.device
 
+    @property
+    def sorted_token(self) -> Tensor:
+        return self.sort_order // self.top_k
+
+    @property
+    def counts(self) -> Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def block_expert(self) -> Tensor | None:
+        return None if self.block_m is None else self._blocks()[0]
+
+    @property
+    def block_start(self) -> Tensor | None:
+        return None if self.block_m is None else self._blocks()[1]
+
+    def _blocks(self) -> tuple[Tensor, Tensor]:
+        return block_table(self.counts, self.offsets, self.num_slots, self.block_m)
+
     def counts_list(self) -> list[int]:
         """Slots per expert as Python ints (a host sync on GPU: CPU paths only)."""
         return self.counts.tolist()
 
     def with_blocks(self, block_m: int = DEFAULT_BLOCK_M) -> ExpertRouting:
-        """This routing with a Triton block table for ``block_m`` (no host sync)."""
-        if not (isinstance(block_m, int) and block_m >= 16 and block_m & (block_m - 1) == 0):
-            raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
-        if self.block_m == block_m:
-            return self
-        block_expert, block_start = block_table(self.counts, self.offsets, self.num_slots, block_m)
-        return ExpertRouting(
-            expert_index=self.expert_index,
-            num_experts=self.num_experts,
-            top_k=self.top_k,
-            sort_order=self.sort_order,
-            sorted_expert=self.sorted_expert,
-            sorted_token=self.sorted_token,
-            counts=self.counts,
-            offsets=self.offsets,
-            block_m=block_m,
-            block_expert=block_expert,
-            block_start=block_start,
-        )
+        """This routing with Triton programs of ``block_m`` rows (no host sync, no work)."""
+        _check_block_m(block_m)
+        return self if self.block_m == block_m else dataclasses.replace(self, block_m=block_m)
+
+
+def _check_block_m(block_m) -> None:
+    if not (isinstance(block_m, int) and block_m >= 16 and block_m & (block_m - 1) == 0):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
 
 
 def block_table(counts: Tensor, offsets: Tensor, num_slots: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -127,7 +131,7 @@ def block_table(counts: Tensor, offsets: Tensor, num_slots: int, block_m: int) -
 
 
 def expert_routing(
-    expert_index: Tensor, num_experts: int, *, block_m: int | None = None
+    expert_index: Tensor, num_experts: int, *, block_m: int | None = None, check_range: bool = True
 ) -> ExpertRouting:
     """Group the (token, choice) slots of ``expert_index`` by expert.
 
@@ -136,12 +140,16 @@ def expert_routing(
             (MoA eq. 4-5).  Rows normally hold distinct experts; repeated experts
             are still handled correctly by every implementation.
         num_experts: E, the number of experts (>= 1); values must lie in [0, E).
-        block_m: also build the Triton block table for this block size.  The
-            default builds it (with :data:`DEFAULT_BLOCK_M`) for CUDA tensors
-            only; the Triton path builds it on demand otherwise.
+        block_m: rows per Triton program (a power of two >= 16; default
+            :data:`DEFAULT_BLOCK_M`).
+        check_range: check on CPU that the values lie in [0, E) (two reductions
+            read back to the host; never done on accelerators or under
+            ``torch.compile``). Layers pass False: a router's top-k is in range.
 
     Call once per layer call; :func:`~headmix.kernels.expert_map` and
-    :func:`~headmix.kernels.expert_reduce` reuse the result.  No host sync.
+    :func:`~headmix.kernels.expert_reduce` reuse the result.  No host sync:
+    one sort and one ``searchsorted`` (``sorted_token``, ``counts`` and the
+    block table are computed only when read).
     """
     if not isinstance(expert_index, Tensor) or expert_index.dim() != 2:
         shape = tuple(expert_index.shape) if isinstance(expert_index, Tensor) else type(expert_index).__name__
@@ -150,34 +158,28 @@ def expert_routing(
         raise ValueError(f"expert_index must be an integer tensor, got dtype {expert_index.dtype}")
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if block_m is not None:
+        _check_block_m(block_m)
     n, k = expert_index.shape
     if not 1 <= k <= num_experts:
         raise ValueError(f"expert_index must have 1 <= k <= num_experts = {num_experts} columns, got k = {k}")
-    if expert_index.device.type == "cpu" and n > 0 and not torch.compiler.is_compiling():
+    if check_range and expert_index.device.type == "cpu" and n > 0 and not torch.compiler.is_compiling():
         # cheap on CPU; skipped on accelerators (a host sync) and under torch.compile
         lo, hi = int(expert_index.min()), int(expert_index.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_index values must lie in [0, {num_experts}), got range [{lo}, {hi}]")
 
     expert_index = expert_index.long()
-    flat = expert_index.reshape(-1)
-    sorted_expert, sort_order = torch.sort(flat, stable=True)
-    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=torch.long)
+    sorted_expert, sort_order = torch.sort(expert_index.reshape(-1), stable=True)
     # offsets[e] = number of slots with expert < e (sorted_expert is sorted)
-    offsets = torch.searchsorted(sorted_expert, bounds)
-    counts = offsets[1:] - offsets[:-1]
-    routing = ExpertRouting(
+    offsets = torch.searchsorted(
+        sorted_expert, torch.arange(num_experts + 1, device=expert_index.device, dtype=torch.long))
+    return ExpertRouting(
         expert_index=expert_index,
         num_experts=num_experts,
         top_k=k,
         sort_order=sort_order,
         sorted_expert=sorted_expert,
-        sorted_token=sort_order // k,
-        counts=counts,
         offsets=offsets,
+        block_m=block_m,
     )
-    if block_m is None and expert_index.is_cuda:
-        block_m = DEFAULT_BLOCK_M
-    if block_m is not None:
-        routing = routing.with_blocks(block_m)
-    return routing

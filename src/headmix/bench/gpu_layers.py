@@ -1,0 +1,339 @@
+"""The GPU layer table of issue 19: one attention layer, forward + backward, every variant against torch MHA.
+
+Run (on a machine with a CUDA GPU, from the project root, no install)::
+
+    PYTHONPATH=src python3 benchmarks/gpu_layers.py                # batch 16 x 2048, d_model 512, bf16
+    PYTHONPATH=src python3 benchmarks/gpu_layers.py --tiny --device cpu   # the code path, at tiny sizes
+
+Prints, as ratios measured in the same run: per layer, wall ms (``triton.testing.do_bench``, CUDA events,
+median; on CPU the median of :func:`~headmix.bench.timing.interleaved_timings`), GPU-busy ms (the sum of the
+CUDA kernels' times under ``torch.profiler``), kernels per step (CUDA kernels launched by one fwd+bwd; on CPU
+the ATen operations that may launch one, views excluded), peak memory over the inputs (CUDA); then the
+grouped projections (MoA eq. 10 + 12: map + reduce, N tokens, k 8) for each ``expert_impl`` against two dense
+``Linear`` of equal FLOPs.
+
+Layers come from :data:`LAYERS` (one table). Peers: Hugging Face ``JetMoeAttention`` (from ``transformers``,
+when it is importable) and the SwitchHead authors' layer with their ``cvmm`` Triton kernels (CUDA only), when
+their repository is in ``.peers/switchhead`` (its ``switchhead/`` package inside; ``--peers DIR``;
+docs/performance.md says how to fetch it). Peers
+are loaded from there for the benchmark only, never into the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..attention import (
+    MixtureOfAttentionHeads,
+    MixtureOfHeadsAttention,
+    MultiHeadAttention,
+    SwitchHeadAttention,
+    TalkingHeadsAttention,
+)
+from ..kernels import expert_map, expert_reduce, expert_routing
+from .timing import interleaved_timings, machine_load
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One row of the table: ``build(d_model)`` returns a module, ``call(module, x)`` the output tensor of
+    causal self-attention (plus the auxiliary loss where the layer has one)."""
+
+    name: str
+    build: Callable[[int], nn.Module]
+    call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    needs: str = ""  # "cuda", "triton" or "" (runs anywhere)
+
+
+def _headmix_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = layer(x, is_causal=True)
+    return out.output if out.aux_loss is None else out.output + 0 * out.aux_loss
+
+
+def _torch_mha_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device, dtype=x.dtype)
+    return layer(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+
+
+def _jetmoe(d_model: int) -> nn.Module:
+    from transformers import JetMoeConfig
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeAttention
+
+    cfg = JetMoeConfig(hidden_size=d_model, num_key_value_heads=1, kv_channels=64, num_local_experts=32,
+                       num_experts_per_tok=8, intermediate_size=2 * d_model, num_hidden_layers=1, vocab_size=16,
+                       attention_dropout=0.0)
+    cfg._attn_implementation = "sdpa"
+    return JetMoeAttention(cfg, layer_idx=0)
+
+
+def _jetmoe_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    b, t, _ = x.shape
+    dh = layer.kv_projection_size if hasattr(layer, "kv_projection_size") else 64
+    cos = torch.ones(b, t, dh, device=x.device, dtype=x.dtype)
+    sin = torch.zeros(b, t, dh, device=x.device, dtype=x.dtype)
+    causal = torch.full((t, t), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)
+    return layer(x, attention_mask=causal[None, None].expand(b, 1, t, t), position_embeddings=(cos, sin))[0]
+
+
+PEERS_DIR = ".peers"
+
+
+def _authors_switchhead(d_model: int) -> nn.Module:
+    module = importlib.import_module("switchhead.switchhead")
+    return module.SwitchHeadRope(d_model, 2, 4, d_head=171, moe_k=2, rotate_fraction=0.0)
+
+
+def _authors_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x, x, x, None)[0]  # their mask None: causal
+
+
+#: The layer table of issue 19 (d_model from the command line, 512 by default).
+LAYERS: list[LayerSpec] = [
+    LayerSpec("torch MHA 8x64", lambda d: nn.MultiheadAttention(d, 8, batch_first=True), _torch_mha_call),
+    LayerSpec("headmix MHA 8x64", lambda d: MultiHeadAttention(d, 8), _headmix_call),
+    LayerSpec("MoA 8K32E64D triton", lambda d: MixtureOfAttentionHeads(d, 32, 8, 64, expert_impl="triton"),
+              _headmix_call, needs="triton"),
+    LayerSpec("MoA 8K32E64D dense", lambda d: MixtureOfAttentionHeads(d, 32, 8, 64, expert_impl="dense"),
+              _headmix_call),
+    LayerSpec("MoH 8x64 2 shared top 3", lambda d: MixtureOfHeadsAttention(d, 8, 2, 3), _headmix_call),
+    LayerSpec("SwitchHead 2H4E2K head 171 triton",
+              lambda d: SwitchHeadAttention(d, 2, 4, 2, head_dim=171, expert_impl="triton"), _headmix_call,
+              needs="triton"),
+    LayerSpec("Talking-Heads 8", lambda d: TalkingHeadsAttention(d, 8), _headmix_call),
+    LayerSpec("HF JetMoeAttention 8K32E64D (sdpa)", _jetmoe, _jetmoe_call),
+    LayerSpec("SwitchHead authors' cvmm 2H4E2K", _authors_switchhead, _authors_call, needs="cuda"),
+]
+
+
+def _triton_usable(device: torch.device, args) -> bool:
+    from ..kernels import grouped_triton
+
+    if args.no_triton or not grouped_triton.triton_available():
+        return False
+    return device.type == "cuda" or grouped_triton.can_run_on_cpu()
+
+
+def _fwd_bwd(spec: LayerSpec, layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def step():
+        y = spec.call(layer, x)
+        torch.autograd.backward(y, grad)
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    return step
+
+
+def _kernel_profile(step: Callable[[], None], steps: int) -> tuple[float, float]:
+    """(GPU-busy ms, CUDA kernels) per step under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in events) / steps / 1000
+    return busy, sum(e.count for e in events) / steps
+
+
+def _aten_ops(step: Callable[[], None]) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        step()
+    return c.n
+
+
+def _time_ms(fns: dict[str, Callable[[], None]], device: torch.device, repeats: int) -> dict[str, float]:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return {name: do_bench(fn, warmup=25, rep=max(50, 20 * repeats), return_mode="median")
+                for name, fn in fns.items()}
+    return {name: s * 1000 for name, s in interleaved_timings(fns, repeats, 1, device).items()}
+
+
+#: Rows whose failure only leaves them empty (a peer that is absent or differs); any other failing row makes
+#: :func:`main` exit with status 1.
+PEER_ROWS = {"HF JetMoeAttention 8K32E64D (sdpa)", "SwitchHead authors' cvmm 2H4E2K"}
+
+
+def layer_table(args, device: torch.device, dtype: torch.dtype) -> tuple[list[str], list[str]]:
+    """The table's lines and the names of the rows that failed."""
+    lines = [f"## one layer fwd+bwd, batch {args.batch} x {args.time}, d_model {args.d_model}, causal, {dtype}, "
+             f"{device}; wall = median ms" + ("" if device.type == "cuda" else f" ({machine_load()})"),
+             "", "| layer | wall ms | x torch MHA | GPU-busy ms | kernels per step | peak MiB |", "|---|---|---|---|---|---|"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, args.time, args.d_model, generator=g).to(device, dtype).requires_grad_()
+    grad = torch.randn(x.shape, generator=g).to(device, dtype)
+    rows: dict[str, dict] = {}
+    steps: dict[str, Callable[[], None]] = {}
+    for spec in LAYERS:
+        why = None
+        if spec.needs == "cuda" and device.type != "cuda":
+            why = "needs CUDA"
+        elif spec.needs == "triton" and not _triton_usable(device, args):
+            why = "skipped: needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)" + (" (--no-triton)" if args.no_triton else "")
+        if why is None:
+            try:
+                torch.manual_seed(0)
+                layer = spec.build(args.d_model).to(device, dtype)
+                step = _fwd_bwd(spec, layer, x, grad)
+                step()
+                steps[spec.name] = step
+                continue
+            except Exception as err:  # noqa: BLE001 - a peer that is absent or differs, or a failing row:
+                # the other rows are still measured, and main() exits with status 1
+                why = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
+        rows[spec.name] = {"skip": why}
+    for name, step in steps.items():
+        row = rows.setdefault(name, {})
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            row["peak"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            row["busy"], row["kernels"] = _kernel_profile(step, 5)
+        else:
+            row["kernels"] = _aten_ops(step)
+    for name, ms in _time_ms(steps, device, args.repeats).items():
+        rows[name]["ms"] = ms
+    failed = [name for name, r in rows.items() if r.get("skip", "").startswith("failed")]
+    base = rows.get(LAYERS[0].name, {}).get("ms")
+    for spec in LAYERS:
+        r = rows[spec.name]
+        if "skip" in r:
+            lines.append(f"| {spec.name} | {r['skip']} | | | | |")
+            continue
+        ratio = f"{r['ms'] / base:.2f}" if base else ""
+        busy = f"{r['busy']:.2f}" if "busy" in r else ""
+        peak = f"{r['peak']:.0f}" if "peak" in r else ""
+        lines.append(f"| {spec.name} | {r['ms']:.3f} | {ratio} | {busy} | {r['kernels']:.0f} | {peak} |")
+    return lines, failed
+
+
+def grouped_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Map + reduce (eq. 10 + 12 + 6), d_model -> 64 per slot and back, k 8, E 32, against two dense Linear
+    (d_model -> 8*64 -> d_model) of equal FLOPs."""
+    n, d, dh, k, e = args.tokens, args.d_model, 64, 8, 32
+    g = torch.Generator().manual_seed(0)
+    index = torch.randn(n, e, generator=g).topk(k, dim=-1).indices.to(device)
+    gates = torch.rand(n, k, generator=g).to(device, dtype).requires_grad_()
+    x = torch.randn(n, d, generator=g).to(device, dtype).requires_grad_()
+    w_q = (torch.randn(e, d, dh, generator=g) / d**0.5).to(device, dtype).requires_grad_()
+    w_o = (torch.randn(e, dh, d, generator=g) / dh**0.5).to(device, dtype).requires_grad_()
+    lin1, lin2 = nn.Linear(d, k * dh).to(device, dtype), nn.Linear(k * dh, d).to(device, dtype)
+    leaves = [x, w_q, w_o, gates, *lin1.parameters(), *lin2.parameters()]
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    def grouped(impl, backward):
+        def fn():
+            with torch.set_grad_enabled(backward):
+                routing = expert_routing(index, e)
+                y = expert_reduce(expert_map(x, w_q, routing, impl), w_o, gates, routing, impl)
+            if backward:
+                y.backward(torch.ones_like(y))
+                clear()
+        return fn
+
+    def dense(backward):
+        def fn():
+            with torch.set_grad_enabled(backward):
+                y = lin2(lin1(x))
+            if backward:
+                y.backward(torch.ones_like(y))
+                clear()
+        return fn
+
+    impls = ["dense", "sorted"] if device.type == "cpu" else ["dense"]
+    if _triton_usable(device, args):
+        impls.insert(0, "triton")
+    lines = [f"## grouped projections: map + reduce, N {n}, d_model {d}, head 64, k {k}, E {e}, {dtype}, {device}",
+             "", "| variant | fwd ms | fwd x dense Linear | fwd+bwd ms | fwd+bwd x dense Linear |", "|---|---|---|---|---|"]
+    fns = {"two dense Linear": (dense(False), dense(True))}
+    fns.update({f"grouped {impl}": (grouped(impl, False), grouped(impl, True)) for impl in impls})
+    fwd = _time_ms({name: f[0] for name, f in fns.items()}, device, args.repeats)
+    both = _time_ms({name: f[1] for name, f in fns.items()}, device, args.repeats)
+    b_f, b_b = fwd["two dense Linear"], both["two dense Linear"]
+    for name in fns:
+        lines.append(f"| {name} | {fwd[name]:.3f} | {fwd[name] / b_f:.2f} | {both[name]:.3f} | {both[name] / b_b:.2f} |")
+    return lines
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--time", type=int, default=2048)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=32768, help="N of the grouped-projection table")
+    p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--peers", default=PEERS_DIR, help="folder holding the peers' repositories (switchhead/)")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (batch 1 x 16, d_model 64, N 64, 1 repeat): "
+                   "exercises the code path, e.g. on CPU in the tests")
+    p.add_argument("--no-triton", action="store_true", help="leave out the rows that need the Triton kernels "
+                   "(under the CPU interpreter a tiny MoA step takes seconds)")
+    p.add_argument("--skip-layers", action="store_true")
+    p.add_argument("--skip-grouped", action="store_true")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.batch, args.time, args.d_model, args.tokens, args.repeats = 1, 16, 64, 64, 1
+    for name in ("batch", "time", "d_model", "tokens", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    authors = os.path.abspath(os.path.join(args.peers, "switchhead"))  # the repository's root: switchhead/ inside
+    if os.path.isdir(authors) and authors not in sys.path:
+        sys.path.append(authors)  # the benchmark's own process only
+    if device.type == "cuda":
+        print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    out, failed = [], []
+    if not args.skip_layers:
+        lines, failed = layer_table(args, device, dtype)
+        out += lines + [""]
+    if not args.skip_grouped:
+        out += grouped_table(args, device, dtype)
+    print("\n".join(out))
+    errors = [name for name in failed if name not in PEER_ROWS]
+    if errors:
+        print(f"error: failed rows: {', '.join(errors)}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
