@@ -250,19 +250,14 @@ def attention_bias(
         return None, None, False
     if bias is not None:
         # -inf entries in a float mask count as forbidden too, so fully masked rows become zeros.
+        # Branch-free (no data-dependent Python branch, so the layer compiles with no graph break).
         neg_inf = torch.isneginf(bias)
-        if neg_inf.any():
-            forbidden = neg_inf if forbidden is None else forbidden | neg_inf
-            bias = bias.masked_fill(neg_inf, 0.0)
-    empty_rows = None
-    if forbidden is not None:
-        empty_rows = forbidden.all(dim=-1, keepdim=True)
-        if not empty_rows.any():
-            empty_rows = None
-        else:
-            forbidden = forbidden & ~empty_rows
-        neg = torch.zeros(forbidden.shape, dtype=dtype, device=device).masked_fill(forbidden, float("-inf"))
-        bias = neg if bias is None else bias + neg
+        forbidden = neg_inf if forbidden is None else forbidden | neg_inf
+        bias = bias.masked_fill(neg_inf, 0.0)
+    empty_rows = forbidden.all(dim=-1, keepdim=True)  # all False in the common case: the fill is then a no-op
+    forbidden = forbidden & ~empty_rows
+    neg = torch.zeros(forbidden.shape, dtype=dtype, device=device).masked_fill(forbidden, float("-inf"))
+    bias = neg if bias is None else bias + neg
     return bias, empty_rows, False
 
 

@@ -283,11 +283,19 @@ class ResidualNorm(nn.Module):
         return x if self.pre_norm else self.norm(x)
 
 
-def _collect(name: str, out: AttentionOutput, aux: Tensor, routing: list) -> Tensor:
-    """Record a layer's routing and add its auxiliary loss (MoA eq. 17 sums them over layers)."""
-    if out.routing is not None:
-        routing.append((name, out.routing))
-    return aux + out.aux_loss
+def _collect(outputs: list[tuple[str, AttentionOutput | None]], aux: Tensor) -> tuple[Tensor, list]:
+    """Add the layers' auxiliary losses (MoA eq. 17 sums them over layers) and list their routing as
+    ``(name, Routing)`` pairs. Called once per model call on all its layers' outputs, with names built
+    from the layer index outside any layer's code: a compiled model traces it once (no per-layer guard on a
+    name string or on whether ``aux`` requires grad)."""
+    routing = []
+    for name, out in outputs:
+        if out is None:
+            continue
+        aux = aux + out.aux_loss
+        if out.routing is not None:
+            routing.append((name, out.routing))
+    return aux, routing
 
 
 class EncoderLayer(nn.Module):
@@ -363,14 +371,13 @@ class TransformerEncoder(nn.Module):
     def forward(self, tokens: Tensor) -> EncoderOutput:
         padding_mask = tokens.eq(self.config.pad_id)
         x = self.embed(tokens)
-        aux, routing = x.new_zeros((), dtype=torch.float32), []
+        outputs = []
         for i, layer in enumerate(self.layers):
             x, attn, ffn_out = layer(x, padding_mask)
-            aux = _collect(f"encoder.layers.{i}.self_attn", attn, aux, routing)
-            if ffn_out is not None:
-                aux = _collect(f"encoder.layers.{i}.ffn", ffn_out, aux, routing)
+            outputs += [(f"encoder.layers.{i}.self_attn", attn), (f"encoder.layers.{i}.ffn", ffn_out)]
         if self.final_norm is not None:
             x = self.final_norm(x)
+        aux, routing = _collect(outputs, x.new_zeros((), dtype=torch.float32))
         return EncoderOutput(x, padding_mask, aux, routing)
 
 
@@ -394,7 +401,7 @@ class TransformerDecoder(nn.Module):
         past = 0 if state is None else state.length
         padding_mask = tokens.eq(self.config.pad_id) if state is None else None
         x = self.embed(tokens, offset=past)
-        aux, routing = x.new_zeros((), dtype=torch.float32), []
+        outputs = []
         n = len(self.layers)
         self_caches = state.self_attn if state is not None else [None] * n
         cross_caches = state.cross_attn if state is not None else [None] * n
@@ -402,15 +409,13 @@ class TransformerDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             x, self_out, cross_out, ffn_out = layer(x, padding_mask, memory, memory_padding_mask,
                                                     self_caches[i], cross_caches[i], use_cache)
-            aux = _collect(f"decoder.layers.{i}.self_attn", self_out, aux, routing)
+            outputs += [(f"decoder.layers.{i}.self_attn", self_out), (f"decoder.layers.{i}.cross_attn", cross_out),
+                        (f"decoder.layers.{i}.ffn", ffn_out)]
             new_self.append(self_out.cache)
-            if cross_out is not None:
-                aux = _collect(f"decoder.layers.{i}.cross_attn", cross_out, aux, routing)
-            if ffn_out is not None:
-                aux = _collect(f"decoder.layers.{i}.ffn", ffn_out, aux, routing)
             new_cross.append(None if cross_out is None else cross_out.cache)
         if self.final_norm is not None:
             x = self.final_norm(x)
+        aux, routing = _collect(outputs, x.new_zeros((), dtype=torch.float32))
         new_state = DecoderState(new_self, new_cross, past + tokens.shape[1]) if use_cache else None
         return DecoderOutput(x, aux, routing, new_state)
 

@@ -1,0 +1,167 @@
+"""Compile cleanliness of the layers and the preset models (issue 20), checked on the CPU.
+
+``torch._dynamo.explain`` counts graph breaks; a ``CompileCounter`` backend counts the graphs compiled (a
+recompile is one more). The eager backends trace exactly what inductor would see, without its slow CPU
+code generation. MoA and SwitchHead run ``expert_impl="dense"`` here (the other kernels: tests/test_kernels*)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from headmix.attention import MixtureOfAttentionHeads, MultiHeadAttention
+from headmix.models import build_model, get_config
+
+LAYER_PRESETS = ["mha", "moa", "moh", "talking-heads", "switchhead"]
+VOCAB = 60
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def dense_experts(config):
+    """``config`` with every MoA / SwitchHead layer on ``expert_impl="dense"``."""
+    changes = {}
+    for role in config.attention_roles():
+        att = getattr(config, role)
+        if att is not None and att.kind in ("moa", "switchhead"):
+            changes[role] = dataclasses.replace(att, expert_impl="dense")
+    return config.replace(**changes)
+
+
+def tiny_model(preset: str, task: str):
+    torch.manual_seed(0)
+    return build_model(dense_experts(get_config(preset, task=task, vocab_size=VOCAB)))
+
+
+def tokens(batch: int, length: int, seed: int = 0, pad_last: int = 0) -> torch.Tensor:
+    """Random ids above the special ids; the last ``pad_last`` positions of row 0 are padding (id 1)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, VOCAB, (batch, length), generator=g)
+    if pad_last:
+        ids[0, -pad_last:] = 1
+    return ids
+
+
+def model_call(model, task: str, seed: int = 0):
+    """A training forward+backward of ``model`` on a padded batch, as a function of its inputs."""
+    if task == "translation":
+        args = (tokens(2, 7, seed, pad_last=2), tokens(2, 6, seed + 1, pad_last=1), tokens(2, 6, seed + 2, pad_last=1))
+    else:
+        args = (tokens(2, 9, seed, pad_last=2 if task == "mlm" else 0), tokens(2, 9, seed + 1))
+
+    def step(*inputs):
+        out = model(*inputs)
+        out.total_loss.backward()
+        return out.total_loss.detach()
+
+    return step, args
+
+
+def explain_breaks(fn, *args) -> list[str]:
+    explained = torch._dynamo.explain(fn)(*args)
+    return [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+
+
+@pytest.mark.parametrize("variant", LAYER_PRESETS)
+def test_layer_has_no_graph_break_in_training_or_cached_decoding(variant):
+    model = tiny_model(f"llama-tiny-{variant}", "lm").train()
+    layer = model.decoder.layers[0].self_attn
+    x = torch.randn(2, 9, 64)
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[0, -3:] = True
+
+    def train_step(x, padding):
+        out = layer(x, key_padding_mask=padding, query_padding_mask=padding, is_causal=True)
+        return (out.output.square().mean() + out.aux_loss)
+
+    assert explain_breaks(train_step, x, padding) == []
+    layer.eval()
+    with torch.no_grad():
+        cache = layer(x[:, :5], is_causal=True, use_cache=True).cache
+
+        def decode_step(x_new, cache):
+            out = layer(x_new, is_causal=True, use_cache=True, cache=cache)
+            return out.output, out.cache.key, out.cache.value
+
+        assert explain_breaks(decode_step, x[:, 5:6], cache) == []
+
+
+PRESET_MODELS = [(f"llama-tiny-{v}", "lm") for v in LAYER_PRESETS] + [
+    (f"tiny-{v}", task) for v in LAYER_PRESETS for task in ("translation", "mlm")]
+
+
+@pytest.mark.parametrize("preset,task", PRESET_MODELS)
+def test_preset_model_compiles_fullgraph_once_for_all_layers_and_steps(preset, task):
+    model = tiny_model(preset, task).train()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for seed in (0, 10):  # two steps on other data of the same shapes: no recompile
+        step, args = model_call(compiled, task, seed)
+        step(*args)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("variant", LAYER_PRESETS)
+def test_each_layer_code_is_compiled_once_across_layers_and_steps(variant):
+    """Every decoder layer compiled on its own (as torchtitan compiles per block): the second layer and the
+    second step reuse the first layer's graph."""
+    model = tiny_model(f"llama-tiny-{variant}", "lm").train()
+    counter = CompileCounter()
+    for layer in model.decoder.layers:
+        layer.compile(backend=counter, fullgraph=True)
+    for seed in (0, 10):
+        step, args = model_call(model, "lm", seed)
+        step(*args)
+    assert len(model.decoder.layers) == 2
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny-moa", "llama-tiny-talking-heads"])
+def test_cached_decoding_step_compiles_fullgraph(preset):
+    model = tiny_model(preset, "lm").eval()
+    ids = tokens(2, 8)
+    with torch.no_grad():
+        state = model(ids[:, :6], use_cache=True).state
+        expected = model(ids[:, 6:7], state=state, use_cache=True).logits
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter, fullgraph=True)
+        got = compiled(ids[:, 6:7], state=state, use_cache=True).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
+def test_masks_with_empty_rows_keep_their_results_without_branches():
+    """The branch-free mask code of attention_bias: a fully padded row still gives zeros (not NaN) and the
+    other rows equal the eager reference."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[1] = True  # row 1 has no allowed key at all
+    eager = layer(x, key_padding_mask=padding).output
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)(x, key_padding_mask=padding).output
+    assert torch.equal(compiled, eager)
+    assert torch.isfinite(eager).all()
+    torch.testing.assert_close(eager[1], layer.out_proj.bias.expand(5, 16))
+
+
+def test_moa_routing_losses_with_padding_compile_fullgraph():
+    torch.manual_seed(0)
+    layer = MixtureOfAttentionHeads(32, 4, 2, 8, expert_impl="dense")
+    x = torch.randn(2, 6, 32)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[0, 3:] = True
+    eager = layer(x, key_padding_mask=padding, query_padding_mask=padding)
+    counter = CompileCounter()
+    out = torch.compile(layer, backend=counter, fullgraph=True)(x, key_padding_mask=padding,
+                                                                 query_padding_mask=padding)
+    torch.testing.assert_close(out.aux_loss, eager.aux_loss)
+    assert counter.frame_count == 1
