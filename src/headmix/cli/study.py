@@ -21,6 +21,8 @@ import os
 import platform
 import sys
 
+from .main import device_option
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("study", help="compare attention variants at equal MACs over several seeds",
@@ -32,6 +34,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true", help="print the matched rows and exit without training")
     p.add_argument("--list", action="store_true", help="list the built-in studies")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", type=device_option, default=None,
+                   help="cpu, cuda, cuda:N or auto for every run (default: the spec's training.device, else auto)")
+    p.add_argument("--compile", action="store_true", help="torch.compile every run's model for training")
     return p
 
 
@@ -59,6 +64,10 @@ def run(args) -> int:
         spec.seeds = list(args.seeds)
     if args.max_steps is not None:
         spec.max_steps = args.max_steps
+    if args.device is not None:
+        spec.training["device"] = args.device
+    if args.compile:
+        spec.training["compile"] = True
     spec.validate()
     planned = plan(spec)
     if args.plan:
