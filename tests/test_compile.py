@@ -167,3 +167,80 @@ def test_moa_routing_losses_with_padding_compile_fullgraph():
     assert counter.frame_count == 1
     # fullgraph=True may capture a data-dependent shape (nonzero) without complaint; explain reports it as a break
     assert explain_breaks(lambda x, p: layer(x, key_padding_mask=p, query_padding_mask=p).aux_loss, x, padding) == []
+
+
+# ------------------------------------------------------------------------------- static-cache decoding
+STATIC_CASES = [("llama-tiny-moa", "lm"), ("llama-tiny-talking-heads", "lm"), ("llama-tiny-switchhead", "lm"),
+                ("tiny-moh", "translation"), ("tiny-mha", "translation")]
+
+
+@pytest.mark.parametrize("preset,task", STATIC_CASES)
+def test_static_cache_decoding_equals_the_growing_cache_and_compiles_once(preset, task):
+    from headmix.models.generation import beam_search, greedy_decode
+
+    model = tiny_model(preset, task)
+    src = tokens(3, 5, seed=3)
+    if task == "translation":
+        src[0, -2:] = model.config.pad_id  # padded source: the memory mask is exercised too
+    growing = greedy_decode(model, src, 9)
+    counter = CompileCounter()
+    step = torch.compile(model.decoder, backend=counter, fullgraph=True)
+    static = greedy_decode(model, src, 9, static_cache=True, static_step=step)
+    assert torch.equal(static.tokens, growing.tokens)
+    torch.testing.assert_close(static.scores, growing.scores)
+    assert static.tokens.shape[1] > 2 and counter.frame_count == 1  # several static steps, one graph
+    if task == "translation":
+        torch.testing.assert_close(beam_search(model, src, 3, 8, static_cache=True).scores,
+                                   beam_search(model, src, 3, 8).scores)
+
+
+def test_static_cache_step_writes_in_place_at_its_position():
+    model = tiny_model("llama-tiny-mha", "lm").eval()
+    ids = tokens(2, 6)
+    with torch.no_grad():
+        state = model(ids[:, :4], use_cache=True).state.preallocate(8)
+        buffer = state.self_attn[0].key
+        out = model(ids[:, 4:5], state=state, use_cache=True)
+        growing = model(ids[:, :5], use_cache=True).state
+    cache = out.state.self_attn[0]
+    assert cache.key is buffer and cache.key.shape[2] == 8 and int(cache.position) == 5 == int(out.state.length)
+    torch.testing.assert_close(buffer[:, :, :5], growing.self_attn[0].key)
+    assert not buffer[:, :, 5:].any()  # unfilled slots untouched
+    with pytest.raises(ValueError, match="max_length must be an integer >= the cache's length 4"):
+        model(ids[:, :4], use_cache=True).state.self_attn[0].preallocate(3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", LAYER_PRESETS)
+def test_static_cache_decoding_under_cuda_graphs_gives_the_same_tokens(variant):
+    from headmix.models.generation import greedy_decode
+
+    model = tiny_model(f"llama-tiny-{variant}", "lm").cuda()
+    src = tokens(8, 16).cuda()
+    growing = greedy_decode(model, src, 24)
+    step = torch.compile(model.decoder, mode="reduce-overhead", fullgraph=True)
+    graphed = greedy_decode(model, src, 24, static_cache=True, static_step=step)
+    assert torch.equal(graphed.tokens, growing.tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", LAYER_PRESETS)
+def test_training_step_under_cuda_graphs_gives_the_eager_losses(variant):
+    """mode="reduce-overhead" (CUDA graphs) for forward+backward of a preset model, dropout off."""
+    def losses(compile_mode):
+        model = tiny_model(f"llama-tiny-{variant}", "lm").cuda().train()
+        fwd = model if compile_mode is None else torch.compile(model, mode=compile_mode, fullgraph=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = []
+        for seed in range(4):
+            ids, labels = tokens(4, 32, seed).cuda(), tokens(4, 32, seed + 100).cuda()
+            optimizer.zero_grad(set_to_none=True)
+            loss = fwd(ids, labels).total_loss
+            loss.backward()
+            optimizer.step()
+            out.append(float(loss))
+        return out
+
+    assert losses("reduce-overhead") == pytest.approx(losses(None), rel=1e-4)

@@ -59,11 +59,25 @@ class EncoderOutput:
 class DecoderState:
     """Incremental-decoding state: one self-attention :class:`KVCache` per decoder layer (grown one step
     at a time), one static cross-attention cache per layer (the projected encoder output, computed on
-    the first step), and ``length``, the number of target positions already seen (for positions)."""
+    the first step), and ``length``, the number of target positions already seen (for positions).
+
+    :meth:`preallocate` gives the state for CUDA-graph decoding: self-attention caches in buffers of a fixed
+    capacity written in place (:meth:`KVCache.preallocate`) and ``length`` a 0-d tensor on the device, so
+    that one decoding step has static shapes."""
 
     self_attn: list[KVCache | None]
     cross_attn: list[KVCache | None]
-    length: int = 0
+    length: int | Tensor = 0
+
+    def preallocate(self, max_length: int) -> DecoderState:
+        """This state with every self-attention cache preallocated to ``max_length`` positions."""
+        if isinstance(self.length, Tensor):
+            raise ValueError("the state is already preallocated")
+        caches = [None if c is None else c.preallocate(max_length) for c in self.self_attn]
+        position = next((c.position for c in caches if c is not None), None)
+        if position is None:
+            raise ValueError("the state holds no self-attention cache to preallocate")
+        return DecoderState(caches, list(self.cross_attn), position.clone())
 
     def reorder(self, index: Tensor) -> DecoderState:
         """Select batch rows of every cache (beam search)."""
@@ -149,15 +163,21 @@ class Embeddings(nn.Module):
         self.norm = make_norm(config) if config.embedding_norm else None
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, ids: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """``offset``: the position of ``ids[:, 0]``, an int or a 0-d tensor (a preallocated decoding state's
+        length, whose bound the caller checks: :func:`headmix.models.generation` sizes the buffers)."""
         length = ids.shape[1]
-        if offset + length > self.max_positions:
-            raise ValueError(f"sequence of {offset + length} positions exceeds max_positions={self.max_positions}")
+        if isinstance(offset, Tensor):
+            positions = offset + torch.arange(length, device=ids.device)
+        else:
+            if offset + length > self.max_positions:
+                raise ValueError(f"sequence of {offset + length} positions exceeds max_positions={self.max_positions}")
+            positions = slice(offset, offset + length)
         x = self.tokens(ids) * self.scale
         if self.positions is not None:
-            x = x + self.positions.weight[offset:offset + length]
+            x = x + self.positions.weight[positions]
         elif self.sinusoids is not None:
-            x = x + self.sinusoids[offset:offset + length].to(x.dtype)
+            x = x + self.sinusoids[positions].to(x.dtype)
         if self.norm is not None:
             x = self.norm(x)
         return self.dropout(x)
