@@ -52,8 +52,7 @@ class _Prefix:
         self.state: DecoderState | None = None
         if static_cache and not use_cache:
             raise ValueError("static_cache needs use_cache=True")
-        self.static_cache, self.max_len = static_cache, max_len
-        self.static_step = static_step if static_step is not None else model.decoder
+        self.static_cache, self.max_len, self.static_step = static_cache, max_len, static_step
         self.seen = 0  # target positions in the decoder's caches (a Python int also with a static cache)
         if isinstance(model, EncoderDecoderModel):
             self.encoder_out = model.encode(src)
@@ -80,7 +79,8 @@ class _Prefix:
             static = self.state is not None and isinstance(self.state.length, Tensor)
             if static:  # a copy of its own: a slice of the growing prefix has a new stride every step
                 new = new.clone(memory_format=torch.contiguous_format)
-            out = (self.static_step if static else decoder)(new, memory, mask, state=self.state, use_cache=True)
+            step = self.static_step if static and self.static_step is not None else decoder
+            out = step(new, memory, mask, state=self.state, use_cache=True)
             self.seen += new.shape[1]
             self.state = out.state
             if self.static_cache and not static:  # room for every later step: max_len new tokens at most
