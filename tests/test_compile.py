@@ -244,3 +244,21 @@ def test_training_step_under_cuda_graphs_gives_the_eager_losses(variant):
         return out
 
     assert losses("reduce-overhead") == pytest.approx(losses(None), rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------- GPU benchmarks
+def test_bench_lm_steps_and_decode_run_at_tiny_sizes():
+    """The GPU benchmarks' code paths (eager and compiled steps, three decoding modes) on the CPU, with the
+    eager backend; the numbers are not checked, the rows and their baseline ratios are."""
+    from headmix.bench.decode import bench_lm_decode
+    from headmix.bench.models import bench_lm_steps
+
+    presets = ["llama-tiny-mha", "llama-tiny-moa"]
+    steps = bench_lm_steps(presets, batch=2, length=8, device=torch.device("cpu"), compile=True,
+                           compile_backend="eager", repeats=1, warmup=0)
+    assert [(r["model"], r["mode"]) for r in steps] == [(p, m) for p in presets for m in ("eager", "compiled")]
+    assert [r["ratio"] for r in steps[:2]] == [1.0, 1.0] and steps[1]["compile_s"] > 0
+    decode = bench_lm_decode(presets, batches=[1], prompt=4, steps=3, device=torch.device("cpu"), compile_mode=None,
+                             compile_backend="eager", repeats=1)
+    assert [(r["model"], r["mode"]) for r in decode] == [(p, m) for p in presets for m in ("eager", "static", "graphs")]
+    assert all(r["tokens_per_s"] > 0 for r in decode) and [r["ratio"] for r in decode[:3]] == [1.0, 1.0, 1.0]

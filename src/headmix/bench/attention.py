@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..attention import MixtureOfAttentionHeads, MultiHeadAttention, SwitchHeadAttention
+from ..training.config import pick_device
 from .timing import add_clock_arguments, clock_setup, interleaved_timings
 
 
