@@ -95,7 +95,7 @@ def test_layer_has_no_graph_break_in_training_or_cached_decoding(variant):
 
 
 PRESET_MODELS = [(f"llama-tiny-{v}", "lm") for v in LAYER_PRESETS] + [
-    (f"tiny-{v}", task) for v in LAYER_PRESETS for task in ("translation", "mlm")]
+    (f"tiny-{v}", "translation") for v in LAYER_PRESETS] + [("tiny-moa", "mlm"), ("tiny-switchhead", "mlm")]
 
 
 @pytest.mark.parametrize("preset,task", PRESET_MODELS)
@@ -124,7 +124,7 @@ def test_each_layer_code_is_compiled_once_across_layers_and_steps(variant):
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny-moa", "llama-tiny-talking-heads"])
+@pytest.mark.parametrize("preset", ["llama-tiny-moa", pytest.param("llama-tiny-talking-heads", marks=pytest.mark.slow)])
 def test_cached_decoding_step_compiles_fullgraph(preset):
     model = tiny_model(preset, "lm").eval()
     ids = tokens(2, 8)
@@ -170,8 +170,9 @@ def test_moa_routing_losses_with_padding_compile_fullgraph():
 
 
 # ------------------------------------------------------------------------------- static-cache decoding
-STATIC_CASES = [("llama-tiny-moa", "lm"), ("llama-tiny-talking-heads", "lm"), ("llama-tiny-switchhead", "lm"),
-                ("tiny-moh", "translation"), ("tiny-mha", "translation")]
+STATIC_CASES = [("llama-tiny-moa", "lm"), ("llama-tiny-talking-heads", "lm"), ("tiny-moh", "translation"),
+                pytest.param("llama-tiny-switchhead", "lm", marks=pytest.mark.slow),
+                pytest.param("tiny-mha", "translation", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("preset,task", STATIC_CASES)
@@ -247,6 +248,7 @@ def test_training_step_under_cuda_graphs_gives_the_eager_losses(variant):
 
 
 # ------------------------------------------------------------------------------------- GPU benchmarks
+@pytest.mark.slow
 def test_bench_lm_steps_and_decode_run_at_tiny_sizes():
     """The GPU benchmarks' code paths (eager and compiled steps, three decoding modes) on the CPU, with the
     eager backend; the numbers are not checked, the rows and their baseline ratios are."""
