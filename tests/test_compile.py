@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from headmix.attention import MixtureOfAttentionHeads, MultiHeadAttention
 from headmix.models import build_model, get_config
@@ -264,3 +265,34 @@ def test_bench_lm_steps_and_decode_run_at_tiny_sizes():
                              compile_backend="eager", repeats=1)
     assert [(r["model"], r["mode"]) for r in decode] == [(p, m) for p in presets for m in ("eager", "static", "graphs")]
     assert all(r["tokens_per_s"] > 0 for r in decode) and [r["ratio"] for r in decode[:3]] == [1.0, 1.0, 1.0]
+
+
+HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "item", "masked_select", "unique", "_unique2", "bincount",
+                 "repeat_interleave"}
+
+
+class _OpNames(TorchDispatchMode):
+    """Records the ATen operations dispatched (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("variant", ["mha", "moh", "talking-heads"])
+def test_layer_training_step_has_no_host_sync(variant):
+    """A training forward+backward with padding and a causal mask dispatches no operation that waits for the
+    device (``.item()``, ``nonzero``, data-dependent shapes). MoA / SwitchHead: their expert kernels' tests."""
+    layer = tiny_model(f"llama-tiny-{variant}", "lm").train().decoder.layers[0].self_attn
+    x = torch.randn(2, 9, 64, requires_grad=True)
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[0, -3:] = True
+    with _OpNames() as ops:
+        out = layer(x, key_padding_mask=padding, query_padding_mask=padding, is_causal=True)
+        (out.output.square().mean() + out.aux_loss).backward()
+    assert len(ops.names) > 50  # the mode saw the step
+    assert [n for n in ops.names if n in HOST_SYNC_OPS] == []
