@@ -424,3 +424,21 @@ def test_compile_gives_the_eager_losses_and_leaves_compiling_steps_out_of_tokens
         if r["split"] == "train":
             assert (r["tokens_per_sec"] is None) == (r["step"] in compiling)
     assert "compile_seconds" not in eager
+
+
+def test_training_window_leaves_compiling_steps_out_of_tokens_per_sec(monkeypatch):
+    import headmix.training.metrics as metrics
+
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "time", lambda: now[0])
+    window = metrics.TrainingWindow()
+    now[0] += 30.0  # a compiling step: 30 s, 1000 tokens
+    window.add_step(2.0, 1000, timed=False)
+    window.exclude_time(30.0)
+    assert window.record(world_size=1)["tokens_per_sec"] is None  # only compiling steps so far
+    now[0] += 2.0  # two ordinary steps: 2 s, 400 tokens
+    window.add_step(1.0, 200)
+    window.add_step(1.0, 200)
+    record = window.record(world_size=2)
+    assert record["tokens_per_sec"] == pytest.approx(400 * 2 / 2.0)
+    assert record["loss"] == pytest.approx(4.0 / 3)
