@@ -1010,3 +1010,59 @@ def test_moa_auto_kernel_follows_grad_mode(monkeypatch):
     calls.clear()
     layer(x.requires_grad_()).output.sum().backward()
     assert calls == ["dense_map", "dense_reduce"]
+
+
+# ------------------------------------------------------------------ Talking-Heads in query blocks (memory)
+def _saved_for_backward_bytes(fn) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``fn()`` (each storage counted once)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
+
+
+@pytest.mark.parametrize("masks", [dict(is_causal=True), dict(padding=True), dict(padding=True, is_causal=True)])
+def test_talking_heads_query_blocks_equal_the_reference_in_float64(masks):
+    """Query blocks of 3 over 10 queries (the last block short), with checkpointing: outputs and gradients
+    (inputs, projections, both mixing matrices) equal the float64 reference's."""
+    torch.manual_seed(0)
+    layer = TalkingHeadsAttention(D, 4, head_dim=3, key_dim=5, query_block=3).double().train()
+    with torch.no_grad():
+        layer.pre_mix.add_(0.3 * torch.randn(4, 4, dtype=torch.float64))
+        layer.post_mix.add_(0.3 * torch.randn(4, 4, dtype=torch.float64))
+    x = torch.randn(2, 10, D, dtype=torch.float64, requires_grad=True)
+    kwargs = {"is_causal": masks.get("is_causal", False)}
+    if masks.get("padding"):
+        padding = torch.zeros(2, 10, dtype=torch.bool)
+        padding[1, 6:] = True
+        kwargs["key_padding_mask"] = padding
+    out = layer(x, **kwargs).output
+    grads = torch.autograd.grad(out.square().sum(), [x, layer.pre_mix, layer.post_mix, layer.q_proj.weight])
+    ref = reference_mha(layer, x, **kwargs)
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, layer.pre_mix, layer.post_mix, layer.q_proj.weight])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+def test_talking_heads_query_blocks_bound_the_memory_kept_for_backward():
+    """At T = S = 256, 8 heads: the blocked layer keeps far less for its backward than the unblocked one
+    (which keeps several (batch, heads, T, S) score tensors), and the results agree."""
+    torch.manual_seed(0)
+    full = TalkingHeadsAttention(64, 8, query_block=None).train()
+    blocked = TalkingHeadsAttention(64, 8, query_block=32).train()
+    blocked.load_state_dict(full.state_dict())
+    x = torch.randn(2, 256, 64, requires_grad=True)
+    full_bytes, full_out = _saved_for_backward_bytes(lambda: full(x, is_causal=True).output)
+    blocked_bytes, blocked_out = _saved_for_backward_bytes(lambda: blocked(x, is_causal=True).output)
+    scores = 2 * 8 * 256 * 256 * 4  # one float32 (batch, heads, T, S) tensor
+    assert full_bytes > 3 * scores
+    assert blocked_bytes < scores
+    torch.testing.assert_close(blocked_out, full_out)
+    with pytest.raises(ValueError, match="query_block must be a positive integer"):
+        TalkingHeadsAttention(64, 8, query_block=0)

@@ -210,3 +210,71 @@ def test_translate_and_evaluate_a_finished_run(finished_run, tmp_path, capsys):
     assert result["sentences"] == 3 and result["split"] == "test" and result["beam_size"] == 2
     assert main(["evaluate", str(tmp_path / "nowhere")]) == 2
     one_line_error(capsys, "run folder not found")
+
+
+# ------------------------------------------------------------------------------------------- devices
+def test_pick_device_parses_every_form_and_gives_cuda_an_index(monkeypatch):
+    from headmix.training.config import pick_device
+
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("auto") == torch.device("cpu")
+    # a machine with two CUDA devices, simulated: "cuda" must come back with an index (set_device needs one)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert pick_device("cuda") == torch.device("cuda", 1)
+    assert pick_device("auto") == torch.device("cuda", 1)
+    assert pick_device("cuda:0") == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # under torchrun: this process' device
+    assert pick_device("cuda") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"^device 'cuda:2': this machine has 2 CUDA device\(s\)$"):
+        pick_device("cuda:2")
+    for bad in ("gpu", "cuda:x", "", 3):
+        with pytest.raises(ValueError, match=r"^device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got "):
+            pick_device(bad)
+
+
+@pytest.mark.parametrize("argv", [
+    ["translate", "RUN", "--device", "gpu"],
+    ["evaluate", "RUN", "--device", "cuda:x"],
+    ["analyze", "load", "RUN", "--out", "O", "--device", "tpu"],
+    ["study", "lm-en", "--out", "O", "--device", "gpu"],
+    ["demo", "--out", "O", "--device", "gpu"],
+])
+def test_bad_device_of_every_command_is_one_line_naming_the_option(capsys, argv):
+    assert main(argv) == 2
+    one_line_error(capsys, "argument --device: device must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("argv", [["translate", "RUN", "--device", "cuda"], ["evaluate", "RUN", "--device", "cuda:0"],
+                                  ["demo", "--out", "O", "--device", "cuda"]])
+def test_cuda_device_without_a_gpu_is_one_line(capsys, argv):
+    assert main(argv) == 2
+    one_line_error(capsys, "argument --device: device", "no CUDA device is available")
+
+
+def test_device_reaches_translate_and_evaluate(finished_run, monkeypatch, capsys):
+    """``--device`` is parsed once (pick_device) and what it names is where the run is loaded."""
+    import headmix.runs as runs
+
+    seen = []
+    real_load_run = runs.load_run
+    monkeypatch.setattr(runs, "load_run", lambda path, device="cpu": seen.append(device) or real_load_run(path, device))
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("hello\n"))
+    assert main(["translate", str(finished_run), "--device", "auto", "--beam", "1"]) == 0
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert seen == [expected]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "auto"])
+def test_train_and_evaluate_on_the_gpu_with_every_device_form(tmp_path, pairs_file, device, capsys):
+    out = tmp_path / "r"
+    assert main(tiny(out, pairs_file, "--device", device)) == 0
+    assert main(["evaluate", str(out), "--device", device, "--limit", "5", "--beam", "1"]) == 0
+    assert '"bleu"' in capsys.readouterr().out

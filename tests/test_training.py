@@ -390,3 +390,56 @@ def test_demo_printout_names_the_winner_only_for_these_sentences_and_points_to_t
     report["comparison"].update(bleu_difference=-0.2, p_value=0.4, distinguishable=False)
     text = format_comparison(report)
     assert "the two cannot be told apart: BLEU difference -0.20, paired bootstrap p = 0.400 over 400 sentences" in text
+
+
+@pytest.mark.slow
+def test_compile_gives_the_eager_losses_and_leaves_compiling_steps_out_of_tokens_per_sec(tmp_path, pairs_file,
+                                                                                        monkeypatch):
+    """``compile=True``: the same losses as eager (no dropout), a ``compile`` metrics record for each step that
+    (re)compiled, whose time and tokens are left out of tokens/s, and the compile time in the summary. The
+    aot_eager backend traces what inductor would compile, without its slow CPU code generation."""
+    import headmix.training.trainer as trainer
+
+    compiled_modules = []
+
+    def compile_with_aot_eager(model):
+        compiled_modules.append(model)
+        return torch.compile(model, backend="aot_eager")
+
+    monkeypatch.setattr(trainer, "compile_model", compile_with_aot_eager)
+    options = dict(max_steps=5, log_every=1, eval_every=100, save_every=5, average_last=1, dropout=0.0)
+    eager = train(small_config(tmp_path / "eager", pairs_file, **options))
+    torch._dynamo.reset()
+    compiled = train(small_config(tmp_path / "compiled", pairs_file, compile=True, **options))
+    torch._dynamo.reset()
+    assert len(compiled_modules) == 1
+    eager_records, records = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
+    losses = lambda recs: [r["loss"] for r in recs if r["split"] == "train"]
+    assert len(losses(records)) == 5
+    assert losses(records) == pytest.approx(losses(eager_records), rel=1e-4)
+    compiling = {r["step"] for r in records if r["split"] == "compile"}
+    assert 1 in compiling and len(compiling) == compiled["compile_steps"] < 5
+    assert compiled["compile_seconds"] == pytest.approx(sum(r["compile_seconds"] for r in records
+                                                            if r["split"] == "compile"))
+    for r in records:
+        if r["split"] == "train":
+            assert (r["tokens_per_sec"] is None) == (r["step"] in compiling)
+    assert "compile_seconds" not in eager
+
+
+def test_training_window_leaves_compiling_steps_out_of_tokens_per_sec(monkeypatch):
+    import headmix.training.metrics as metrics
+
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "time", lambda: now[0])
+    window = metrics.TrainingWindow()
+    now[0] += 30.0  # a compiling step: 30 s, 1000 tokens
+    window.add_step(2.0, 1000, timed=False)
+    window.exclude_time(30.0)
+    assert window.record(world_size=1)["tokens_per_sec"] is None  # only compiling steps so far
+    now[0] += 2.0  # two ordinary steps: 2 s, 400 tokens
+    window.add_step(1.0, 200)
+    window.add_step(1.0, 200)
+    record = window.record(world_size=2)
+    assert record["tokens_per_sec"] == pytest.approx(400 * 2 / 2.0)
+    assert record["loss"] == pytest.approx(4.0 / 3)

@@ -39,7 +39,13 @@ class KVCache:
     query heads of the same size.
 
     ``static`` caches hold the projected memory of a cross-attention layer: later steps reuse them and
-    do not append. ``layer_id`` ties the cache to the layer instance that made it: a copy of a layer
+    do not append.
+
+    A *preallocated* cache (``position`` set, made by :meth:`preallocate`) holds buffers of a fixed
+    capacity ``(batch, kv_heads, max_length, size)`` and ``position``, a 0-d long tensor on the device: the
+    number of positions filled. A decoding step writes its keys and values in place at ``position ..`` and
+    attends over the whole buffer with the unfilled slots masked, so every step has the same shapes and no
+    host synchronisation: it compiles once and can be captured in a CUDA graph. ``layer_id`` ties the cache to the layer instance that made it: a copy of a layer
     (``copy.deepcopy``, pickling) gets a fresh id, so it rejects the original's caches.
     """
 
@@ -47,10 +53,27 @@ class KVCache:
     value: Tensor
     layer_id: int
     static: bool = False
+    position: Tensor | None = None
 
     @property
     def length(self) -> int:
+        """Positions held (a preallocated cache: its capacity; the filled ones are ``position``)."""
         return self.key.shape[2]
+
+    def preallocate(self, max_length: int) -> KVCache:
+        """This (growing, self-attention) cache copied into buffers of capacity ``max_length``."""
+        if self.static or self.position is not None:
+            raise ValueError("preallocate takes a growing self-attention cache")
+        if not isinstance(max_length, int) or max_length < self.length:
+            raise ValueError(f"max_length must be an integer >= the cache's length {self.length}, got {max_length!r}")
+
+        def buffer(t: Tensor) -> Tensor:
+            out = t.new_zeros(t.shape[0], t.shape[1], max_length, t.shape[3])
+            out[:, :, :t.shape[2]] = t
+            return out
+
+        position = torch.tensor(self.length, dtype=torch.long, device=self.key.device)
+        return KVCache(buffer(self.key), buffer(self.value), self.layer_id, position=position)
 
     @property
     def nbytes(self) -> int:
@@ -58,8 +81,15 @@ class KVCache:
         return self.key.numel() * self.key.element_size() + self.value.numel() * self.value.element_size()
 
     def reorder(self, index: Tensor) -> KVCache:
-        """Select batch rows (beam search): ``index`` is a ``(new_batch,)`` long tensor."""
-        return KVCache(self.key.index_select(0, index), self.value.index_select(0, index), self.layer_id, self.static)
+        """Select batch rows (beam search): ``index`` is a ``(new_batch,)`` long tensor. A preallocated cache
+        is reordered in place (its buffers keep their addresses, as a captured CUDA graph needs) when the
+        batch size stays."""
+        if self.position is not None and index.shape[0] == self.key.shape[0]:
+            self.key.copy_(self.key.index_select(0, index))
+            self.value.copy_(self.value.index_select(0, index))
+            return self
+        return KVCache(self.key.index_select(0, index), self.value.index_select(0, index), self.layer_id, self.static,
+                       self.position)
 
 
 @dataclass
@@ -148,6 +178,15 @@ class AttentionLayer(nn.Module):
             if not self_attention:
                 raise ValueError("a growing cache is for self-attention; cross-attention caches are static")
             past_len = cache.length
+        if cache is not None and cache.position is not None:  # preallocated: write in place at position ..
+            past_len = cache.position
+            if self.rotary is not None:
+                k = self.rotary(k, offset=past_len)
+            index = past_len + torch.arange(k.shape[2], device=k.device)
+            cache.key.index_copy_(2, index, k.to(cache.key.dtype))
+            cache.value.index_copy_(2, index, v.to(cache.value.dtype))
+            new_cache = KVCache(cache.key, cache.value, self.layer_id, position=past_len + k.shape[2]) if use_cache else None
+            return cache.key, cache.value, new_cache, past_len
         if self.rotary is not None and self_attention:
             k = self.rotary(k, offset=past_len)  # new keys at positions past_len..; cached after rotation
         if cache is not None:
@@ -219,7 +258,7 @@ def attention_bias(
     key_padding_mask: Tensor | None,
     attn_mask: Tensor | None,
     is_causal: bool,
-    past_len: int,
+    past_len: int | Tensor,
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[Tensor | None, Tensor | None, bool]:
@@ -232,11 +271,13 @@ def attention_bias(
     zero (so softmax stays finite) and the caller must zero the attention output.
 
     ``is_causal`` aligns the queries with the last ``target_len`` keys: query ``i`` may see keys
-    ``0 .. past_len + i`` (incremental decoding with a cache).
+    ``0 .. past_len + i`` (incremental decoding with a cache). ``past_len`` may be a 0-d tensor (a
+    preallocated cache's position: the keys past it, unfilled slots, are masked by the same rule).
     """
     check_mask_dtype("key_padding_mask", key_padding_mask)
     check_mask_dtype("attn_mask", attn_mask)
-    if is_causal and key_padding_mask is None and attn_mask is None and past_len == 0 and target_len == source_len:
+    if (is_causal and key_padding_mask is None and attn_mask is None and isinstance(past_len, int) and past_len == 0
+            and target_len == source_len):
         return None, None, True
     bias: Tensor | None = None
     forbidden: Tensor | None = None  # boolean, True = -inf
@@ -265,19 +306,14 @@ def attention_bias(
         return None, None, False
     if bias is not None:
         # -inf entries in a float mask count as forbidden too, so fully masked rows become zeros.
+        # Branch-free (no data-dependent Python branch, so the layer compiles with no graph break).
         neg_inf = torch.isneginf(bias)
-        if neg_inf.any():
-            forbidden = neg_inf if forbidden is None else forbidden | neg_inf
-            bias = bias.masked_fill(neg_inf, 0.0)
-    empty_rows = None
-    if forbidden is not None:
-        empty_rows = forbidden.all(dim=-1, keepdim=True)
-        if not empty_rows.any():
-            empty_rows = None
-        else:
-            forbidden = forbidden & ~empty_rows
-        neg = torch.zeros(forbidden.shape, dtype=dtype, device=device).masked_fill(forbidden, float("-inf"))
-        bias = neg if bias is None else bias + neg
+        forbidden = neg_inf if forbidden is None else forbidden | neg_inf
+        bias = bias.masked_fill(neg_inf, 0.0)
+    empty_rows = forbidden.all(dim=-1, keepdim=True)  # all False in the common case: the fill is then a no-op
+    forbidden = forbidden & ~empty_rows
+    neg = torch.zeros(forbidden.shape, dtype=dtype, device=device).masked_fill(forbidden, float("-inf"))
+    bias = neg if bias is None else bias + neg
     return bias, empty_rows, False
 
 

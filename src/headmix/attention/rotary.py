@@ -63,13 +63,18 @@ class RotaryEmbedding(nn.Module):
             angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """``offset``: a non-negative int, or a 0-d integer tensor (a static cache's position: the
+        positions are then computed on the device, with no host synchronisation)."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"x must have shape (batch, heads, time, {self.head_dim}), got {tuple(x.shape)}")
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise ValueError(f"offset must be a non-negative integer, got {offset!r}")
         time = x.shape[2]
-        positions = torch.arange(offset, offset + time, device=x.device)
+        if isinstance(offset, Tensor) and offset.dim() == 0 and not offset.is_floating_point():
+            positions = offset + torch.arange(time, device=x.device)
+        elif not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"offset must be a non-negative integer, got {offset!r}")
+        else:
+            positions = torch.arange(offset, offset + time, device=x.device)
         cos, sin = self.cos_sin(positions, x.dtype)
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
         rotated = rot * cos + self._turn(rot) * sin

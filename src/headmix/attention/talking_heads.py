@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from .base import AttentionOutput, KVCache, check_mask_dtype, zero_loss
+from .base import AttentionOutput, KVCache, check_mask_dtype, check_positive, zero_loss
 from .mha import MultiHeadAttention, merge_heads
 from .rotary import RotaryEmbedding
 
@@ -22,21 +23,29 @@ class TalkingHeadsAttention(MultiHeadAttention):
     ``pre_softmax``: the logits are mixed before the softmax, ``J^(i) = sum_j lambda_ij J_hat^(j)``;
     ``post_softmax``: the attention weights are mixed again after it. Both matrices start as the
     identity, so a fresh layer equals :class:`MultiHeadAttention` with the same projections.
-    Masks apply to the mixed logits. The full ``(batch, heads, T, S)`` weights are materialised
-    (``h T S`` memory): no flash kernel applies. ``rotary`` options and the self-attention rule
-    (``layer(x, x, x)`` is ``layer(x)``) as :class:`MultiHeadAttention`.
+    Masks apply to the mixed logits. The ``(batch, heads, T, S)`` weights are materialised: no flash kernel
+    applies (the mixing couples the heads' scores). To bound the memory, a training call with more than
+    ``query_block`` queries runs block by block with activation checkpointing: the backward keeps only the
+    inputs and recomputes each block's scores, so the score tensors alive at once are one block's
+    (``query_block / T`` of the full ones) at the cost of recomputing the score part of the forward once
+    (``query_block=None``: no blocks). The results are those of the full computation (rows are independent).
+    ``rotary`` options and the self-attention rule (``layer(x, x, x)`` is ``layer(x)``) as
+    :class:`MultiHeadAttention`.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, pre_softmax: bool = True, post_softmax: bool = True, *,
                  head_dim: int | None = None, key_dim: int | None = None, bias: bool = True, dropout: float = 0.0,
                  q_bias: bool | None = None, kv_bias: bool | None = None, out_bias: bool | None = None,
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
-                 zero_padded_queries: bool = False):
+                 zero_padded_queries: bool = False, query_block: int | None = 128):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, key_dim=key_dim, bias=bias, dropout=dropout,
                          q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
                          rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries)
         self.pre_mix = nn.Parameter(torch.eye(num_heads)) if pre_softmax else None
         self.post_mix = nn.Parameter(torch.eye(num_heads)) if post_softmax else None
+        if query_block is not None:
+            check_positive("query_block", query_block)
+        self.query_block = query_block
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
@@ -47,12 +56,33 @@ class TalkingHeadsAttention(MultiHeadAttention):
             query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
             use_cache=use_cache, cache=cache)
         tgt = q.shape[2]
-        logits = q @ k.transpose(-1, -2) * self.key_dim ** -0.5
-        if self.pre_mix is not None:
-            logits = mix_heads(self.pre_mix.to(logits.dtype), logits)
         if causal:
             bias = torch.zeros(tgt, tgt, dtype=q.dtype, device=q.device).masked_fill(
                 torch.ones(tgt, tgt, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        dropout = self.dropout if self.training else 0.0
+        block = self.query_block
+        if block is None or tgt <= block or not torch.is_grad_enabled():
+            o = self._attend(q, k, v, bias, empty, dropout)
+        else:
+            # Query blocks, each recomputed in the backward (activation checkpointing): only one block's
+            # (batch, heads, block, S) scores are alive at a time instead of several (batch, heads, T, S).
+            blocks = []
+            for start in range(0, tgt, block):
+                rows = slice(start, min(start + block, tgt))
+                blocks.append(checkpoint(self._attend, q[:, :, rows], k, v, _query_rows(bias, rows, tgt),
+                                         _query_rows(empty, rows, tgt), dropout, use_reentrant=False))
+            o = torch.cat(blocks, dim=2)
+        y = self._zero_padded(self.out_proj(merge_heads(o)), query, key, key_padding_mask, query_padding_mask, cache)
+        return AttentionOutput(y, zero_loss(query), new_cache)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, empty: Tensor | None,
+                dropout: float) -> Tensor:
+        """Talking-heads attention of the queries ``q`` ``(batch, heads, t, key_dim)`` (Shazeer et al. 2020,
+        Algorithm 2): logits, pre-softmax mixing ``J = sum_j lambda_ij J_hat^(j)``, masks, softmax,
+        post-softmax mixing, dropout, and the weighted sum of the values."""
+        logits = q @ k.transpose(-1, -2) * self.key_dim ** -0.5
+        if self.pre_mix is not None:
+            logits = mix_heads(self.pre_mix.to(logits.dtype), logits)
         if bias is not None:
             logits = logits + bias
         weights = logits.softmax(dim=-1)
@@ -60,8 +90,14 @@ class TalkingHeadsAttention(MultiHeadAttention):
             weights = weights.masked_fill(empty, 0.0)
         if self.post_mix is not None:
             weights = mix_heads(self.post_mix.to(weights.dtype), weights)
-        if self.training and self.dropout > 0:
-            weights = F.dropout(weights, self.dropout)
-        o = weights @ v
-        y = self._zero_padded(self.out_proj(merge_heads(o)), query, key, key_padding_mask, query_padding_mask, cache)
-        return AttentionOutput(y, zero_loss(query), new_cache)
+        if dropout > 0:
+            weights = F.dropout(weights, dropout)
+        return weights @ v
+
+
+def _query_rows(mask: Tensor | None, rows: slice, tgt: int) -> Tensor | None:
+    """The rows ``rows`` of a mask broadcastable to ``(batch, heads, tgt, S)`` (unchanged when it broadcasts
+    over the queries)."""
+    if mask is None or mask.shape[-2] != tgt:
+        return mask
+    return mask[..., rows, :]

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..attention import MixtureOfAttentionHeads, MultiHeadAttention, SwitchHeadAttention
+from ..training.config import pick_device
 from .timing import add_clock_arguments, clock_setup, interleaved_timings
 
 
@@ -218,7 +219,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
+    device = pick_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.clock == "cpu" and device.type != "cpu":
         raise ValueError(f"--clock cpu measures CPU time and needs --device cpu, got {device}")

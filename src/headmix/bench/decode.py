@@ -16,6 +16,15 @@ sizes: embed 512, k 8, head_dim 64) after a prompt, generating one token at a ti
 
 The headmix MHA layer of equal ``k * head_dim`` is the named baseline (its 4 d^2 weights and its cache).
 Timings are interleaved over all variants, medians over repeats.
+
+``--presets llama-mini-mha llama-mini-moa ...`` times instead whole-model greedy decoding of those causal-LM
+presets on ``--device`` (a random prompt of ``--prompt`` tokens, then ``--steps`` new tokens, batch sizes
+``--batches``), in three modes: ``eager`` (the growing cache), ``static`` (the preallocated cache,
+eager) and ``graphs`` (the preallocated cache, each step ``torch.compile(mode="reduce-overhead",
+fullgraph=True)``: a CUDA graph replay on a GPU; on the CPU it is only compiled). Printed: generated tokens
+per second, the ratio to the first preset's in the same mode, and the first (compiling) call's seconds. For
+issue 20's H100 figures: ``headmix bench decode --presets llama-mini-mha llama-mini-moa llama-mini-moh
+llama-mini-switchhead --device cuda --batches 1 8 --prompt 128 --steps 64``.
 """
 
 from __future__ import annotations
@@ -28,8 +37,13 @@ import torch
 
 from ..attention import MixtureOfAttentionHeads, MultiHeadAttention
 from ..kernels.dispatch import IMPLS
+from ..models import build_model, get_config
+from ..models.generation import greedy_decode
+from ..training.config import pick_device
 from .attention import format_rows
-from .timing import add_clock_arguments, clock_setup, interleaved_timings
+from .timing import add_clock_arguments, clock_setup, interleaved_timings, sync
+
+DECODE_MODES = ("eager", "static", "graphs")
 
 
 def read_bandwidth(mib: int = 256, repeats: int = 5, clock=time.perf_counter) -> float:
@@ -104,6 +118,53 @@ def bench_decode(*, batches: list[int], experts: list[int], impls: list[str], em
     return rows, bandwidth
 
 
+def bench_lm_decode(presets: list[str], *, batches: list[int], prompt: int, steps: int, device: torch.device,
+                    modes: tuple[str, ...] = DECODE_MODES, compile_mode: str | None = "reduce-overhead",
+                    compile_backend: str = "inductor", repeats: int, seed: int = 0,
+                    clock=time.perf_counter) -> list[dict]:
+    """Greedy decoding of whole causal-LM ``presets`` (the first is the baseline) per batch size and mode
+    (module docstring); bf16 on CUDA. Rows: ``batch``, ``model``, ``mode``, ``tokens_per_s`` (generated
+    tokens), ``ratio`` (to the first preset in the same mode and batch), ``first_s`` (the first call)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for batch in batches:
+        runs, first, generated = {}, {}, {}
+        for preset in presets:
+            config = get_config(preset, task="lm")
+            torch.manual_seed(seed)
+            model = build_model(config).to(device, dtype).eval()
+            low = max(config.pad_id, config.bos_id, config.eos_id) + 1
+            src = torch.randint(low, config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed))
+            src = src.to(device)
+            for mode in modes:
+                options = {}
+                if mode != "eager":
+                    options["static_cache"] = True
+                if mode == "graphs":
+                    options["static_step"] = torch.compile(model.decoder, mode=compile_mode, backend=compile_backend,
+                                                           fullgraph=True)
+
+                def decode(model=model, src=src, options=options):
+                    return greedy_decode(model, src, steps, **options)
+
+                t0 = clock()
+                out = decode()
+                sync(device)
+                first[(preset, mode)] = clock() - t0
+                generated[(preset, mode)] = out.tokens.numel()
+                runs[(preset, mode)] = decode
+        times = interleaved_timings({f"{p} {m}": f for (p, m), f in runs.items()}, repeats, 1, device, clock=clock)
+        speed = {key: generated[key] / times[f"{key[0]} {key[1]}"] for key in runs}
+        for (preset, mode) in runs:
+            rows.append({"batch": batch, "model": preset, "mode": mode, "tokens_per_s": speed[(preset, mode)],
+                         "ratio": speed[(preset, mode)] / speed[(presets[0], mode)], "first_s": first[(preset, mode)]})
+    return rows
+
+
+LM_DECODE_COLUMNS = [("batch", "batch", "{}"), ("model", "model", "{}"), ("mode", "mode", "{}"),
+                     ("tokens_per_s", "tokens/s", "{:.0f}"), ("ratio", "tokens/s / first", "{:.2f}"),
+                     ("first_s", "first call s", "{:.1f}")]
+
 DECODE_COLUMNS = [("batch", "batch", "{}"), ("layer", "layer, expert_impl", "{}"),
                   ("tokens_per_s", "tokens/s", "{:.0f}"), ("step_us", "us / step", "{:.0f}"),
                   ("mib", "MiB read / step", "{:.2f}"), ("bound_us", "bound us", "{:.0f}"),
@@ -121,6 +182,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--presets", nargs="+", default=None, metavar="PRESET",
+                   help="causal-LM presets to decode with instead (the first is the baseline)")
+    p.add_argument("--device", default="cpu", help="with --presets: cpu, cuda, cuda:N or auto")
+    p.add_argument("--modes", nargs="+", choices=DECODE_MODES, default=list(DECODE_MODES),
+                   help="with --presets: growing cache, preallocated cache, and compiled steps (CUDA graphs)")
     add_clock_arguments(p)
 
 
@@ -129,6 +195,15 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     clock, setup = clock_setup(args)
+    if args.presets:
+        device = pick_device(args.device)
+        print(f"# headmix bench decode --presets: {device}, {'bf16' if device.type == 'cuda' else 'float32'}, torch "
+              f"{torch.__version__}, {setup}; greedy decoding, prompt {args.prompt}, then {args.steps} tokens; "
+              f"median of {args.repeats} interleaved runs")
+        rows = bench_lm_decode(args.presets, batches=args.batches, prompt=args.prompt, steps=args.steps, device=device,
+                               modes=tuple(args.modes), repeats=args.repeats, clock=clock)
+        print(format_rows(rows, LM_DECODE_COLUMNS))
+        return 0
     rows, bandwidth = bench_decode(batches=args.batches, experts=args.experts, impls=args.impls,
                                    embed_dim=args.embed_dim, top_k=args.top_k, head_dim=args.head_dim,
                                    prompt=args.prompt, steps=args.steps, repeats=args.repeats, clock=clock)

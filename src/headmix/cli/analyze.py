@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..training.config import pick_device
+from .main import add_device_option
+
 
 def _data_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run folder (from `headmix train`)")
@@ -24,7 +27,7 @@ def _data_options(p: argparse.ArgumentParser) -> None:
                    help="the run's split to analyse when --data is not given (default: valid)")
     p.add_argument("--limit", type=int, default=None, help="only the first N sentence pairs / documents")
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens per batch")
-    p.add_argument("--device", default="cpu")
+    add_device_option(p)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -90,7 +93,7 @@ def run(args) -> int:
     from ..analysis.heads import moh_layers
     from ..analysis.layers import describe_attention, require_routed
 
-    model, tok = load_analysis_run(args.run, args.device)
+    model, tok = load_analysis_run(args.run, pick_device(args.device))
     task = model.config.task
     out = Path(args.out)
     meta = {"run": str(args.run), "task": task}

@@ -105,6 +105,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def device_option(text: str) -> str:
+    """The ``--device`` argument type of every command: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``, checked by
+    :func:`headmix.training.config.pick_device` (a bad name is a one-line usage error naming ``--device``)."""
+    from ..training.config import pick_device
+
+    try:
+        pick_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def add_device_option(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
+    parser.add_argument("--device", type=device_option, default=default,
+                        help=f"cpu, cuda, cuda:N or auto (cuda when available; default: {default})")
+
+
 # ------------------------------------------------------------------------------------------ commands
 
 def _add_train(sub) -> None:
@@ -168,21 +185,23 @@ def _add_translate(sub) -> None:
     p.add_argument("--input", default="-", help="file of source lines (default: standard input)")
     p.add_argument("--beam", type=_positive_int, default=4)
     p.add_argument("--length-penalty", type=float, default=1.0)
-    p.add_argument("--device", default="cpu")
+    add_device_option(p)
 
 
 def _run_translate(args) -> int:
     from ..evaluation import translate
     from ..runs import load_run
+    from ..training.config import pick_device
 
-    run = load_run(args.run, args.device)
+    device = pick_device(args.device)
+    run = load_run(args.run, device)
     if args.input == "-":
         lines = sys.stdin.read().splitlines()
     else:
         with open(args.input, encoding="utf-8") as f:
             lines = f.read().splitlines()
     for hyp in translate(run.model, run.tokenizer, lines, beam_size=args.beam, length_penalty=args.length_penalty,
-                         device=args.device):
+                         device=device):
         print(hyp)
     return 0
 
@@ -196,14 +215,15 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--limit", type=_positive_int, default=None, help="score only the first N sentences / documents")
     p.add_argument("--compound-split", action="store_true", help="German compound splitting before BLEU (the paper's)")
     p.add_argument("--output", default=None, help="write the translations to this file")
-    p.add_argument("--device", default="cpu")
+    add_device_option(p)
 
 
 def _run_evaluate(args) -> int:
     from ..tasks import evaluate_run
+    from ..training.config import pick_device
 
     result = evaluate_run(args.run, split=args.split, beam_size=args.beam, length_penalty=args.length_penalty,
-                          limit=args.limit, compound_split=args.compound_split, device=args.device,
+                          limit=args.limit, compound_split=args.compound_split, device=pick_device(args.device),
                           output=args.output)
     print(json.dumps(result, indent=2, ensure_ascii=False))
     return 0
@@ -219,6 +239,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--beam", type=_positive_int, default=4)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
+    add_device_option(p, default="auto")
+    p.add_argument("--compile", action="store_true", help="torch.compile both models for training")
 
 
 def _run_demo(args) -> int:
@@ -226,7 +248,8 @@ def _run_demo(args) -> int:
 
     with stop_on_signals() as stop:
         report = run_demo(args.out, steps=args.steps, eval_sentences=args.eval_sentences,
-                          beam_size=args.beam, seed=args.seed, progress=not args.no_progress, stop=stop)
+                          beam_size=args.beam, seed=args.seed, progress=not args.no_progress, stop=stop,
+                          device=args.device, compile=args.compile)
     if report.get("stopped_by", "").startswith("signal "):
         signum = int(report["stopped_by"].split()[1])
         print(f"headmix demo: stopped by signal {signum}", file=sys.stderr)

@@ -24,6 +24,8 @@ import json
 import os
 import sys
 
+from .main import device_option
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("study", help="compare attention variants at equal MACs over several seeds",
@@ -33,8 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="override the spec's seeds")
     p.add_argument("--max-steps", type=int, default=None, help="override the spec's steps per run")
     p.add_argument("--data", nargs="+", default=None, metavar="FILE", help="override the spec's corpus files")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto, for every run (the spec's "
-                                                  "training.device, else auto)")
+    p.add_argument("--device", type=device_option, default=None,
+                   help="cpu, cuda, cuda:N or auto, for every run (the spec's training.device, else auto)")
     p.add_argument("--bf16", choices=("auto", "on", "off"), default=None, help="bf16 autocast of every run")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile every run's model")

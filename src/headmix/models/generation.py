@@ -11,11 +11,19 @@ candidates; those ending in ``eos`` among the top ``beam_size`` are finished wit
 ``sum log p / length ** length_penalty`` (length counts the ``eos``); the best ``beam_size`` others go on.
 A sentence is done once it has ``beam_size`` finished hypotheses; when ``max_len`` tokens are reached the
 live beams (without ``eos``) join its hypotheses. With ``beam_size=1`` this is greedy decoding.
+
+``static_cache=True`` (with the cache): after the first step (the prompt, or ``bos``) the self-attention
+caches move into buffers preallocated for all ``max_len`` steps (:meth:`DecoderState.preallocate`), written
+in place; every later step then has the same shapes and keeps its state on the device, so it compiles once
+(``torch.compile(fullgraph=True)``) and can be captured as a CUDA graph: pass ``static_step``, e.g.
+``torch.compile(model.decoder, mode="reduce-overhead", fullgraph=True)``, to run those steps. The tokens
+are those of the growing cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -37,10 +45,15 @@ class _Prefix:
     """The decoder-side state of a batch of hypotheses: the token prefix, the encoder output
     (translation) and, with caching, the decoder's KV caches."""
 
-    def __init__(self, model: PreTrainedModel, src: Tensor, use_cache: bool):
+    def __init__(self, model: PreTrainedModel, src: Tensor, use_cache: bool, max_len: int = 0,
+                 static_cache: bool = False, static_step: Callable | None = None):
         cfg = model.config
         self.model, self.use_cache = model, use_cache
         self.state: DecoderState | None = None
+        if static_cache and not use_cache:
+            raise ValueError("static_cache needs use_cache=True")
+        self.static_cache, self.max_len, self.static_step = static_cache, max_len, static_step
+        self.seen = 0  # target positions in the decoder's caches (a Python int also with a static cache)
         if isinstance(model, EncoderDecoderModel):
             self.encoder_out = model.encode(src)
             self.tokens = torch.full((src.shape[0], 1), cfg.bos_id, dtype=torch.long, device=src.device)
@@ -62,9 +75,21 @@ class _Prefix:
         if self.encoder_out is not None:
             memory, mask = self.encoder_out.hidden, self.encoder_out.padding_mask
         if self.use_cache:
-            new = self.tokens[:, 0 if self.state is None else self.state.length:]
-            out = decoder(new, memory, mask, state=self.state, use_cache=True)
+            new = self.tokens[:, self.seen:]
+            static = self.state is not None and isinstance(self.state.length, Tensor)
+            if static:  # a copy of its own: a slice of the growing prefix has a new stride every step
+                new = new.clone(memory_format=torch.contiguous_format)
+            step = self.static_step if static and self.static_step is not None else decoder
+            out = step(new, memory, mask, state=self.state, use_cache=True)
+            self.seen += new.shape[1]
             self.state = out.state
+            if self.static_cache and not static:  # room for every later step: max_len new tokens at most
+                capacity = self.seen + self.max_len
+                embed = decoder.embed
+                if (embed.positions is not None or embed.sinusoids is not None) and capacity > embed.max_positions:
+                    raise ValueError(f"static_cache: {self.seen} + max_len={self.max_len} positions exceed "
+                                     f"max_positions={embed.max_positions}")
+                self.state = self.state.preallocate(capacity)
         else:
             out = decoder(self.tokens, memory, mask)
         logits = self.model.compute_logits(out.hidden[:, -1:])
@@ -119,15 +144,16 @@ class _eval_mode:
         self.model.train(self.was_training)
 
 
-def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cache: bool = True) -> GenerationOutput:
+def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cache: bool = True,
+                  static_cache: bool = False, static_step: Callable | None = None) -> GenerationOutput:
     """Pick the most likely token at each step, for at most ``max_len`` new tokens.
 
     ``src``: the source sentences ``(B, S)`` (translation, padding allowed) or the prompts ``(B, T)``
-    (causal LM, no padding)."""
+    (causal LM, no padding). ``static_cache``, ``static_step``: see the module docstring."""
     _check(model, src, max_len)
     cfg = model.config
     with _eval_mode(model):
-        prefix = _Prefix(model, src, use_cache)
+        prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
         batch = src.shape[0]
         finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
         scores = torch.zeros(batch, device=src.device)
@@ -146,9 +172,11 @@ def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cach
 
 
 def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: int, length_penalty: float = 1.0, *,
-                use_cache: bool = True) -> GenerationOutput:
+                use_cache: bool = True, static_cache: bool = False,
+                static_step: Callable | None = None) -> GenerationOutput:
     """fairseq-style beam search (see the module docstring); returns the best hypothesis per input, scored
-    ``sum log p / length ** length_penalty``."""
+    ``sum log p / length ** length_penalty``. ``static_cache``, ``static_step``: see the module docstring
+    (beams are reordered in the preallocated buffers, in place)."""
     _check(model, src, max_len)
     if not isinstance(beam_size, int) or beam_size <= 0:
         raise ValueError(f"beam_size must be a positive integer, got {beam_size!r}")
@@ -156,7 +184,7 @@ def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: in
     eos, k = cfg.eos_id, beam_size
     device = src.device
     with _eval_mode(model):
-        prefix = _Prefix(model, src, use_cache)
+        prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
         batch = src.shape[0]
         prefix.reorder(torch.arange(batch, device=device).repeat_interleave(k))
         # Only beam 0 is live at first, so the first step expands one hypothesis per sentence.

@@ -59,11 +59,25 @@ class EncoderOutput:
 class DecoderState:
     """Incremental-decoding state: one self-attention :class:`KVCache` per decoder layer (grown one step
     at a time), one static cross-attention cache per layer (the projected encoder output, computed on
-    the first step), and ``length``, the number of target positions already seen (for positions)."""
+    the first step), and ``length``, the number of target positions already seen (for positions).
+
+    :meth:`preallocate` gives the state for CUDA-graph decoding: self-attention caches in buffers of a fixed
+    capacity written in place (:meth:`KVCache.preallocate`) and ``length`` a 0-d tensor on the device, so
+    that one decoding step has static shapes."""
 
     self_attn: list[KVCache | None]
     cross_attn: list[KVCache | None]
-    length: int = 0
+    length: int | Tensor = 0
+
+    def preallocate(self, max_length: int) -> DecoderState:
+        """This state with every self-attention cache preallocated to ``max_length`` positions."""
+        if isinstance(self.length, Tensor):
+            raise ValueError("the state is already preallocated")
+        caches = [None if c is None else c.preallocate(max_length) for c in self.self_attn]
+        position = next((c.position for c in caches if c is not None), None)
+        if position is None:
+            raise ValueError("the state holds no self-attention cache to preallocate")
+        return DecoderState(caches, list(self.cross_attn), position.clone())
 
     def reorder(self, index: Tensor) -> DecoderState:
         """Select batch rows of every cache (beam search)."""
@@ -149,15 +163,21 @@ class Embeddings(nn.Module):
         self.norm = make_norm(config) if config.embedding_norm else None
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, ids: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """``offset``: the position of ``ids[:, 0]``, an int or a 0-d tensor (a preallocated decoding state's
+        length, whose bound the caller checks: :func:`headmix.models.generation` sizes the buffers)."""
         length = ids.shape[1]
-        if offset + length > self.max_positions:
-            raise ValueError(f"sequence of {offset + length} positions exceeds max_positions={self.max_positions}")
+        if isinstance(offset, Tensor):
+            positions = offset + torch.arange(length, device=ids.device)
+        else:
+            if offset + length > self.max_positions:
+                raise ValueError(f"sequence of {offset + length} positions exceeds max_positions={self.max_positions}")
+            positions = slice(offset, offset + length)
         x = self.tokens(ids) * self.scale
         if self.positions is not None:
-            x = x + self.positions.weight[offset:offset + length]
+            x = x + self.positions.weight[positions]
         elif self.sinusoids is not None:
-            x = x + self.sinusoids[offset:offset + length].to(x.dtype)
+            x = x + self.sinusoids[positions].to(x.dtype)
         if self.norm is not None:
             x = self.norm(x)
         return self.dropout(x)
@@ -283,11 +303,19 @@ class ResidualNorm(nn.Module):
         return x if self.pre_norm else self.norm(x)
 
 
-def _collect(name: str, out: AttentionOutput, aux: Tensor, routing: list) -> Tensor:
-    """Record a layer's routing and add its auxiliary loss (MoA eq. 17 sums them over layers)."""
-    if out.routing is not None:
-        routing.append((name, out.routing))
-    return aux + out.aux_loss
+def _collect(outputs: list[tuple[str, AttentionOutput | None]], aux: Tensor) -> tuple[Tensor, list]:
+    """Add the layers' auxiliary losses (MoA eq. 17 sums them over layers) and list their routing as
+    ``(name, Routing)`` pairs. Called once per model call on all its layers' outputs, with names built
+    from the layer index outside any layer's code: a compiled model traces it once (no per-layer guard on a
+    name string or on whether ``aux`` requires grad)."""
+    routing = []
+    for name, out in outputs:
+        if out is None:
+            continue
+        aux = aux + out.aux_loss
+        if out.routing is not None:
+            routing.append((name, out.routing))
+    return aux, routing
 
 
 class EncoderLayer(nn.Module):
@@ -363,14 +391,13 @@ class TransformerEncoder(nn.Module):
     def forward(self, tokens: Tensor) -> EncoderOutput:
         padding_mask = tokens.eq(self.config.pad_id)
         x = self.embed(tokens)
-        aux, routing = x.new_zeros((), dtype=torch.float32), []
+        outputs = []
         for i, layer in enumerate(self.layers):
             x, attn, ffn_out = layer(x, padding_mask)
-            aux = _collect(f"encoder.layers.{i}.self_attn", attn, aux, routing)
-            if ffn_out is not None:
-                aux = _collect(f"encoder.layers.{i}.ffn", ffn_out, aux, routing)
+            outputs += [(f"encoder.layers.{i}.self_attn", attn), (f"encoder.layers.{i}.ffn", ffn_out)]
         if self.final_norm is not None:
             x = self.final_norm(x)
+        aux, routing = _collect(outputs, x.new_zeros((), dtype=torch.float32))
         return EncoderOutput(x, padding_mask, aux, routing)
 
 
@@ -394,7 +421,7 @@ class TransformerDecoder(nn.Module):
         past = 0 if state is None else state.length
         padding_mask = tokens.eq(self.config.pad_id) if state is None else None
         x = self.embed(tokens, offset=past)
-        aux, routing = x.new_zeros((), dtype=torch.float32), []
+        outputs = []
         n = len(self.layers)
         self_caches = state.self_attn if state is not None else [None] * n
         cross_caches = state.cross_attn if state is not None else [None] * n
@@ -402,15 +429,13 @@ class TransformerDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             x, self_out, cross_out, ffn_out = layer(x, padding_mask, memory, memory_padding_mask,
                                                     self_caches[i], cross_caches[i], use_cache)
-            aux = _collect(f"decoder.layers.{i}.self_attn", self_out, aux, routing)
+            outputs += [(f"decoder.layers.{i}.self_attn", self_out), (f"decoder.layers.{i}.cross_attn", cross_out),
+                        (f"decoder.layers.{i}.ffn", ffn_out)]
             new_self.append(self_out.cache)
-            if cross_out is not None:
-                aux = _collect(f"decoder.layers.{i}.cross_attn", cross_out, aux, routing)
-            if ffn_out is not None:
-                aux = _collect(f"decoder.layers.{i}.ffn", ffn_out, aux, routing)
             new_cross.append(None if cross_out is None else cross_out.cache)
         if self.final_norm is not None:
             x = self.final_norm(x)
+        aux, routing = _collect(outputs, x.new_zeros((), dtype=torch.float32))
         new_state = DecoderState(new_self, new_cross, past + tokens.shape[1]) if use_cache else None
         return DecoderOutput(x, aux, routing, new_state)
 

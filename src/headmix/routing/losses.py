@@ -33,24 +33,33 @@ def load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor 
     """
     check_fractions(fractions)
     num_experts = probs.shape[-1]
-    if token_mask is not None:
-        probs, expert_index = probs[token_mask], expert_index[token_mask]
     if probs.shape[0] == 0:
         return probs.sum() * 0.0
+    slot_weight = torch.ones_like(expert_index, dtype=probs.dtype)
+    if token_mask is None:
+        tokens = probs.new_tensor(float(probs.shape[0]))
+    else:
+        # Padded tokens weigh 0 (masked, not dropped: the shapes stay static, so the loss compiles with
+        # no data-dependent shape); with no real token both fractions are 0 and so is the loss.
+        probs = probs.masked_fill(~token_mask[:, None], 0.0)
+        slot_weight = slot_weight.masked_fill(~token_mask[:, None], 0.0)
+        tokens = token_mask.sum().to(probs.dtype).clamp(min=1)
     counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
-    counts.scatter_add_(0, expert_index.reshape(-1), torch.ones_like(expert_index.reshape(-1), dtype=probs.dtype))
-    f = (counts / (counts.sum() if fractions == "normalized" else probs.shape[0])).detach()
-    p = probs.sum(0) / probs.shape[0]
+    counts.scatter_add_(0, expert_index.reshape(-1), slot_weight.reshape(-1))
+    f = (counts / (counts.sum().clamp(min=1) if fractions == "normalized" else tokens)).detach()
+    p = probs.sum(0) / tokens
     return num_experts * (f * p).sum()
 
 
 def router_z_loss(logits: Tensor, token_mask: Tensor | None = None) -> Tensor:
     """``L_z = mean_t (log sum_i exp(x_{i,t}))^2`` over the pre-softmax logits (eq. 16), via logsumexp."""
-    if token_mask is not None:
-        logits = logits[token_mask]
     if logits.shape[0] == 0:
         return logits.sum() * 0.0
-    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+    squared = torch.logsumexp(logits.float(), dim=-1).pow(2)
+    if token_mask is None:
+        return squared.mean()
+    # the mean over real tokens with static shapes (padded rows masked, not dropped)
+    return squared.masked_fill(~token_mask, 0.0).sum() / token_mask.sum().clamp(min=1)
 
 
 def routing_losses(routing: Routing, load_balance_weight: float, z_loss_weight: float,

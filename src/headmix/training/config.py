@@ -158,12 +158,16 @@ def _positive(name: str, value: float | None, *, allow_none: bool = False) -> No
 
 
 def pick_device(name: str) -> torch.device:
-    """The device ``name`` names (``auto``: this process' CUDA device when there is one, else the CPU);
-    ``ValueError`` for a name that is not a device, or a CUDA device this machine does not have."""
+    """The device ``name`` names: ``cpu``, ``cuda:N``, ``cuda`` (this process' CUDA device: ``LOCAL_RANK``
+    under torchrun, else the current one) or ``auto`` (``cuda`` when there is one, else the CPU). A CUDA
+    device always comes back with its index (``torch.cuda.set_device`` and DDP need one). ``ValueError``
+    (naming ``device``) for a name that is not a device, or a CUDA device this machine does not have. The one
+    parser of every ``--device`` option (train, evaluate, translate, analyze, study, bench, demo)."""
+    if not isinstance(name, (str, torch.device)):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    name = str(name)
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
@@ -171,7 +175,10 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {name!r}: no CUDA device is available on this machine (use --device cpu)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        if device.index is None:
+            local_rank = os.environ.get("LOCAL_RANK")
+            device = torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
             raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif device.type not in ("cpu", "mps"):
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")

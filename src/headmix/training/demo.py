@@ -25,7 +25,7 @@ from typing import Any, Callable
 from ..tasks import evaluate_run
 from ..models import analytic_macs, get_config
 from ..runs.files import atomic_write
-from .config import TrainConfig
+from .config import TrainConfig, pick_device
 from .metrics import read_metrics
 from .setup import prepare_shared_data
 from .trainer import train
@@ -50,11 +50,13 @@ def demo_models(tolerance: float = 0.02) -> dict[str, Any]:
 
 def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 450, eval_sentences: int = 400,
              beam_size: int = 4, seed: int = 1, progress: bool = True,
-             stop: Callable[[], str | None] | None = None) -> dict[str, Any]:
+             stop: Callable[[], str | None] | None = None, device: str = "auto",
+             compile: bool = False) -> dict[str, Any]:
     """Train both models for ``steps`` updates (same split, tokenizer, batches and schedule), evaluate both on
     the first ``eval_sentences`` test sentences, compare them with a paired bootstrap, write the report and
     plots. ``stop``: as for :func:`headmix.training.train`; a stopped demo returns ``{"stopped_by": reason}``
-    and resumes when called again."""
+    and resumes when called again. ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``auto``) and ``compile`` as
+    :class:`~headmix.training.TrainConfig`'s; the evaluation runs on the same device."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"setup": {
@@ -70,13 +72,15 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 450, eval_sen
         _log(f"training {name} ({describe_attention(config)}) for {steps} steps")
         cfg = TrainConfig(preset=str(config_path), out=str(out / name), tokenizer=str(tokenizer), max_steps=steps,
                           warmup_steps=100, lr=2e-3, log_every=10, eval_every=10**9, save_every=25,
-                          keep_checkpoints=5, average_last=5, progress=progress, **options)
+                          keep_checkpoints=5, average_last=5, progress=progress, device=device, compile=compile,
+                          **options)
         summary = train(cfg, stop=stop)
         if "valid" not in summary:  # stopped before the end
             return {"stopped_by": summary["stopped_by"]}
         t0 = time.time()
         hyp_path = out / name / "test_hypotheses.txt"
-        scores = evaluate_run(out / name, split="test", beam_size=beam_size, limit=eval_sentences, output=hyp_path)
+        scores = evaluate_run(out / name, split="test", beam_size=beam_size, limit=eval_sentences, output=hyp_path,
+                              device=pick_device(device))
         hypotheses[name] = hyp_path.read_text(encoding="utf-8").splitlines()
         macs = analytic_macs(config)
         report[name] = {

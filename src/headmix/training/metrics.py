@@ -56,6 +56,7 @@ class TrainingWindow:
 
     def __init__(self):
         self.loss, self.aux, self.tokens, self.steps = 0.0, 0.0, 0, 0
+        self.timed_tokens, self.excluded_seconds = 0, 0.0
         self.start = time.time()
         self.counts: dict[str, torch.Tensor] = {}
 
@@ -64,16 +65,23 @@ class TrainingWindow:
         self.aux += float(out.aux_loss.detach()) / grad_accum
         add_expert_counts(out.routing, self.counts)
 
-    def add_step(self, loss: float, tokens: int) -> None:
-        """One optimizer step's loss (averaged over its micro-batches) and tokens."""
+    def add_step(self, loss: float, tokens: int, timed: bool = True) -> None:
+        """One optimizer step's loss (averaged over its micro-batches) and tokens; ``timed=False``: a step
+        left out of tokens/s (one that compiled the model; its time goes to :meth:`exclude_time`)."""
         self.loss += loss
         self.tokens += tokens
+        self.timed_tokens += tokens if timed else 0
         self.steps += 1
 
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` (a compiling step's) out of tokens/s."""
+        self.excluded_seconds += seconds
+
     def record(self, world_size: int) -> dict[str, Any]:
-        seconds = max(time.time() - self.start, 1e-9)
+        seconds = max(time.time() - self.start - self.excluded_seconds, 1e-9)
+        speed = self.timed_tokens * world_size / seconds if self.timed_tokens else None  # None: only compiling steps
         return {"loss": self.loss / self.steps, "aux_loss": self.aux / self.steps,
-                "tokens_per_sec": self.tokens * world_size / seconds, **load_record(self.counts)}
+                "tokens_per_sec": speed, **load_record(self.counts)}
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

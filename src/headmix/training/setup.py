@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch._dynamo.utils import counters
 
 from ..data import ReadReport, Tokenizer, train_tokenizer
 from ..models import ModelConfig, get_config
@@ -158,6 +159,19 @@ def autocast_for(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
     if on:
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+def compile_model(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
+    """``torch.compile(model)`` for the training forward (``options`` go to ``torch.compile``; the trainer uses
+    the defaults: inductor, shapes made dynamic at their first change). The compiled module shares the
+    model's parameters. The model compiles with no graph break (tests/test_compile.py)."""
+    return torch.compile(model, **options)
+
+
+def compiled_graphs() -> int:
+    """How many graphs ``torch.compile`` has compiled in this process (dynamo's counter): a step that raises
+    it compiled (or recompiled) the model."""
+    return int(counters["stats"]["unique_graphs"])
 
 
 def optimizer_and_schedule(cfg: TrainConfig, params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:

@@ -25,7 +25,8 @@ from .config import IDENTITY, TrainConfig, pick_device
 from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
 from .machine import machine_record
-from .setup import autocast_for, cached_dataset, forever, model_config, optimizer_and_schedule, prepare_data
+from .setup import (autocast_for, cached_dataset, compile_model, compiled_graphs, forever, model_config,
+                    optimizer_and_schedule, prepare_data)
 
 
 class TrainingError(RuntimeError):
@@ -81,6 +82,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         par = Parallel(model, cfg.distributed if d.world_size > 1 else "none", device,
                        make_plain=lambda: build_model(mcfg))
         model = par.module
+        # The training forward runs the compiled module (parameters shared); validation runs the eager one.
+        forward = compile_model(model) if cfg.compile else model
         optimizer, schedule = optimizer_and_schedule(cfg, model.parameters())
         if resumed is not None:
             par.load_optimizer_state(optimizer, state["optimizer"])
@@ -114,6 +117,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         window = TrainingWindow()
         stopped_by = "max_steps"
         progress = _progress(cfg, d.main, step)
+        compile_seconds, compile_steps = 0.0, 0
         while step < cfg.max_steps:
             reason = stop() if stop is not None else None
             if reason is None and cfg.max_time is not None and seconds() >= cfg.max_time:
@@ -122,6 +126,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                 stopped_by = reason
                 break
             # batch, forward, backward (gradients synchronised across ranks on the last micro-batch only)
+            step_start, graphs_before = time.time(), compiled_graphs()
             optimizer.zero_grad(set_to_none=True)
             step_loss, step_tokens = torch.zeros((), device=device), 0
             for micro in range(cfg.grad_accum):
@@ -129,7 +134,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                 last = micro == cfg.grad_accum - 1 or d.world_size == 1
                 with contextlib.nullcontext() if last else par.no_sync():
                     with autocast():
-                        out = model(**task.model_inputs(batch, device))
+                        out = forward(**task.model_inputs(batch, device))
                     (out.total_loss / cfg.grad_accum).backward()
                 step_loss += out.loss.detach()
                 step_tokens += int(out.num_tokens)
@@ -145,7 +150,15 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             schedule.step()
             step += 1
             tokens_seen += step_tokens
-            window.add_step(loss, step_tokens)
+            compiling = cfg.compile and compiled_graphs() > graphs_before  # this step (re)compiled the model
+            window.add_step(loss, step_tokens, timed=not compiling)
+            if compiling:  # its time is the compile time, left out of tokens/s
+                seconds_compiling = time.time() - step_start
+                window.exclude_time(seconds_compiling)
+                compile_seconds += seconds_compiling
+                compile_steps += 1
+                metrics.write({"split": "compile", "step": step, "compile_seconds": seconds_compiling,
+                               "graphs": compiled_graphs()})
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss:.3f}")
@@ -185,6 +198,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                        "train_seconds": train_seconds, "parameters": params, "averaged_checkpoints": len(averaged),
                        "stopped_by": stopped_by, "valid": valid, "world_size": d.world_size,
                        "machine": machine_record(device)}
+            if cfg.compile:
+                summary.update(compile_seconds=compile_seconds, compile_steps=compile_steps)
             run.write_summary(summary)
             log(f"done: {step} steps in {train_seconds:.0f}s, valid loss {valid['loss']:.3f}, ppl {valid['ppl']:.1f}")
         d.barrier()
