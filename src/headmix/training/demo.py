@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ..evaluation import evaluate_run
 from ..models import analytic_macs, get_config
 from ..runs.files import atomic_write
@@ -90,6 +92,8 @@ def demo_size(device: str = "auto") -> tuple[DemoSize, Any]:
     """The demo size for ``device`` (``auto``: CUDA when available) and the resolved ``torch.device``:
     :data:`GPU_DEMO` on a CUDA device, :data:`CPU_DEMO` otherwise."""
     resolved = pick_device(device)
+    if resolved.type == "cuda" and resolved.index is None:  # "cuda": the trainer's set_device wants an index
+        resolved = torch.device("cuda", torch.cuda.current_device())
     return (GPU_DEMO if resolved.type == "cuda" else CPU_DEMO), resolved
 
 
@@ -213,15 +217,12 @@ def describe_attention(config) -> str:
 
 def describe_device(device) -> str:
     """``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``cpu``: the device a demo ran on, for logs and reports."""
-    import torch
-
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
 
 
 def _torch_threads() -> str:
-    import torch
     return f", torch {torch.__version__} with {torch.get_num_threads()} threads"
 
 
