@@ -71,7 +71,7 @@ class DemoSize:
 
 #: two CPU cores, about 7 minutes (measured): shows that the models learn, not that they translate
 CPU_DEMO = DemoSize("cpu", "mini-mha", {"kind": "moa", "num_experts": 16, "top_k": 4}, prefer_head_dim=32,
-                    description="mini-mha vs MoA 4K16E, 450 steps, sized for 2 CPU cores")
+                    description="mini-mha vs MoA 4K16E, sized for 2 CPU cores")
 #: one H100-class GPU: the paper's base Transformer (d 512, FFN 2048, 6+6 layers, 8 heads of 64) against MoA
 #: with moa-base's k = 8, choosing from 16 experts (moa-base itself, 8K8E128D, costs 14% more attention MACs
 #: than the baseline), bf16 autocast, every test sentence. ESTIMATED, to be confirmed on a GPU: 1200 steps of
@@ -81,7 +81,7 @@ CPU_DEMO = DemoSize("cpu", "mini-mha", {"kind": "moa", "num_experts": 16, "top_k
 GPU_DEMO = DemoSize("gpu", "transformer-base", {"kind": "moa", "num_experts": 16, "top_k": 8}, prefer_head_dim=128,
                     steps=1200, max_tokens=8192, warmup_steps=400, lr=7e-4, save_every=100, average_last=5,
                     eval_sentences=10**6, beam_size=4, bf16="on",
-                    description="transformer-base vs MoA 8K16E, bf16, 1200 steps, sized for one H100-class GPU")
+                    description="transformer-base vs MoA 8K16E, bf16, sized for one H100-class GPU")
 SIZES = {"cpu": CPU_DEMO, "gpu": GPU_DEMO}
 #: the CPU demo's names, kept for callers
 BASELINE = CPU_DEMO.baseline
