@@ -92,8 +92,8 @@ def test_gpu_demo_is_the_papers_base_model_against_matched_moa_in_bf16(tmp_path,
 def tiny_gpu_size(corpus: Path) -> demo.DemoSize:
     """The GPU demo with its models, corpus and budget made tiny (bf16 autocast kept on)."""
     return dataclasses.replace(GPU_DEMO, baseline="tiny-mha", moa={"kind": "moa", "num_experts": 4, "top_k": 2},
-                               prefer_head_dim=16, steps=2, max_tokens=600, warmup_steps=1, save_every=1,
-                               average_last=2, eval_sentences=3, beam_size=1, data=(str(corpus),), vocab_size=300)
+                               prefer_head_dim=16, steps=2, max_tokens=600, warmup_steps=1,
+                               eval_sentences=3, beam_size=1, data=(str(corpus),), vocab_size=300)
 
 
 @pytest.mark.filterwarnings("ignore:the largest group holds")
