@@ -233,10 +233,14 @@ def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="train MoA (4 of 16 experts) and an MHA baseline of equal attention MACs on the "
                                     "embedded corpus and compare")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--steps", type=_positive_int, default=450,
-                   help="training steps of each model (steps, not seconds: a seed gives the same numbers everywhere)")
-    p.add_argument("--eval-sentences", type=_positive_int, default=400)
-    p.add_argument("--beam", type=_positive_int, default=4)
+    p.add_argument("--size", choices=("cpu", "gpu"), default=None,
+                   help="the demo's size regardless of the device (default: the device's)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="training steps of each model (default: the size's, 450 on CPU; steps, not seconds: a "
+                        "seed gives the same numbers everywhere)")
+    p.add_argument("--eval-sentences", type=_positive_int, default=None,
+                   help="test sentences scored (default: the size's, 400 on CPU, all on GPU)")
+    p.add_argument("--beam", type=_positive_int, default=None, help="beam size (default: the size's, 4)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
     add_device_option(p, default="auto")
@@ -244,12 +248,12 @@ def _add_demo(sub) -> None:
 
 
 def _run_demo(args) -> int:
-    from ..training.demo import run_demo
+    from ..training.demo import SIZES, run_demo
 
     with stop_on_signals() as stop:
         report = run_demo(args.out, steps=args.steps, eval_sentences=args.eval_sentences,
-                          beam_size=args.beam, seed=args.seed, progress=not args.no_progress, stop=stop,
-                          device=args.device, compile=args.compile)
+                          beam_size=args.beam, seed=args.seed, progress=not args.no_progress, device=args.device,
+                          size=SIZES[args.size] if args.size else None, stop=stop, compile=args.compile)
     if report.get("stopped_by", "").startswith("signal "):
         signum = int(report["stopped_by"].split()[1])
         print(f"headmix demo: stopped by signal {signum}", file=sys.stderr)

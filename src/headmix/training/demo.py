@@ -1,10 +1,15 @@
 """``headmix demo``: MoA with more experts than it chooses against a standard Transformer of the same
-attention MACs, trained and evaluated on the embedded English-German corpus, on CPU, in under ten minutes.
+attention MACs, trained and evaluated on the embedded English-German corpus in under ten minutes.
+
+Two sizes (:class:`DemoSize`), picked by the device: :data:`CPU_DEMO` (``mini-mha`` vs MoA 4K16E, 450
+steps, sized for two CPU cores) and :data:`GPU_DEMO` (the paper's ``transformer-base`` vs MoA with
+``moa-base``'s ``K = 8`` choosing from 16 experts, bf16, sized for one H100-class GPU).
 
 The comparison is the paper's: the same data, tokenizer, batches, schedule and number of updates
 (``steps``, not seconds, so a seed gives the same numbers on any machine of the same software), at equal
-attention MACs. The baseline is ``mini-mha`` (4 heads of 32); the MoA model chooses ``k = 4`` of 16
-experts per token, its head size solved by :func:`headmix.study.match_attention` so that its attention
+attention MACs. On the CPU the baseline is ``mini-mha`` (4 heads of 32) and the MoA model chooses ``k = 4``
+of 16 experts per token; on a GPU the baseline is ``transformer-base`` (8 heads of 64) and MoA chooses
+``k = 8`` of 16. Each MoA head size is solved by :func:`headmix.study.match_attention` so that its attention
 costs the baseline's MACs within 2% (the ``lm-en`` / ``translation-en-de`` studies' MoA rows, see
 ``docs/study.md``). Both are evaluated on the same test sentences with beam search and sacrebleu; a
 paired bootstrap over those sentences (sacrebleu's ``PairedTest``) says whether the two BLEU scores can
@@ -16,11 +21,15 @@ It writes ``OUT/report.json``, ``OUT/loss_curves.png`` and ``OUT/expert_load.png
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from ..tasks import evaluate_run
 from ..models import analytic_macs, get_config
@@ -30,57 +39,122 @@ from .metrics import read_metrics
 from .setup import prepare_shared_data
 from .trainer import train
 
-BASELINE = "mini-mha"
-#: the MoA model's fixed fields; its head size is solved to the baseline's attention MACs
-MOA = {"kind": "moa", "num_experts": 16, "top_k": 4}
 LABELS = {"moa": "MoA", "mha": "MHA"}
 #: the full comparison, with seeds and confidence intervals
 STUDY_DOC = "docs/study.md"
 
 
-def demo_models(tolerance: float = 0.02) -> dict[str, Any]:
-    """The demo's two model configs (translation): ``mha`` = ``mini-mha`` and ``moa`` with the attention
-    :data:`MOA` sized to ``mini-mha``'s attention MACs."""
+@dataclass(frozen=True)
+class DemoSize:
+    """What the demo trains and how: the baseline preset, the MoA model's fixed attention fields (its head
+    size is solved to the baseline's attention MACs, preferring ``prefer_head_dim``) and the training and
+    evaluation budget, the same for both models."""
+
+    name: str
+    baseline: str
+    moa: dict[str, Any] = field(default_factory=dict)
+    prefer_head_dim: int = 32
+    steps: int = 450
+    max_tokens: int = 2000
+    warmup_steps: int = 100
+    lr: float = 2e-3
+    save_every: int = 25
+    average_last: int = 5
+    eval_sentences: int = 400
+    beam_size: int = 4
+    bf16: str = "auto"
+    description: str = ""
+    #: the corpus files (empty: the embedded corpus) and the BPE vocabulary; other values are for tests
+    data: tuple[str, ...] = ()
+    vocab_size: int = 8000
+
+
+#: two CPU cores, about 7 minutes (measured): shows that the models learn, not that they translate
+CPU_DEMO = DemoSize("cpu", "mini-mha", {"kind": "moa", "num_experts": 16, "top_k": 4}, prefer_head_dim=32,
+                    description="mini-mha vs MoA 4K16E, sized for 2 CPU cores")
+#: one H100-class GPU: the paper's base Transformer (d 512, FFN 2048, 6+6 layers, 8 heads of 64) against MoA
+#: with moa-base's k = 8, choosing from 16 experts (moa-base itself, 8K8E128D, costs 14% more attention MACs
+#: than the baseline), bf16 autocast, every test sentence. ESTIMATED, to be confirmed on a GPU: 1200 steps of
+#: 8192 tokens each per model are meant to fit ten minutes on one H100, evaluation included; the estimate and
+#: the measured facts it rests on are in README.md ("The GPU demo"). The numbers a seed gives do not depend
+#: on the GPU's speed, only the time does.
+GPU_DEMO = DemoSize("gpu", "transformer-base", {"kind": "moa", "num_experts": 16, "top_k": 8}, prefer_head_dim=128,
+                    steps=1200, max_tokens=8192, warmup_steps=400, lr=7e-4, save_every=100, average_last=5,
+                    eval_sentences=10**6, beam_size=4, bf16="on",
+                    description="transformer-base vs MoA 8K16E, bf16, sized for one H100-class GPU")
+SIZES = {"cpu": CPU_DEMO, "gpu": GPU_DEMO}
+#: the CPU demo's names, kept for callers
+BASELINE = CPU_DEMO.baseline
+MOA = CPU_DEMO.moa
+
+
+def demo_size(device: str = "auto") -> tuple[DemoSize, Any]:
+    """The demo size for ``device`` (``auto``: CUDA when available) and the resolved ``torch.device``:
+    :data:`GPU_DEMO` on a CUDA device, :data:`CPU_DEMO` otherwise."""
+    resolved = pick_device(device)
+    if resolved.type == "cuda" and resolved.index is None:  # "cuda": the trainer's set_device wants an index
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return (GPU_DEMO if resolved.type == "cuda" else CPU_DEMO), resolved
+
+
+def demo_models(tolerance: float = 0.02, size: DemoSize = CPU_DEMO) -> dict[str, Any]:
+    """The demo's two model configs (translation): ``mha`` = the size's baseline preset and ``moa`` with the
+    size's MoA attention sized to the baseline's attention MACs (default: the CPU demo's pair)."""
     from ..study.matching import match_attention, with_attention
 
-    base = get_config(BASELINE, task="translation")
-    match = match_attention(base, MOA, ["head_dim"], prefer={"head_dim": 32}, tolerance=tolerance)
+    base = get_config(size.baseline, task="translation")
+    match = match_attention(base, size.moa, ["head_dim"], prefer={"head_dim": size.prefer_head_dim},
+                            tolerance=tolerance)
     return {"moa": with_attention(base, match.attention), "mha": base}
 
 
-def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 450, eval_sentences: int = 400,
-             beam_size: int = 4, seed: int = 1, progress: bool = True,
-             stop: Callable[[], str | None] | None = None, device: str = "auto",
+def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int | None = None, eval_sentences: int | None = None,
+             beam_size: int | None = None, seed: int = 1, progress: bool = True, device: str = "auto",
+             size: DemoSize | None = None, stop: Callable[[], str | None] | None = None,
              compile: bool = False) -> dict[str, Any]:
     """Train both models for ``steps`` updates (same split, tokenizer, batches and schedule), evaluate both on
     the first ``eval_sentences`` test sentences, compare them with a paired bootstrap, write the report and
-    plots. ``stop``: as for :func:`headmix.training.train`; a stopped demo returns ``{"stopped_by": reason}``
-    and resumes when called again. ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``auto``) and ``compile`` as
+    plots. ``size``: the :class:`DemoSize` (default: :func:`demo_size` of ``device``); ``steps``,
+    ``eval_sentences`` and ``beam_size`` override the size's. ``stop``: as for
+    :func:`headmix.training.train`; a stopped demo returns ``{"stopped_by": reason}`` and resumes when
+    called again. ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``auto``) and ``compile`` as
     :class:`~headmix.training.TrainConfig`'s; the evaluation runs on the same device."""
+    start = time.time()
+    auto_size, resolved = demo_size(device)
+    size = size or auto_size
+    overrides = {k: v for k, v in (("steps", steps), ("eval_sentences", eval_sentences), ("beam_size", beam_size))
+                 if v is not None}
+    size = dataclasses.replace(size, **overrides)
+    steps, eval_sentences, beam_size = size.steps, size.eval_sentences, size.beam_size
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"setup": {
         "corpus": "LibreOffice help En-De (embedded, MPL-2.0)", "steps": steps, "eval_sentences": eval_sentences,
         "beam_size": beam_size, "seed": seed, "machine": f"{os.cpu_count()} CPU threads" + _torch_threads(),
+        "size": size.name, "configuration": size.description, "device": describe_device(resolved),
+        "max_tokens": size.max_tokens, "bf16": size.bf16,
     }}
-    options = dict(task="translation", seed=seed, split_seed=seed, max_tokens=2000, max_len=128)
+    options = dict(task="translation", seed=seed, split_seed=seed, max_tokens=size.max_tokens, max_len=128,
+                   data=list(size.data), vocab_size=size.vocab_size)
     tokenizer = prepare_shared_data(TrainConfig(out=str(out / "shared"), **options), _log)
     hypotheses: dict[str, list[str]] = {}
-    for name, config in demo_models().items():
+    _log(f"demo size {size.name} ({size.description}) on {report['setup']['device']}")
+    for name, config in demo_models(size=size).items():
         config_path = out / f"{name}_config.json"
         atomic_write(config_path, config.to_json())
         _log(f"training {name} ({describe_attention(config)}) for {steps} steps")
         cfg = TrainConfig(preset=str(config_path), out=str(out / name), tokenizer=str(tokenizer), max_steps=steps,
-                          warmup_steps=100, lr=2e-3, log_every=10, eval_every=10**9, save_every=25,
-                          keep_checkpoints=5, average_last=5, progress=progress, device=device, compile=compile,
-                          **options)
+                          warmup_steps=size.warmup_steps, lr=size.lr, log_every=10, eval_every=10**9,
+                          save_every=size.save_every, keep_checkpoints=size.average_last,
+                          average_last=size.average_last, progress=progress, device=str(resolved),
+                          bf16=size.bf16, compile=compile, **options)
         summary = train(cfg, stop=stop)
         if "valid" not in summary:  # stopped before the end
             return {"stopped_by": summary["stopped_by"]}
         t0 = time.time()
         hyp_path = out / name / "test_hypotheses.txt"
         scores = evaluate_run(out / name, split="test", beam_size=beam_size, limit=eval_sentences, output=hyp_path,
-                              device=pick_device(device))
+                              device=str(resolved))
         hypotheses[name] = hyp_path.read_text(encoding="utf-8").splitlines()
         macs = analytic_macs(config)
         report[name] = {
@@ -99,6 +173,7 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int = 450, eval_sen
     references = [p.tgt for p in task.read_items(task.split_path(out / "mha" / "data", "test"))[:eval_sentences]]
     report["comparison"] = paired_bleu(hypotheses["moa"], hypotheses["mha"], references)
     report["study"] = STUDY_DOC
+    report["total_seconds"] = time.time() - start
     atomic_write(out / "report.json", json.dumps(report, indent=2, ensure_ascii=False))
     loss_curves_figure({n: read_metrics(out / n) for n in ("moa", "mha")}).savefig(out / "loss_curves.png", dpi=100)
     if report["moa"]["expert_load"]:
@@ -142,8 +217,14 @@ def describe_attention(config) -> str:
     return f"MHA {att.num_heads} heads of {att.resolved_head_dim(config.d_model)}"
 
 
+def describe_device(device) -> str:
+    """``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``cpu``: the device a demo ran on, for logs and reports."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
 def _torch_threads() -> str:
-    import torch
     return f", torch {torch.__version__} with {torch.get_num_threads()} threads"
 
 
@@ -163,8 +244,12 @@ def format_comparison(report: dict[str, Any]) -> str:
                if c["distinguishable"] else
                f"at this budget the two cannot be told apart: BLEU difference {c['bleu_difference']:+.2f}, "
                f"paired bootstrap p = {c['p_value']:.3f} over {c['sentences']} sentences")
+    setup = report["setup"]
+    ran = (f"configuration {setup['size']} ({setup['configuration']}) on {setup['device']}, "
+           f"{report['total_seconds'] / 60:.1f} minutes in all (training, evaluation and set-up)"
+           if "size" in setup and "total_seconds" in report else None)
     return "\n".join([f"headmix demo: {report['moa']['model']} vs {report['mha']['model']}, equal attention MACs"]
-                     + lines + [f"MoA BLEU 95% interval [{low:.2f}, {high:.2f}]; {verdict}.",
+                     + ([ran] if ran else []) + lines + [f"MoA BLEU 95% interval [{low:.2f}, {high:.2f}]; {verdict}.",
                                 f"The bootstrap covers the choice of test sentences, not training noise: one seed and "
                                 f"{report['setup']['steps']} steps cannot rank the two attentions. The comparison "
                                 f"over seeds, with confidence intervals, is in {report['study']} (headmix study --list)."])
