@@ -6,16 +6,39 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
 from ..routing import Routing, load_balancing_loss
 from ..routing.losses import check_fractions
 from ..routing.router import router_dtype
-from .base import AttentionOutput, KVCache, scaled_dot_product, zero_loss
-from .mha import MultiHeadAttention, merge_heads
+from .base import AttentionOutput, KVCache, attention_bias, scaled_dot_product, zero_loss
+from .mha import MultiHeadAttention, merge_heads, split_heads
+from .moa import autocast_dtype
+from .moh_sparse import routed_heads_attention
 from .padding import real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding
 
 
 HEAD_WEIGHTINGS = ("renormalized", "paper", "scaled")
+
+#: How MoH computes its heads: ``"dense"`` every head, then weights (the MoH authors' code); ``"sparse"`` only
+#: the shared heads and each token's selected routed heads; ``"auto"`` picks (see :func:`choose_moh_impl`).
+MOH_IMPLS = ("auto", "dense", "sparse")
+
+#: ``auto`` picks ``sparse`` on the CPU when at most this fraction of the routed heads is active per token
+#: (``top_k / routed``). ``headmix bench attention --moh-curve`` (2-core CPU, fp32, d_model 512, 8 heads of
+#: 64, 2 shared, batch 2 x 512 causal, forward+backward): see docs/performance.md, "Sparse MoH".
+SPARSE_MAX_ACTIVE_FRACTION = 0.5
+
+
+def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int) -> str:
+    """The ``auto`` rule: ``sparse`` on the CPU for calls of more than one query per sequence (training,
+    prefill) when ``top_k / routed <= SPARSE_MAX_ACTIVE_FRACTION`` and the call is not being compiled (the
+    sparse path reads group sizes back to the host); ``dense`` for one-query decoding steps (on the CPU the
+    sparse step's gathered cache slices cost as much as the skipped heads save: docs/performance.md) and on
+    other devices until the sparse path is measured there."""
+    if routed == 0 or tgt == 1 or torch.compiler.is_compiling() or device.type != "cpu":
+        return "dense"
+    return "sparse" if top_k <= SPARSE_MAX_ACTIVE_FRACTION * routed else "dense"
 
 
 class MixtureOfHeadsAttention(MultiHeadAttention):
@@ -52,8 +75,13 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     padded query positions (see :class:`MixtureOfAttentionHeads`). ``rotary`` options and the
     self-attention rule (``layer(x, x, x)`` is ``layer(x)``) as :class:`MultiHeadAttention`.
 
-    Every head's attention is computed densely; the head weights then select (see ``docs/`` for the
-    MACs this costs).
+    ``impl`` (see :data:`MOH_IMPLS`): ``"dense"`` computes every head's attention and lets the head weights
+    select, as the MoH authors' code does; ``"sparse"`` computes the shared heads and, for each routed head,
+    the query projection, the attention rows and the head's slice of the output projection only for the
+    tokens that selected it (:mod:`headmix.attention.moh_sparse`; the routed heads' projections run on the
+    grouped expert kernels of :mod:`headmix.kernels`, ``expert_impl``). Keys and values are computed for every
+    head (any query may pick any head), and a cached decoding step reads only its active heads' slices of the
+    cache. Both give the same outputs, losses and gradients, and have the same parameters.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_shared_heads: int, top_k: int, head_dim: int | None = None,
@@ -61,7 +89,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                  q_bias: bool | None = None, kv_bias: bool | None = None, out_bias: bool | None = None,
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
                  head_weighting: str = "renormalized", load_balance_fractions: str = "normalized",
-                 zero_padded_queries: bool = False):
+                 zero_padded_queries: bool = False, impl: str = "auto", expert_impl: str = "auto"):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, bias=bias, dropout=dropout,
                          q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
                          rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries)
@@ -82,6 +110,11 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         if head_weighting not in HEAD_WEIGHTINGS:
             raise ValueError(f"head_weighting must be one of {HEAD_WEIGHTINGS}, got {head_weighting!r}")
         check_fractions(load_balance_fractions)
+        if impl not in MOH_IMPLS:
+            raise ValueError(f"impl must be one of {MOH_IMPLS}, got {impl!r}")
+        if expert_impl not in IMPLS:
+            raise ValueError(f"expert_impl must be one of {IMPLS}, got {expert_impl!r}")
+        self.impl, self.expert_impl = impl, expert_impl
         self.num_shared_heads, self.num_routed_heads, self.top_k = num_shared_heads, routed, top_k
         self.load_balance_weight = load_balance_weight
         self.head_weighting, self.load_balance_fractions = head_weighting, load_balance_fractions
@@ -101,9 +134,20 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         ``(None, None)`` when every head is shared."""
         if self.routed_gate is None:
             return None, None
+        shared, routing = self._weights(x, token_mask)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            g_routed = routing.probs.new_zeros(routing.probs.shape).scatter(1, routing.expert_index, routing.gates.to(
+                routing.probs.dtype))
+            g = g_routed if shared is None else torch.cat([shared, g_routed], dim=1)
+        return g.to(x.dtype).view(*x.shape[:2], self.num_heads), routing
+
+    def _weights(self, x: Tensor, token_mask: Tensor | None) -> tuple[Tensor | None, Routing]:
+        """The shared heads' weights ``(N, num_shared_heads)`` (None without shared heads) and the routing,
+        whose ``gates`` ``(N, top_k)`` are the selected routed heads' weights (eq. 5-6, or the authors' code's
+        form, per ``head_weighting``)."""
         batch, time, dim = x.shape
-        flat = x.reshape(batch * time, dim)
-        flat32 = flat.to(router_dtype(x))
+        flat32 = x.reshape(batch * time, dim).to(router_dtype(x))
+        shared = None
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(flat32, self.routed_gate.weight.to(flat32.dtype))
             probs = logits.softmax(-1)
@@ -115,24 +159,25 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                 routed = top_p * self.num_routed_heads
             else:
                 routed = top_p
-            parts = []
             if self.shared_gate is not None:
                 groups = F.linear(flat32, self.group_gate.weight.to(flat32.dtype)).softmax(-1)
                 shared = F.linear(flat32, self.shared_gate.weight.to(flat32.dtype)).softmax(-1)
                 if self.head_weighting != "paper":
                     groups, shared = 2.0 * groups, shared * self.num_shared_heads
                 routed = groups[:, 1:] * routed
-                parts.append(groups[:, :1] * shared)
-            g_routed = torch.zeros_like(probs).scatter(1, index, routed)
-            g = torch.cat(parts + [g_routed], dim=1)
+                shared = groups[:, :1] * shared
         mask = None if token_mask is None else token_mask.reshape(-1)
-        routing = Routing(logits, probs, index, routed.to(x.dtype), mask, (batch, time))
-        return g.to(x.dtype).view(batch, time, self.num_heads), routing
+        return shared, Routing(logits, probs, index, routed.to(x.dtype), mask, (batch, time))
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
         query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
+        impl = choose_moh_impl(query.device, self.top_k, self.num_routed_heads, query.shape[1]) if self.impl == "auto" else self.impl
+        if impl == "sparse" and self.routed_gate is not None:
+            return self._forward_sparse(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                        is_causal=is_causal, use_cache=use_cache, cache=cache,
+                                        query_padding_mask=query_padding_mask)
         q, k, v, new_cache, (bias, empty, causal) = self._heads_and_masks(
             query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
             use_cache=use_cache, cache=cache)
@@ -149,3 +194,78 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         lb = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask,
                                  fractions=self.load_balance_fractions)
         return AttentionOutput(y, self.load_balance_weight * lb, new_cache, routing, {"load_balance": lb})
+
+    def _forward_sparse(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
+                        key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
+                        cache: KVCache | None, query_padding_mask: Tensor | None) -> AttentionOutput:
+        """``impl="sparse"``: the shared heads as in multi-head attention, the routed heads only for the
+        tokens that selected them: ``y_t = sum_{i shared} g_i H^i W_O^i + sum_{i in TopK(t)} g_i H^i W_O^i``
+        (MoH eq. 3, summation form, with the unselected heads' zero terms skipped)."""
+        batch, tgt, dim = query.shape
+        k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
+        token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
+        shared_w, routing = self._weights(query, token_mask)
+        bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
+                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
+                                             dtype=k.dtype, device=k.device)
+        dropout = self.dropout if self.training else 0.0
+        shared, dk, dv = self.num_shared_heads, self.key_dim, self.head_dim
+        w_q, b_q = self.q_proj.weight, self.q_proj.bias
+        w_o = self.out_proj.weight
+        y = None
+        if shared:
+            q_s = split_heads(F.linear(query, w_q[:shared * dk], None if b_q is None else b_q[:shared * dk]), shared)
+            q_s = self._rotate_queries(q_s, key, cache, past_len)
+            o_s = scaled_dot_product(q_s, k[:, :shared], v[:, :shared], _heads(bias, slice(0, shared)),
+                                     _heads(empty, slice(0, shared)), dropout, causal=causal)
+            o_s = o_s * shared_w.to(o_s.dtype).view(batch, tgt, shared).transpose(1, 2).unsqueeze(-1)
+            y = F.linear(merge_heads(o_s), w_o[:, :shared * dv])
+        n, routed, index = batch * tgt, self.num_routed_heads, routing.expert_index
+        compute = autocast_dtype(query) or query.dtype
+        w_q_routed = w_q[shared * dk:].view(routed, dk, dim)  # head i's W_q^i, (d_k, d_model) rows
+        w_o_routed = w_o[:, shared * dv:].view(dim, routed, dv).permute(1, 0, 2)  # head i's W_o^i, (d_model, d_v)
+        decoding = tgt == 1
+        if decoding:
+            # One query per sequence: the routed projection is a matrix-vector product per token, which reads
+            # every routed head's weights whichever heads it keeps, so it runs as one GEMM and keeps the
+            # selected heads; the attention below reads only the selected heads' cache slices.
+            q_all = F.linear(query.reshape(n, dim).to(compute), w_q[shared * dk:].to(compute)).view(n, routed, dk)
+            q_r = q_all.gather(1, index[..., None].expand(n, self.top_k, dk))
+        else:
+            # The routed heads as experts of the grouped kernels (MoA eq. 10 with E = routed heads).
+            info = expert_routing(index, routed, check_range=False)
+            q_r = expert_map(query.reshape(n, dim).to(compute), w_q_routed.transpose(1, 2).contiguous().to(compute),
+                             info, impl=self.expert_impl)
+        if b_q is not None:
+            q_r = q_r + b_q[shared * dk:].view(routed, dk).to(q_r.dtype)[index]
+        if self.rotary is not None and key is None and not (cache is not None and cache.static):
+            positions = (torch.arange(n, device=query.device) % tgt + past_len)[:, None].expand(n, self.top_k)
+            q_r = self.rotary.rotate_at(q_r, positions)
+        o_r = routed_heads_attention(q_r.to(k.dtype), k[:, shared:], v[:, shared:], index, batch, tgt,
+                                     bias=_heads(bias, slice(shared, None)), empty_rows=_heads(empty, slice(shared, None)),
+                                     causal=causal, dropout=dropout)
+        gates = routing.gates.to(compute)
+        if decoding:
+            weighted = o_r.to(compute) * gates[..., None]
+            slots = weighted.new_zeros(n, routed, dv).scatter(1, index[..., None].expand(n, self.top_k, dv), weighted)
+            y_r = F.linear(slots.view(n, routed * dv), w_o[:, shared * dv:].to(compute))
+        else:
+            y_r = expert_reduce(o_r.to(compute), w_o_routed.transpose(1, 2).contiguous().to(compute), gates, info,
+                                impl=self.expert_impl)
+        y_r = y_r.view(batch, tgt, dim)
+        y = y_r if y is None else y + y_r.to(y.dtype)
+        if self.out_proj.bias is not None:
+            y = y + self.out_proj.bias.to(y.dtype)
+        if self.zero_padded_queries:
+            y = zero_padded_queries(y, token_mask)
+        lb = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask,
+                                 fractions=self.load_balance_fractions)
+        return AttentionOutput(y, self.load_balance_weight * lb, new_cache, routing, {"load_balance": lb})
+
+
+def _heads(mask: Tensor | None, heads: slice) -> Tensor | None:
+    """The heads ``heads`` of a mask broadcastable to ``(batch, num_heads, T, X)`` (head dimension 1 or all)."""
+    if mask is None:
+        return None
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (T, S) -> (1, 1, T, S)
+    return mask if mask.shape[1] == 1 else mask[:, heads]

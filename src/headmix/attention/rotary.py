@@ -80,6 +80,18 @@ class RotaryEmbedding(nn.Module):
         rotated = rot * cos + self._turn(rot) * sin
         return rotated if rest.shape[-1] == 0 else torch.cat([rotated, rest], dim=-1)
 
+    def rotate_at(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``x`` ``(..., head_dim)`` with each row rotated to its own position: ``positions`` has the shape
+        ``x.shape[:-1]`` (rows gathered from several positions, e.g. the tokens that chose a MoH head)."""
+        if x.shape[-1] != self.head_dim or tuple(positions.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"x must have shape (..., {self.head_dim}) and positions x's shape without the last "
+                             f"dimension, got {tuple(x.shape)} and {tuple(positions.shape)}")
+        cos, sin = self.cos_sin(positions.reshape(-1), x.dtype)
+        cos, sin = cos.view(*x.shape[:-1], -1), sin.view(*x.shape[:-1], -1)
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        rotated = rot * cos + self._turn(rot) * sin
+        return rotated if rest.shape[-1] == 0 else torch.cat([rotated, rest], dim=-1)
+
     def _turn(self, x: Tensor) -> Tensor:
         """Each pair ``(x_a, x_b)`` -> ``(-x_b, x_a)``: the 90-degree turn that ``sin`` multiplies."""
         if self.interleaved:

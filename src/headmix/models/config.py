@@ -48,6 +48,7 @@ _KIND_FIELDS = {
     "kv_bias": ("mha", "moa", "moh", "talking_heads"),
     "out_bias": ("mha", "moa", "moh", "talking_heads"),
     "head_weighting": ("moh",),
+    "moh_impl": ("moh",),
 }
 
 
@@ -101,7 +102,10 @@ class AttentionConfig:
     ``head_weighting`` (MoH; default ``"renormalized"``, the MoH authors' code; ``"paper"``, ``"scaled"``),
     ``load_balance_fractions`` (MoA / MoH; ``"per_token"`` is Hugging Face JetMoe's loss, ``top_k`` times
     the default ``"normalized"``) and ``zero_padded_queries`` (zero output at padded queries) are the
-    peers' conventions, see ``docs/implementations.md``.
+    peers' conventions, see ``docs/implementations.md``. ``moh_impl`` (MoH; ``"auto"`` when unset,
+    ``"dense"``, ``"sparse"``) says how MoH computes its heads (the same results: only the selected heads, or
+    every head then weights; see :class:`~headmix.attention.MixtureOfHeadsAttention`); ``expert_impl`` is
+    then the kernel of sparse MoH's routed projections.
 
     ``rotary`` rotates queries and keys of self-attention by position (RoPE, any kind; ``rotary_base`` is the
     ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated:
@@ -128,6 +132,7 @@ class AttentionConfig:
     expert_dropout: float | None = None
     init_scale: float | None = None
     dropout_on: str | None = None
+    moh_impl: str | None = None
     q_bias: bool | None = None
     kv_bias: bool | None = None
     out_bias: bool | None = None
@@ -196,6 +201,8 @@ class AttentionConfig:
                 raise ValueError(f"{name}.{fname} must be true, false or null (follow bias), got {getattr(self, fname)!r}")
         if self.head_weighting is not None:
             _choice(f"{name}.head_weighting", self.head_weighting, attention.moh.HEAD_WEIGHTINGS)
+        if self.moh_impl is not None:
+            _choice(f"{name}.moh_impl", self.moh_impl, attention.moh.MOH_IMPLS)
         _choice(f"{name}.load_balance_fractions", self.load_balance_fractions, LOAD_BALANCE_FRACTIONS)
         if not isinstance(self.zero_padded_queries, bool):
             raise ValueError(f"{name}.zero_padded_queries must be true or false, got {self.zero_padded_queries!r}")
@@ -253,7 +260,7 @@ class AttentionConfig:
             return attention.MixtureOfHeadsAttention(
                 embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,
                 load_balance_weight=self.load_balance_weight, head_weighting=self.head_weighting or "renormalized",
-                **common)
+                impl=self.moh_impl or "auto", expert_impl=self.expert_impl, **common)
         if self.kind == "switchhead":
             return attention.SwitchHeadAttention(
                 embed_dim, self.num_heads, self.num_experts, self.top_k, self.head_dim, bias=self.bias,

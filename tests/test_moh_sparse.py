@@ -1,0 +1,237 @@
+"""Sparse MoH (``impl="sparse"``): the same outputs, losses and gradients as dense MoH, computing only the
+shared heads and each token's selected routed heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headmix.attention.moh as moh_module
+from headmix.attention import MultiHeadAttention
+from headmix.attention.moh import MixtureOfHeadsAttention, choose_moh_impl
+from headmix.interop import moh_from_dense
+from headmix.models import AttentionConfig
+
+D = 32
+
+
+def make(shared=2, top_k=2, heads=8, **kw) -> MixtureOfHeadsAttention:
+    torch.manual_seed(0)
+    layer = MixtureOfHeadsAttention(D, heads, shared, top_k, impl="dense", **kw).double()
+    with torch.no_grad():
+        for p in layer.parameters():  # non-zero routers and biases, so every weight matters
+            p.normal_(0.0, 0.3)
+    return layer
+
+
+class SparseSpy:
+    """Counts the calls of the routed heads' sparse attention, so a test knows the sparse path ran."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = moh_module.routed_heads_attention
+
+        def spy(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(moh_module, "routed_heads_attention", spy)
+
+
+def both(layer: MixtureOfHeadsAttention, call) -> tuple:
+    """``call(layer)``'s output, aux loss and every gradient (input and parameters), dense then sparse."""
+    results = []
+    for impl in ("dense", "sparse"):
+        layer.impl = impl
+        out, inputs = call(layer)
+        loss = (out.output * torch.linspace(-1, 1, out.output.shape[-1], dtype=out.output.dtype)).square().sum()
+        grads = torch.autograd.grad(loss + out.aux_loss, inputs + list(layer.parameters()), allow_unused=True)
+        results.append((out.output, out.aux_loss, grads))
+    return tuple(results)
+
+
+def assert_same(dense, sparse, tol=1e-10):
+    torch.testing.assert_close(sparse[0], dense[0], rtol=0, atol=tol)
+    torch.testing.assert_close(sparse[1], dense[1], rtol=0, atol=tol)
+    for gd, gs in zip(dense[2], sparse[2]):
+        assert (gd is None) == (gs is None)
+        if gd is not None:
+            torch.testing.assert_close(gs, gd, rtol=0, atol=tol)
+
+
+def padding_mask() -> torch.Tensor:
+    mask = torch.zeros(3, 11, dtype=torch.bool)
+    mask[1, 7:] = True
+    mask[2, 3:] = True
+    return mask
+
+
+@pytest.mark.parametrize("weighting", ["renormalized", "paper", "scaled"])
+@pytest.mark.parametrize("shared", [0, 2])
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("masks", ["causal", "padding", "causal+padding"])
+def test_sparse_equals_dense_outputs_losses_gradients(weighting, shared, rotary, masks, monkeypatch):
+    spy = SparseSpy(monkeypatch)
+    layer = make(shared, head_weighting=weighting, rotary=rotary, bias=shared == 2)
+    kw = {"is_causal": "causal" in masks}
+    if "padding" in masks:
+        kw["key_padding_mask"] = padding_mask()
+
+    def call(m):
+        x = torch.randn(3, 11, D, dtype=torch.double, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        return m(x, **kw), [x]
+
+    assert_same(*both(layer, call))
+    assert spy.calls == 1
+
+
+@pytest.mark.parametrize("mask", ["2d", "per_head", "float", "fully_masked_rows"])
+def test_sparse_equals_dense_with_attention_masks(mask, monkeypatch):
+    spy = SparseSpy(monkeypatch)
+    layer = make()
+    g = torch.Generator().manual_seed(2)
+    attn = {"2d": torch.rand(9, 9, generator=g) > 0.6,
+            "per_head": torch.rand(2, 8, 9, 9, generator=g) > 0.5,
+            "float": torch.randn(9, 9, generator=g, dtype=torch.double),
+            "fully_masked_rows": torch.ones(9, 9, dtype=torch.bool).triu(0)}[mask]
+
+    def call(m):
+        x = torch.randn(2, 9, D, dtype=torch.double, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        return m(x, attn_mask=attn), [x]
+
+    dense, sparse = both(layer, call)
+    assert_same(dense, sparse)
+    if mask == "fully_masked_rows":  # row 0 sees no key: zeros from the attention, the output bias remains
+        torch.testing.assert_close(sparse[0][:, 0], layer.out_proj.bias.expand(2, D), rtol=0, atol=1e-12)
+    assert spy.calls == 1
+
+
+def test_sparse_equals_dense_in_cross_attention(monkeypatch):
+    spy = SparseSpy(monkeypatch)
+    layer = make(rotary=True)  # cross-attention is not rotated, in either path
+    memory_mask = torch.zeros(2, 5, dtype=torch.bool)
+    memory_mask[0, 3:] = True
+
+    def call(m):
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(2, 7, D, dtype=torch.double, generator=g, requires_grad=True)
+        memory = torch.randn(2, 5, D, dtype=torch.double, generator=g, requires_grad=True)
+        return m(x, memory, key_padding_mask=memory_mask), [x, memory]
+
+    assert_same(*both(layer, call))
+    assert spy.calls == 1
+
+
+def test_a_head_no_token_selects(monkeypatch):
+    """Routed head 0 never wins the top-k: its query/output weights get zero gradient in both paths."""
+    SparseSpy(monkeypatch)
+    layer = make(top_k=1)
+    with torch.no_grad():
+        layer.routed_gate.weight[0] = -100.0 * layer.routed_gate.weight[1:].abs().sum(0)
+
+    def call(m):
+        x = torch.randn(2, 6, D, dtype=torch.double, generator=torch.Generator().manual_seed(5)).abs()
+        x.requires_grad_(True)
+        return m(x, is_causal=True), [x]
+
+    dense, sparse = both(layer, call)
+    assert_same(dense, sparse)
+    assert (layer.routed_gate.weight @ torch.ones(D, dtype=torch.double)).argmax() != 0
+    names = [n for n, _ in layer.named_parameters()]
+    q_grad = sparse[2][1 + names.index("q_proj.weight")]
+    head0 = slice(2 * layer.key_dim, 3 * layer.key_dim)  # the first routed head, after 2 shared
+    assert q_grad[head0].abs().max() == 0 and q_grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("preallocated", [False, True])
+@pytest.mark.parametrize("shared", [0, 2])
+def test_sparse_cached_decoding_equals_the_full_causal_forward(preallocated, shared, monkeypatch):
+    spy = SparseSpy(monkeypatch)
+    layer = make(shared, top_k=3, rotary=True).eval()
+    x = torch.randn(2, 9, D, dtype=torch.double, generator=torch.Generator().manual_seed(6))
+    layer.impl = "dense"
+    full = layer(x, is_causal=True).output
+    layer.impl = "sparse"
+    out = layer(x[:, :3], is_causal=True, use_cache=True)
+    cache, steps = (out.cache.preallocate(12) if preallocated else out.cache), [out.output]
+    for t in range(3, 9):
+        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
+        cache = out.cache
+        steps.append(out.output)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
+    assert spy.calls == 7
+
+
+def test_decoding_step_reads_only_the_selected_heads_of_the_cache(monkeypatch):
+    """The routed attention of a one-query step gets the selected heads' keys only: ``k[b, r]`` per slot."""
+    layer = make(top_k=2).eval()
+    seen = []
+    real = moh_module.routed_heads_attention
+
+    def spy(q, k, v, index, batch, tgt, **kw):
+        out = real(q, k, v, index, batch, tgt, **kw)
+        seen.append((q.shape, tgt))
+        return out
+
+    monkeypatch.setattr(moh_module, "routed_heads_attention", spy)
+    layer.impl = "sparse"
+    x = torch.randn(2, 5, D, dtype=torch.double)
+    cache = layer(x[:, :4], is_causal=True, use_cache=True).cache
+    layer(x[:, 4:], is_causal=True, use_cache=True, cache=cache)
+    assert seen[-1] == (torch.Size([2, 2, layer.key_dim]), 1)  # 2 tokens x top_k 2 query rows, not 6 heads
+
+
+def test_checkpoints_load_into_either_impl():
+    dense = make()
+    sparse = MixtureOfHeadsAttention(D, 8, 2, 2, impl="sparse").double()
+    assert dense.state_dict().keys() == sparse.state_dict().keys()
+    sparse.load_state_dict(dense.state_dict())
+    x = torch.randn(2, 6, D, dtype=torch.double)
+    torch.testing.assert_close(sparse(x, is_causal=True).output, dense(x, is_causal=True).output, rtol=0, atol=1e-12)
+
+
+def test_moh_from_dense_works_sparse():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(D, 8).double()
+    x = torch.randn(2, 6, D, dtype=torch.double)
+    converted = {impl: moh_from_dense(mha, 2, 3, impl=impl) for impl in ("dense", "sparse")}
+    assert converted["sparse"].impl == "sparse"
+    torch.testing.assert_close(converted["sparse"](x, is_causal=True).output,
+                               converted["dense"](x, is_causal=True).output, rtol=0, atol=1e-12)
+
+
+def test_config_plumbs_moh_impl():
+    config = AttentionConfig(kind="moh", num_heads=8, num_shared_heads=2, top_k=2, moh_impl="sparse")
+    config.validate()
+    assert config.build(D).impl == "sparse"
+    assert AttentionConfig(kind="moh", num_heads=8, num_shared_heads=2, top_k=2).build(D).impl == "auto"
+    with pytest.raises(ValueError, match="moh_impl"):
+        AttentionConfig(kind="moh", num_heads=8, num_shared_heads=2, top_k=2, moh_impl="fast").validate()
+    with pytest.raises(ValueError, match="moh_impl"):
+        AttentionConfig(kind="mha", num_heads=8, moh_impl="sparse").validate()
+
+
+def test_bad_impl_is_a_one_line_error():
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'dense', 'sparse'\), got 'fast'"):
+        MixtureOfHeadsAttention(D, 8, 2, 2, impl="fast")
+
+
+def test_auto_rule():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_moh_impl(cpu, 2, 6, 512) == "sparse"   # half the heads active: sparse measured faster
+    assert choose_moh_impl(cpu, 3, 6, 512) == "sparse"
+    assert choose_moh_impl(cpu, 4, 6, 512) == "dense"    # most routed heads active: dense measured faster
+    assert choose_moh_impl(cpu, 2, 6, 1) == "dense"      # one-query decoding steps
+    assert choose_moh_impl(cuda, 2, 6, 512) == "dense"   # not measured on a GPU yet
+    assert choose_moh_impl(cpu, 0, 0, 512) == "dense"
+
+
+def test_sparse_dropout_applies_in_training_only():
+    layer = make(dropout=0.5)
+    layer.impl = "sparse"
+    x = torch.randn(2, 8, D, dtype=torch.double)
+    layer.eval()
+    a, b = layer(x, is_causal=True).output, layer(x, is_causal=True).output
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    layer.train()
+    assert not torch.allclose(layer(x, is_causal=True).output, a)
