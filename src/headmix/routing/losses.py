@@ -36,8 +36,9 @@ def load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor 
     if probs.shape[0] == 0:
         return probs.sum() * 0.0
     slot_weight = torch.ones_like(expert_index, dtype=probs.dtype)
+    top_k = expert_index.shape[1]
     if token_mask is None:
-        tokens = probs.new_tensor(float(probs.shape[0]))
+        tokens = float(probs.shape[0])
     else:
         # Padded tokens weigh 0 (masked, not dropped: the shapes stay static, so the loss compiles with
         # no data-dependent shape); with no real token both fractions are 0 and so is the loss.
@@ -46,7 +47,8 @@ def load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor 
         tokens = token_mask.sum().to(probs.dtype).clamp(min=1)
     counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(0, expert_index.reshape(-1), slot_weight.reshape(-1))
-    f = (counts / (counts.sum().clamp(min=1) if fractions == "normalized" else tokens)).detach()
+    # every real token fills k slots, so the slots counted are tokens * k (no reduction needed)
+    f = (counts / (tokens * top_k if fractions == "normalized" else tokens)).detach()
     p = probs.sum(0) / tokens
     return num_experts * (f * p).sum()
 
