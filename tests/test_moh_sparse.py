@@ -235,3 +235,50 @@ def test_sparse_dropout_applies_in_training_only():
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     layer.train()
     assert not torch.allclose(layer(x, is_causal=True).output, a)
+
+
+def test_macs_count_what_sparse_moh_computes():
+    from headmix.models.counting import attention_macs
+
+    d, t = 64, 16
+    dense = AttentionConfig(kind="moh", num_heads=8, num_shared_heads=2, top_k=2, head_dim=8)
+    sparse = AttentionConfig(kind="moh", num_heads=8, num_shared_heads=2, top_k=2, head_dim=8, moh_impl="sparse")
+    router = t * d * 6 + t * d * (2 + 2)  # routed gate, shared gate and group gate
+    kv = 2 * t * d * 8 * 8  # every head's keys and values
+    active = 4  # 2 shared + top 2
+    assert attention_macs(sparse, d, t, t)[0] == kv + active * (2 * t * d * 8 + 2 * t * t * 8) + router
+    assert attention_macs(dense, d, t, t)[0] == kv + 8 * (2 * t * d * 8 + 2 * t * t * 8) + router
+    assert attention_macs(sparse, d, t, t)[1] == attention_macs(dense, d, t, t)[1]  # eq. 19 column unchanged
+
+
+@pytest.mark.parametrize("moh_count", ["computed", "dense"])
+def test_study_sizes_sparse_moh_by_either_count(moh_count):
+    from headmix.study import plan
+    from headmix.study.spec import RowSpec, StudySpec
+
+    moh = {"kind": "moh", "num_heads": 4, "num_shared_heads": 1, "top_k": 1}
+    spec = StudySpec(name="s", task="lm", baseline="tiny-mha", seeds=[1], max_steps=1, moh_count=moh_count,
+                     rows=[RowSpec("MHA"), RowSpec("MoH", moh, ["head_dim"]),
+                           RowSpec("MoH sparse", {**moh, "moh_impl": "sparse"}, ["head_dim"])])
+    spec.validate()
+    rows = {r.name: r for r in plan(spec)}
+    dense_dim = rows["MoH"].config.decoder_self_attention.head_dim
+    sparse_dim = rows["MoH sparse"].config.decoder_self_attention.head_dim
+    assert (sparse_dim > dense_dim) if moh_count == "computed" else (sparse_dim == dense_dim)
+
+
+def test_study_moh_count_is_checked():
+    from headmix.study.spec import RowSpec, StudySpec
+
+    with pytest.raises(ValueError, match="moh_count must be one of"):
+        StudySpec(name="s", task="lm", baseline="tiny-mha", rows=[RowSpec("MHA")], moh_count="sparse").validate()
+
+
+def test_bench_moh_curve_runs_every_fraction_of_active_heads():
+    from headmix.bench.attention import bench_moh_curve
+
+    rows = bench_moh_curve(embed_dim=16, heads=4, shared=1, seq=8, batch=1, repeats=1, warmup=0,
+                           device=torch.device("cpu"), dtype=torch.float32, decode_batch=2, prompt=4, steps=2)
+    assert [r["top_k"] for r in rows] == [1, 2, 3]
+    assert [r["active"] for r in rows] == [0.5, 0.75, 1.0]
+    assert all(r[f"{impl}_{what}"] > 0 for r in rows for impl in ("sparse", "dense") for what in ("fwd_bwd_ratio", "decode_ratio"))

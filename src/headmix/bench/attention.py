@@ -15,6 +15,10 @@ the baseline's projection MACs, ``2 H d_h d_m (1 + k) = 4 d_m^2`` (``d_h = 2 d_m
 ``2H4E2K`` at ``d_m = 512``); with fewer heads they then compute fewer attention matrices (the paper's
 point), so their attention MACs are lower. A decoding table follows: tokens per second generating one
 token at a time with the cache, and the cache's bytes per token, for MoA, SwitchHead and headmix MHA.
+
+``--moh-curve`` adds the MoH curve: forward+backward time (and cached decoding tokens/s) against the fraction
+of active heads, ``--moh-heads`` heads with ``--moh-shared`` shared and top 1 .. all of the routed ones,
+sparse MoH against dense MoH against headmix MHA with as many heads (the ratios are to that MHA).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..attention import MixtureOfAttentionHeads, MultiHeadAttention, SwitchHeadAttention
+from ..attention import MixtureOfAttentionHeads, MixtureOfHeadsAttention, MultiHeadAttention, SwitchHeadAttention
 from ..training.config import pick_device
 from .timing import add_clock_arguments, clock_setup, interleaved_timings
 
@@ -166,6 +170,55 @@ def bench_decoding(*, embed_dim: int, top_k: int, head_dim: int, experts: list[i
     return list(result.values())
 
 
+def bench_moh_curve(*, embed_dim: int, heads: int, shared: int, seq: int, batch: int, repeats: int, warmup: int,
+                    device: torch.device, dtype: torch.dtype, clock=time.perf_counter,
+                    decode_batch: int = 8, prompt: int = 128, steps: int = 32) -> list[dict]:
+    """Per ``top_k`` of the ``heads - shared`` routed heads: sparse and dense MoH's causal forward+backward time
+    at ``batch x seq`` and cached decoding tokens/s, each over headmix MHA's with ``heads`` heads (same run)."""
+    routed = heads - shared
+    layers = {"MHA": MultiHeadAttention(embed_dim, heads)}
+    for k in range(1, routed + 1):
+        for impl in ("sparse", "dense"):
+            layers[f"{impl} {k}"] = MixtureOfHeadsAttention(embed_dim, heads, shared, k, impl=impl)
+    for layer in layers.values():
+        layer.to(device, dtype)
+    x = torch.randn(batch, seq, embed_dim, device=device, dtype=dtype, requires_grad=True)
+    xd = torch.randn(decode_batch, prompt + steps, embed_dim, device=device, dtype=dtype)
+
+    def train_step(layer):
+        out = layer(x, is_causal=True)
+        (out.output.float().square().mean() + out.aux_loss).backward()
+
+    @torch.no_grad()
+    def decode(layer):
+        out = layer(xd[:, :prompt], is_causal=True, use_cache=True)
+        for t in range(prompt, prompt + steps):
+            out = layer(xd[:, t:t + 1], is_causal=True, use_cache=True, cache=out.cache)
+
+    t_fb = interleaved_timings({n: (lambda l=l: train_step(l)) for n, l in layers.items()}, repeats, warmup, device,
+                               clock=clock)
+    for layer in layers.values():
+        layer.eval()
+    t_dec = interleaved_timings({n: (lambda l=l: decode(l)) for n, l in layers.items()}, max(1, repeats // 2), 1,
+                                device, clock=clock)
+    rows = []
+    for k in range(1, routed + 1):
+        row = {"top_k": k, "active": (shared + k) / heads}
+        for impl in ("sparse", "dense"):
+            name = f"{impl} {k}"
+            row[f"{impl}_fwd_bwd_ratio"] = t_fb[name] / t_fb["MHA"]
+            row[f"{impl}_decode_ratio"] = t_dec["MHA"] / t_dec[name]  # tokens/s over MHA's
+        rows.append(row)
+    return rows
+
+
+MOH_COLUMNS = [("top_k", "top k", "{}"), ("active", "active heads", "{:.0%}"),
+               ("sparse_fwd_bwd_ratio", "sparse fwd+bwd / MHA", "{:.2f}"),
+               ("dense_fwd_bwd_ratio", "dense fwd+bwd / MHA", "{:.2f}"),
+               ("sparse_decode_ratio", "sparse decode tokens/s / MHA", "{:.2f}"),
+               ("dense_decode_ratio", "dense decode tokens/s / MHA", "{:.2f}")]
+
+
 def expert_growth(rows: list[dict], top_k: int, head_dim: int, experts: list[int]) -> list[str]:
     """Per sequence length, each MoA layer's forward + backward time over the fewest-experts MoA layer's,
     measured in the same run: how the cost grows with ``E`` at fixed ``k`` and ``head_dim``."""
@@ -216,6 +269,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     add_clock_arguments(p)
     p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--moh-curve", action="store_true", help="also the MoH curve: sparse vs dense MoH vs MHA against "
+                                                            "the fraction of active heads")
+    p.add_argument("--moh-heads", type=int, default=8)
+    p.add_argument("--moh-shared", type=int, default=2)
+    p.add_argument("--moh-seq", type=int, default=512)
+    p.add_argument("--moh-batch", type=int, default=2)
+    p.add_argument("--only-moh", action="store_true", help="the MoH curve alone (implies --moh-curve)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -229,6 +289,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"# headmix bench attention: {device} ({_device_name(device)}), {dtype}, torch {torch.__version__}, "
           f"{setup}; embed {args.embed_dim}, k {args.top_k}, head_dim {args.head_dim}; "
           f"median of {args.repeats} interleaved runs")
+    if args.moh_curve or args.only_moh:
+        print(f"# MoH: {args.moh_heads} heads of {args.embed_dim // args.moh_heads}, {args.moh_shared} shared; "
+              f"fwd+bwd at batch {args.moh_batch} x {args.moh_seq} causal; decoding batch 8, prompt 128, 32 steps")
+        curve = bench_moh_curve(embed_dim=args.embed_dim, heads=args.moh_heads, shared=args.moh_shared,
+                                seq=args.moh_seq, batch=args.moh_batch, repeats=args.repeats, warmup=args.warmup,
+                                device=device, dtype=dtype, clock=clock)
+        print(format_rows(curve, MOH_COLUMNS))
+        if args.only_moh:
+            return 0
+        print()
     rows = bench_layers(args.seq, args.experts, embed_dim=args.embed_dim, top_k=args.top_k, head_dim=args.head_dim,
                         batch_tokens=args.batch_tokens, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
                         device=device, dtype=dtype, switchheads=switchheads, clock=clock)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from ..models import analytic_macs, analytic_parameters, get_config, measure_macs
@@ -52,6 +53,12 @@ def report(preset: str, task: str | None = None, vocab: int | None = None, src_l
             empty = {"params": 0, "params_paper": 0, "macs": 0, "macs_paper": 0}
             components.setdefault(name, empty)["macs_measured"] = value
     out["components"] = components
+    moh = [role for role in config.attention_roles() if getattr(config, role).kind == "moh"]
+    if moh:  # MoH: what the sparse layer computes next to the dense count
+        for impl in ("dense", "sparse"):
+            variant = dataclasses.replace(config, **{role: dataclasses.replace(getattr(config, role), moh_impl=impl)
+                                                     for role in moh})
+            out[f"macs_moh_{impl}"] = analytic_macs(variant, src_len, tgt_len).total
     return out
 
 
@@ -74,6 +81,10 @@ def _print_report(r: dict) -> None:
         print("  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
         if i == 0 or i == len(rows) - 1:
             print("  ".join("-" * w for w in widths))
+    if "macs_moh_sparse" in r:
+        print(f"MoH: {r['macs_moh_sparse']:,} MACs with sparse MoH (moh_impl='sparse': the shared and selected heads' "
+              f"queries, attention and outputs), {r['macs_moh_dense']:,} dense "
+              f"({r['macs_moh_sparse'] / r['macs_moh_dense']:.3f}x)")
     print("MACs: every multiply-accumulate of the matrix products (Q K^T and weights x V both counted); "
           "paper eq.: attention by eq. 18/19 as printed (one T^2 term, no router), SwitchHead by its authors' count "
           "(get_attention_flops: both attention products, selectors as E d); measured: torch FlopCounterMode / 2 with MoA and "

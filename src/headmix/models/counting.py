@@ -23,6 +23,9 @@ Three numbers per model:
   ``= 2 H T d_h (d_m (1 + k) + T) + 2 H k T d_h + 2 E d_m T`` in self-attention (their formula, with
   ``unroll = T``); cross-attention puts ``S`` where the key/value side runs (their formula has no
   cross-attention).
+- Sparse MoH (``moh_impl="sparse"``): the ``full`` count is what it computes, the shared and the
+  ``top_k`` selected heads' query projections, attention and output projections per query token, and every
+  head's keys and values; dense MoH (and ``auto``, whatever it picks at run time) counts every head.
 - ``measured``: run the model once under ``torch.utils.flop_counter.FlopCounterMode`` (MACs =
   FLOPs / 2), with MoA layers on ``expert_impl="sorted"`` so that only the ``k`` selected experts per
   token are computed (and counted).
@@ -99,7 +102,10 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     h = att.num_heads
     dv = att.resolved_head_dim(d)
     dk = att.resolved_key_dim(d)
-    full = t * d * h * dk + s * d * h * (dk + dv) + h * t * s * (dk + dv) + t * h * dv * d
+    # Heads whose queries, attention rows and output projection are computed per query token: all of them,
+    # or with sparse MoH the shared heads and the top_k selected ones (keys and values stay dense).
+    active = att.num_shared_heads + att.top_k if att.kind == "moh" and att.moh_impl == "sparse" else h
+    full = t * d * active * dk + s * d * h * (dk + dv) + active * t * s * (dk + dv) + t * active * dv * d
     paper = t * s * h * dk + 2 * t * d * h * dk + 2 * t * d * h * dv  # eq. 19 (= T^2 d_m + 4 T d_m^2)
     if att.kind == "talking_heads":
         full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h * t * s

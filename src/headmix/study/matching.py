@@ -37,8 +37,18 @@ def inherited_options(baseline: ModelConfig) -> dict[str, Any]:
 ROLES = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 
 
-def attention_macs_of(config: ModelConfig, src_len: int | None, tgt_len: int | None) -> int:
-    """MACs of all attention layers of ``config`` (the components named ``*attention``)."""
+#: How a study counts a sparse MoH row's MACs: ``"computed"``, what the layer computes (the shared and selected
+#: heads' queries, attention and outputs, every head's keys and values), or ``"dense"``, as if every head ran.
+MOH_COUNTS = ("computed", "dense")
+
+
+def attention_macs_of(config: ModelConfig, src_len: int | None, tgt_len: int | None,
+                      moh_count: str = "computed") -> int:
+    """MACs of all attention layers of ``config`` (the components named ``*attention``); ``moh_count``: see
+    :data:`MOH_COUNTS`."""
+    if moh_count == "dense":
+        config = config.replace(**{role: dataclasses.replace(getattr(config, role), moh_impl=None)
+                                   for role in config.attention_roles() if getattr(config, role).kind == "moh"})
     count = analytic_macs(config, src_len, tgt_len)
     return sum(v for name, v in count.full.items() if name.endswith("attention"))
 
@@ -82,10 +92,11 @@ class Match:
 
 def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterable[str], *,
                     prefer: dict[str, Any] | None = None, tolerance: float = 0.02,
-                    src_len: int | None = None, tgt_len: int | None = None) -> Match:
+                    src_len: int | None = None, tgt_len: int | None = None, moh_count: str = "computed") -> Match:
     """The attention config with the fields ``fixed`` and the ``solve`` fields chosen so that the model
     (``baseline`` with this attention in every role) costs the baseline's attention MACs within
-    ``tolerance``; options ``fixed`` leaves out are the baseline's (:data:`INHERITED`). ``ValueError``
+    ``tolerance`` (sparse MoH counted per ``moh_count``, :data:`MOH_COUNTS`); options ``fixed`` leaves out are
+    the baseline's (:data:`INHERITED`). ``ValueError``
     naming the variant's fields when no candidate is within it."""
     solve = tuple(solve)
     for field in solve:
@@ -107,7 +118,7 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
             model = with_attention(baseline, att)
         except (ValueError, TypeError):
             continue
-        match = Match(att, attention_macs_of(model, src_len, tgt_len), target)
+        match = Match(att, attention_macs_of(model, src_len, tgt_len, moh_count), target)
         gap = abs(match.ratio - 1)
         if closest is None or gap < abs(closest.ratio - 1):
             closest = match

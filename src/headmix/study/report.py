@@ -136,6 +136,7 @@ def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResul
     recorded = {m for ms in ran_on.values() for m in ms}
     return {"name": spec.name, "task": spec.task, "baseline": baseline, "baseline_preset": spec.baseline_name,
             "max_steps": spec.max_steps, "seeds": spec.seeds, "tolerance": spec.tolerance,
+            "moh_count": spec.moh_count,
             "metrics": metric_names, "rows": rows, "machines_differ": len(recorded) > 1,
             "curves": {r.name: _curves(results, r.name) for r in planned},
             "curve_times": {r.name: _curves(results, r.name, times=True) for r in planned}}
@@ -168,7 +169,9 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
              f"Baseline: **{table['baseline']}** (`{table['baseline_preset']}`); every row's attention MACs within "
              f"{table['tolerance']:.0%} of its, every run the same steps. Mean ± standard deviation over seeds; Δ is "
              f"the row minus the baseline, paired by seed, with its 95% Student-t interval."
-             + (f" {machine}" if machine else ""),
+             + (f" {machine}" if machine else "")
+             + (f" Sparse MoH rows are counted by their {'dense count (as if every head ran)' if table.get('moh_count') == 'dense' else 'computed MACs (the heads they run)'}."
+                if any(r["attention"].get("moh_impl") == "sparse" for r in table["rows"]) else ""),
              ""]
     verdicts = ["verdict"] if len(compared) == 1 else [f"verdict ({m})" for m in compared]
     cols = ["row", "attention", "attn MACs", "params", "seeds"] + [m for m in table["metrics"]] + \
@@ -251,7 +254,8 @@ def _attention_text(att: dict[str, Any]) -> str:
         return f"MoA {att['top_k']}K{att['num_experts']}E{att['head_dim']}D"
     heads = f"{att['num_heads']}×{att['head_dim']}"
     if kind == "moh":
-        return f"MoH {heads}, {att['num_shared_heads']} shared, top {att['top_k']}"
+        sparse = ", sparse" if att.get("moh_impl") == "sparse" else ""
+        return f"MoH {heads}, {att['num_shared_heads']} shared, top {att['top_k']}{sparse}"
     if kind == "talking_heads":
         return f"talking heads {heads}"
     if kind == "switchhead":

@@ -75,7 +75,8 @@ def plan(spec: StudySpec) -> list[PlannedRow]:
         elif row.solve:
             try:
                 match: Match = match_attention(baseline, row.attention, row.solve, prefer=row.prefer,
-                                               tolerance=spec.tolerance, src_len=src_len, tgt_len=tgt_len)
+                                               tolerance=spec.tolerance, src_len=src_len, tgt_len=tgt_len,
+                                               moh_count=spec.moh_count)
             except ValueError as err:
                 raise ValueError(f"row {row.name!r}: {err}") from None
             config = with_attention(baseline, match.attention)
@@ -84,7 +85,7 @@ def plan(spec: StudySpec) -> list[PlannedRow]:
                 config = with_attention(baseline, AttentionConfig(**row.attention))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"row {row.name!r}: {err}") from None
-        att_macs = attention_macs_of(config, src_len, tgt_len)
+        att_macs = attention_macs_of(config, src_len, tgt_len, spec.moh_count)
         if abs(att_macs / target - 1) > spec.tolerance:
             raise ValueError(f"row {row.name!r}: its attention costs {att_macs / target:.3f}x the baseline's MACs, "
                              f"outside the tolerance {spec.tolerance:.0%}; name fields to solve for")

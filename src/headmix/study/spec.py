@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models import ModelConfig, get_config
-from .matching import SOLVABLE
+from .matching import MOH_COUNTS, SOLVABLE
 
 #: TrainConfig options a spec may not set: the study sets them itself for every run.
 STUDY_OWNED = ("task", "preset", "out", "data", "seed", "tokenizer", "progress")
@@ -84,6 +84,9 @@ class StudySpec:
     split_seed: int = 1
     #: the attention MACs of every row within this fraction of the baseline's
     tolerance: float = 0.02
+    #: sparse MoH rows (moh_impl = "sparse") sized by what they compute ("computed") or by the dense count
+    #: ("dense": the same head sizes as a dense MoH row); the report says which
+    moh_count: str = "computed"
     #: sequence lengths at which MACs are counted (default: the model's block length for LMs, the
     #: paper's Appendix E lengths for translation)
     macs_src_len: int | None = None
@@ -125,6 +128,8 @@ class StudySpec:
             raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
         if not 0 < self.tolerance < 1:
             raise ValueError(f"tolerance must be in (0, 1), got {self.tolerance!r}")
+        if self.moh_count not in MOH_COUNTS:
+            raise ValueError(f"moh_count must be one of {MOH_COUNTS}, got {self.moh_count!r}")
         if not isinstance(self.drop_checkpoints, bool):
             raise ValueError(f"drop_checkpoints must be true or false, got {self.drop_checkpoints!r}")
         owned = sorted(set(self.training) & set(STUDY_OWNED + ("max_steps", "split_seed")))
