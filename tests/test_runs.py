@@ -35,7 +35,7 @@ from headmix.runs import (
     load_run,
 )
 from headmix.runs import checkpoints as ckpt
-from headmix.runs import files
+from headmix.storage import files
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 IDENTITY = ("task", "preset", "data", "tokenizer", "vocab_size", "max_len", "seed", "valid_size", "test_size",

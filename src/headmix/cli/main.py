@@ -117,6 +117,17 @@ def device_option(text: str) -> str:
     return text
 
 
+def device_name_option(text: str) -> str:
+    """A ``--device`` argument that names the device of runs made elsewhere (``headmix study``): the name's form
+    is checked here (:func:`headmix.training.config.check_device_name`), the device when a run starts."""
+    from ..training.config import check_device_name
+
+    try:
+        return check_device_name(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_device_option(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
     parser.add_argument("--device", type=device_option, default=default,
                         help=f"cpu, cuda, cuda:N or auto (cuda when available; default: {default})")

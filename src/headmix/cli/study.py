@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from .main import device_option
+from .main import device_name_option
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,7 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="override the spec's seeds")
     p.add_argument("--max-steps", type=int, default=None, help="override the spec's steps per run")
     p.add_argument("--data", nargs="+", default=None, metavar="FILE", help="override the spec's corpus files")
-    p.add_argument("--device", type=device_option, default=None,
+    p.add_argument("--device", type=device_name_option, default=None,
                    help="cpu, cuda, cuda:N or auto, for every run (the spec's training.device, else auto)")
     p.add_argument("--bf16", choices=("auto", "on", "off"), default=None, help="bf16 autocast of every run")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

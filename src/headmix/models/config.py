@@ -19,6 +19,7 @@ from torch import nn
 from .. import attention
 from ..kernels import IMPLS
 from ..routing.losses import LOAD_BALANCE_FRACTIONS
+from ..storage.files import atomic_write
 
 ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead")
 TASKS = ("translation", "mlm", "lm")
@@ -465,8 +466,7 @@ class ModelConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
     def save_json(self, path: str | os.PathLike) -> None:
-        """Write the config as JSON, atomically (:func:`headmix.runs.files.atomic_write`)."""
-        from ..runs.files import atomic_write  # imported here: headmix.runs imports the models
+        """Write the config as JSON, atomically (:func:`headmix.storage.files.atomic_write`)."""
 
         atomic_write(path, self.to_json())
 

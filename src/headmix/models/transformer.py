@@ -30,6 +30,7 @@ from ..attention import AttentionOutput, KVCache
 from ..attention.moa import autocast_dtype
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import Routing, TopKRouter, load_balancing_loss
+from ..storage.files import atomic_output
 from .config import ModelConfig
 
 CONFIG_NAME = "config.json"
@@ -485,10 +486,9 @@ class PreTrainedModel(nn.Module):
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors`` to ``directory``, each atomically
-        (:mod:`headmix.runs.files`: a temporary file in the same folder, fsync'ed, renamed; mode 0644)."""
+        (:mod:`headmix.storage.files`: a temporary file in the same folder, fsync'ed, renamed; mode 0644)."""
         from safetensors.torch import save_file
 
-        from ..runs.files import atomic_output  # imported here: headmix.runs imports the models
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

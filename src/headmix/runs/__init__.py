@@ -1,7 +1,7 @@
 """Run folders: one place that owns the files of a training run.
 
-- :mod:`headmix.runs.files`: the one atomic-write helper (``atomic_write``, ``atomic_output``,
-  ``atomic_directory``); a full disk becomes a one-line ``RunError``;
+- :mod:`headmix.storage` (below the models and the runs): the one atomic-write helper (``atomic_write``,
+  ``atomic_output``, ``atomic_directory``) and the one-line errors; re-exported here;
 - :mod:`headmix.runs.run`: :class:`Run` (paths, lock, stored configuration and the resume check,
   tokenizer, checkpoints, metrics, final files);
 - :mod:`headmix.runs.checkpoints`: checksummed checkpoints, fall-back to the newest intact one, and the
@@ -11,7 +11,7 @@
 """
 
 from .checkpoints import average_checkpoints, rng_state, set_rng_state
-from .errors import (
+from ..storage.errors import (
     CheckpointDamagedError,
     RunError,
     RunFileNotFoundError,
@@ -19,7 +19,7 @@ from .errors import (
     RunMismatchError,
     RunWriteError,
 )
-from .files import atomic_directory, atomic_output, atomic_write, atomic_write_json
+from ..storage.files import atomic_directory, atomic_output, atomic_write, atomic_write_json
 from .load import FINAL_FILES, LoadedRun, check_finished_run, load_run, load_tokenizer
 from .run import FILE_FIELDS, Run
 

@@ -8,7 +8,7 @@ A checkpoint is a folder ``RUN/checkpoints/step_00000100/`` with
 - ``state.json``: ``step``, ``reason`` (``"periodic"``, ``"final"``, ``"signal 15"``, ...), the
   trainer's numbers (tokens, time, ...) and ``sha256``: the checksum of each of the two other files.
 
-The folder is written with :func:`headmix.runs.files.atomic_directory`: complete or absent.
+The folder is written with :func:`headmix.storage.files.atomic_directory`: complete or absent.
 
 **Which checkpoints are kept and averaged.** A checkpoint whose reason is ``"periodic"`` or ``"final"``
 is *scheduled*: an uncut run writes the same ones. Any other reason (a signal) marks an *interruption*
@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import CheckpointDamagedError, RunError
-from .files import atomic_directory, remove_path
+from ..storage.errors import CheckpointDamagedError, RunError
+from ..storage.files import atomic_directory, remove_path
 
 CHECKPOINTS_DIR = "checkpoints"
 PREFIX = "step_"

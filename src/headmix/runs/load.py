@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from . import checkpoints as ckpt
-from .errors import CheckpointDamagedError, RunError, RunFileNotFoundError, short_error
+from ..models import ModelConfig, load_pretrained
+from ..storage.errors import CheckpointDamagedError, RunError, RunFileNotFoundError, short_error
 from .run import Run
 from .tokenizer import load_tokenizer
 
@@ -81,8 +82,6 @@ def load_run(path: str | os.PathLike, device: str | torch.device = "cpu") -> Loa
     training options. Missing or damaged files are a one-line :class:`RunError` naming the file; a
     damaged final model says whether its checkpoints can rebuild it."""
     from safetensors import safe_open
-
-    from ..models import ModelConfig, load_pretrained
 
     run = check_finished_run(path)
     config_file, weights = run / "config.json", run / "model.safetensors"

@@ -15,8 +15,8 @@ import socket
 import time
 from pathlib import Path
 
-from .errors import RunError, RunLockedError
-from .files import write_error
+from ..storage.errors import RunError, RunLockedError
+from ..storage.files import write_error
 
 LOCK_FILE = ".lock"
 

@@ -13,7 +13,7 @@
 
 :meth:`Run.create_or_resume` opens a folder for training: it takes the lock, and checks that the command
 matches the stored configuration in every *identity* field before anything is written. Every file is
-written atomically (:mod:`headmix.runs.files`). Readers (evaluation, analysis, the demo) use
+written atomically (:mod:`headmix.storage.files`). Readers (evaluation, analysis, the demo) use
 :func:`headmix.runs.load_run` and never take the lock.
 """
 
@@ -30,8 +30,8 @@ from typing import Any
 from torch import nn
 
 from . import checkpoints as ckpt
-from .errors import CheckpointDamagedError, RunError, RunLockedError, RunMismatchError
-from .files import (
+from ..storage.errors import CheckpointDamagedError, RunError, RunLockedError, RunMismatchError
+from ..storage.files import (
     TMP_PREFIX,
     atomic_directory,
     atomic_write,

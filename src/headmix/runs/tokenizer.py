@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import RunError, RunFileNotFoundError, short_error
+from ..storage.errors import RunError, RunFileNotFoundError, short_error
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..runs.files import atomic_output, atomic_write
+from ..storage.files import atomic_output, atomic_write
 from ..training.machine import describe_machine
 from .runner import PlannedRow, RunResult, interpolate, slug
 from .stats import paired_difference, summarize

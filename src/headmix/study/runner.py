@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..models import AttentionConfig, ModelConfig, analytic_macs, analytic_parameters
-from ..runs.files import atomic_write
+from ..storage.files import atomic_write
 from .matching import Match, attention_macs_of, match_attention, with_attention
 from .spec import StudySpec
 

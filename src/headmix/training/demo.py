@@ -33,7 +33,7 @@ import torch
 
 from ..tasks import evaluate_run
 from ..models import analytic_macs, get_config
-from ..runs.files import atomic_write
+from ..storage.files import atomic_write
 from .config import TrainConfig, pick_device
 from .metrics import read_metrics
 from .setup import prepare_shared_data

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..evaluation.loss import add_expert_counts, load_record
-from ..runs.files import write_error
+from ..storage.files import write_error
 
 
 class MetricsLog:
