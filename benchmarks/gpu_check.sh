@@ -7,10 +7,15 @@
 #      fwd+bwd: wall ms, x torch MHA, GPU-busy ms, kernels per step, peak memory; peers HF JetMoeAttention
 #      and, when .peers/switchhead holds their source, the SwitchHead authors' cvmm layer) and the grouped
 #      projections (map + reduce, N 32768, k 8) against two dense Linear of equal FLOPs;
-#   3. headmix bench attention on CUDA (MoA against torch MHA over sequence lengths, E growth).
+#   3. headmix bench attention on CUDA (MoA against torch MHA over sequence lengths, E growth) and the MoH
+#      curve (sparse vs dense MoH vs MHA against the fraction of active heads);
+#   4. headmix bench models (whole Llama-style training step, eager and compiled, every variant vs MHA,
+#      compile time) and headmix bench decode (tokens/s at batch 1 and 8, growing cache, preallocated cache,
+#      CUDA graphs).
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]   (default runs/gpu_check; the logs and tables go there)
 # PYTHON picks the interpreter (default python3). pytest is needed for step 1 only (skipped without it).
-# About 8 minutes on one H100 (to be confirmed: not yet run on a GPU at this commit).
+# At most about 16 minutes (the sum of the time limits); the running time on one H100 is to be measured: not
+# yet run on a GPU at this commit.
 set -uo pipefail
 out=${1:-runs/gpu_check}
 py=${PYTHON:-python3}
@@ -23,13 +28,19 @@ status=0
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$out/machine.txt"
 if "$py" -c "import pytest" 2>/dev/null; then
     # correctness with one kernel configuration: autotuning every test's sizes would take minutes
-    HEADMIX_TRITON_AUTOTUNE=0 timeout 240 "$py" -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu.py 2>&1 \
+    HEADMIX_TRITON_AUTOTUNE=0 timeout 240 "$py" -m pytest -m gpu -p no:cacheprovider -q tests 2>&1 \
         | tee "$out/tests.log" || status=1
 else
     echo "pytest not installed: GPU tests skipped" | tee "$out/tests.log"
 fi
 # the first run autotunes the Triton kernels (Triton keeps the choices in its cache: later runs do not)
 timeout 300 "$py" benchmarks/gpu_layers.py 2>&1 | tee "$out/gpu_layers.md" || status=1
-timeout 90 "$py" -m headmix.cli.main bench attention --device cuda --batch-tokens 32768 --repeats 5 2>&1 \
-    | tee "$out/bench_attention.md" || status=1
+timeout 120 "$py" -m headmix.cli.main bench attention --device cuda --batch-tokens 32768 --repeats 5 --moh-curve \
+    --moh-seq 2048 --moh-batch 16 2>&1 | tee "$out/bench_attention.md" || status=1
+timeout 120 "$py" -m headmix.cli.main bench models --presets llama-mini-mha llama-mini-moa llama-mini-moh \
+    llama-mini-switchhead --device cuda --compile --lm-batch 8 --lm-len 1024 --repeats 10 2>&1 \
+    | tee "$out/bench_models.md" || status=1
+timeout 90 "$py" -m headmix.cli.main bench decode --presets llama-mini-mha llama-mini-moa llama-mini-moh \
+    llama-mini-switchhead --device cuda --batches 1 8 --prompt 128 --steps 64 --repeats 5 2>&1 \
+    | tee "$out/bench_decode.md" || status=1
 exit $status
