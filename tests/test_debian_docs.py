@@ -38,10 +38,10 @@ def sentence(topic: str, n: int = 6) -> str:
 FILES = {
     "usr/share/doc/fakedoc/html/guide.html":
         "<html><head><title>Skip title</title></head><body><nav>Navigation menu links here</nav>"
-        f"<p>{sentence('hypertext')}\nwrapped <b>bold</b> line</p><pre>int main() {{ return 0; }}</pre>"
+        f"<p>{sentence('hypertext')}\nwrapped <b>bold</b> line</p><pre>Example text inside a preformatted block is not kept</pre>"
         "<script>var scriptjunk = 1;</script><p>Footer shared by all pages of the fake package here</p></body></html>",
     "usr/share/man/man1/fakecmd.1":
-        f".TH FAKECMD 1\n.SH NAME\nfakecmd \\- do things\n.SH DESCRIPTION\n{sentence('manual page')}\n",
+        f".TH FAKECMD 1\n.SH NAME\nfakecmd \\- do things\n.SH DESCRIPTION\n{sentence('manual page')}\n.B bold words in the body\n",
     "usr/share/doc/fakedoc/fake.pod": f"=head1 NAME\n\nfake - pod\n\n=head1 DESCRIPTION\n\n{sentence('plain old documentation')}\n",
     "usr/share/info/fake.info":
         f"\x1f\nFile: fake.info,  Node: Top,  Next: Intro\n\n{sentence('texinfo')}\n\n* Menu:\n\n* Intro::  the intro\n",
@@ -108,10 +108,10 @@ def test_each_format_becomes_prose(built):
     _, _, _, docs = built
     html = text_of(docs, "html/guide.html")
     assert "hypertext paragraph number 0" in html and "wrapped bold line" in html
-    assert "Skip title" not in html and "return 0" not in html and "scriptjunk" not in html
+    assert "Skip title" not in html and "preformatted block" not in html and "scriptjunk" not in html
     assert "Navigation menu" not in html
     man = text_of(docs, "man1/fakecmd.1.gz")
-    assert "manual page paragraph number 5" in man and "\b" not in man and "\x1b" not in man
+    assert "manual page paragraph number 5" in man and "bold words in the body" in man and "\b" not in man and "\x1b" not in man
     assert "plain old documentation paragraph number 3" in text_of(docs, "fake.pod")
     info = text_of(docs, "fake.info")
     assert "texinfo paragraph number 2" in info and "Node: Top" not in info and "Menu" not in info
