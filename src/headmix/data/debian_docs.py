@@ -71,6 +71,11 @@ DEFAULT_PACKAGES: tuple[str, ...] = (
     "erlang-doc", "python-scipy-doc", "python-pandas-doc", "openjdk-17-doc", "libboost1.74-doc", "ruby3.1-doc",
     "r-doc-html", "libstdc++-12-doc", "cppreference-doc-en-html", "dict-gcide", "dict-foldoc", "dict-jargon",
     "fortunes",
+    # added after the first real build (21.6M words from the list above was short of 50M)
+    "qtbase5-doc-html", "lilypond-doc-html", "python-sympy-doc", "python-sqlalchemy-doc", "cmake-doc",
+    "apache2-doc", "gnome-devel-docs", "libgtk-3-doc", "maxima-doc", "gnuplot-doc", "zsh-doc", "glibc-doc",
+    "tcl8.6-doc", "libvirt-doc", "exim4-doc-html", "postfix-doc", "bind9-doc", "sbcl-doc", "guile-3.0-doc",
+    "aptitude-doc-en", "binutils-doc",
 )
 
 MIN_WORDS = 50
