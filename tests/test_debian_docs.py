@@ -40,6 +40,9 @@ FILES = {
         "<html><head><title>Skip title</title></head><body><nav>Navigation menu links here</nav>"
         f"<p>{sentence('hypertext')}\nwrapped <b>bold</b> line</p><pre>Example text inside a preformatted block is not kept</pre>"
         "<script>var scriptjunk = 1;</script><p>Footer shared by all pages of the fake package here</p></body></html>",
+    "usr/share/help/C/fake/intro.page":
+        f'<page xmlns="http://projectmallard.org/1.0/"><info><credit>Credit line in the page metadata</credit>'
+        f'</info><title>Intro</title><p>{sentence("mallard")}</p><screen>screen output lines here</screen></page>',
     "usr/share/man/man1/fakecmd.1":
         f".TH FAKECMD 1\n.SH NAME\nfakecmd \\- do things\n.SH DESCRIPTION\n{sentence('manual page')}\n.B bold words in the body\n",
     "usr/share/doc/fakedoc/fake.pod": f"=head1 NAME\n\nfake - pod\n\n=head1 DESCRIPTION\n\n{sentence('plain old documentation')}\n",
@@ -116,6 +119,8 @@ def test_each_format_becomes_prose(built):
     info = text_of(docs, "fake.info")
     assert "texinfo paragraph number 2" in info and "Node: Top" not in info and "Menu" not in info
     assert "request for comments paragraph" in text_of(docs, "rfc9999.txt")
+    page = text_of(docs, "intro.page")
+    assert "mallard paragraph number 4" in page and "Credit line" not in page and "screen output" not in page
 
 
 def test_non_english_duplicates_and_boilerplate_dropped(built):

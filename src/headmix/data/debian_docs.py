@@ -5,7 +5,7 @@ Steps, one package at a time (so the disk holds one extracted package at most):
 1. ``apt-get download PACKAGE`` (Debian's registry; main only unless ``allow_non_free``), then
    ``dpkg-deb -x`` into a temporary folder; name, version and section come from ``dpkg-deb -f``, the licence
    from the ``License:`` fields of ``usr/share/doc/PACKAGE/copyright``.
-2. Every documentation file becomes plain text: HTML with :class:`html.parser.HTMLParser` (``<script>``,
+2. Every documentation file becomes plain text: HTML and Mallard ``.page`` XML with :class:`html.parser.HTMLParser` (``<script>``,
    ``<style>``, ``<pre>`` and navigation dropped), man pages with ``groff -man -Tutf8`` (no overstrike),
    POD with ``pod2text``, texinfo ``.info`` by dropping its node headers, plain text / reStructuredText /
    Markdown / RFCs as they are; ``.gz`` files are decompressed first.
@@ -123,7 +123,8 @@ class BuildOptions:
 # ------------------------------------------------------------------------------------------ formats
 
 class _HTMLText(html.parser.HTMLParser):
-    _SKIP = {"script", "style", "pre", "nav", "head", "title", "code", "kbd", "samp", "svg", "math"}
+    _SKIP = {"script", "style", "pre", "nav", "head", "title", "code", "kbd", "samp", "svg", "math",
+             "info", "screen", "synopsis"}  # the last three: Mallard page metadata and code (GNOME help)
     _BLOCK = {"p", "div", "br", "li", "ul", "ol", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "table", "dt", "dd",
               "dl", "section", "article", "blockquote", "hr", "header", "footer", "td", "th", "figcaption"}
 
@@ -206,7 +207,7 @@ def _format_of(rel: str) -> str | None:
     if parts & _SKIP_PARTS or "/copyright" in low or low.endswith(("changelog.gz", "changelog.debian.gz")):
         return None
     base = low[:-3] if low.endswith(".gz") else low
-    if base.endswith((".html", ".htm", ".xhtml")):
+    if base.endswith((".html", ".htm", ".xhtml", ".page")):  # .page: Mallard XML (GNOME help)
         return "html"
     if base.endswith(".pod"):
         return "pod"
