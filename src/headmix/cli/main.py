@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_translate(sub)
     _add_evaluate(sub)
-    for optional in ("macs", "bench", "analyze", "study"):
+    for optional in ("macs", "bench", "analyze", "study", "data"):
         try:
             module = __import__(f"headmix.cli.{optional}", fromlist=["add_parser"])
         except ImportError:

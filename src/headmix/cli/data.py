@@ -1,0 +1,50 @@
+"""``headmix data build debian-docs --out DIR``: the offline English corpus from Debian's documentation packages.
+
+    apt-get update                                        # once, as root
+    headmix data build debian-docs --out data/debian-docs
+    headmix data build debian-docs --out data/subset --max-words 20000000   # a subset, e.g. for a 64 MiB carry
+
+Writes train/valid/test/all ``.jsonl.gz`` and ``manifest.json`` (see :mod:`headmix.data.debian_docs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..data.debian_docs import DEFAULT_PACKAGES, BuildOptions, build_corpus
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("data", help="build offline corpora (debian-docs)", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="data_action", required=True)
+    b = actions.add_parser("build", help="download and build a corpus")
+    b.add_argument("corpus", choices=["debian-docs"])
+    b.add_argument("--out", required=True, help="output folder (not in git: e.g. data/debian-docs)")
+    b.add_argument("--packages", nargs="+", default=list(DEFAULT_PACKAGES), help="Debian packages to use")
+    b.add_argument("--valid-fraction", type=float, default=0.01)
+    b.add_argument("--test-fraction", type=float, default=0.01)
+    b.add_argument("--max-words", type=int, default=None, help="stop once the corpus holds this many words")
+    b.add_argument("--max-doc-words", type=int, default=5000, help="cut longer texts into documents of this size")
+    b.add_argument("--allow-non-free", action="store_true", help="accept packages outside Debian main")
+    b.add_argument("--workdir", default=None, help="folder for the downloads and extractions (default: $TMPDIR)")
+    b.add_argument("--download-dir", default=None, help="keep the .deb files here (a rebuild reuses them)")
+    b.add_argument("--quiet", action="store_true")
+    return p
+
+
+def run(args) -> int:
+    options = BuildOptions(out=args.out, packages=args.packages, valid_fraction=args.valid_fraction,
+                           test_fraction=args.test_fraction, max_words=args.max_words,
+                           max_doc_words=args.max_doc_words, allow_non_free=args.allow_non_free,
+                           workdir=args.workdir, download_dir=args.download_dir,
+                           progress=None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
+    try:
+        manifest = build_corpus(options)
+    except RuntimeError as err:  # apt-get download failed (no registry, unknown package)
+        raise ValueError(str(err)) from None
+    print(json.dumps({k: manifest[k] for k in ("documents", "words", "build_seconds")}
+                     | {s: manifest["splits"][s]["words"] for s in ("train", "valid", "test")}))
+    return 0
