@@ -339,7 +339,8 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     """Softmax attention ``softmax(q k^T * scale + bias) v`` over ``(batch, heads, len, size)`` tensors.
 
     ``k``/``v`` may have one head shared by all query heads (multi-query attention, as MoA's shared
-    ``W_k``/``W_v``): it is broadcast without copies. With ``G`` key/value heads, ``1 < G < heads``
+    ``W_k``/``W_v``): it is broadcast without copies (on CUDA with torch >= 2.5 through ``enable_gqa``, so the
+    flash kernel reads the one head as grouped-query attention; on the CPU as a stride-0 view). With ``G`` key/value heads, ``1 < G < heads``
     (grouped-query attention), query head ``h`` attends with key/value head ``h // (heads // G)``, through
     ``scaled_dot_product_attention(enable_gqa=True)`` (torch >= 2.5): headmix never copies the keys and
     values, torch's flash kernel reads the ``G`` heads as they are, its math fallback repeats them internally
@@ -351,8 +352,11 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
     grouped = {}
     if k.shape[1] != q.shape[1]:
-        if k.shape[1] == 1:
+        if k.shape[1] == 1 and not (q.is_cuda and _SDPA_HAS_GQA):
+            # CPU: a stride-0 view (the CPU flash kernel reads it in place; its enable_gqa path would repeat K/V)
             k, v = _broadcast_kv(q, k, v)
+        elif k.shape[1] == 1:
+            grouped = {"enable_gqa": True}  # CUDA: MoA's shared K/V head as grouped-query attention, no expand
         elif q.shape[1] % k.shape[1] == 0:
             if not _SDPA_HAS_GQA:
                 return _grouped_by_broadcast(q, k, v, bias, empty_rows, dropout, scale, causal)
