@@ -39,6 +39,7 @@ from ..attention import (
     TalkingHeadsAttention,
 )
 from ..kernels import expert_map, expert_reduce, expert_routing
+from .attention import peak_memory
 from .timing import interleaved_timings, machine_load
 
 
@@ -209,12 +210,7 @@ def layer_table(args, device: torch.device, dtype: torch.dtype) -> tuple[list[st
     for name, step in steps.items():
         row = rows.setdefault(name, {})
         if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            row["peak"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            row["peak"] = peak_memory(step, device) / 2**20
             row["busy"], row["kernels"] = _kernel_profile(step, 5)
         else:
             row["kernels"] = _aten_ops(step)
