@@ -191,9 +191,14 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             y = zero_padded_queries(y, token_mask)
         if g is None:
             return AttentionOutput(y, zero_loss(query), new_cache)
+        return self._output(y, new_cache, routing)
+
+    def _output(self, y: Tensor, cache: KVCache | None, routing: Routing) -> AttentionOutput:
+        """The layer's output with its auxiliary loss: the load-balancing loss (MoA eq. 13-15) over the routed
+        heads, weighted by ``load_balance_weight``."""
         lb = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask,
                                  fractions=self.load_balance_fractions)
-        return AttentionOutput(y, self.load_balance_weight * lb, new_cache, routing, {"load_balance": lb})
+        return AttentionOutput(y, self.load_balance_weight * lb, cache, routing, {"load_balance": lb})
 
     def _forward_sparse(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
                         key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
@@ -258,9 +263,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             y = y + self.out_proj.bias.to(y.dtype)
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
-        lb = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask,
-                                 fractions=self.load_balance_fractions)
-        return AttentionOutput(y, self.load_balance_weight * lb, new_cache, routing, {"load_balance": lb})
+        return self._output(y, new_cache, routing)
 
 
 def _heads(mask: Tensor | None, heads: slice) -> Tensor | None:
