@@ -82,8 +82,9 @@ H100_LM_EN_GPU_RATIOS = {"MHA": 1.0, "MoA E=12": 0.47, "MoA E=48": 0.44, "MoH": 
 #: Measured on the same H100 (``grouped_and_model_steps.log``, issue 20): whole training steps of the Llama-style
 #: d_model 768, 12-layer decoder, batch 8 x 1024, eager, bf16: MHA 12x64 61.65 ms, MoA 12K48E64D 110.02 ms.
 H100_LARGE_STEP_MS = {"MHA": 61.65, "MoA": 110.02}
-#: Where ``lm-en-gpu-large`` looks for its corpus (built by ``headmix data ...``; ``--data`` gives another).
-DEBIAN_DOCS = "~/.cache/headmix/corpora/debian-docs-en.jsonl.gz"
+#: Where ``lm-en-gpu-large`` looks for its corpus, relative to the folder the study runs in (built there by
+#: ``headmix data build debian-docs --out data/debian-docs``, docs/data.md; ``--data`` gives another).
+DEBIAN_DOCS = "data/debian-docs/all.jsonl.gz"
 
 _GPU_TRAINING = {"device": "auto", "bf16": "auto", "schedule": "linear", "average_last": 1, "keep_checkpoints": 1}
 
@@ -131,13 +132,13 @@ def lm_en_gpu_large() -> StudySpec:
            f"of this model measured in issue 20 (2026-11-23: MHA {H100_LARGE_STEP_MS['MHA']} ms, MoA "
            f"{H100_LARGE_STEP_MS['MoA']} ms per 8 x 1024 tokens); MoH and SwitchHead about as long as MoA")
     return StudySpec(name="lm-en-gpu-large", task="lm", baseline=baseline, rows=rows, seeds=seeds, max_steps=steps,
-                     data=[os.path.expanduser(DEBIAN_DOCS)],
+                     data=[os.path.abspath(DEBIAN_DOCS)],
                      training={**_GPU_TRAINING, "max_len": 1024, "max_tokens": batch, "vocab_size": 32000,
                                "lr": 1e-3, "warmup_steps": 200, "eval_every": 128, "log_every": 32,
                                "save_every": 512},
                      drop_checkpoints=True, gpu=gpu,
-                     data_note=f"lm-en-gpu-large reads the Debian documentation corpus, built by `headmix data ...` "
-                               f"into {DEBIAN_DOCS}")
+                     data_note=f"lm-en-gpu-large reads the Debian documentation corpus {DEBIAN_DOCS}, built by "
+                               f"`headmix data build debian-docs --out data/debian-docs` (docs/data.md)")
 
 
 BUILTIN = {"lm-en": lm_en, "translation-en-de": translation_en_de, "lm-en-llama": lm_en_llama,
