@@ -286,13 +286,8 @@ def plot(table: dict[str, Any], out: Path) -> list[Path]:
         means = [sum(v) / len(v) for v in values]
         line, = ax.plot(steps, means, label=row["name"])
         ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation NLL (nats/token)")
-    ax.set_title(f"{table['name']}: mean over seeds, band = min..max")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    paths.append(_save(fig, out / "valid_curves.png"))
+    paths.append(_save_nll_plot(fig, ax, "step", f"{table['name']}: mean over seeds, band = min..max",
+                                out / "valid_curves.png"))
 
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
@@ -307,13 +302,8 @@ def plot(table: dict[str, Any], out: Path) -> list[Path]:
             line, = ax.plot([times[seed][str(s)] for s in steps], [curve[str(s)] for s in steps], lw=1,
                             color=colours.get(row["name"]), label=None if row["name"] in colours else row["name"])
             colours[row["name"]] = line.get_color()
-    ax.set_xlabel("training wall-clock (s)")
-    ax.set_ylabel("validation NLL (nats/token)")
-    ax.set_title(f"{table['name']}: one line per seed")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    paths.append(_save(fig, out / "valid_curves_time.png"))
+    paths.append(_save_nll_plot(fig, ax, "training wall-clock (s)", f"{table['name']}: one line per seed",
+                                out / "valid_curves_time.png"))
 
     fig = Figure(figsize=(6, 4.5))
     ax = fig.subplots()
@@ -347,6 +337,17 @@ def plot(table: dict[str, Any], out: Path) -> list[Path]:
         ax.legend(fontsize=8)
         paths.append(_save(fig, out / "quality_vs_experts.png"))
     return paths
+
+
+def _save_nll_plot(fig: Figure, ax, xlabel: str, title: str, path: Path) -> Path:
+    """Label a validation-NLL plot (y axis, grid, legend when it has lines) and save it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation NLL (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:
