@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch._dynamo.utils import counters
 
 from ..data import ReadReport, Tokenizer, train_tokenizer
 from ..models import ModelConfig, get_config
@@ -28,11 +27,12 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
     from ..runs import atomic_output
 
     task = cfg.task_spec
-    if cfg.shared_data is not None:
-        return read_shared_splits(cfg, run, log)
     files = {s: task.split_path(run.data_dir, s) for s in SPLITS}
     if all(f.is_file() for f in files.values()) and (run.tokenizer_dir / "tokenizer.json").is_file():
+        # a resumed run reads its own splits (also one that stored them before it shared a study's)
         return {s: task.read_items(f) for s, f in files.items()}, Tokenizer.load(run.tokenizer_dir)
+    if cfg.shared_data is not None:
+        return read_shared_splits(cfg, run, log)
 
     report = ReadReport()
     items = task.read_corpus(cfg.data, strict=cfg.strict, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang, report=report)
@@ -68,16 +68,13 @@ SPLIT_OPTIONS = ("task", "data", "src_lang", "tgt_lang", "strict", "valid_size",
 
 def read_shared_splits(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dict[str, list], Tokenizer]:
     """The splits of the folder ``cfg.shared_data`` (written once by :func:`prepare_shared_data`), after checking
-    that they come from this run's corpus and split options; the run folder gets no copy of them. A run that
-    already stored its own splits (started before it shared) keeps reading those."""
+    that they come from this run's corpus and split options; the run folder gets no copy of them (a run that
+    already stored its own splits reads those: :func:`prepare_data`)."""
     from ..runs import Run, atomic_write
     from ..tasks.base import SHARED_SPLITS
 
     task = cfg.task_spec
-    own = {s: task.split_path(run.data_dir, s) for s in SPLITS}
     shared = Run(cfg.shared_data)
-    if all(f.is_file() for f in own.values()) and (run.tokenizer_dir / "tokenizer.json").is_file():
-        return {s: task.read_items(f) for s, f in own.items()}, Tokenizer.load(run.tokenizer_dir)
     stored = shared.read_config()
     mine = {**{k: getattr(cfg, k) for k in SPLIT_OPTIONS}, "data": [str(Path(p).expanduser().resolve()) for p in cfg.data]}
     for key in SPLIT_OPTIONS:
@@ -170,7 +167,10 @@ def compile_model(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
 
 def compiled_graphs() -> int:
     """How many graphs ``torch.compile`` has compiled in this process (dynamo's counter): a step that raises
-    it compiled (or recompiled) the model."""
+    it compiled (or recompiled) the model. Dynamo is imported here, by a run that compiles, not when the
+    trainer is imported (about 1.7 s of start-up)."""
+    from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])
 
 

@@ -126,7 +126,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                 stopped_by = reason
                 break
             # batch, forward, backward (gradients synchronised across ranks on the last micro-batch only)
-            step_start, graphs_before = time.time(), compiled_graphs()
+            step_start, graphs_before = time.time(), (compiled_graphs() if cfg.compile else 0)
             optimizer.zero_grad(set_to_none=True)
             step_loss, step_tokens = torch.zeros((), device=device), 0
             for micro in range(cfg.grad_accum):
