@@ -137,6 +137,15 @@ def _check_common(name: str, inp, weight, routing, impl: str, want_dim: int) -> 
         )
 
 
+def _checked_gates(gates, inp: Tensor, n: int, k: int) -> Tensor:
+    """``gates`` checked to be ``(N, k)`` floating point on ``inp``'s device, cast to ``inp.dtype``."""
+    if not isinstance(gates, Tensor) or tuple(gates.shape) != (n, k):
+        raise ValueError(f"gates must have shape (N, k) = ({n}, {k}), got {_shape(gates)}")
+    if not gates.dtype.is_floating_point or gates.device != inp.device:
+        raise ValueError(f"gates must be a floating-point tensor on {inp.device}, got {gates.dtype} on {gates.device}")
+    return gates.to(inp.dtype)
+
+
 def _needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -202,11 +211,7 @@ def expert_map_weighted(x: Tensor, weight: Tensor, gates: Tensor, routing: Exper
     n, k = routing.num_tokens, routing.top_k
     if not isinstance(groups, int) or groups < 1 or k % groups:
         raise ValueError(f"groups must be a positive divisor of k = {k}, got {groups!r}")
-    if not isinstance(gates, Tensor) or tuple(gates.shape) != (n, k):
-        raise ValueError(f"gates must have shape (N, k) = ({n}, {k}), got {_shape(gates)}")
-    if not gates.dtype.is_floating_point or gates.device != x.device:
-        raise ValueError(f"gates must be a floating-point tensor on {x.device}, got {gates.dtype} on {gates.device}")
-    gates = gates.to(x.dtype)
+    gates = _checked_gates(gates, x, n, k)
     if _resolve(impl, x, routing, _needs_grad(x, weight, gates)) == "triton":
         from . import grouped_triton
 
@@ -232,11 +237,7 @@ def expert_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouti
     """
     _check_common("h", h, weight, routing, impl, 3)
     n, k = routing.num_tokens, routing.top_k
-    if not isinstance(gates, Tensor) or tuple(gates.shape) != (n, k):
-        raise ValueError(f"gates must have shape (N, k) = ({n}, {k}), got {_shape(gates)}")
-    if not gates.dtype.is_floating_point or gates.device != h.device:
-        raise ValueError(f"gates must be a floating-point tensor on {h.device}, got {gates.dtype} on {gates.device}")
-    gates = gates.to(h.dtype)
+    gates = _checked_gates(gates, h, n, k)
     impl = _resolve(impl, h, routing, _needs_grad(h, weight, gates))
     if h.dim() == 4 and impl != "triton":
         h = h.reshape(n, k, h.shape[-1])
