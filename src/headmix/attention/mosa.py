@@ -299,8 +299,8 @@ class MixtureOfSparseAttention(AttentionLayer):
                 keys = torch.cat([cache.key, keys], dim=2)
                 values = torch.cat([cache.value, values], dim=2)
                 key_pos = torch.cat([cache.positions, key_pos], dim=2)
-        o = self._sparse_attention(q, keys, values, positions, key_pos, past, is_causal, key_forbidden, key_added,
-                                   pair_forbidden, pair_added)
+        o = self._sparse_attention(q, keys, values, positions, key_pos, past, is_causal, key_added, pair_forbidden,
+                                   pair_added)
         y = self._scatter(o * scores[..., None].to(o.dtype), positions - past, new)
 
         dense_cache = None
@@ -333,8 +333,7 @@ class MixtureOfSparseAttention(AttentionLayer):
         return q, k, v
 
     def _sparse_attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, past: int,
-                          is_causal: bool, key_forbidden: Tensor | None, key_added: Tensor | None,
-                          pair_forbidden: Tensor | None, pair_added: Tensor | None) -> Tensor:
+                          is_causal: bool, key_added: Tensor | None, pair_forbidden: Tensor | None, pair_added: Tensor | None) -> Tensor:
         """Softmax attention among the chosen tokens, masked by their original positions."""
         batch = q.shape[0]
         forbidden = (q_pos < 0)[..., :, None] | (k_pos < 0)[..., None, :]
@@ -342,11 +341,8 @@ class MixtureOfSparseAttention(AttentionLayer):
             forbidden = forbidden | (k_pos[..., None, :] > q_pos[..., :, None])
         kc = k_pos.clamp(min=0)
         added = None
-        if key_forbidden is not None:
-            gathered = key_forbidden.gather(1, kc.flatten(1)).view_as(kc)
-            forbidden = forbidden | gathered[..., None, :]
-            if key_added is not None:
-                added = key_added.gather(1, kc.flatten(1)).view_as(kc)[..., None, :].expand_as(forbidden)
+        if key_added is not None:  # padded keys are never chosen; a float mask's finite values are added
+            added = key_added.gather(1, kc.flatten(1)).view_as(kc)[..., None, :].expand_as(forbidden)
         if pair_forbidden is not None:
             rows = (q_pos - past).clamp(min=0)
             pf = _gather_pairs(pair_forbidden, rows, kc, batch)
