@@ -23,7 +23,8 @@ from typing import Any, Iterable
 from ..models import AttentionConfig, ModelConfig, analytic_macs
 
 #: The fields a variant may ask to solve for.
-SOLVABLE = ("top_k", "head_dim", "num_heads", "key_dim", "num_experts", "num_shared_heads")
+SOLVABLE = ("top_k", "head_dim", "num_heads", "key_dim", "num_experts", "num_shared_heads", "num_sparse_heads",
+            "sparsity")
 
 #: Options every row takes from the baseline's attention unless it fixes them: a row changes the kind of
 #: attention, not the model's conventions (a Llama-style baseline has no biases and rotary positions).
@@ -74,6 +75,10 @@ def _candidates(field: str, fixed: dict[str, Any], d_model: int) -> list[int]:
         return list(range(1, 129))
     if field == "num_shared_heads":
         return list(range(0, fixed.get("num_heads", 32)))
+    if field == "num_sparse_heads":  # MoSA: many cheap heads
+        return list(range(1, 257))
+    if field == "sparsity":  # MoSA: k = T // sparsity, in quarter steps from 1 to 128
+        return [q / 4 for q in range(4, 513)]
     raise ValueError(f"solve must name fields of {SOLVABLE}, got {field!r}")
 
 
@@ -136,5 +141,6 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
 
 
 def _describe(att: AttentionConfig) -> str:
-    keys = ("kind", "num_heads", "num_experts", "top_k", "head_dim", "key_dim", "num_shared_heads")
+    keys = ("kind", "num_heads", "num_experts", "top_k", "head_dim", "key_dim", "num_shared_heads", "num_sparse_heads",
+            "num_dense_heads", "sparsity")
     return ", ".join(f"{k}={getattr(att, k)}" for k in keys if getattr(att, k, None) is not None)
