@@ -51,6 +51,11 @@ class MoSARouting:
         """``(batch, heads, slots)`` True where a slot holds a chosen token."""
         return self.positions >= 0
 
+    def expert_counts(self) -> Tensor:
+        """``(heads,)`` long: the tokens each head chose in this call (the training log's expert load; under
+        top-k every head takes ``k`` per sequence, so it is even by construction except for padding)."""
+        return self.selected.sum(dim=(0, 2))
+
     def selection_counts(self, length: int | None = None, offset: int = 0) -> Tensor:
         """``(heads, length)`` long: how many sequences of the batch each head chose each position in
         (positions ``offset ..``; ``length`` defaults to the call's number of tokens)."""
