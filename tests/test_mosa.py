@@ -239,7 +239,7 @@ def make(num_sparse=3, head_dim=6, **kw) -> MixtureOfSparseAttention:
 def padding_mask(batch=3, time=11):
     kpm = torch.zeros(batch, time, dtype=torch.bool)
     kpm[1, 7:] = True     # right padding
-    kpm[2, :3] = True     # left padding
+    kpm[2, :9] = True     # left padding: 2 real tokens, fewer than k = 11 // 3
     return kpm
 
 
@@ -307,8 +307,10 @@ def test_routing_is_the_reference_choice_and_padding_is_never_chosen():
             got = sorted(p for p in routing.positions[b, h].tolist() if p >= 0)
             assert got == choice[b][h]
             assert not any(bool(kpm[b, p]) for p in got)
-    # sequence 1 has 7 real tokens >= k; the left-padded sequence 2 keeps token 3 as its first real token
+    # sequence 1 has 7 real tokens >= k; the left-padded sequence 2 has 2 < k: each head leaves a slot empty
     assert routing.selected[1].all()
+    assert (routing.selected[2].sum(-1) == 2).all() and (routing.positions[2].sort(-1).values[:, 0] == -1).all()
+    assert routing.expert_counts().tolist() == [sum(len(choice[b][h]) for b in range(3)) for h in range(3)]
     r = torch.sigmoid(x @ layer.router.weight.T)
     for h in range(3):
         chosen = routing.positions[0, h]

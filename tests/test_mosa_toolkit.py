@@ -112,6 +112,7 @@ def _batches():
     a = torch.randint(3, 1000, (3, 20), generator=g)
     a[1, 14:] = 0  # padding (pad_id 0)
     b = torch.randint(3, 1000, (2, 12), generator=g)
+    b[0, 2:] = 0  # 2 real tokens, fewer than k = 12 // 4: empty slots
     return [{"input_ids": a}, {"input_ids": b}]
 
 
