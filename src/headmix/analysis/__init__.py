@@ -5,6 +5,8 @@ The analyses of the MoA paper (Zhang et al. 2022, arXiv 2210.05144), for any hea
 - :func:`expert_load` -> :class:`LoadReport`: the share of routing slots each expert (MoA) or routed
   head (MoH) receives, per layer, with max/min share, coefficient of variation and entropy
   (Figure 3, Appendix A: on WMT14 the most used expert took about 5% of the tokens, the least about 1%).
+- :func:`position_load` -> :class:`PositionLoadReport`: for Mixture of Sparse Attention (heads that choose
+  their tokens), how often each sparse head chooses each token position.
 - :func:`token_expert_pmi` -> :class:`PMIReport`: the top tokens per expert by
   ``PMI(token, expert) = p(token, expert) / (p(token) p(expert))`` (Table 4, first encoder layer).
 - :func:`head_utilities` -> :class:`HeadUtilityReport`: MoH head weights, activation rates and the
@@ -39,6 +41,7 @@ from .heads import (
 )
 from .layers import RoutedLayer, attention_layers, default_layer, routed_layers, select_layer
 from .load import LayerLoad, LoadReport, expert_load
+from .positions import PositionLoad, PositionLoadReport, position_load
 from .pmi import ExpertTokens, PMIReport, TokenPMI, pmi_matrix, token_expert_pmi, token_text
 
 __all__ = [
@@ -48,4 +51,5 @@ __all__ = [
     "LayerCounts", "HeadCounts", "RoutingStats", "collect_routing", "as_model_inputs", "pmi_matrix", "token_text",
     "RoutedLayer", "routed_layers", "attention_layers", "select_layer", "default_layer",
     "load_analysis_run", "run_batches", "dataset_path",
+    "position_load", "PositionLoadReport", "PositionLoad",
 ]

@@ -5,6 +5,7 @@ from .base import AttentionLayer, AttentionOutput, KVCache
 from .mha import MultiHeadAttention
 from .moa import MixtureOfAttentionHeads
 from .moh import MixtureOfHeadsAttention
+from .mosa import MixtureOfSparseAttention, MoSACache, MoSARouting
 from .rotary import RotaryEmbedding
 from .switchhead import SwitchHeadAttention, SwitchHeadRouting
 from .talking_heads import TalkingHeadsAttention
@@ -16,6 +17,9 @@ __all__ = [
     "MultiHeadAttention",
     "MixtureOfAttentionHeads",
     "MixtureOfHeadsAttention",
+    "MixtureOfSparseAttention",
+    "MoSACache",
+    "MoSARouting",
     "RotaryEmbedding",
     "SwitchHeadAttention",
     "SwitchHeadRouting",

@@ -17,6 +17,7 @@ from .base import is_self_attention
 from .moa import MixtureOfAttentionHeads
 from .mha import MultiHeadAttention
 from .moh import MixtureOfHeadsAttention
+from .mosa import MixtureOfSparseAttention
 from .switchhead import SwitchHeadAttention
 from .talking_heads import TalkingHeadsAttention
 
@@ -335,4 +336,76 @@ def reference_switchhead(layer: SwitchHeadAttention, query: Tensor, key: Tensor 
             y = y + w_o[..., h, e:e + 1] * (o_h @ layer.output_experts[h * n_e + e])
     if layer.out_bias is not None:
         y = y + layer.out_bias
+    return y
+
+
+def reference_rotary_at(x: Tensor, rotary, positions: list[int]) -> Tensor:
+    """RoFormer eq. 34 on ``(n, size)`` rows, row ``i`` at position ``positions[i]`` (see
+    :func:`reference_rotary`)."""
+    if rotary is None:
+        return x
+    rows = [reference_rotary(x[i][None, None, None], rotary, offset=p)[0, 0, 0] for i, p in enumerate(positions)]
+    return torch.stack(rows) if rows else x
+
+
+def reference_mosa_choice(layer: MixtureOfSparseAttention, x: Tensor, padding: Tensor | None = None) -> list[list[list[int]]]:
+    """The tokens each sparse head chooses, ``choice[b][h]``: sorted original positions. ``"topk"``: the ``k``
+    largest ``r = sigmoid(x W_r^h)`` among the real tokens (with ``include_first``, token 0 and the ``k - 1``
+    largest of the rest); ``"threshold"``: every real token with ``r >= tau_h``."""
+    b_n, t_n, _ = x.shape
+    r = torch.sigmoid(x @ layer.router.weight.T).detach()
+    k = layer.tokens_for(t_n)
+    choice = []
+    for b in range(b_n):
+        real = [t for t in range(t_n) if padding is None or not bool(padding[b, t])]
+        per_head = []
+        for h in range(layer.num_sparse_heads):
+            if layer.selection == "threshold":
+                chosen = [t for t in real if float(r[b, t, h]) >= float(layer.score_threshold[h])]
+            else:
+                first = [0] if layer.include_first and 0 in real else []
+                rest = sorted((t for t in real if t not in first), key=lambda t: -float(r[b, t, h]))
+                chosen = (first + rest)[:k]
+            per_head.append(sorted(chosen))
+        choice.append(per_head)
+    return choice
+
+
+def reference_mosa(layer: MixtureOfSparseAttention, query: Tensor, *, key_padding_mask: Tensor | None = None,
+                   attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+    """MoSA (arXiv 2505.00315, section 3), one sequence and one sparse head at a time: the chosen tokens
+    ``I`` (:func:`reference_mosa_choice`), ``Q, K, V = X_I W_{Q,K,V}^h`` rotated at positions ``I``,
+    ``softmax(Q K^T / sqrt(d_h) + M) V`` with ``M`` the masks at the original positions (causal:
+    ``I_i >= I_j``), each row times its score ``r_{I_i}``, times ``W_O^h``, added at ``I_i``; plus the dense
+    heads (:func:`reference_mha`)."""
+    b_n, t_n, _ = query.shape
+    d = layer.head_dim
+    padding = None
+    if key_padding_mask is not None:
+        padding = key_padding_mask if key_padding_mask.dtype == torch.bool else torch.isneginf(key_padding_mask)
+    choice = reference_mosa_choice(layer, query, padding)
+    r = torch.sigmoid(query @ layer.router.weight.T)
+    y = torch.zeros_like(query)
+    for b in range(b_n):
+        kpm = None if key_padding_mask is None else key_padding_mask[b:b + 1]
+        am = attn_mask if attn_mask is None or attn_mask.dim() == 2 else attn_mask[b:b + 1]
+        allowed, added = reference_mask(1, 1, t_n, t_n, key_padding_mask=kpm, attn_mask=am, is_causal=is_causal)
+        for h in range(layer.num_sparse_heads):
+            idx = choice[b][h]
+            if not idx:
+                continue
+            w = layer.sparse_qkv[h]
+            xs = query[b, idx]
+            q = reference_rotary_at(xs @ w[:, :d], layer.rotary, idx)
+            k = reference_rotary_at(xs @ w[:, d:2 * d], layer.rotary, idx)
+            v = xs @ w[:, 2 * d:]
+            sub_allowed = allowed[:, :, idx][:, :, :, idx]
+            sub_added = added[:, :, idx][:, :, :, idx]
+            o = reference_softmax_attention(q[None, None], k[None, None], v[None, None], sub_allowed, sub_added,
+                                            1.0 / math.sqrt(d))[0, 0]
+            rows = (o * r[b, idx, h][:, None]) @ layer.sparse_out[h]
+            y = y.index_put((torch.full((len(idx),), b), torch.tensor(idx)), rows, accumulate=True)
+    if layer.dense is not None:
+        y = y + reference_mha(layer.dense, query, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                              is_causal=is_causal)
     return y

@@ -21,7 +21,7 @@ from ..kernels import IMPLS
 from ..routing.losses import LOAD_BALANCE_FRACTIONS
 from ..storage.files import atomic_write
 
-ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead")
+ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead", "mosa")
 TASKS = ("translation", "mlm", "lm")
 NORMS = ("pre", "post")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -53,6 +53,11 @@ _KIND_FIELDS = {
     "qk_norm": ("mha", "moh", "talking_heads"),
     "output_gate": ("mha", "moh", "talking_heads"),
     "route_per_group": ("moh",),
+    "num_sparse_heads": ("mosa",),
+    "num_dense_heads": ("mosa",),
+    "sparsity": ("mosa",),
+    "tokens_per_head": ("mosa",),
+    "include_first": ("mosa",),
 }
 
 
@@ -117,6 +122,13 @@ class AttentionConfig:
     every head then weights; see :class:`~headmix.attention.MixtureOfHeadsAttention`); ``expert_impl`` is
     then the kernel of sparse MoH's routed projections.
 
+    - ``"mosa"``: Mixture of Sparse Attention (arXiv 2505.00315), self-attention only: ``num_sparse_heads``
+      heads of ``head_dim`` (default ``d_model // (num_sparse_heads + num_dense_heads)``) each choosing its
+      top ``k = T // sparsity`` tokens (or ``tokens_per_head``; give one), beside ``num_dense_heads`` (default
+      0) dense causal heads; ``include_first`` (default False) always chooses token 0. No biases (``bias``
+      must be false, as the authors' layer). The MoSA authors rotate half of each head
+      (``rotary_fraction=0.5``).
+
     ``rotary`` rotates queries and keys of self-attention by position (RoPE, any kind; ``rotary_base`` is the
     ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated:
     default 1.0, the whole head, as Llama; the SwitchHead authors' ``SwitchHeadRope`` rotates 0.5).
@@ -166,6 +178,16 @@ class AttentionConfig:
     output_gate: str | None = None
     #: MoH: route inside each K/V group (Grouped Query Experts); None: off.
     route_per_group: bool | None = None
+    num_sparse_heads: int | None = None
+    """MoSA: the heads that choose their tokens."""
+    num_dense_heads: int | None = None
+    """MoSA: ordinary causal heads beside the sparse ones (unset: 0)."""
+    sparsity: float | None = None
+    """MoSA: each sparse head keeps ``T // sparsity`` tokens (at least 2)."""
+    tokens_per_head: int | None = None
+    """MoSA: each sparse head keeps this many tokens (instead of ``sparsity``)."""
+    include_first: bool | None = None
+    """MoSA: the first token is always chosen (unset: False)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -189,7 +211,9 @@ class AttentionConfig:
             if self.top_k > self.num_experts:
                 raise ValueError(f"{name}.top_k K={self.top_k} exceeds num_experts E={self.num_experts}")
             _choice(f"{name}.expert_impl", self.expert_impl, EXPERT_IMPLS)
-        if self.kind != "moa":
+        if self.kind == "mosa":
+            self._validate_mosa(embed_dim, name)
+        elif self.kind != "moa":
             if self.num_heads is None:
                 raise ValueError(f"{name}.num_heads is required for kind {self.kind!r}")
             _positive_int(f"{name}.num_heads", self.num_heads)
@@ -259,6 +283,31 @@ class AttentionConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}.{fname} must be a non-negative number, got {v!r}")
 
+    def _validate_mosa(self, embed_dim: int | None, name: str) -> None:
+        if self.num_sparse_heads is None:
+            raise ValueError(f"{name}.num_sparse_heads is required for kind 'mosa'")
+        _positive_int(f"{name}.num_sparse_heads", self.num_sparse_heads)
+        dense = self.num_dense_heads or 0
+        if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+            raise ValueError(f"{name}.num_dense_heads must be a non-negative integer, got {self.num_dense_heads!r}")
+        if (self.sparsity is None) == (self.tokens_per_head is None):
+            raise ValueError(f"{name}: give exactly one of sparsity and tokens_per_head for kind 'mosa'")
+        if self.sparsity is not None and (not isinstance(self.sparsity, (int, float)) or isinstance(self.sparsity, bool)
+                                          or not self.sparsity >= 1):
+            raise ValueError(f"{name}.sparsity must be a number >= 1, got {self.sparsity!r}")
+        if self.tokens_per_head is not None and (not isinstance(self.tokens_per_head, int)
+                                                 or isinstance(self.tokens_per_head, bool) or self.tokens_per_head < 2):
+            raise ValueError(f"{name}.tokens_per_head must be an integer >= 2, got {self.tokens_per_head!r}")
+        if self.include_first is not None and not isinstance(self.include_first, bool):
+            raise ValueError(f"{name}.include_first must be true or false, got {self.include_first!r}")
+        if self.head_dim is not None:
+            _positive_int(f"{name}.head_dim", self.head_dim)
+        elif embed_dim is not None and embed_dim % (self.num_sparse_heads + dense):
+            raise ValueError(f"{name}.num_sparse_heads + num_dense_heads ({self.num_sparse_heads + dense}) must divide "
+                             f"d_model ({embed_dim}) when {name}.head_dim is not set")
+        if self.bias:
+            raise ValueError(f"{name}.bias must be false for kind 'mosa' (the MoSA layer has no biases)")
+
     def resolved_biases(self) -> tuple[bool, bool, bool]:
         """``(q_bias, kv_bias, out_bias)`` with unset ones following ``bias`` (``q_bias`` False for MoA)."""
         def pick(value: bool | None) -> bool:
@@ -267,6 +316,8 @@ class AttentionConfig:
 
     def resolved_head_dim(self, embed_dim: int) -> int:
         """Value size per head (per expert for MoA)."""
+        if self.head_dim is None and self.kind == "mosa":
+            return embed_dim // (self.num_sparse_heads + (self.num_dense_heads or 0))
         return self.head_dim if self.head_dim is not None else embed_dim // self.num_heads
 
     def resolved_key_dim(self, embed_dim: int) -> int:
@@ -275,11 +326,17 @@ class AttentionConfig:
 
     @property
     def routed(self) -> bool:
-        return self.kind in ("moa", "moh", "switchhead")
+        return self.kind in ("moa", "moh", "switchhead", "mosa")
 
     def build(self, embed_dim: int) -> nn.Module:
         """The attention layer this config describes, for model width ``embed_dim``."""
         self.validate(embed_dim)
+        if self.kind == "mosa":
+            return attention.MixtureOfSparseAttention(
+                embed_dim, self.num_sparse_heads, self.resolved_head_dim(embed_dim), sparsity=self.sparsity,
+                tokens_per_head=self.tokens_per_head, num_dense_heads=self.num_dense_heads or 0,
+                include_first=bool(self.include_first), rotary=self.rotary, rotary_base=self.rotary_base,
+                rotary_fraction=self.rotary_fraction, dropout=self.dropout, zero_padded_queries=self.zero_padded_queries)
         common = dict(bias=self.bias, dropout=self.dropout, rotary=self.rotary, rotary_base=self.rotary_base,
                       rotary_fraction=self.rotary_fraction, kv_bias=self.kv_bias, out_bias=self.out_bias,
                       zero_padded_queries=self.zero_padded_queries)
@@ -411,6 +468,15 @@ class ModelConfig:
                 setattr(self, role, dataclasses.replace(value, rotary=True))  # a copy: the caller's stays as given
         self.validate()
 
+    def _validate_mosa_role(self, role: str, att: AttentionConfig) -> None:
+        """MoSA is self-attention, and its ``sparsity`` must leave each head two tokens of a
+        ``max_positions``-long sequence."""
+        if role == "cross_attention":
+            raise ValueError("cross_attention.kind 'mosa' is not allowed: MoSA is self-attention only")
+        if att.sparsity is not None and self.max_positions // att.sparsity < 2:
+            raise ValueError(f"{role}.sparsity ({att.sparsity}) leaves fewer than two tokens per head of a "
+                             f"max_positions ({self.max_positions}) sequence")
+
     def attention_roles(self) -> tuple[str, ...]:
         """The attention configs this task uses."""
         return {"translation": ("encoder_self_attention", "decoder_self_attention", "cross_attention"),
@@ -443,6 +509,8 @@ class ModelConfig:
             if not isinstance(value, AttentionConfig):
                 raise ValueError(f"{role} must be an AttentionConfig, got {type(value).__name__}")
             value.validate(self.d_model, role)
+            if value.kind == "mosa":
+                self._validate_mosa_role(role, value)
         _choice("norm", self.norm, NORMS)
         _choice("norm_type", self.norm_type, NORM_TYPES)
         if not isinstance(self.norm_eps, (int, float)) or isinstance(self.norm_eps, bool) or not 0 < self.norm_eps < 1:

@@ -31,6 +31,10 @@ Three numbers per model:
   kv_heads d_h`` MACs; ``output_gate``: its projection ``T d_m H`` (headwise) or ``T d_m H d_h``
   (elementwise) for every head; ``qk_norm`` is element-wise (0 MACs, ``2 d_k`` parameters). The ``paper``
   column stays eq. 19-20 as printed (every head with its own K/V, no gates).
+- MoSA (arXiv 2505.00315) has no formula in the MoA paper; both columns count what it computes
+  (:func:`mosa_macs`): per sparse head the router ``T d_m``, the chosen tokens' Q, K, V and output projections
+  ``4 k d_m d_h`` and the attention among them ``2 k^2 d_h`` (``k = T // sparsity``, at least 2, at most
+  ``T``), plus the dense heads as MHA.
 - ``measured``: run the model once under ``torch.utils.flop_counter.FlopCounterMode`` (MACs =
   FLOPs / 2), with MoA layers on ``expert_impl="sorted"`` so that only the ``k`` selected experts per
   token are computed (and counted).
@@ -86,6 +90,9 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     """``(full, paper)`` MACs of one attention layer with ``tgt_len`` queries over ``src_len`` keys
     (``src_len == tgt_len`` for self-attention), batch 1, inference (no router noise)."""
     d, t, s = d_model, tgt_len, src_len
+    if att.kind == "mosa":
+        full = mosa_macs(att, d, t)
+        return full, full
     if att.kind == "moa":
         # kv_heads G: every expert is G heads of d_h (one per K/V head), i.e. eq. 10-12 with d_h -> G d_h
         k, e, dh = att.top_k, att.num_experts, att.head_dim * (att.kv_heads or 1)
@@ -139,11 +146,31 @@ def _moh_router_width(att: AttentionConfig, heads: int, groups: int) -> int:
     over them and ``W_h``'s two group weights, per router group."""
     shared = groups * att.num_shared_heads
     return (heads - shared) + ((shared + 2 * groups) if shared else 0)
+def mosa_tokens(att: AttentionConfig, length: int) -> int:
+    """``k``, the tokens each MoSA sparse head chooses from ``length``: ``length // sparsity`` (or
+    ``tokens_per_head``), at least 2 and at most ``length`` (the layer's rule)."""
+    k = int(length // att.sparsity) if att.tokens_per_head is None else att.tokens_per_head
+    return min(max(k, 2), length)
+
+
+def mosa_macs(att: AttentionConfig, d_model: int, length: int) -> int:
+    """MACs of one MoSA layer over ``length`` tokens: ``H_s (T d_m + 4 k d_m d_h + 2 k^2 d_h)`` for the
+    sparse heads (router; the chosen tokens' Q, K, V and output projections; scores and weights x values
+    among the ``k`` chosen) plus ``H_d (4 T d_m d_h + 2 T^2 d_h)`` for the dense heads."""
+    d, t = d_model, length
+    dh, k = att.resolved_head_dim(d), mosa_tokens(att, length)
+    sparse = att.num_sparse_heads * (t * d + 4 * k * d * dh + 2 * k * k * dh)
+    dense = (att.num_dense_heads or 0) * (4 * t * d * dh + 2 * t * t * dh)
+    return sparse + dense
 
 
 def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
     """``(full, paper)`` parameters of one attention layer; ``paper`` is eq. 20."""
     d = d_model
+    if att.kind == "mosa":  # router d_m per sparse head; W_Q, W_K, W_V, W_O of d_m x d_h per head
+        heads = att.num_sparse_heads + (att.num_dense_heads or 0)
+        full = att.num_sparse_heads * d + 4 * heads * d * att.resolved_head_dim(d)
+        return full, full
     if att.kind == "moa":
         e, dh = att.num_experts, att.head_dim * (att.kv_heads or 1)
         paper = (2 * e + 2) * dh * d

@@ -16,7 +16,8 @@ CPU work.
   output projection, no dropout: ``llama-tiny-{mha,moa,moh,talking-heads,switchhead}`` (d_model 64, 2
   layers), ``llama-mini-{mha,moa,moh,switchhead}`` (d_model 128, 3 layers), ``llama-tiny-moa-kv2`` (MoA with 2 grouped K/V
   heads, JetMoE's attention) and the JetMoE-style ``llama-{tiny,mini}-jetmoe`` (MoA attention and a
-  mixture of SwiGLU experts).
+  mixture of SwiGLU experts), and ``llama-{tiny,mini}-mosa`` (Mixture of Sparse Attention, see
+  :data:`TINY_MOSA`).
 - Llama-3-style decoders (task ``lm`` only; the ``llama-*`` options, rotary base 500000 and grouped-query
   attention, 4 query heads per K/V head): ``llama3-{tiny,mini}-gqa`` (MHA, 8 query heads on 2 K/V heads),
   ``llama3-{tiny,mini}-gated`` (the same with QK-norm and Gated Attention's elementwise output gate, as
@@ -226,6 +227,21 @@ def switchhead(num_heads: int, num_experts: int, top_k: int, head_dim: int, drop
                            head_dim=head_dim, dropout=dropout, bias=False)
 
 
+#: MoSA presets (arXiv 2505.00315) as ``(num_sparse_heads, num_dense_heads, head_dim, sparsity)``: one dense
+#: head and many sparse heads of the MHA preset's head size, each keeping 1/8 of the tokens; the number of
+#: sparse heads solved (``headmix.study.matching``) so the attention MACs equal llama-{tiny,mini}-mha's at
+#: 128 tokens (the count's default LM length): 0.992x and 1.000x. They rotate the whole head like every
+#: llama-* preset (the MoSA authors rotate half: ``rotary_fraction=0.5``).
+TINY_MOSA = (38, 1, 16, 8)
+MINI_MOSA = (32, 1, 32, 8)
+
+
+def mosa(num_sparse_heads: int, num_dense_heads: int, head_dim: int, sparsity: float) -> AttentionConfig:
+    """MoSA as the authors build it: no biases, no dropout, ``include_first`` off."""
+    return AttentionConfig(kind="mosa", num_sparse_heads=num_sparse_heads, num_dense_heads=num_dense_heads,
+                           head_dim=head_dim, sparsity=sparsity, bias=False)
+
+
 #: MoH of the tiny and mini presets: 4 heads, 1 shared, top 2 of the 3 routed.
 MOH_4_HEADS = AttentionConfig(kind="moh", num_heads=4, num_shared_heads=1, top_k=2)
 TALKING_HEADS_4 = AttentionConfig(kind="talking_heads", num_heads=4)
@@ -279,6 +295,10 @@ _PRESETS = [
     Preset("llama-mini-switchhead", ("lm",), SMALL_VOCAB, _llama_mini(switchhead(*MINI_SWITCHHEAD)),
            "Llama-style d 128, SwiGLU 352, 3 layers, SwitchHead {} heads of {}, top {} of {} V/O experts".format(
                MINI_SWITCHHEAD[0], MINI_SWITCHHEAD[3], MINI_SWITCHHEAD[2], MINI_SWITCHHEAD[1])),
+    Preset("llama-tiny-mosa", ("lm",), 1000, _llama_tiny(mosa(*TINY_MOSA)),
+           "Llama-style d 64, SwiGLU 176, 2 layers, MoSA {} sparse heads + {} dense of {}, sparsity {}".format(*TINY_MOSA)),
+    Preset("llama-mini-mosa", ("lm",), SMALL_VOCAB, _llama_mini(mosa(*MINI_MOSA)),
+           "Llama-style d 128, SwiGLU 352, 3 layers, MoSA {} sparse heads + {} dense of {}, sparsity {}".format(*MINI_MOSA)),
     Preset("llama-tiny-moa-kv2", ("lm",), 1000, _llama_tiny(jetmoe_attention(2, 4, 16, 2)),
            "Llama-style d 64, SwiGLU 176, 2 layers, MoA 2K4E16D with 2 K/V heads (JetMoE's attention)"),
     Preset("llama-tiny-jetmoe", ("lm",), 1000,

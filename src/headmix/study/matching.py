@@ -29,7 +29,8 @@ from ..models import AttentionConfig, ModelConfig, analytic_macs
 from ..models.config import field_applies
 
 #: The fields a variant may ask to solve for.
-SOLVABLE = ("top_k", "head_dim", "num_heads", "key_dim", "num_experts", "num_shared_heads", "kv_heads")
+SOLVABLE = ("top_k", "head_dim", "num_heads", "key_dim", "num_experts", "num_shared_heads", "kv_heads",
+            "num_sparse_heads", "sparsity")
 
 #: Options every row takes from the baseline's attention unless it fixes them: a row changes the kind of
 #: attention, not the model's conventions (a Llama-style baseline has no biases and rotary positions).
@@ -94,6 +95,10 @@ def _candidates(field: str, fixed: dict[str, Any], d_model: int) -> list[int]:
     if field == "kv_heads":  # the divisors of num_heads (the others fail validation anyway)
         heads = fixed.get("num_heads", 32)
         return [g for g in range(1, heads + 1) if heads % g == 0] if "num_heads" in fixed else list(range(1, 33))
+    if field == "num_sparse_heads":  # MoSA: many cheap heads
+        return list(range(1, 257))
+    if field == "sparsity":  # MoSA: k = T // sparsity, in quarter steps from 1 to 128
+        return [q / 4 for q in range(4, 513)]
     raise ValueError(f"solve must name fields of {SOLVABLE}, got {field!r}")
 
 
@@ -157,5 +162,5 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
 
 def _describe(att: AttentionConfig) -> str:
     keys = ("kind", "num_heads", "num_experts", "top_k", "head_dim", "key_dim", "num_shared_heads", "kv_heads",
-            "route_per_group", "qk_norm", "output_gate")
+            "route_per_group", "qk_norm", "output_gate", "num_sparse_heads", "num_dense_heads", "sparsity")
     return ", ".join(f"{k}={getattr(att, k)}" for k in keys if getattr(att, k, None) is not None)

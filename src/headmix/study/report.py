@@ -252,6 +252,9 @@ def _attention_text(att: dict[str, Any]) -> str:
     kind = att["kind"]
     if kind == "moa":
         return f"MoA {att['top_k']}K{att['num_experts']}E{att['head_dim']}D"
+    if kind == "mosa":
+        k = f"T/{att['sparsity']:g}" if att.get("sparsity") is not None else str(att.get("tokens_per_head"))
+        return f"MoSA {att['num_sparse_heads']}×{att.get('head_dim')} sparse (k={k}) + {att.get('num_dense_heads') or 0} dense"
     heads = f"{att['num_heads']}×{att['head_dim']}"
     if kind == "moh":
         sparse = ", sparse" if att.get("moh_impl") == "sparse" else ""
