@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -233,8 +234,6 @@ def with_time_budget(stop: Callable[[], str | None] | None, budget: float | None
     """``stop`` (may be ``None``), and also :data:`TIME_BUDGET` once ``budget - reserve`` seconds have passed
     since this call: the study then stops between steps (the run saves a checkpoint), timings and runs, and the
     ``reserve`` is left for what cannot be cut (a run's final averaging, validation and summary, the report)."""
-    import time
-
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
         raise ValueError(f"time_budget must be a positive number of seconds, got {budget!r}")
     if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0 or (
