@@ -112,6 +112,19 @@ def test_a_run_held_by_another_worker_is_skipped(spec_file, tmp_path):
     assert [(r.row, r.seed) for r in results] == [("MHA", 1)]
     assert any("'MoA' seed 1 is taken by another worker" in m for m in messages)
     assert not (out / "runs" / "MoA" / "seed-1").exists()
+    # the next worker trains the run left over, and only it; the complete report is then written once
+    from headmix.study import plan
+    from headmix.study.report import update_report
+
+    messages.clear()
+    reports = []
+    results = run_study(spec, out, log=messages.append,
+                        on_result=lambda r: reports.append(update_report(spec, plan(spec), out, log=messages.append)))
+    assert [m for m in messages if "training" in m] == ["study tiny: training 'MoA' seed 1"]
+    assert len(results) == 2 and sum(m.endswith("the complete report is written (" + str(out / "results.md") + ")")
+                                     for m in messages) == 1
+    assert reports[-1] is None and json.loads((out / "results.json").read_text())["complete"] is True
+    assert update_report(spec, plan(spec), out, log=messages.append) is None
 
 
 def test_time_budget_stops_between_steps_and_reserves_time():
