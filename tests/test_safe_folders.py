@@ -140,3 +140,26 @@ def test_the_rng_state_round_trips_as_data(tmp_path):
     expected = (np.random.standard_normal(3).tolist(), random.random(), torch.rand(2).tolist())
     set_rng_state(torch.load(tmp_path / "s.pt", weights_only=True))
     assert (np.random.standard_normal(3).tolist(), random.random(), torch.rand(2).tolist()) == expected
+
+
+def test_a_study_folder_of_an_older_version_is_converted_or_refused(tmp_path):
+    """The committed lm-en-llama study was planned before the attention fields ``dropout_on``/``moh_impl`` and the
+    spec's ``moh_count`` existed: its study.json is read with their defaults (and rewritten with them); a real
+    change of the study is still refused."""
+    import shutil
+
+    from headmix.study import get_study, plan
+    from headmix.study.runner import _write_plan, check_plan
+
+    root = Path(__file__).resolve().parents[1] / "studies" / "lm-en-llama"
+    shutil.copy(root / "study.json", tmp_path / "study.json")
+    old = json.loads((tmp_path / "study.json").read_text())
+    assert "moh_impl" not in old["rows"][0]["attention"] and "moh_count" not in old["spec"]
+    spec = get_study("lm-en-llama")
+    planned = plan(spec)
+    check_plan(spec, planned, tmp_path)
+    _write_plan(spec, planned, tmp_path)
+    assert json.loads((tmp_path / "study.json").read_text())["rows"][0]["attention"]["moh_impl"] is None
+    spec.max_steps = 500
+    with pytest.raises(ValueError, match="holds another study"):
+        check_plan(spec, planned, tmp_path)

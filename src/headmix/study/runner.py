@@ -393,11 +393,30 @@ def check_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> dict[st
     record = {"spec": spec.to_dict(), "rows": [r.to_dict() for r in planned]}
     path = out / "study.json"
     if path.is_file():
-        stored = json.loads(path.read_text())
+        stored = _with_new_defaults(json.loads(path.read_text()))
         if stored.get("rows") != record["rows"] or _comparable(stored.get("spec", {})) != _comparable(record["spec"]):
             raise ValueError(f"{out} holds another study ({path}): use another --out, or the same spec "
                              f"(only seeds may be added)")
     return record
+
+
+def _defaults(cls) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
+    """``study.json`` of an older version as this version writes it: the spec and attention fields added since
+    (absent from the file) take their defaults, which is what the older version did without naming them; the
+    file is then rewritten with them (:func:`_write_plan`)."""
+    from ..models import AttentionConfig
+
+    attention = _defaults(AttentionConfig)
+    rows = [{**r, "attention": {**{k: v for k, v in attention.items() if k not in r.get("attention", {})},
+                                **r.get("attention", {})}} if isinstance(r, dict) else r
+            for r in stored.get("rows", [])]
+    return {**stored, "rows": rows, "spec": {**_defaults(StudySpec), **stored.get("spec", {})}}
 
 
 def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
