@@ -6,6 +6,8 @@
     headmix study lm-en --out runs/s --seeds 1 2            # fewer (or more) seeds
     headmix study lm-en-gpu --out runs/g --device cuda      # on a GPU (--bf16, --compile pass through too)
     headmix study lm-en --out studies/lm-en --report        # rewrite the report from the finished runs
+    headmix study lm-en-gpu --out runs/g --device cuda:1    # one of several workers on one folder
+    headmix study lm-en --out runs/s --time-budget 540      # stop cleanly within 9 minutes (exit 75), rerun
 
 Every row is sized to the baseline's attention MACs within 2% (``headmix macs`` counting) and trained for
 the same number of steps on the same split, tokenizer, batch order and schedule, once per seed. Each
@@ -13,8 +15,11 @@ the same number of steps on the same split, tokenizer, batch order and schedule,
 stopped and skips finished runs. OUT/results.json, OUT/results.md and the plots are rewritten after every
 finished run: the mean ± standard deviation over seeds and the difference from the baseline paired by
 seed with a 95% interval ("no significant difference" when it contains zero), and beside it the equal-time
-comparison (tokens/s relative to the baseline, validation NLL at the baseline's training time). The corpus is
-read, split and tokenised once per study, into OUT/shared/.
+comparison (each row's step time measured against the baseline's side by side, once per row, and both
+validation curves read at equal time; the older wall-clock reading as a secondary table). The corpus is
+read, split and tokenised once per study, into OUT/shared/. Several processes may run the same command on one
+folder (one per GPU, or a job array): each takes the next run no other holds, and the last to finish writes
+the report.
 """
 
 from __future__ import annotations

@@ -5,10 +5,13 @@ seconds, final quality against parameters, quality against the number of experts
 
 Two comparisons, side by side. **Equal MACs** (every row trained for the same steps, its attention sized to
 the baseline's MACs) asks which *method* is better per unit of compute. **Equal time** asks what to train
-*on this machine*: each row's tokens per second relative to the baseline's, and its validation NLL at the
-baseline's training time (the wall-clock of the baseline's last validation, seed by seed), read off the
-row's validation curve against wall-clock, interpolated linearly; "not reached" when the row's run ended
-earlier. Its difference from the baseline's NLL is paired by seed like the equal-MACs one.
+*on this machine*: each row's training-step time relative to the baseline's, measured side by side in one
+process (:mod:`headmix.study.timing`, ``OUT/timing/ROW.json``), and the validation NLL of the row and of the
+baseline at equal time, read on their validation curves by step (:func:`equal_time_interleaved`), paired by
+seed like the equal-MACs difference. The older **wall-clock reading** stays as a secondary table
+(:func:`equal_time`): each row's NLL at the baseline's training time (the wall-clock of the baseline's last
+validation, seed by seed), read off the row's curve against its own recorded wall-clock; "not reached" when
+the row's run ended earlier. It is only meaningful for runs that trained under the same load.
 """
 
 from __future__ import annotations

@@ -8,11 +8,16 @@ A study folder::
     configs/ROW.json            each row's model config (the baseline's, with the row's attention)
     runs/ROW/seed-N/            a headmix training run folder (locked while in use, resumable)
     runs/ROW/seed-N/study_eval.json   translation: BLEU/chrF of that run on the test split
+    timing/ROW.json             the row's step time against the baseline's, measured side by side
+                                (:mod:`headmix.study.timing`), read by the equal-time table
+    claims/NAME.lock            held (flock) by the worker timing a row or training a run
+    .study.lock                 held while the shared data are prepared or the report is written
     results.json, results.md, *.png   written by :func:`headmix.study.report.write_report`
 
 A finished run (its ``summary.json`` exists) is read, not retrained; an unfinished one resumes from its
-newest intact checkpoint. Runs go seed by seed (every row's first seed, then every row's second...), so a
-study stopped early still has comparable rows.
+newest intact checkpoint. Rows are timed first, then runs go seed by seed (every row's first seed, then every
+row's second...), so a study stopped early still has comparable rows. Several workers may share one folder
+(:func:`run_study`).
 """
 
 from __future__ import annotations
