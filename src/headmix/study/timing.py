@@ -171,14 +171,21 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
         forward = compile_model(model) if cfg.compile else model
         optimizer, schedule = optimizer_and_schedule(cfg, model.parameters())
 
-        def step(micro_batches: list) -> None:  # the trainer's step: forward, backward, clip, optimizer step
+        def step(micro_batches: list) -> None:
+            """The trainer's step: forward, backward, the gradient norm (clipped when ``clip_norm`` > 0), the
+            loss and norm read on the host (the trainer's finiteness check), the optimizer and schedule."""
             optimizer.zero_grad(set_to_none=True)
+            loss = torch.zeros((), device=device)
             for batch in micro_batches:
                 with autocast():
                     output = forward(**task.model_inputs(batch, device))
                 (output.total_loss / len(micro_batches)).backward()
-            if cfg.clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+                loss += output.loss.detach()
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                  cfg.clip_norm if cfg.clip_norm > 0 else float("inf"))
+            if not (math.isfinite(float(loss)) and bool(torch.isfinite(norm))):
+                raise ValueError(f"timing {row_name!r}: a non-finite loss or gradient norm; the study's training "
+                                 f"options do not train this model")
             optimizer.step()
             schedule.step()
 
