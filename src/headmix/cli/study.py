@@ -6,6 +6,8 @@
     headmix study lm-en --out runs/s --seeds 1 2            # fewer (or more) seeds
     headmix study lm-en-gpu --out runs/g --device cuda      # on a GPU (--bf16, --compile pass through too)
     headmix study lm-en --out studies/lm-en --report        # rewrite the report from the finished runs
+    headmix study lm-en-gpu --out runs/g --device cuda:1    # one of several workers on one folder
+    headmix study lm-en --out runs/s --time-budget 540      # stop cleanly within 9 minutes (exit 75), rerun
 
 Every row is sized to the baseline's attention MACs within 2% (``headmix macs`` counting) and trained for
 the same number of steps on the same split, tokenizer, batch order and schedule, once per seed. Each
@@ -13,8 +15,11 @@ the same number of steps on the same split, tokenizer, batch order and schedule,
 stopped and skips finished runs. OUT/results.json, OUT/results.md and the plots are rewritten after every
 finished run: the mean ± standard deviation over seeds and the difference from the baseline paired by
 seed with a 95% interval ("no significant difference" when it contains zero), and beside it the equal-time
-comparison (tokens/s relative to the baseline, validation NLL at the baseline's training time). The corpus is
-read, split and tokenised once per study, into OUT/shared/.
+comparison (each row's step time measured against the baseline's side by side, once per row, and both
+validation curves read at equal time; the older wall-clock reading as a secondary table). The corpus is
+read, split and tokenised once per study, into OUT/shared/. Several processes may run the same command on one
+folder (one per GPU, or a job array): each takes the next run no other holds, and the last to finish writes
+the report.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .main import device_name_option
 
@@ -42,6 +48,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="torch.compile every run's model")
     p.add_argument("--drop-checkpoints", action=argparse.BooleanOptionalAction, default=None,
                    help="remove each run's checkpoints once it has finished (its final model and summary stay)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop cleanly (checkpoint saved) so that this command ends within SECONDS of starting its "
+                        "work; the same command continues the study (exit status 75 when stopped by the budget)")
+    p.add_argument("--time-reserve", type=float, default=60.0, metavar="SECONDS",
+                   help="with --time-budget: stop starting new steps this long before the budget ends, for what "
+                        "cannot be cut (a run's final validation and summary, the report; default 60)")
     p.add_argument("--plan", action="store_true", help="print the matched rows and exit without training")
     p.add_argument("--report", action="store_true", help="rewrite the report from the finished runs in --out, "
                                                         "training nothing")
@@ -76,8 +88,14 @@ def list_studies() -> None:
               f"{', '.join(r.name for r in spec.rows)}; {where}")
 
 
+#: The exit status of a study stopped by its time budget: run the same command again to continue.
+EXIT_CONTINUE = 75
+
+
 def run(args) -> int:
     from ..study import finished_results, get_study, plan, run_study, write_report
+    from ..study.report import update_report
+    from ..study.runner import TIME_BUDGET, study_complete, with_time_budget
 
     if args.list:
         list_studies()
@@ -96,23 +114,37 @@ def run(args) -> int:
     log = lambda m: print(f"[headmix] {m}", file=sys.stderr, flush=True)  # noqa: E731
     if args.report:
         results = finished_results(spec, args.out, log)
-    else:
-        from ..training.config import pick_device
-        from .main import stop_on_signals
+        write_report(spec, planned, results, args.out)
+        print(open(os.path.join(args.out, "results.md")).read())
+        return 0
+    from ..training.config import pick_device
+    from .main import stop_on_signals
 
-        pick_device(spec.training.get("device", "auto"))  # a one-line error for a bad --device, before any work
+    pick_device(spec.training.get("device", "auto"))  # a one-line error for a bad --device, before any work
+    reasons: list[str] = []
 
-        def report(results):
-            write_report(spec, planned, results, args.out)
+    def report(results):
+        update_report(spec, planned, args.out, log=log)
 
-        with stop_on_signals() as stop:
-            results = run_study(spec, args.out, progress=not args.no_progress, stop=stop, on_result=report, log=log)
-    table = write_report(spec, planned, results, args.out)
-    done = len(results)
-    total = len(spec.rows) * len(spec.seeds)
+    with stop_on_signals() as on_signal:
+        budget = with_time_budget(on_signal, args.time_budget, args.time_reserve)
+
+        def stop():
+            reason = budget()
+            if reason is not None and not reasons:
+                reasons.append(reason)
+            return reason
+
+        results = run_study(spec, args.out, progress=not args.no_progress, stop=stop, on_result=report, log=log)
+    done, total = len(results), len(spec.rows) * len(spec.seeds)
+    if reasons:
+        print(f"headmix study: stopped ({reasons[0]}); {done} of {total} runs finished; run the same command to "
+              f"continue", file=sys.stderr)
+        return EXIT_CONTINUE if reasons[0] == TIME_BUDGET else 1
+    if not study_complete(spec, planned, Path(args.out), results):
+        print(f"headmix study: {done} of {total} runs finished; the others are being timed or trained by other "
+              f"workers on {args.out}, and the last to finish writes the report", file=sys.stderr)
+        return 0
     print(open(os.path.join(args.out, "results.md")).read())
-    if done < total:
-        print(f"headmix study: {done} of {total} runs finished; run the same command to continue", file=sys.stderr)
-        return 1
-    print(f"headmix study: {table['name']} finished; {args.out}/results.json, results.md and the plots")
+    print(f"headmix study: {spec.name} finished; {args.out}/results.json, results.md and the plots")
     return 0

@@ -4,7 +4,9 @@ interrupted run's final average identical to an uncut run's.
 A checkpoint is a folder ``RUN/checkpoints/step_00000100/`` with
 
 - ``model.safetensors``: the weights (tied weights stored once, by ``safetensors.torch.save_model``);
-- ``training_state.pt``: optimizer, schedule, random-number states and the data position;
+- ``training_state.pt``: optimizer, schedule, random-number states and the data position: tensors and plain
+  values only, read back with ``torch.load(weights_only=True)``, so opening a checkpoint never runs code (the
+  NumPy random state is stored as a tensor and plain values, :func:`rng_state`);
 - ``state.json``: ``step``, ``reason`` (``"periodic"``, ``"final"``, ``"signal 15"``, ...), the
   trainer's numbers (tokens, time, ...) and ``sha256``: the checksum of each of the two other files.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -166,7 +169,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module) -> tuple[dict[str
     path = Path(path)
     info = verify_checkpoint(path)
     try:
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # not tensors and plain values: an older version's, or crafted
+        raise RunError(f"checkpoint {path}: {STATE_FILE} holds more than tensors and plain values, so it is not "
+                       f"opened (unpickling it could run code); checkpoints are data only since issue 30's safe run "
+                       f"folders: a run from an older headmix resumes with the version that wrote it, or starts over "
+                       f"once its checkpoints/ folder is removed") from None
     except Exception as e:
         raise _damaged(path, f"{STATE_FILE} cannot be read ({_short(e)})") from e
     try:  # the header and the file's length (a truncated file fails here)
@@ -299,7 +307,10 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
 
 def rng_state() -> dict[str, Any]:
     """The Python, NumPy, torch (and CUDA) random states, for ``training_state.pt``."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -307,7 +318,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["position"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

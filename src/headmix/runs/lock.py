@@ -32,11 +32,13 @@ def _holder(path: Path) -> str:
 
 
 class RunLock:
-    """An exclusive, non-blocking lock of one run folder (``acquire`` / ``release``)."""
+    """An exclusive lock of one run folder (``acquire`` / ``release``): non-blocking, or with ``wait`` blocking
+    until the holder lets go. ``file_name`` locks another file of the folder (a study's claims and report)."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, file_name: str = LOCK_FILE, *, wait: bool = False):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_FILE
+        self.path = self.folder / file_name
+        self.wait = wait
         self._fd: int | None = None
 
     @property
@@ -52,7 +54,7 @@ class RunLock:
         except OSError as e:
             raise (write_error(self.path, e) or RunError(f"cannot open {self.path}: {e}")) from e
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):

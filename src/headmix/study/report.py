@@ -5,10 +5,13 @@ seconds, final quality against parameters, quality against the number of experts
 
 Two comparisons, side by side. **Equal MACs** (every row trained for the same steps, its attention sized to
 the baseline's MACs) asks which *method* is better per unit of compute. **Equal time** asks what to train
-*on this machine*: each row's tokens per second relative to the baseline's, and its validation NLL at the
-baseline's training time (the wall-clock of the baseline's last validation, seed by seed), read off the
-row's validation curve against wall-clock, interpolated linearly; "not reached" when the row's run ended
-earlier. Its difference from the baseline's NLL is paired by seed like the equal-MACs one.
+*on this machine*: each row's training-step time relative to the baseline's, measured side by side in one
+process (:mod:`headmix.study.timing`, ``OUT/timing/ROW.json``), and the validation NLL of the row and of the
+baseline at equal time, read on their validation curves by step (:func:`equal_time_interleaved`), paired by
+seed like the equal-MACs difference. The older **wall-clock reading** stays as a secondary table
+(:func:`equal_time`): each row's NLL at the baseline's training time (the wall-clock of the baseline's last
+validation, seed by seed), read off the row's curve against its own recorded wall-clock; "not reached" when
+the row's run ended earlier. It is only meaningful for runs that trained under the same load.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import Any
 
 from ..storage.files import atomic_output, atomic_write
 from ..training.machine import describe_machine
-from .runner import PlannedRow, RunResult, interpolate, slug
-from .stats import paired_difference, summarize
+from .runner import (PlannedRow, RunResult, finished_results, interpolate, slug, study_complete, study_lock)
 from .spec import StudySpec
+from .stats import paired_difference, summarize
+from .timing import equal_time_steps, read_at, read_timing
 
 #: The metrics of every task, lower is better for all but BLEU/chrF.
 LOWER_IS_BETTER = {"valid_nll": True, "valid_ppl": True, "bleu": False, "chrf": False}
@@ -98,6 +102,65 @@ def equal_time(planned: list[PlannedRow], results: list[RunResult]) -> dict[str,
     return table
 
 
+def _read_pair(ratio: float, run: RunResult, base: RunResult) -> tuple[float, float, float | None, float | None]:
+    """``(row step, baseline step, row NLL, baseline NLL)`` at equal time (:func:`equal_time_steps`), the study's
+    steps being the last step both runs validated."""
+    last = min(max(run.curve), max(base.curve))
+    s_row, s_base = equal_time_steps(ratio, last)
+    return s_row, s_base, read_at(run.curve, s_row), read_at(base.curve, s_base)
+
+
+def equal_time_interleaved(planned: list[PlannedRow], results: list[RunResult],
+                           timings: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per row: the step-time ratio against the baseline measured side by side (its timing record), and per seed
+    the validation NLL of the row and of the baseline at equal time, read on their validation curves by step
+    (:func:`headmix.study.timing.equal_time_steps`), with the difference paired by seed. Also the mean difference
+    at the two ends of the ratio's interval: how much the reading moves within the timing's uncertainty. A seed
+    whose reading falls before its first validation is listed in ``unread``."""
+    baseline = planned[0].name
+    base_runs = {r.seed: r for r in results if r.row == baseline and r.curve}
+    table = {}
+    for row in planned:
+        entry: dict[str, Any] = {"ratio": None, "low": None, "high": None, "timing": None, "row_step": {},
+                                 "baseline_step": {}, "valid_nll": {}, "baseline_nll": {}, "unread": {},
+                                 "summary": None, "vs_baseline": None, "delta_at_interval_ends": None}
+        table[row.name] = entry
+        if row.name == baseline:
+            entry.update(ratio=1.0, low=1.0, high=1.0)
+        elif row.name in timings:
+            record = timings[row.name]
+            entry.update(ratio=record["ratio"], low=record.get("low"), high=record.get("high"),
+                         timing={k: record.get(k) for k in ("device", "bf16", "compile", "machine", "software",
+                                                            "measured_at", "method", "batch_tokens")})
+        else:
+            continue
+        runs = {r.seed: r for r in results if r.row == row.name and r.curve and r.seed in base_runs}
+        for seed, run in sorted(runs.items()):
+            s_row, s_base, v_row, v_base = _read_pair(entry["ratio"], run, base_runs[seed])
+            entry["row_step"][str(seed)], entry["baseline_step"][str(seed)] = s_row, s_base
+            if v_row is None or v_base is None:
+                entry["unread"][str(seed)] = (f"step {s_row:.0f} of the row" if v_row is None else
+                                              f"step {s_base:.0f} of the baseline") + " is before its first validation"
+                continue
+            entry["valid_nll"][str(seed)], entry["baseline_nll"][str(seed)] = v_row, v_base
+        values = {int(k): v for k, v in entry["valid_nll"].items()}
+        if not values or entry["unread"]:
+            continue
+        entry["summary"] = summarize([values[s] for s in sorted(values)]).to_dict()
+        if row.name == baseline:
+            continue
+        diff = paired_difference(values, {int(k): v for k, v in entry["baseline_nll"].items()})
+        entry["vs_baseline"] = {**diff.to_dict(), "verdict": diff.verdict(True)}
+        if entry["low"] is not None:
+            ends = []
+            for ratio in (entry["low"], entry["high"]):
+                pairs = [_read_pair(ratio, runs[s], base_runs[s]) for s in sorted(values)]
+                deltas = [p[2] - p[3] for p in pairs if p[2] is not None and p[3] is not None]
+                ends.append(sum(deltas) / len(deltas) if len(deltas) == len(pairs) else None)
+            entry["delta_at_interval_ends"] = ends
+    return table
+
+
 def machines(results: list[RunResult]) -> dict[str, list[str]]:
     """Per row, the machines its runs trained on (as recorded in their summaries)."""
     by_row: dict[str, set[str]] = {}
@@ -106,12 +169,15 @@ def machines(results: list[RunResult]) -> dict[str, list[str]]:
     return {row: sorted(m) for row, m in by_row.items()}
 
 
-def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResult]) -> dict[str, Any]:
-    """The study's table as a dict (what ``results.json`` holds)."""
+def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResult],
+              timings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The study's table as a dict (what ``results.json`` holds). ``timings``: each row's timing record
+    (:mod:`headmix.study.timing`), for the equal-time reading; none: that reading is "not measured"."""
     by_row: dict[str, dict[int, dict[str, float]]] = {r.name: {} for r in planned}
     for res in results:
         by_row.setdefault(res.row, {})[res.seed] = run_metrics(res)
     timed = equal_time(planned, results)
+    interleaved = equal_time_interleaved(planned, results, timings or {})
     ran_on = machines(results)
     baseline = planned[0].name
     metric_names = [m for m in LOWER_IS_BETTER if any(m in v for seeds in by_row.values() for v in seeds.values())]
@@ -130,7 +196,8 @@ def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResul
                     except ValueError:  # no seed in common yet
                         continue
                     entry["vs_baseline"][m] = {**diff.to_dict(), "verdict": diff.verdict(LOWER_IS_BETTER[m])}
-        entry["equal_time"] = timed[row.name]
+        entry["equal_time"] = timed[row.name]  # the wall-clock reading (secondary)
+        entry["equal_time_interleaved"] = interleaved[row.name]
         entry["machines"] = ran_on.get(row.name, [])
         rows.append(entry)
     recorded = {m for ms in ran_on.values() for m in ms}
@@ -187,13 +254,68 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
         tps = row["metrics"].get("tokens_per_second")
         cells.append(f"{tps['mean']:,.0f}" if tps else "–")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [""] + equal_time_markdown(table) + [""] + machines_markdown(table)
+    lines += [""] + interleaved_markdown(table) + [""] + equal_time_markdown(table) + [""] + machines_markdown(table)
     return "\n".join(lines) + "\n"
 
 
+def interleaved_markdown(table: dict[str, Any]) -> list[str]:
+    """The equal-time table from side-by-side timing: what to train on the machine the rows were timed on."""
+    head = ["#### Equal time: what to train on this machine", ""]
+    rows = table["rows"]
+    if not any(r.get("equal_time_interleaved", {}).get("timing") for r in rows[1:]):
+        return head + ["Not measured: no row of this study has been timed side by side with the baseline (its runs "
+                       "predate the timing phase, or it has not run yet). Only the wall-clock reading below is "
+                       "available, and it compares runs that trained under different loads."]
+    lines = head + [
+        f"Each row's training step was timed against **{table['baseline']}**'s in one process, interleaved (the "
+        f"two models alternating on the same batches after a warm-up, several rounds): the step-time ratio is the "
+        f"median over rounds with its order-statistic 95% interval. At equal time a row whose step takes `r` times "
+        f"the baseline's reaches step `s / r` when the baseline reaches `s`; the two are compared at the time the "
+        f"faster one needs for the study's steps, read on both validation curves by step (a slower row before its "
+        f"end, a faster row at its end against the baseline before its end; never extrapolated). Δ is paired by "
+        f"seed, with its 95% Student-t interval; the last column is the mean Δ read at the two ends of the ratio's "
+        f"interval.",
+        "",
+        "| row | step time vs baseline [95% CI] | read at step (row / baseline) | valid NLL at equal time | "
+        "Δ [95% CI] | verdict | Δ at the ratio's interval ends |",
+        "|---|---|---|---|---|---|---|"]
+    measured = []
+    for row in rows:
+        e = row.get("equal_time_interleaved") or {}
+        if e.get("ratio") is None:
+            lines.append(f"| {row['name']} | not measured | – | – | – | – | – |")
+            continue
+        interval = f" [{e['low']:.2f}, {e['high']:.2f}]" if e.get("low") is not None and row is not rows[0] else ""
+        steps = [(e["row_step"][k], e["baseline_step"][k]) for k in e["row_step"]]
+        at = (f"{sum(s for s, _ in steps) / len(steps):,.0f} / {sum(b for _, b in steps) / len(steps):,.0f}"
+              if steps else "–")
+        cells = [row["name"], f"{e['ratio']:.2f}{interval}", at]
+        if e.get("unread"):
+            cells += ["; ".join(f"seed {k}: {v}" for k, v in e["unread"].items()), "–", "–", "–"]
+        else:
+            cells.append(_fmt(e.get("summary")))
+            diff = e.get("vs_baseline")
+            if diff is None:
+                cells += ["–", "baseline" if row is rows[0] else "–"]
+            elif diff["low"] is None:
+                cells += [f"{diff['mean']:+.3f}", diff["verdict"]]
+            else:
+                cells += [f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]", diff["verdict"]]
+            ends = e.get("delta_at_interval_ends")
+            cells.append(", ".join("–" if d is None else f"{d:+.3f}" for d in ends) if ends else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+        if e.get("timing"):
+            t = e["timing"]
+            measured.append(f"{row['name']}: {describe_machine(t.get('machine') or {})}, {t.get('device')}, bf16 "
+                            f"{t.get('bf16')}, compile {t.get('compile')}, {t.get('measured_at')}")
+    return lines + ["", "Step times measured (" + ((rows[1].get("equal_time_interleaved") or {}).get("timing") or
+                                                   {}).get("method", "interleaved") + "): " + "; ".join(measured) + "."]
+
+
 def equal_time_markdown(table: dict[str, Any]) -> list[str]:
-    """The equal-time table: what to train on the machine the study ran on."""
-    lines = ["#### Equal time: what to train on this machine",
+    """The wall-clock reading (secondary): each run's own wall-clock, only comparable between runs that trained
+    under the same load."""
+    lines = ["#### Wall-clock reading (secondary: each run's own wall-clock, not measured side by side)",
              "",
              f"Tokens per second relative to **{table['baseline']}** in this study, and the validation NLL of each "
              f"row at the baseline's training time (the wall-clock of its last validation, per seed), read off the "
@@ -363,9 +485,35 @@ def write_report(spec: StudySpec, planned: list[PlannedRow], results: list[RunRe
                  machine: str = "") -> dict[str, Any]:
     """``results.json``, ``results.md`` and the plots in ``out``; returns the table."""
     out = Path(out)
-    table = aggregate(spec, planned, results)
+    timings = {row.name: t for row in planned[1:] if (t := read_timing(out, slug(row.name))) is not None}
+    table = aggregate(spec, planned, results, timings)
     table["machine"] = machine
+    table["complete"] = study_complete(spec, planned, out, results)
+    table["runs"] = [[r.row, r.seed] for r in results]
     atomic_write(out / "results.json", json.dumps(table, indent=2) + "\n")
     atomic_write(out / "results.md", to_markdown(table, machine))
     plot(table, out)
     return table
+
+
+def update_report(spec: StudySpec, planned: list[PlannedRow], out: str | os.PathLike, *,
+                  log=print) -> dict[str, Any] | None:
+    """Rewrite the report from the finished runs on disk, under the study's lock (so that workers on one folder
+    never interleave their writes, and each writes what it read under the lock: a later report never holds
+    fewer runs). Once every run has finished and every row is timed, the complete report is written exactly
+    once: a worker that finds it already written (the same runs) leaves it alone (``headmix study --report``
+    rewrites it with :func:`write_report`). Returns the table written, or ``None``."""
+    out = Path(out)
+    with study_lock(out):
+        results = finished_results(spec, out, log, evaluate=False)
+        if study_complete(spec, planned, out, results):
+            try:
+                stored = json.loads((out / "results.json").read_text())
+            except (OSError, ValueError):
+                stored = {}
+            if stored.get("complete") is True and stored.get("runs") == [[r.row, r.seed] for r in results]:
+                return None
+        table = write_report(spec, planned, results, out)
+        if table["complete"]:
+            log(f"study {spec.name}: the complete report is written ({out / 'results.md'})")
+        return table

@@ -8,21 +8,28 @@ A study folder::
     configs/ROW.json            each row's model config (the baseline's, with the row's attention)
     runs/ROW/seed-N/            a headmix training run folder (locked while in use, resumable)
     runs/ROW/seed-N/study_eval.json   translation: BLEU/chrF of that run on the test split
+    timing/ROW.json             the row's step time against the baseline's, measured side by side
+                                (:mod:`headmix.study.timing`), read by the equal-time table
+    claims/NAME.lock            held (flock) by the worker timing a row or training a run
+    .study.lock                 held while the shared data are prepared or the report is written
     results.json, results.md, *.png   written by :func:`headmix.study.report.write_report`
 
 A finished run (its ``summary.json`` exists) is read, not retrained; an unfinished one resumes from its
-newest intact checkpoint. Runs go seed by seed (every row's first seed, then every row's second...), so a
-study stopped early still has comparable rows.
+newest intact checkpoint. Rows are timed first, then runs go seed by seed (every row's first seed, then every
+row's second...), so a study stopped early still has comparable rows. Several workers may share one folder
+(:func:`run_study`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..models import AttentionConfig, ModelConfig, analytic_macs, analytic_parameters
 from ..storage.files import atomic_write
@@ -112,63 +119,178 @@ class RunResult:
     curve_times: dict[int, float] = field(default_factory=dict)
 
 
+#: A study folder's locks: ``claims/NAME.lock`` is held by the worker timing a row or training a run (the other
+#: workers skip it); ``.study.lock`` is held, waiting, while the shared data are prepared or the report written.
+CLAIMS_DIR = "claims"
+STUDY_LOCK = ".study.lock"
+
+
+@contextlib.contextmanager
+def study_lock(out: Path) -> Iterator[None]:
+    """The study folder's lock, waited for: one worker at a time prepares the shared data or writes the report."""
+    from ..runs.lock import RunLock
+
+    lock = RunLock(out, STUDY_LOCK, wait=True)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def claim(out: Path, name: str) -> Iterator[bool]:
+    """Take the claim ``name`` (a run or a row's timing) if no other worker holds it: yields whether this worker
+    has it. The kernel drops a dead worker's claim (``flock``), so its run is taken by the next worker."""
+    from ..runs.lock import RunLock
+    from ..storage.errors import RunLockedError
+
+    folder = out / CLAIMS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(folder, f"{name}.lock")
+    try:
+        lock.acquire()
+    except RunLockedError:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
 def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False,
               log: Callable[[str], None] = print, stop: Callable[[], str | None] | None = None,
               on_result: Callable[[list[RunResult]], None] | None = None) -> list[RunResult]:
-    """Train every (row, seed) run not yet finished, evaluate it, and return the results of all finished
-    runs. ``on_result`` is called after each run with all results so far (the CLI rewrites the report
-    there, so a long study can be read and committed while it runs). ``stop`` is the training loop's
-    stop callable (the ``headmix`` command's signal handler)."""
+    """Time every row against the baseline (:mod:`headmix.study.timing`, once per row), train every (row, seed)
+    run not yet finished, evaluate it, and return the results of all finished runs. Several processes may run
+    this on one folder at once (workers): each takes the next row to time or run to train that no other holds
+    (:func:`claim`) and skips the held ones. ``on_result`` is called after each of this worker's runs and after
+    its last step with the finished results so far (the CLI rewrites the report there). ``stop`` is polled
+    between runs and by the training loop (the ``headmix`` command's signal handler and time budget); a stopped
+    study returns early, and the same call later continues it."""
     from ..training import TrainConfig, train
+    from .timing import measure_row, read_timing, write_timing
 
     out = Path(out)
     planned = plan(spec)
     out.mkdir(parents=True, exist_ok=True)
-    _write_plan(spec, planned, out)
     missing = [p for p in spec.data if not Path(p).is_file()]
     if missing:
         raise FileNotFoundError(f"study {spec.name}: data file not found: {missing[0]} (give the corpus with "
                                 f"--data FILE{'; ' + spec.data_note if spec.data_note else ''})")
-    tokenizer = prepare_shared_tokenizer(spec, out, log)
-    results: list[RunResult] = []
+    with study_lock(out):
+        _write_plan(spec, planned, out)
+        tokenizer = prepare_shared_tokenizer(spec, out, log)
+
+    def stopped() -> bool:
+        return stop is not None and stop() is not None
+
+    def finished() -> list[RunResult]:
+        results = finished_results(spec, out, log, evaluate=False)
+        if on_result is not None:
+            on_result(results)
+        return results
+
+    configs = {row.name: out / "configs" / f"{slug(row.name)}.json" for row in planned}
+    for row in planned[1:]:
+        if stopped():
+            return finished()
+        with claim(out, f"timing-{slug(row.name)}") as mine:
+            if not mine or read_timing(out, slug(row.name)) is not None:
+                continue
+            log(f"study {spec.name}: timing {row.name!r} against {planned[0].name!r} (interleaved)")
+            write_timing(out, slug(row.name), measure_row(spec, out, configs[planned[0].name], configs[row.name],
+                                                          row.name))
     for seed in spec.seeds:
         for row in planned:
+            if stopped():
+                return finished()
             folder = out / "runs" / slug(row.name) / f"seed-{seed}"
             summary_path = folder / "summary.json"
-            if not summary_path.is_file():
-                log(f"study {spec.name}: training {row.name!r} seed {seed}")
-                config_path = out / "configs" / f"{slug(row.name)}.json"
-                cfg = TrainConfig(task=spec.task, preset=str(config_path), out=str(folder), data=list(spec.data),
-                                  seed=seed, split_seed=spec.split_seed, tokenizer=str(tokenizer),
-                                  shared_data=str(tokenizer.parent), max_steps=spec.max_steps, progress=progress,
-                                  **spec.training)
-                summary = train(cfg, stop=stop)
-                if not summary_path.is_file():  # stopped before the end: the run resumes next time
-                    return results
-            if spec.drop_checkpoints:
-                drop_checkpoints(folder, log)
-            results.append(read_result(spec, row.name, seed, out, log))
+            with claim(out, f"run-{slug(row.name)}-seed-{seed}") as mine:
+                if not mine:
+                    log(f"study {spec.name}: {row.name!r} seed {seed} is taken by another worker")
+                    continue
+                if not summary_path.is_file():  # checked under the claim: a run finished meanwhile is not rerun
+                    log(f"study {spec.name}: training {row.name!r} seed {seed}")
+                    cfg = TrainConfig(task=spec.task, preset=str(configs[row.name]), out=str(folder),
+                                      data=list(spec.data), seed=seed, split_seed=spec.split_seed,
+                                      tokenizer=str(tokenizer), shared_data=str(tokenizer.parent),
+                                      max_steps=spec.max_steps, progress=progress, **spec.training)
+                    train(cfg, stop=stop)
+                    if not summary_path.is_file():  # stopped before the end: the run resumes next time
+                        return finished()
+                if spec.drop_checkpoints:
+                    drop_checkpoints(folder, log)
+                read_result(spec, row.name, seed, out, log)  # evaluates (BLEU) under the claim, once
             if on_result is not None:
-                on_result(results)
-    return results
+                on_result(finished_results(spec, out, log, evaluate=False))
+    return finished()
 
 
-def read_result(spec: StudySpec, row: str, seed: int, out: Path, log: Callable[[str], None] = print) -> RunResult:
-    """The result of the finished run of ``row`` and ``seed`` in the study folder ``out``."""
+#: Why a study stopped when its time budget ran out (the training loop's stop reason; its checkpoint is an
+#: interruption one, never averaged, so the resumed run ends bit for bit as an uncut one).
+TIME_BUDGET = "time budget"
+
+
+def with_time_budget(stop: Callable[[], str | None] | None, budget: float | None, reserve: float,
+                     clock: Callable[[], float] | None = None) -> Callable[[], str | None]:
+    """``stop`` (may be ``None``), and also :data:`TIME_BUDGET` once ``budget - reserve`` seconds have passed
+    since this call: the study then stops between steps (the run saves a checkpoint), timings and runs, and the
+    ``reserve`` is left for what cannot be cut (a run's final averaging, validation and summary, the report)."""
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+        raise ValueError(f"time_budget must be a positive number of seconds, got {budget!r}")
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0 or (
+            budget is not None and reserve >= budget):
+        raise ValueError(f"time_reserve must be >= 0 and below the time budget ({budget}), got {reserve!r}")
+    clock = clock or time.monotonic
+    start = clock()
+
+    def check() -> str | None:
+        reason = stop() if stop is not None else None
+        if reason is None and budget is not None and clock() - start >= budget - reserve:
+            return TIME_BUDGET
+        return reason
+
+    return check
+
+
+def study_complete(spec: StudySpec, planned: list[PlannedRow], out: Path, results: list[RunResult]) -> bool:
+    """Whether every (row, seed) run has finished and every row has been timed."""
+    from .timing import read_timing
+
+    done = {(r.row, r.seed) for r in results}
+    return all((row.name, seed) in done for row in planned for seed in spec.seeds) and all(
+        read_timing(out, slug(row.name)) is not None for row in planned[1:])
+
+
+def read_result(spec: StudySpec, row: str, seed: int, out: Path, log: Callable[[str], None] = print, *,
+                evaluate: bool = True) -> RunResult | None:
+    """The result of the finished run of ``row`` and ``seed`` in the study folder ``out``. A task that scores
+    generations (translation) evaluates the run here; with ``evaluate=False`` a run not yet evaluated (by the
+    worker that trained it) gives ``None``."""
     folder = out / "runs" / slug(row) / f"seed-{seed}"
     summary = json.loads((folder / "summary.json").read_text())
-    return RunResult(row, seed, str(folder.relative_to(out)), summary, _evaluate(spec, folder, log),
+    evaluation = _evaluate(spec, folder, log, run=evaluate)
+    if evaluation is None:
+        return None
+    return RunResult(row, seed, str(folder.relative_to(out)), summary, evaluation,
                      validation_curve(folder), validation_times(folder))
 
 
-def finished_results(spec: StudySpec, out: str | os.PathLike, log: Callable[[str], None] = print) -> list[RunResult]:
-    """The results of the study's finished runs in ``out``, training nothing (``headmix study --report``)."""
+def finished_results(spec: StudySpec, out: str | os.PathLike, log: Callable[[str], None] = print, *,
+                     evaluate: bool = True) -> list[RunResult]:
+    """The results of the study's finished runs in ``out``, training nothing (``headmix study --report``), in
+    the study's order (seed by seed, row by row) whoever trained them. ``evaluate=False``: runs not yet
+    evaluated are left out (their worker is still scoring them)."""
     out = Path(out)
     if not (out / "study.json").is_file():
         raise FileNotFoundError(f"{out} holds no study (no study.json)")
     check_plan(spec, plan(spec), out)
-    return [read_result(spec, row.name, seed, out, log) for seed in spec.seeds for row in spec.rows
-            if (out / "runs" / slug(row.name) / f"seed-{seed}" / "summary.json").is_file()]
+    results = [read_result(spec, row.name, seed, out, log, evaluate=evaluate) for seed in spec.seeds
+               for row in spec.rows if (out / "runs" / slug(row.name) / f"seed-{seed}" / "summary.json").is_file()]
+    return [r for r in results if r is not None]
 
 
 def drop_checkpoints(folder: Path, log: Callable[[str], None]) -> list[Path]:
@@ -207,10 +329,11 @@ def prepare_shared_tokenizer(spec: StudySpec, out: Path, log: Callable[[str], No
     return prepare_shared_data(cfg, log)
 
 
-def _evaluate(spec: StudySpec, folder: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def _evaluate(spec: StudySpec, folder: Path, log: Callable[[str], None], *, run: bool = True) -> dict[str, Any] | None:
     """For tasks that score generated text (translation: BLEU/chrF), the run's final model on the first
-    ``bleu_sentences`` test items, stored in ``study_eval.json`` so a rerun does not translate again. The
-    language models' metric is the validation loss already in the summary."""
+    ``bleu_sentences`` test items, stored in ``study_eval.json`` so a rerun does not translate again (``None``
+    when it is not stored yet and ``run`` is false). The language models' metric is the validation loss already
+    in the summary."""
     from ..tasks import evaluate_run, get_task
 
     if not get_task(spec.task).scores_generations:
@@ -218,6 +341,8 @@ def _evaluate(spec: StudySpec, folder: Path, log: Callable[[str], None]) -> dict
     path = folder / "study_eval.json"
     if path.is_file():
         return json.loads(path.read_text())
+    if not run:
+        return None
     log(f"study {spec.name}: BLEU of {folder}")
     scores = evaluate_run(folder, split="test", beam_size=spec.bleu_beam, limit=spec.bleu_sentences)
     result = {k: scores[k] for k in ("bleu", "chrf", "sentences", "bleu_signature")}
@@ -273,11 +398,30 @@ def check_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> dict[st
     record = {"spec": spec.to_dict(), "rows": [r.to_dict() for r in planned]}
     path = out / "study.json"
     if path.is_file():
-        stored = json.loads(path.read_text())
+        stored = _with_new_defaults(json.loads(path.read_text()))
         if stored.get("rows") != record["rows"] or _comparable(stored.get("spec", {})) != _comparable(record["spec"]):
             raise ValueError(f"{out} holds another study ({path}): use another --out, or the same spec "
                              f"(only seeds may be added)")
     return record
+
+
+def _defaults(cls) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
+    """``study.json`` of an older version as this version writes it: the spec and attention fields added since
+    (absent from the file) take their defaults, which is what the older version did without naming them; the
+    file is then rewritten with them (:func:`_write_plan`)."""
+    from ..models import AttentionConfig
+
+    attention = _defaults(AttentionConfig)
+    rows = [{**r, "attention": {**{k: v for k, v in attention.items() if k not in r.get("attention", {})},
+                                **r.get("attention", {})}} if isinstance(r, dict) else r
+            for r in stored.get("rows", [])]
+    return {**stored, "rows": rows, "spec": {**_defaults(StudySpec), **stored.get("spec", {})}}
 
 
 def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
@@ -295,7 +439,7 @@ def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
 
 #: Spec fields that do not define a study: adding seeds extends it; where it runs, whether it compiles and
 #: whether it keeps checkpoints do not change what it measures (the report states each run's machine).
-NOT_DEFINING = ("seeds", "drop_checkpoints", "data_note", "gpu")
+NOT_DEFINING = ("seeds", "drop_checkpoints", "data_note", "gpu", "timing_rounds", "timing_steps", "timing_warmup")
 NOT_DEFINING_TRAINING = ("device", "compile", "progress")
 
 

@@ -104,6 +104,13 @@ class StudySpec:
     #: "": a study sized for the CPU; else that it wants a GPU and roughly how long a row takes on one H100,
     #: with how that was found (measured or estimated), for ``headmix study --list``
     gpu: str = ""
+    #: the equal-time phase (:mod:`headmix.study.timing`): rounds of interleaved timing of each row against the
+    #: baseline (the median ratio over rounds is reported, with an order-statistic interval: at least 6 rounds)
+    timing_rounds: int = 10
+    #: training steps of each model per round
+    timing_steps: int = 3
+    #: untimed steps of each model before the first round (allocation, compilation)
+    timing_warmup: int = 5
 
     def validate(self) -> None:
         from ..tasks import TASKS  # the task registry
@@ -132,6 +139,10 @@ class StudySpec:
             raise ValueError(f"moh_count must be one of {MOH_COUNTS}, got {self.moh_count!r}")
         if not isinstance(self.drop_checkpoints, bool):
             raise ValueError(f"drop_checkpoints must be true or false, got {self.drop_checkpoints!r}")
+        for name, least in (("timing_rounds", 6), ("timing_steps", 1), ("timing_warmup", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         owned = sorted(set(self.training) & set(STUDY_OWNED + ("max_steps", "split_seed")))
         if owned:
             raise ValueError(f"training must not set {owned}: the study sets them for every run")

@@ -103,27 +103,78 @@ def read_shared_splits(cfg: TrainConfig, run, log: Callable[[str], None]) -> tup
 def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, tokenizer_file: Path):
     """``task.dataset(items, tok, max_len)``, tokenised once per shared folder: with ``cfg.shared_data`` the
     dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, the tokenizer's checksum and the
-    headmix version, as a pickle: only a folder this function wrote is read back, so never point
-    ``shared_data`` at a folder from an untrusted source) and read back by the next run. Without it,
-    tokenised here as before."""
-    import pickle
-
+    headmix version) as a numpy archive read with ``allow_pickle=False`` (:func:`save_dataset`,
+    :func:`load_dataset`): opening it never runs code, so a study folder from elsewhere is safe to continue. The
+    pickle caches of older versions (``*.pkl``) are never opened: the ids are tokenised again. Without
+    ``shared_data``, tokenised here as before."""
     from .. import __version__
-    from ..runs import atomic_output
     from ..runs.run import content_sha256
 
     task = cfg.task_spec
     if cfg.shared_data is None:
         return task.dataset(items, tok, cfg.max_len)
     digest = content_sha256(tokenizer_file)[:16]
-    path = Path(cfg.shared_data) / "tokenized" / f"{split}-len{cfg.max_len}-{digest}-v{__version__}.pkl"
+    path = Path(cfg.shared_data) / "tokenized" / f"{split}-len{cfg.max_len}-{digest}-v{__version__}.npz"
     if path.is_file():
-        with open(path, "rb") as f:
-            return pickle.load(f)  # written by this function in the study's own folder
+        return load_dataset(path)
     dataset = task.dataset(items, tok, cfg.max_len)
+    save_dataset(dataset, path)
+    return dataset
+
+
+#: The key of a token cache's description (class and plain fields) among its arrays.
+META_KEY = "__meta__"
+
+
+def save_dataset(dataset, path: Path) -> bool:
+    """Store a dataset whose attributes are numpy arrays (of numbers) and plain values (numbers, strings, None)
+    as a numpy archive (atomically); ``False`` (nothing written) for one that has any other attribute."""
+    import numpy as np
+
+    from ..runs import atomic_output
+
+    arrays, fields = {}, {}
+    for name, value in vars(dataset).items():
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            arrays[name] = value
+        elif isinstance(value, np.generic):
+            fields[name] = value.item()
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            fields[name] = value
+        else:
+            return False
+    cls = type(dataset)
+    meta = json.dumps({"class": f"{cls.__module__}:{cls.__qualname__}", "fields": fields})
     with atomic_output(path) as tmp:
         with open(tmp, "wb") as f:
-            pickle.dump(dataset, f, protocol=pickle.HIGHEST_PROTOCOL)
+            np.savez(f, **arrays, **{META_KEY: np.frombuffer(meta.encode(), dtype=np.uint8)})
+    return True
+
+
+def load_dataset(path: Path):
+    """A dataset stored by :func:`save_dataset`, read as data only (``allow_pickle=False``; its class must be a
+    ``torch`` ``Dataset`` of a ``headmix`` module); ``ValueError`` in one line for any other file."""
+    import importlib
+
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+        meta = json.loads(arrays.pop(META_KEY).tobytes().decode())
+        module, _, qualname = meta["class"].partition(":")
+        if not module.startswith("headmix."):
+            raise ValueError(f"its class {meta['class']!r} is not a headmix dataset")
+        cls = getattr(importlib.import_module(module), qualname)
+        if not (isinstance(cls, type) and issubclass(cls, torch.utils.data.Dataset)):
+            raise ValueError(f"{meta['class']!r} is not a dataset class")
+    except Exception as err:  # noqa: BLE001 - every way a foreign file fails is the same answer
+        text = " ".join(str(err).split())[:200]
+        raise ValueError(f"token cache {path} is not a headmix token cache ({type(err).__name__}: {text}); it was "
+                         f"not used: remove it to tokenise again") from None
+    dataset = cls.__new__(cls)
+    dataset.__dict__.update(meta["fields"])
+    dataset.__dict__.update(arrays)
     return dataset
 
 

@@ -1,0 +1,155 @@
+"""Equal time from side-by-side timing (headmix.study.timing): the order-statistic interval, the interleaved
+timing on a simulated clock (a machine slowed in the middle of the measurement), and the equal-time reading
+against a hand computation, unchanged when a run's own wall-clock was slowed."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from headmix.study import RunResult
+from headmix.study.report import equal_time, equal_time_interleaved, interleaved_markdown
+from headmix.study.timing import equal_time_steps, interleaved_ratios, median_interval, summarize_rounds
+
+
+def test_median_interval_is_the_order_statistic_one():
+    values = [float(v) for v in (7, 3, 9, 1, 5, 10, 2, 8, 4, 6)]
+    # n = 10: j = 2 covers 1 - 2 * (1 + 10) / 1024 = 0.9785; j = 3 only 1 - 2 * 56 / 1024 = 0.8906
+    assert median_interval(values) == (2.0, 9.0)
+    # n = 20: j = 6 covers 1 - 2 * P(B <= 5) = 0.9586, j = 7 only 0.8847
+    assert median_interval([float(v) for v in range(1, 21)]) == (6.0, 15.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) == (None, None)  # 1 - 2 / 32 < 0.95
+    assert median_interval([float(v) for v in range(6)]) == (0.0, 5.0)  # 1 - 2 / 64 = 0.969
+
+
+class SimulatedMachine:
+    """A clock and two training steps: the baseline's step costs 1.0 s, the row's 1.5 s, times the machine's
+    slow-down factor at the moment the step starts."""
+
+    def __init__(self, slow: list[tuple[float, float, float]]):
+        self.now = 0.0
+        self.slow = slow  # (from, to, factor) windows of simulated time
+
+    def factor(self) -> float:
+        return next((f for a, b, f in self.slow if a <= self.now < b), 1.0)
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self, seconds: float):
+        def run():
+            self.now += seconds * self.factor()
+        return run
+
+
+def test_a_machine_slowed_during_the_timing_does_not_change_the_ratio():
+    steady = SimulatedMachine([])
+    rounds = interleaved_ratios(steady.step(1.0), steady.step(1.5), rounds=10, steps=3, warmup=5,
+                                clock=steady.clock)
+    assert [r["ratio"] for r in rounds] == [1.5] * 10 and rounds[0]["baseline"] == 3.0
+    # the warm-up takes 5 * 2.5 = 12.5 s, each round 7.5 s; the machine runs 3x slower from 30 s to 60 s (rounds
+    # 3 to 7 start at 20, 27.5, ..., so the slow-down begins and ends inside rounds) and 5x slower for a moment
+    # inside round 8 (while only the row is timed)
+    slowed = SimulatedMachine([(30.0, 60.0, 3.0), (76.0, 77.0, 5.0)])
+    rounds = interleaved_ratios(slowed.step(1.0), slowed.step(1.5), rounds=10, steps=3, warmup=5, clock=slowed.clock)
+    ratios = [r["ratio"] for r in rounds]
+    assert sum(r != pytest.approx(1.5) for r in ratios) == 3  # the rounds the changes fell into
+    summary = summarize_rounds(rounds)
+    assert summary["ratio"] == pytest.approx(1.5)
+    assert summary["low"] <= 1.5 <= summary["high"]
+    assert sorted(ratios)[1] == summary["low"] and sorted(ratios)[8] == summary["high"]
+
+
+def test_interleaved_timing_alternates_the_order_and_checks_its_arguments():
+    calls = []
+    interleaved_ratios(lambda: calls.append("b"), lambda: calls.append("r"), rounds=2, steps=2, warmup=1,
+                       clock=lambda: 1.0 + len(calls))
+    assert "".join(calls) == "br" + "bbrr" + "rrbb"
+    for bad in ({"rounds": 0}, {"steps": 1.5}, {"warmup": -1}):
+        kw = {"rounds": 2, "steps": 1, "warmup": 0, **bad}
+        with pytest.raises(ValueError, match=list(bad)[0]):
+            interleaved_ratios(lambda: None, lambda: None, **kw)
+
+
+def test_equal_time_steps_read_within_both_runs():
+    assert equal_time_steps(1.25, 400) == (320.0, 400.0)  # slower row: its step 320 against the baseline's end
+    assert equal_time_steps(0.8, 400) == (400.0, 320.0)  # faster row: its end against the baseline's step 320
+    assert equal_time_steps(1.0, 400) == (400.0, 400.0)
+    with pytest.raises(ValueError, match="ratio"):
+        equal_time_steps(0.0, 400)
+
+
+def _run(row, seed, curve, times=None):
+    summary = {"valid": {"nll": 0.0, "ppl": 1.0}, "train_seconds": max(times.values()) if times else 1.0,
+               "tokens": 1000, "machine": {}}
+    return RunResult(row, seed, f"runs/{row}/seed-{seed}", summary, {}, dict(curve),
+                     dict(times or {s: s / 100 for s in curve}))
+
+
+CURVES = {  # validation NLL every 100 steps of a 400-step study
+    ("MHA", 1): {100: 6.0, 200: 5.0, 300: 4.6, 400: 4.4},
+    ("MHA", 2): {100: 6.2, 200: 5.2, 300: 4.8, 400: 4.5},
+    ("Slow", 1): {100: 5.8, 200: 4.8, 300: 4.4, 400: 4.2},
+    ("Slow", 2): {100: 5.9, 200: 4.9, 300: 4.5, 400: 4.3},
+    ("Fast", 1): {100: 6.3, 200: 5.3, 300: 4.9, 400: 4.7},
+    ("Fast", 2): {100: 6.4, 200: 5.4, 300: 5.0, 400: 4.8},
+}
+TIMINGS = {"Slow": {"ratio": 1.25, "low": 1.2, "high": 1.3, "machine": {}, "device": "cpu"},
+           "Fast": {"ratio": 0.8, "low": 0.75, "high": 0.9, "machine": {}, "device": "cpu"}}
+PLANNED = [SimpleNamespace(name=n) for n in ("MHA", "Slow", "Fast")]
+
+
+def test_equal_time_reading_by_hand():
+    results = [_run(r, s, c) for (r, s), c in CURVES.items()]
+    table = equal_time_interleaved(PLANNED, results, TIMINGS)
+    slow, fast = table["Slow"], table["Fast"]
+    # Slow (ratio 1.25): its step 400 / 1.25 = 320, between 300 and 400: 4.4 + (4.2 - 4.4) * 20 / 100
+    assert slow["row_step"] == {"1": 320.0, "2": 320.0} and slow["baseline_step"] == {"1": 400.0, "2": 400.0}
+    assert slow["valid_nll"]["1"] == pytest.approx(4.36) and slow["valid_nll"]["2"] == pytest.approx(4.46)
+    assert slow["baseline_nll"] == {"1": 4.4, "2": 4.5}
+    d = [4.36 - 4.4, 4.46 - 4.5]
+    assert slow["vs_baseline"]["mean"] == pytest.approx(sum(d) / 2)
+    assert slow["vs_baseline"]["std"] == pytest.approx(0.0, abs=1e-12)
+    # Fast (ratio 0.8): its step 400 against the baseline's step 320: 4.6 + (4.4 - 4.6) * 0.2 = 4.56 (seed 1)
+    assert fast["row_step"]["1"] == 400.0 and fast["baseline_step"]["1"] == 320.0
+    assert fast["valid_nll"] == {"1": 4.7, "2": 4.8}
+    assert fast["baseline_nll"]["1"] == pytest.approx(4.56) and fast["baseline_nll"]["2"] == pytest.approx(4.74)
+    dm = ((4.7 - 4.56) + (4.8 - 4.74)) / 2
+    assert fast["vs_baseline"]["mean"] == pytest.approx(dm)
+    # at the ratio's interval ends: Slow at 400 / 1.2 = 333.3 and 400 / 1.3 = 307.7
+    at_low = [4.4 + (4.2 - 4.4) * (400 / 1.2 - 300) / 100 - 4.4, 4.5 + (4.3 - 4.5) * (400 / 1.2 - 300) / 100 - 4.5]
+    at_high = [4.4 + (4.2 - 4.4) * (400 / 1.3 - 300) / 100 - 4.4, 4.5 + (4.3 - 4.5) * (400 / 1.3 - 300) / 100 - 4.5]
+    assert slow["delta_at_interval_ends"] == pytest.approx([sum(at_low) / 2, sum(at_high) / 2])
+    # Fast at 0.75: the baseline at step 300 (4.6, 4.8); at 0.9: step 360
+    assert fast["delta_at_interval_ends"][0] == pytest.approx(((4.7 - 4.6) + (4.8 - 4.8)) / 2)
+    assert table["MHA"]["ratio"] == 1.0 and table["MHA"]["summary"]["mean"] == pytest.approx(4.45)
+    lines = interleaved_markdown({"baseline": "MHA", "rows": [
+        {"name": n, "equal_time_interleaved": {**table[n], "timing": TIMINGS.get(n)}} for n in ("MHA", "Slow", "Fast")]})
+    assert any(line.startswith("| Slow | 1.25 [1.20, 1.30] | 320 / 400 | 4.410 ± 0.071 | -0.040 ") for line in lines)
+    assert any(line.startswith("| Fast | 0.80 [0.75, 0.90] | 400 / 320 | 4.750 ± 0.071 | +0.100 ") for line in lines)
+
+
+def test_a_run_slowed_mid_way_reads_the_same_at_equal_time():
+    """The reading goes by steps and the interleaved ratio: the runs' own wall-clock (here the slow row's
+    second half ran 3x slower, as on a machine that got loaded) does not enter it; the wall-clock reading does
+    change."""
+    steady = [_run(r, s, c) for (r, s), c in CURVES.items()]
+    slowed = [_run(r, s, c, {st: (st / 100 if st <= 200 else 2 + 3 * (st - 200) / 100) for st in c})
+              if r == "Slow" else _run(r, s, c) for (r, s), c in CURVES.items()]
+    assert equal_time_interleaved(PLANNED, slowed, TIMINGS) == equal_time_interleaved(PLANNED, steady, TIMINGS)
+    assert equal_time(PLANNED, slowed)["Slow"] != equal_time(PLANNED, steady)["Slow"]
+
+
+def test_a_row_read_before_its_first_validation_is_named_and_an_untimed_study_says_not_measured():
+    results = [_run(r, s, c) for (r, s), c in CURVES.items()]
+    table = equal_time_interleaved(PLANNED, results, {"Slow": {**TIMINGS["Slow"], "ratio": 5.0}})
+    assert table["Slow"]["unread"] == {"1": "step 80 of the row is before its first validation",
+                                       "2": "step 80 of the row is before its first validation"}
+    assert table["Slow"]["vs_baseline"] is None and table["Fast"]["ratio"] is None
+    old = {"baseline": "MHA", "rows": [{"name": n, "equal_time_interleaved": equal_time_interleaved(
+        PLANNED, results, {})[n]} for n in ("MHA", "Slow")]}
+    text = "\n".join(interleaved_markdown(old))
+    assert "Not measured" in text and "wall-clock reading below" in text
+    assert math.isfinite(table["MHA"]["summary"]["mean"])
