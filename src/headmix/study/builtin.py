@@ -71,6 +71,27 @@ def lm_en_llama() -> StudySpec:
                      max_steps=400, training=dict(_LM_TRAINING))
 
 
+#: ``lm-en-contenders``: this year's contenders against grouped-query attention (8 query heads of 16 on 2 K/V heads,
+#: Llama 3's 4 query heads per K/V head), each sized to its attention MACs (head size 16 preferred).
+_CONTENDERS_PREFER = {"head_dim": 16}
+_GQA = {"num_heads": 8, "kv_heads": 2}
+
+
+def lm_en_contenders() -> StudySpec:
+    rows = [RowSpec("GQA"),
+            RowSpec("Gated", {"kind": "mha", **_GQA, "output_gate": "headwise"}, ["head_dim"], _CONTENDERS_PREFER),
+            RowSpec("GQE", {"kind": "moh", **_GQA, "route_per_group": True, "num_shared_heads": 1, "top_k": 1,
+                            "moh_impl": "sparse"}, ["head_dim"], _CONTENDERS_PREFER),
+            RowSpec("MoA kv2", {"kind": "moa", "num_experts": 8, "top_k": 4, "kv_heads": 2}, ["head_dim"],
+                    _CONTENDERS_PREFER),
+            RowSpec("MoSA", {"kind": "mosa", "num_dense_heads": 2, "head_dim": 16, "sparsity": 8},
+                    ["num_sparse_heads"]),
+            RowSpec("SwitchHead", {"kind": "switchhead", "num_heads": 2, "num_experts": 4, "top_k": 2}, ["head_dim"],
+                    {"head_dim": 32})]
+    return StudySpec(name="lm-en-contenders", task="lm", baseline="llama3-mini-gqa", rows=rows, seeds=[1, 2, 3],
+                     max_steps=400, training=dict(_LM_TRAINING))
+
+
 def translation_en_de() -> StudySpec:
     rows = [RowSpec("MHA"), _moa(4), _moa(8), _moa(32)]
     return StudySpec(name="translation-en-de", task="translation", baseline="mini-mha", rows=rows, seeds=[1, 2, 3],
@@ -147,6 +168,7 @@ def lm_en_gpu_large() -> StudySpec:
 
 
 BUILTIN = {"lm-en": lm_en, "translation-en-de": translation_en_de, "lm-en-llama": lm_en_llama,
+           "lm-en-contenders": lm_en_contenders,
            "lm-en-gpu": lm_en_gpu, "lm-en-gpu-large": lm_en_gpu_large}
 
 
