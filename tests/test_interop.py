@@ -357,5 +357,5 @@ def test_load_from_a_local_folder(tmp_path, make, load):
 
 def test_from_pretrained_refuses_other_model_types(tmp_path):
     transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="is a 'gpt2' checkpoint; headmix converts \\['jetmoe', 'llama'\\]"):
+    with pytest.raises(ValueError, match="is a 'gpt2' checkpoint; headmix converts \\['jetmoe', 'llama', 'qwen3'\\]"):
         from_pretrained(tmp_path)
