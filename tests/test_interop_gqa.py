@@ -17,6 +17,8 @@ from headmix.interop import (
     attention_from_llama,
     causal_lm_from_llama,
     causal_lm_from_qwen3,
+    causal_lm_to_llama,
+    causal_lm_to_qwen3,
     from_pretrained,
     load_qwen3,
     moh_from_dense,
@@ -135,7 +137,7 @@ def gated_qwen3(gate: str, **kw):
 # --------------------------------------------------------------------------------------------------
 def hf_cache_bytes_per_token(hf_model, ids: torch.Tensor) -> float:
     with torch.no_grad():
-        cache = hf_model(ids, use_cache=True).past_key_values
+        cache = hf_model(ids, use_cache=True).cache
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)) / ids.numel()
 
 
@@ -323,6 +325,34 @@ def test_moh_from_dense_keeps_kv_heads_qk_norm_and_gate():
 
 
 # --------------------------------------------------------------------------------------------------
+# And back: headmix -> Hugging Face Llama / Qwen3
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen3", True), ("qwen3", False)])
+def test_back_to_hf_is_the_source_parameter_for_parameter(family, tied):
+    hf = hf_llama(num_key_value_heads=2, tie_word_embeddings=tied) if family == "llama" else hf_qwen3(tie_word_embeddings=tied)
+    ours = (causal_lm_from_llama if family == "llama" else causal_lm_from_qwen3)(hf)
+    back = (causal_lm_to_llama if family == "llama" else causal_lm_to_qwen3)(ours)
+    assert type(back) is type(hf) and back.config.num_key_value_heads == 2
+    theirs = dict(hf.named_parameters())
+    assert sorted(n for n, _ in back.named_parameters()) == sorted(theirs)
+    for name, p in back.named_parameters():
+        assert torch.equal(p, theirs[name]), name
+    assert_same_logits(ours.eval(), back, tokens(2, 7), tol=1e-5)
+
+
+def test_back_to_hf_refuses_what_it_cannot_hold():
+    hf = hf_qwen3()
+    with pytest.raises(ValueError, match="not in qwen3's form: it needs MHA attention"):
+        causal_lm_to_qwen3(causal_lm_from_qwen3(hf, attention="moh", num_shared_heads=2, top_k=2))
+    with pytest.raises(ValueError, match="not in llama's form: it needs qk_norm=False"):
+        causal_lm_to_llama(causal_lm_from_qwen3(hf))
+    with pytest.raises(ValueError, match="not in qwen3's form: it needs no output_gate"):
+        causal_lm_to_qwen3(causal_lm_from_qwen3(gated_qwen3("headwise")))
+    with pytest.raises(ValueError, match="not in qwen3's form: it needs qk_norm=True with qk_norm_eps == norm_eps"):
+        causal_lm_to_qwen3(causal_lm_from_llama(hf_llama()))
+
+
+# --------------------------------------------------------------------------------------------------
 # What the conversions refuse
 # --------------------------------------------------------------------------------------------------
 def test_qwen3_conversion_errors():
@@ -346,13 +376,17 @@ def test_qwen3_conversion_errors():
 
 
 def test_every_source_tensor_is_taken_once():
-    """A tensor the mapping does not take is an error (a Qwen3 read as if it had no QK-norm), and so is a
-    missing one (a Llama read as a Qwen3)."""
+    """A source tensor the mapping does not take is an error, and so is a missing one: a Qwen3 read as if it
+    had no QK-norm, a state dict with an extra tensor, a Llama read as a Qwen3."""
     from headmix.interop.qwen3 import causal_lm_from_qwen3_state
 
     hf = hf_qwen3()
+    state = dict(hf.state_dict())
+    state["model.layers.1.self_attn.sinks"] = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"no place in the headmix model: \['model.layers.1.self_attn.sinks'\]"):
+        causal_lm_from_qwen3_state(hf.config, state)
     hf.config.use_qk_norm = False
-    with pytest.raises(ValueError, match=r"no place in the headmix model: \['model.layers.0.self_attn.k_norm.weight'"):
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.q_norm.weight: the source has QK-norm, the headmix layer has not"):
         causal_lm_from_qwen3(hf)
     llama = hf_llama()
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_norm.weight: missing from the source checkpoint"):

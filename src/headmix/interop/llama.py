@@ -252,3 +252,69 @@ def load_llama(name_or_path: str | os.PathLike, *, attention: str = "mha", num_s
     hf_model = transformers.LlamaForCausalLM.from_pretrained(str(name_or_path)).to(torch_dtype)
     return causal_lm_from_llama(hf_model, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
                                 pad_id=pad_id, expand_kv=expand_kv, **attention_options)
+
+
+#: headmix parameter names -> Llama-family (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) names, in order.
+HF_NAMES = (("decoder.embed.tokens.", "model.embed_tokens."), ("decoder.final_norm.", "model.norm."),
+            ("output_proj.", "lm_head."), ("decoder.layers.", "model.layers."),
+            (".self_attn_norm.norm.", ".input_layernorm."), (".ffn_norm.norm.", ".post_attention_layernorm."),
+            (".self_attn.out_proj.", ".self_attn.o_proj."), (".ffn.", ".mlp."))
+
+
+def hf_decoder_from_causal_lm(model: CausalLanguageModel, family: str) -> Any:
+    """A Hugging Face ``LlamaForCausalLM`` (``family="llama"``) or ``Qwen3ForCausalLM`` (``"qwen3"``) computing
+    what a headmix causal LM in that form computes, with its ``kv_heads`` (the inverse of
+    :func:`causal_lm_from_llama` / :func:`headmix.interop.qwen3.causal_lm_from_qwen3` with ``attention="mha"``);
+    a one-line error names what the model lacks (MoH routers, output gates, ... have no place there)."""
+    transformers = require_transformers()
+    if not isinstance(model, CausalLanguageModel):
+        raise ValueError(f"model must be a headmix CausalLanguageModel, got {type(model).__name__}")
+    cfg, att = model.config, model.config.decoder_self_attention
+    first = model.decoder.layers[0].self_attn
+    projections = (first.q_proj, first.k_proj, first.v_proj, first.out_proj)
+    qk_norm = family == "qwen3"
+    checks = [
+        (cfg.norm == "pre" and cfg.norm_type == "rmsnorm", "pre-norm RMSNorm (norm='pre', norm_type='rmsnorm')"),
+        (cfg.positions == "rotary" and att.rotary_fraction == 1.0, "positions='rotary' with rotary_fraction=1.0"),
+        (not cfg.scale_embeddings and not cfg.embedding_norm, "scale_embeddings=False and embedding_norm=False"),
+        (cfg.ffn == "swiglu" and (family == "llama" or not cfg.bias), "ffn='swiglu' (Qwen3: bias=False)"),
+        (att.kind == "mha" and first.key_dim == first.head_dim, "MHA attention with key_dim == head_dim"),
+        (first.output_gate is None, "no output_gate (Llama and Qwen3 have none)"),
+        (len({p.bias is None for p in projections}) == 1, "biases on all four attention projections or on none"),
+        (first.qk_norm == qk_norm and (not qk_norm or first.q_norm.eps == cfg.norm_eps),
+         "qk_norm=True with qk_norm_eps == norm_eps" if qk_norm else "qk_norm=False"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            raise ValueError(f"the model is not in {family}'s form: it needs {what}")
+    config_class, model_class = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if family == "llama" else
+                                 (transformers.Qwen3Config, transformers.Qwen3ForCausalLM))
+    extra = dict(mlp_bias=cfg.bias) if family == "llama" else {}
+    hf_config = config_class(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.decoder_layers, num_attention_heads=first.num_heads, num_key_value_heads=first.kv_heads,
+        head_dim=first.head_dim, max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps,
+        hidden_act="silu", tie_word_embeddings=cfg.share_embeddings, attention_bias=first.q_proj.bias is not None,
+        attention_dropout=att.dropout, rope_parameters={"rope_type": "default", "rope_theta": att.rotary_base},
+        pad_token_id=cfg.pad_id, bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id, **extra)
+    state = {}
+    for name, p in model.named_parameters():
+        for ours, theirs in HF_NAMES:
+            name = name.replace(ours, theirs)
+        state[name] = p.detach()
+    if cfg.share_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    ref = model.decoder.embed.tokens.weight
+    with torch.device(ref.device):
+        hf_model = model_class(hf_config).to(ref.dtype).eval()
+    missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"the model is not in {family}'s form: parameters {sorted(unexpected)} have no place in "
+                         f"{model_class.__name__}, which needs {sorted(missing)}")
+    return hf_model
+
+
+def causal_lm_to_llama(model: CausalLanguageModel) -> Any:
+    """A Hugging Face ``LlamaForCausalLM`` with the weights of a headmix Llama-style causal LM with MHA
+    attention (any ``kv_heads``, no QK-norm or output gate): see :func:`hf_decoder_from_causal_lm`."""
+    return hf_decoder_from_causal_lm(model, "llama")

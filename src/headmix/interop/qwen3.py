@@ -42,7 +42,7 @@ from torch import Tensor
 from ..attention import MultiHeadAttention
 from ..models import CausalLanguageModel, ModelConfig
 from ._hf import copy_into, require_transformers
-from .llama import SourceTensors, causal_lm_from_state, copy_linear, decoder_config
+from .llama import SourceTensors, causal_lm_from_state, decoder_config, hf_decoder_from_causal_lm
 
 #: The gate flags of the Gated Attention authors' Qwen3 config and the headmix ``output_gate`` they map to.
 GATE_FLAGS = {"headwise_attn_output_gate": "headwise", "elementwise_attn_output_gate": "elementwise"}
@@ -172,3 +172,11 @@ def load_qwen3(name_or_path: str | os.PathLike, *, attention: str = "mha", num_s
         raise ValueError(f"name_or_path: a gated Qwen3 checkpoint must be a local folder, got {str(name_or_path)!r}")
     state = {k: v.to(torch_dtype) for k, v in read_safetensors_folder(folder).items()}
     return causal_lm_from_qwen3_state(hf_config, state, **options)
+
+
+def causal_lm_to_qwen3(model: CausalLanguageModel) -> Any:
+    """A Hugging Face ``Qwen3ForCausalLM`` with the weights of a headmix Llama-style causal LM with MHA
+    attention, ``qk_norm=True`` (epsilon ``norm_eps``, as Qwen3's), any ``kv_heads``, no output gate (the
+    gated form is the authors' own modeling code, not a ``transformers`` class) and no feed-forward biases:
+    see :func:`headmix.interop.llama.hf_decoder_from_causal_lm`."""
+    return hf_decoder_from_causal_lm(model, "qwen3")
