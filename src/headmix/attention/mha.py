@@ -32,6 +32,48 @@ def resolve_bias(name: str, value: bool | None, default: bool) -> bool:
     return value
 
 
+#: ``output_gate`` kinds (Gated Attention, Qiu et al. 2025, arXiv 2505.06708, position G1): one sigmoid gate per
+#: head (``"headwise"``) or one per output element of each head (``"elementwise"``).
+OUTPUT_GATES = ("headwise", "elementwise")
+
+
+def resolve_kv_heads(num_heads: int, kv_heads: int | None) -> int:
+    """``kv_heads`` (None: ``num_heads``), a positive divisor of ``num_heads``."""
+    if kv_heads is None:
+        return num_heads
+    check_positive("kv_heads", kv_heads)
+    if num_heads % kv_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) must divide num_heads ({num_heads}): each K/V head serves num_heads / kv_heads query heads")
+    return kv_heads
+
+
+def check_output_gate(output_gate: str | None) -> str | None:
+    if output_gate is not None and output_gate not in OUTPUT_GATES:
+        raise ValueError(f"output_gate must be None or one of {OUTPUT_GATES}, got {output_gate!r}")
+    return output_gate
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the last dimension of each head (QK-norm, as Qwen3 and OLMo 2):
+    ``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 and cast back before the weight, as Hugging
+    Face's ``Qwen3RMSNorm`` does. ``weight`` has shape ``(size,)`` and starts at 1."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+            raise ValueError(f"qk_norm_eps must be a positive number, got {eps!r}")
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
 def resolve_head_dims(embed_dim: int, num_heads: int, head_dim: int | None, key_dim: int | None) -> tuple[int, int]:
     check_positive("num_heads", num_heads)
     if head_dim is None:
@@ -59,6 +101,22 @@ class MultiHeadAttention(AttentionLayer):
     (the output projection), when given, override it for their projections (Llama: all off; Qwen2: only
     ``q_bias`` and ``kv_bias``).
 
+    ``kv_heads=G`` (grouped-query attention, Ainslie et al. 2023; default ``num_heads``, the layer above with
+    the same parameters): ``W_k`` is ``embed_dim x (G * key_dim)`` and ``W_v`` ``embed_dim x (G * head_dim)``,
+    query head ``h`` attends with K/V head ``h // (num_heads / G)`` (Hugging Face's ``repeat_kv``, SDPA's
+    ``enable_gqa``), and the cache holds ``G`` heads. ``kv_heads=1`` is multi-query attention (Shazeer 2019).
+    The attention runs through :func:`~headmix.attention.base.scaled_dot_product`'s grouped form: headmix
+    never repeats the keys and values.
+
+    ``qk_norm=True`` (Qwen3, OLMo 2): ``q_norm`` and ``k_norm`` (:class:`HeadRMSNorm`, weight ``(key_dim,)``,
+    epsilon ``qk_norm_eps``) normalise each head's query and key before the rotary positions.
+
+    ``output_gate`` (Gated Attention, Qiu et al. 2025, arXiv 2505.06708, position G1, eq. 5-6:
+    ``Y' = Y * sigmoid(X W_theta)``): ``"headwise"`` adds ``gate_proj`` ``embed_dim -> num_heads`` (one
+    scalar per head), ``"elementwise"`` ``embed_dim -> num_heads * head_dim``; each head's attention output
+    ``o_h`` is multiplied by ``sigmoid(gate_proj(x))`` (``x`` the layer's query input) before ``out_proj``.
+    ``gate_proj`` has a bias when the query projection has one (``q_bias``).
+
     ``zero_padded_queries=True`` returns 0 at padded query positions, as x-transformers does (see
     :class:`~headmix.attention.moa.MixtureOfAttentionHeads`).
 
@@ -74,19 +132,30 @@ class MultiHeadAttention(AttentionLayer):
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int | None = None, key_dim: int | None = None,
                  bias: bool = True, dropout: float = 0.0, *, q_bias: bool | None = None, kv_bias: bool | None = None,
                  out_bias: bool | None = None, rotary: bool | RotaryEmbedding = False,
-                 rotary_base: float = 10000.0, rotary_fraction: float = 1.0, zero_padded_queries: bool = False):
+                 rotary_base: float = 10000.0, rotary_fraction: float = 1.0, zero_padded_queries: bool = False,
+                 kv_heads: int | None = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
+                 output_gate: str | None = None):
         super().__init__(embed_dim)
         self.num_heads = num_heads
         self.head_dim, self.key_dim = resolve_head_dims(embed_dim, num_heads, head_dim, key_dim)
+        self.kv_heads = resolve_kv_heads(num_heads, kv_heads)
+        self.qk_norm = check_flag("qk_norm", qk_norm)
+        self.output_gate = check_output_gate(output_gate)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.dropout = dropout
         q_bias, kv_bias, out_bias = (resolve_bias(n, b, bias) for n, b in
                                      (("q_bias", q_bias), ("kv_bias", kv_bias), ("out_bias", out_bias)))
         self.q_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=q_bias)
-        self.k_proj = nn.Linear(embed_dim, num_heads * self.key_dim, bias=kv_bias)
-        self.v_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=kv_bias)
+        self.k_proj = nn.Linear(embed_dim, self.kv_heads * self.key_dim, bias=kv_bias)
+        self.v_proj = nn.Linear(embed_dim, self.kv_heads * self.head_dim, bias=kv_bias)
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias)
+        self.q_norm = self.k_norm = self.gate_proj = None
+        if self.qk_norm:
+            self.q_norm, self.k_norm = HeadRMSNorm(self.key_dim, qk_norm_eps), HeadRMSNorm(self.key_dim, qk_norm_eps)
+        if self.output_gate is not None:
+            gates = num_heads if self.output_gate == "headwise" else num_heads * self.head_dim
+            self.gate_proj = nn.Linear(embed_dim, gates, bias=q_bias)
         self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, self.key_dim)
         self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
 
@@ -119,7 +188,27 @@ class MultiHeadAttention(AttentionLayer):
         return layer
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        return split_heads(self.k_proj(key), self.num_heads), split_heads(self.v_proj(value), self.num_heads)
+        k = split_heads(self.k_proj(key), self.kv_heads)
+        return (k if self.k_norm is None else self.k_norm(k)), split_heads(self.v_proj(value), self.kv_heads)
+
+    def _project_queries(self, query: Tensor) -> Tensor:
+        """``(batch, num_heads, time, key_dim)`` queries, each head RMS-normalised with ``qk_norm`` (before the
+        rotary positions, which the caller applies)."""
+        q = split_heads(self.q_proj(query), self.num_heads)
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def output_gates(self, query: Tensor) -> Tensor | None:
+        """The Gated Attention G1 gates ``sigmoid(x W_theta)`` of the query input ``x``, as ``(batch, time,
+        num_heads, 1)`` (headwise) or ``(batch, time, num_heads, head_dim)`` (elementwise); None without
+        ``output_gate``."""
+        if self.gate_proj is None:
+            return None
+        return torch.sigmoid(self.gate_proj(query)).unflatten(-1, (self.num_heads, -1))
+
+    def _gate_heads(self, o: Tensor, query: Tensor) -> Tensor:
+        """The attention output ``o`` ``(batch, num_heads, time, head_dim)`` times its output gates (G1)."""
+        gates = self.output_gates(query)
+        return o if gates is None else o * gates.transpose(1, 2).to(o.dtype)
 
     def _heads_and_masks(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
                          key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
@@ -128,7 +217,7 @@ class MultiHeadAttention(AttentionLayer):
         the new cache, and the masks combined by :func:`attention_bias` as ``(bias, empty_rows, causal)``."""
         query, key, value = self._check_inputs(query, key, value)
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
-        q = self._rotate_queries(split_heads(self.q_proj(query), self.num_heads), key, cache, past_len)
+        q = self._rotate_queries(self._project_queries(query), key, cache, past_len)
         batch, _, tgt, _ = q.shape
         masks = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
                                attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
@@ -144,6 +233,7 @@ class MultiHeadAttention(AttentionLayer):
             query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
             use_cache=use_cache, cache=cache)
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
+        o = self._gate_heads(o, query)
         y = self._zero_padded(self.out_proj(merge_heads(o)), query, key, key_padding_mask, query_padding_mask, cache)
         return AttentionOutput(y, zero_loss(query), new_cache)
 

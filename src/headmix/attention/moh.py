@@ -14,7 +14,7 @@ from .base import AttentionOutput, KVCache, attention_bias, scaled_dot_product, 
 from .mha import MultiHeadAttention, merge_heads, split_heads
 from .moa import autocast_dtype
 from .moh_sparse import routed_heads_attention
-from .padding import real_token_mask, zero_padded_queries
+from .padding import check_flag, real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding
 
 
@@ -82,6 +82,23 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     grouped expert kernels of :mod:`headmix.kernels`, ``expert_impl``). Keys and values are computed for every
     head (any query may pick any head), and a cached decoding step reads only its active heads' slices of the
     cache. Both give the same outputs, losses and gradients, and have the same parameters.
+
+    ``kv_heads``, ``qk_norm`` and ``output_gate`` as :class:`MultiHeadAttention` (grouped K/V heads, QK-norm,
+    Gated Attention's G1 gate on each head's output, before the head weight ``g_i`` and ``W_O^i``; the two
+    are products, so their order does not matter). Query head ``h`` reads K/V head ``h // (num_heads /
+    kv_heads)``; the sparse path reads the K/V heads in place wherever the shared and routed heads cover
+    whole groups (always with ``route_per_group``), and gathers them for the heads that split a group.
+
+    ``route_per_group=True`` (Grouped Query Experts, GQE, arXiv 2606.20945; needs ``kv_heads``): the router
+    works inside each of the ``G = kv_heads`` groups of ``H/G`` query heads sharing a K/V head.
+    ``num_shared_heads`` and ``top_k`` then count per group: the first ``num_shared_heads`` heads of each
+    group are always on, each token selects ``top_k`` of the group's other ``H/G - num_shared_heads`` heads,
+    and every group is one MoH of its own: ``p = softmax`` of the router logits over the group's routed heads,
+    the weights (``head_weighting``) renormalised within the group, the shared heads' softmax and the
+    ``[a_s, a_r]`` pair per group (``shared_gate`` ``(G S, d)``, ``group_gate`` ``(2 G, d)``), and the
+    load-balancing loss the mean of the groups' losses. A token thus computes ``G (S + k)`` query heads.
+    With ``kv_heads=1`` it is the global layer above, parameter for parameter. ``routing.expert_index``
+    numbers the routed heads group by group (routed head ``r`` is in group ``r // (H/G - S)``).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_shared_heads: int, top_k: int, head_dim: int | None = None,
@@ -89,22 +106,38 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                  q_bias: bool | None = None, kv_bias: bool | None = None, out_bias: bool | None = None,
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
                  head_weighting: str = "renormalized", load_balance_fractions: str = "normalized",
-                 zero_padded_queries: bool = False, impl: str = "auto", expert_impl: str = "auto"):
+                 zero_padded_queries: bool = False, impl: str = "auto", expert_impl: str = "auto",
+                 kv_heads: int | None = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
+                 output_gate: str | None = None, route_per_group: bool = False):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, bias=bias, dropout=dropout,
                          q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
-                         rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries)
+                         rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries,
+                         kv_heads=kv_heads, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, output_gate=output_gate)
+        self.route_per_group = check_flag("route_per_group", route_per_group)
+        if route_per_group and kv_heads is None:
+            raise ValueError("route_per_group needs kv_heads (the GQA groups to route in)")
+        #: The router's groups: the K/V groups with route_per_group (GQE), else one group of every head.
+        self.route_groups = self.kv_heads if route_per_group else 1
+        group_heads = num_heads // self.route_groups
+        where = " per group (route_per_group)" if route_per_group else ""
         for name, v in (("num_shared_heads", num_shared_heads), ("top_k", top_k)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        if num_shared_heads > num_heads:
-            raise ValueError(f"num_shared_heads ({num_shared_heads}) must not exceed num_heads ({num_heads})")
-        routed = num_heads - num_shared_heads
+        if num_shared_heads > group_heads:
+            limit = f"the {group_heads} heads{where}" if route_per_group else f"num_heads ({num_heads})"
+            raise ValueError(f"num_shared_heads ({num_shared_heads}) must not exceed {limit}")
+        routed_per_group = group_heads - num_shared_heads
+        routed = routed_per_group * self.route_groups
         if routed == 0 and top_k != 0:
-            raise ValueError(f"top_k must be 0 when every head is shared (num_shared_heads = num_heads = {num_heads}), got {top_k}")
-        if routed > 0 and not 1 <= top_k <= routed:
+            raise ValueError(f"top_k must be 0 when every head is shared (num_shared_heads = {num_shared_heads}{where}), got {top_k}")
+        if routed > 0 and not 1 <= top_k <= routed_per_group:
             raise ValueError(
-                f"top_k must be between 1 and the number of routed heads, num_heads - num_shared_heads = "
-                f"{num_heads} - {num_shared_heads} = {routed}; got {top_k}")
+                f"top_k must be between 1 and the number of routed heads{where}, {group_heads} - num_shared_heads "
+                f"{num_shared_heads} = {routed_per_group}; got {top_k}")
+        #: Query heads in the order the sparse path and the weights use them: shared ones, routed ones.
+        self.shared_head_ids = [g * group_heads + j for g in range(self.route_groups) for j in range(num_shared_heads)]
+        self.routed_head_ids = [g * group_heads + j for g in range(self.route_groups)
+                                for j in range(num_shared_heads, group_heads)]
         if load_balance_weight < 0:
             raise ValueError(f"load_balance_weight must be >= 0, got {load_balance_weight}")
         if head_weighting not in HEAD_WEIGHTINGS:
@@ -116,6 +149,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             raise ValueError(f"expert_impl must be one of {IMPLS}, got {expert_impl!r}")
         self.impl, self.expert_impl = impl, expert_impl
         self.num_shared_heads, self.num_routed_heads, self.top_k = num_shared_heads, routed, top_k
+        self.num_routed_per_group = routed_per_group
         self.load_balance_weight = load_balance_weight
         self.head_weighting, self.load_balance_fractions = head_weighting, load_balance_fractions
         self.routed_gate = self.shared_gate = self.group_gate = None
@@ -123,8 +157,8 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             self.routed_gate = nn.Linear(embed_dim, routed, bias=False)
             nn.init.normal_(self.routed_gate.weight, std=embed_dim ** -0.5 * 0.1)
             if num_shared_heads:
-                self.shared_gate = nn.Linear(embed_dim, num_shared_heads, bias=False)
-                self.group_gate = nn.Linear(embed_dim, 2, bias=False)
+                self.shared_gate = nn.Linear(embed_dim, num_shared_heads * self.route_groups, bias=False)
+                self.group_gate = nn.Linear(embed_dim, 2 * self.route_groups, bias=False)
                 nn.init.zeros_(self.shared_gate.weight)
                 nn.init.zeros_(self.group_gate.weight)
 
@@ -138,7 +172,12 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         with torch.autocast(device_type=x.device.type, enabled=False):
             g_routed = routing.probs.new_zeros(routing.probs.shape).scatter(1, routing.expert_index, routing.gates.to(
                 routing.probs.dtype))
-            g = g_routed if shared is None else torch.cat([shared, g_routed], dim=1)
+            if shared is None:
+                g = g_routed
+            else:  # each group's shared heads, then its routed heads (one group without route_per_group)
+                n, groups = g_routed.shape[0], self.route_groups
+                g = torch.cat([shared.view(n, groups, self.num_shared_heads),
+                               g_routed.view(n, groups, self.num_routed_per_group)], dim=2)
         return g.to(x.dtype).view(*x.shape[:2], self.num_heads), routing
 
     def _weights(self, x: Tensor, token_mask: Tensor | None) -> tuple[Tensor | None, Routing]:
@@ -147,27 +186,34 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         form, per ``head_weighting``)."""
         batch, time, dim = x.shape
         flat32 = x.reshape(batch * time, dim).to(router_dtype(x))
+        n, route_groups = batch * time, self.route_groups
         shared = None
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(flat32, self.routed_gate.weight.to(flat32.dtype))
-            probs = logits.softmax(-1)
+            # (N, groups, routed per group): one group without route_per_group; GQE routes inside each group
+            probs = logits.view(n, route_groups, self.num_routed_per_group).softmax(-1)
             top_p, index = probs.topk(self.top_k, dim=-1)
             if self.head_weighting == "renormalized":
                 denominator = top_p.sum(-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
                 routed = top_p / denominator * self.top_k
             elif self.head_weighting == "scaled":
-                routed = top_p * self.num_routed_heads
+                routed = top_p * self.num_routed_per_group
             else:
                 routed = top_p
             if self.shared_gate is not None:
-                groups = F.linear(flat32, self.group_gate.weight.to(flat32.dtype)).softmax(-1)
-                shared = F.linear(flat32, self.shared_gate.weight.to(flat32.dtype)).softmax(-1)
+                groups = F.linear(flat32, self.group_gate.weight.to(flat32.dtype)).view(n, route_groups, 2).softmax(-1)
+                shared = F.linear(flat32, self.shared_gate.weight.to(flat32.dtype)).view(
+                    n, route_groups, self.num_shared_heads).softmax(-1)
                 if self.head_weighting != "paper":
                     groups, shared = 2.0 * groups, shared * self.num_shared_heads
-                routed = groups[:, 1:] * routed
-                shared = groups[:, :1] * shared
+                routed = groups[..., 1:] * routed
+                shared = (groups[..., :1] * shared).view(n, route_groups * self.num_shared_heads)
+            if route_groups > 1:  # routed heads numbered group by group
+                index = index + self.num_routed_per_group * torch.arange(route_groups, device=x.device)[:, None]
         mask = None if token_mask is None else token_mask.reshape(-1)
-        return shared, Routing(logits, probs, index, routed.to(x.dtype), mask, (batch, time))
+        slots = route_groups * self.top_k
+        return shared, Routing(logits, probs.view(n, self.num_routed_heads), index.view(n, slots),
+                               routed.view(n, slots).to(x.dtype), mask, (batch, time))
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
@@ -184,6 +230,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
         g, routing = self.head_weights(query, token_mask)
+        o = self._gate_heads(o, query)
         if g is not None:
             o = o * g.transpose(1, 2).unsqueeze(-1)
         y = self.out_proj(merge_heads(o))
@@ -196,9 +243,21 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     def _output(self, y: Tensor, cache: KVCache | None, routing: Routing) -> AttentionOutput:
         """The layer's output with its auxiliary loss: the load-balancing loss (MoA eq. 13-15) over the routed
         heads, weighted by ``load_balance_weight``."""
-        lb = load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask,
-                                 fractions=self.load_balance_fractions)
+        lb = self._load_balance(routing)
         return AttentionOutput(y, self.load_balance_weight * lb, cache, routing, {"load_balance": lb})
+
+    def _load_balance(self, routing: Routing) -> Tensor:
+        """The load-balancing loss (MoA eq. 13-15) over the routed heads; with ``route_per_group``, the mean
+        over the groups of each group's loss (each group's router is balanced over its own heads)."""
+        groups = self.route_groups
+        if groups == 1:
+            return load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask,
+                                       fractions=self.load_balance_fractions)
+        n, per = routing.probs.shape[0], self.num_routed_per_group
+        probs, local = routing.probs.view(n, groups, per), routing.expert_index.view(n, groups, -1) % per
+        losses = [load_balancing_loss(probs[:, g], local[:, g], routing.token_mask, fractions=self.load_balance_fractions)
+                  for g in range(groups)]
+        return torch.stack(losses).mean()
 
     def _forward_sparse(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
                         key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
@@ -214,46 +273,64 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=k.dtype, device=k.device)
         dropout = self.dropout if self.training else 0.0
-        shared, dk, dv = self.num_shared_heads, self.key_dim, self.head_dim
+        dk, dv = self.key_dim, self.head_dim
+        shared_ids, routed_ids = self.shared_head_ids, self.routed_head_ids
+        shared = len(shared_ids)
         w_q, b_q = self.q_proj.weight, self.q_proj.bias
         w_o = self.out_proj.weight
+        gates_all = self.output_gates(query)  # Gated Attention G1, (batch, time, heads, 1 or d_v), or None
         y = None
         if shared:
-            q_s = split_heads(F.linear(query, w_q[:shared * dk], None if b_q is None else b_q[:shared * dk]), shared)
+            q_s = split_heads(F.linear(query, _head_block(w_q, shared_ids, dk, 0),
+                                       None if b_q is None else _head_block(b_q, shared_ids, dk, 0)), shared)
+            if self.q_norm is not None:
+                q_s = self.q_norm(q_s)
             q_s = self._rotate_queries(q_s, key, cache, past_len)
-            o_s = scaled_dot_product(q_s, k[:, :shared], v[:, :shared], _heads(bias, slice(0, shared)),
-                                     _heads(empty, slice(0, shared)), dropout, causal=causal)
+            k_s, v_s = _kv_of_heads(k, v, shared_ids, self.num_heads)
+            o_s = scaled_dot_product(q_s, k_s, v_s, _heads(bias, shared_ids), _heads(empty, shared_ids), dropout,
+                                     causal=causal)
+            if gates_all is not None:
+                o_s = o_s * gates_all[:, :, shared_ids].transpose(1, 2).to(o_s.dtype)
             o_s = o_s * shared_w.to(o_s.dtype).view(batch, tgt, shared).transpose(1, 2).unsqueeze(-1)
-            y = F.linear(merge_heads(o_s), w_o[:, :shared * dv])
+            y = F.linear(merge_heads(o_s), _head_block(w_o, shared_ids, dv, 1))
         n, routed, index = batch * tgt, self.num_routed_heads, routing.expert_index
+        slots_per_token = index.shape[1]  # top_k, times the groups with route_per_group
         compute = autocast_dtype(query) or query.dtype
-        w_q_routed = w_q[shared * dk:].view(routed, dk, dim)  # head i's W_q^i, (d_k, d_model) rows
-        w_o_routed = w_o[:, shared * dv:].view(dim, routed, dv).permute(1, 0, 2)  # head i's W_o^i, (d_model, d_v)
+        w_q_rows = _head_block(w_q, routed_ids, dk, 0)  # the routed heads' W_q^i, (R d_k, d_model)
+        w_o_cols = _head_block(w_o, routed_ids, dv, 1)  # their W_o^i, (d_model, R d_v)
+        w_q_routed = w_q_rows.view(routed, dk, dim)  # head i's W_q^i, (d_k, d_model) rows
+        w_o_routed = w_o_cols.reshape(dim, routed, dv).permute(1, 0, 2)  # head i's W_o^i, (d_model, d_v)
         decoding = tgt == 1
         if decoding:
             # One query per sequence: the routed projection is a matrix-vector product per token, which reads
             # every routed head's weights whichever heads it keeps, so it runs as one GEMM and keeps the
             # selected heads; the attention below reads only the selected heads' cache slices.
-            q_all = F.linear(query.reshape(n, dim).to(compute), w_q[shared * dk:].to(compute)).view(n, routed, dk)
-            q_r = q_all.gather(1, index[..., None].expand(n, self.top_k, dk))
+            q_all = F.linear(query.reshape(n, dim).to(compute), w_q_rows.to(compute)).view(n, routed, dk)
+            q_r = q_all.gather(1, index[..., None].expand(n, slots_per_token, dk))
         else:
             # The routed heads as experts of the grouped kernels (MoA eq. 10 with E = routed heads).
             info = expert_routing(index, routed, check_range=False)
             q_r = expert_map(query.reshape(n, dim).to(compute), w_q_routed.transpose(1, 2).contiguous().to(compute),
                              info, impl=self.expert_impl)
         if b_q is not None:
-            q_r = q_r + b_q[shared * dk:].view(routed, dk).to(q_r.dtype)[index]
+            q_r = q_r + _head_block(b_q, routed_ids, dk, 0).view(routed, dk).to(q_r.dtype)[index]
+        if self.q_norm is not None:
+            q_r = self.q_norm(q_r)
         if self.rotary is not None and key is None and not (cache is not None and cache.static):
-            positions = (torch.arange(n, device=query.device) % tgt + past_len)[:, None].expand(n, self.top_k)
+            positions = (torch.arange(n, device=query.device) % tgt + past_len)[:, None].expand(n, slots_per_token)
             q_r = self.rotary.rotate_at(q_r, positions)
-        o_r = routed_heads_attention(q_r.to(k.dtype), k[:, shared:], v[:, shared:], index, batch, tgt,
-                                     bias=_heads(bias, slice(shared, None)), empty_rows=_heads(empty, slice(shared, None)),
-                                     causal=causal, dropout=dropout)
+        k_r, v_r = _kv_of_heads(k, v, routed_ids, self.num_heads)
+        o_r = routed_heads_attention(q_r.to(k.dtype), k_r, v_r, index, batch, tgt,
+                                     bias=_heads(bias, routed_ids), empty_rows=_heads(empty, routed_ids),
+                                     causal=causal, dropout=dropout, routed_heads=routed)
+        if gates_all is not None:
+            routed_gates = gates_all.reshape(n, self.num_heads, -1)[:, routed_ids]
+            o_r = o_r * routed_gates.gather(1, index[..., None].expand(-1, -1, routed_gates.shape[-1])).to(o_r.dtype)
         gates = routing.gates.to(compute)
         if decoding:
             weighted = o_r.to(compute) * gates[..., None]
-            slots = weighted.new_zeros(n, routed, dv).scatter(1, index[..., None].expand(n, self.top_k, dv), weighted)
-            y_r = F.linear(slots.view(n, routed * dv), w_o[:, shared * dv:].to(compute))
+            slots = weighted.new_zeros(n, routed, dv).scatter(1, index[..., None].expand(n, slots_per_token, dv), weighted)
+            y_r = F.linear(slots.view(n, routed * dv), w_o_cols.to(compute))
         else:
             y_r = expert_reduce(o_r.to(compute), w_o_routed.transpose(1, 2).contiguous().to(compute), gates, info,
                                 impl=self.expert_impl)
@@ -266,9 +343,42 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         return self._output(y, new_cache, routing)
 
 
-def _heads(mask: Tensor | None, heads: slice) -> Tensor | None:
-    """The heads ``heads`` of a mask broadcastable to ``(batch, num_heads, T, X)`` (head dimension 1 or all)."""
+def _heads(mask: Tensor | None, heads: list[int]) -> Tensor | None:
+    """The query heads ``heads`` of a mask broadcastable to ``(batch, num_heads, T, X)`` (head dimension 1 or
+    all)."""
     if mask is None:
         return None
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (T, S) -> (1, 1, T, S)
-    return mask if mask.shape[1] == 1 else mask[:, heads]
+    if mask.shape[1] == 1:
+        return mask
+    if _consecutive(heads):
+        return mask[:, heads[0]:heads[0] + len(heads)]
+    return mask[:, heads]
+
+
+def _consecutive(heads: list[int]) -> bool:
+    return heads == list(range(heads[0], heads[0] + len(heads)))
+
+
+def _head_block(weight: Tensor, heads: list[int], size: int, dim: int) -> Tensor:
+    """The rows (``dim=0``) or columns (``dim=1``) of the query heads ``heads`` in a per-head weight (``size``
+    each): a view when the heads are consecutive (always without ``route_per_group``), else gathered."""
+    if _consecutive(heads):
+        return weight.narrow(dim, heads[0] * size, len(heads) * size)
+    index = (torch.tensor(heads, device=weight.device)[:, None] * size
+             + torch.arange(size, device=weight.device)).reshape(-1)
+    return weight.index_select(dim, index)
+
+
+def _kv_of_heads(k: Tensor, v: Tensor, heads: list[int], num_heads: int) -> tuple[Tensor, Tensor]:
+    """The K/V heads that the query heads ``heads`` read (query head ``h`` reads K/V head ``h // (num_heads /
+    kv_heads)``), laid out for grouped-query attention over ``heads``: the ``i``-th of ``m`` query heads reads
+    returned head ``i // (m / G')``. In place (a slice) when ``heads`` fill whole consecutive groups, or all sit in
+    one group; a gathered copy when they split groups unevenly (global MoH whose shared heads end inside a group)."""
+    per = num_heads // k.shape[1]
+    ids = [h // per for h in heads]
+    first, count = ids[0], ids[-1] - ids[0] + 1
+    if len(heads) % count == 0 and ids == [first + i // (len(heads) // count) for i in range(len(heads))]:
+        return k[:, first:first + count], v[:, first:first + count]
+    index = torch.tensor(ids, device=k.device)
+    return k.index_select(1, index), v.index_select(1, index)

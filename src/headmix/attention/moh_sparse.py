@@ -34,23 +34,25 @@ CAUSAL_CHUNK_ROWS = 64
 
 
 def routed_heads_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, batch: int, tgt: int, *,
-                           bias: Tensor | None, empty_rows: Tensor | None, causal: bool, dropout: float) -> Tensor:
+                           bias: Tensor | None, empty_rows: Tensor | None, causal: bool, dropout: float,
+                           routed_heads: int | None = None) -> Tensor:
     """Attention outputs ``(N, k, d_v)`` of the selected routed heads.
 
-    ``q`` ``(N, k, d)``: each slot's query (rotated already); ``k``/``v`` ``(B, R, S, d)``: the routed heads'
-    keys and values; ``index`` ``(N, k)``: the routed head of each slot (distinct per token); ``bias`` and
-    ``empty_rows``: :func:`~headmix.attention.base.attention_bias`'s masks, broadcastable to
-    ``(B, R, T, S)`` and ``(B, R, T, 1)`` (head dimension 1 or ``R``), or None; ``causal``: the only mask
-    is a plain causal one over ``T == S`` (then ``bias`` is None).
+    ``q`` ``(N, k, d)``: each slot's query (rotated already); ``k``/``v`` ``(B, G, S, d)``: the routed heads'
+    keys and values, routed head ``r`` reading K/V head ``r // (R / G)`` (grouped-query attention; ``G = R``
+    by default, ``routed_heads`` gives ``R`` when ``G < R``); ``index`` ``(N, k)``: the routed head of each
+    slot (distinct per token); ``bias`` and ``empty_rows``: :func:`~headmix.attention.base.attention_bias`'s
+    masks, broadcastable to ``(B, R, T, S)`` and ``(B, R, T, 1)`` (head dimension 1 or ``R``), or None;
+    ``causal``: the only mask is a plain causal one over ``T == S`` (then ``bias`` is None).
     """
     n, top_k, _ = q.shape
-    heads = k.shape[1]
+    heads = k.shape[1] if routed_heads is None else routed_heads
     slots = n * top_k
     token = torch.arange(n, device=q.device).repeat_interleave(top_k)
     b, t, r = token // tgt, token % tgt, index.reshape(-1)
     if tgt == 1:
         return _slots_layout(q.reshape(slots, 1, 1, -1), k, v, b, t, r, bias, empty_rows, causal,
-                             dropout).view(n, top_k, -1)
+                             dropout, heads).view(n, top_k, -1)
     group = b * heads + r
     order = torch.argsort(group * tgt + t)
     group_sorted = group[order]
@@ -72,13 +74,15 @@ def routed_heads_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, batch
 
 
 def _slots_layout(q: Tensor, k: Tensor, v: Tensor, b: Tensor, t: Tensor, r: Tensor, bias: Tensor | None,
-                  empty_rows: Tensor | None, causal: bool, dropout: float) -> Tensor:
-    """One attention row per slot against its own head's keys ``k[b, r]`` (decoding)."""
-    k_slot, v_slot = k[b, r].unsqueeze(1), v[b, r].unsqueeze(1)  # (slots, 1, S, d): the selected heads only
+                  empty_rows: Tensor | None, causal: bool, dropout: float, heads: int) -> Tensor:
+    """One attention row per slot against its own head's keys ``k[b, r // (R / G)]`` (decoding)."""
+    kv = r // (heads // k.shape[1])  # the K/V head of each slot's routed head (grouped-query attention)
+    k_slot, v_slot = k[b, kv].unsqueeze(1), v[b, kv].unsqueeze(1)  # (slots, 1, S, d): the selected heads only
     bias_slot = empty_slot = None
+    batch_heads = torch.Size((k.shape[0], heads))
     if bias is not None:
-        bias_slot = _rows(bias, k.shape[:2], b, r, t)
-        empty_slot = None if empty_rows is None else _rows(empty_rows, k.shape[:2], b, r, t)
+        bias_slot = _rows(bias, batch_heads, b, r, t)
+        empty_slot = None if empty_rows is None else _rows(empty_rows, batch_heads, b, r, t)
     # causal with one query over one key: nothing is masked
     return scaled_dot_product(q, k_slot, v_slot, bias_slot, empty_slot, dropout).reshape(q.shape[0], -1)
 

@@ -121,14 +121,44 @@ def reference_mha(layer: MultiHeadAttention | TalkingHeadsAttention, query: Tens
     rotary = _self_rotary(layer, query, key, value)
     key, value = _inputs(query, key, value)
     h = layer.num_heads
-    q = reference_rotary(_heads(layer.q_proj(query), h), rotary)
-    k = reference_rotary(_heads(layer.k_proj(key), h), rotary)
-    v = _heads(layer.v_proj(value), h)
+    q = reference_rotary(reference_qk_norm(_heads(layer.q_proj(query), h), layer.q_norm), rotary)
+    k = reference_rotary(reference_qk_norm(reference_repeat_kv(layer.k_proj(key), layer), layer.k_norm), rotary)
+    v = reference_repeat_kv(layer.v_proj(value), layer)
     allowed, added = reference_mask(query.shape[0], h, query.shape[1], key.shape[1], **masks)
     pre = getattr(layer, "pre_mix", None)
     post = getattr(layer, "post_mix", None)
     o = reference_softmax_attention(q, k, v, allowed, added, 1.0 / math.sqrt(layer.key_dim), pre, post)
+    o = o * reference_output_gates(layer, query).transpose(1, 2)
     return layer.out_proj(o.transpose(1, 2).flatten(2))
+
+
+def reference_repeat_kv(projected: Tensor, layer: MultiHeadAttention) -> Tensor:
+    """Grouped-query attention's keys or values (Ainslie et al. 2023): the ``(batch, S, kv_heads * size)``
+    projection split into ``kv_heads`` heads, head ``j`` copied for query heads ``j * H/G .. (j+1) * H/G - 1``,
+    so query head ``h`` reads K/V head ``h // (H / G)``: ``(batch, num_heads, S, size)``."""
+    kv = _heads(projected, layer.kv_heads)
+    return torch.stack([kv[:, h // (layer.num_heads // layer.kv_heads)] for h in range(layer.num_heads)], dim=1)
+
+
+def reference_qk_norm(x: Tensor, norm) -> Tensor:
+    """QK-norm: RMSNorm over each head's last dimension, ``x / sqrt(mean(x^2) + eps) * weight`` (Zhang &
+    Sennrich 2019, as Qwen3 applies it per head), computed in float64; ``norm=None``: ``x``."""
+    if norm is None:
+        return x
+    x64 = x.double()
+    rms = torch.sqrt((x64 * x64).mean(-1, keepdim=True) + norm.eps)
+    return (x64 / rms).to(x.dtype) * norm.weight
+
+
+def reference_output_gates(layer: MultiHeadAttention, query: Tensor) -> Tensor:
+    """Gated Attention's G1 gate (Qiu et al. 2025, eq. 5-6): ``sigmoid(x W_theta + b)`` of the query input,
+    ``(batch, time, num_heads, 1 or head_dim)``; ones without an ``output_gate``."""
+    if layer.gate_proj is None:
+        return torch.ones(*query.shape[:2], layer.num_heads, 1, dtype=query.dtype)
+    z = query @ layer.gate_proj.weight.T
+    if layer.gate_proj.bias is not None:
+        z = z + layer.gate_proj.bias
+    return (1.0 / (1.0 + torch.exp(-z))).view(*query.shape[:2], layer.num_heads, -1)
 
 
 def reference_moa_routing(layer: MixtureOfAttentionHeads, query: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -188,55 +218,78 @@ def reference_moa_losses(layer: MixtureOfAttentionHeads, query: Tensor, token_ma
 
 
 def reference_moh_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
-    """Head weights ``g`` ``(batch, time, num_heads)`` (shared heads first) for each ``head_weighting``:
-    ``p = softmax(x W_r)`` over the ``R`` routed heads, ``s = softmax(x W_s)`` over the ``S`` shared ones.
+    """Head weights ``g`` ``(batch, time, num_heads)`` for each ``head_weighting``: ``p = softmax(x W_r)`` over
+    the ``R`` routed heads, ``s = softmax(x W_s)`` over the ``S`` shared ones (heads ``0..S-1``).
 
     - ``"paper"`` (MoH eq. 5-6): ``g = [a_s s, a_r p * 1[TopK]]``, ``[a_s, a_r] = softmax(x W_h)``;
     - ``"renormalized"`` (the authors' code): ``g = [a_s S s, a_r k p * 1[TopK] / sum_TopK p]``,
       ``[a_s, a_r] = 2 softmax(x W_h)``;
     - ``"scaled"``: ``g = [a_s S s, a_r R p * 1[TopK]]``, ``[a_s, a_r] = 2 softmax(x W_h)``.
-    Without shared heads the routed weights are used alone (``a_r = 1``)."""
+    Without shared heads the routed weights are used alone (``a_r = 1``).
+
+    ``route_per_group`` (GQE): the same, group by group: group ``j`` (heads ``j H/G .. (j+1) H/G - 1``, its
+    first ``S`` shared) has its own rows of ``W_r`` and ``W_s``, its own pair of ``W_h``, its own softmaxes and
+    top-k, with ``S``, ``k`` and ``R`` counted in the group."""
     x = x.double()
-    p = torch.softmax(x @ layer.routed_gate.weight.double().T, -1)
-    top_p, index = p.topk(layer.top_k, dim=-1)
-    selected = torch.zeros_like(p).scatter(-1, index, 1.0)
-    mode = layer.head_weighting
-    if mode == "paper":
-        routed = p * selected
-    elif mode == "renormalized":
-        routed = layer.top_k * p * selected / (p * selected).sum(-1, keepdim=True)
-    else:
-        routed = layer.num_routed_heads * p * selected
-    if layer.shared_gate is None:
-        return routed
-    a = torch.softmax(x @ layer.group_gate.weight.double().T, -1)
-    s = torch.softmax(x @ layer.shared_gate.weight.double().T, -1)
-    if mode != "paper":
-        a, s = 2 * a, layer.num_shared_heads * s
-    return torch.cat([a[..., :1] * s, a[..., 1:] * routed], -1)
+    groups = layer.route_groups
+    routed_per, shared_per = layer.num_routed_per_group, layer.num_shared_heads
+    out = []
+    for j in range(groups):
+        w_r = layer.routed_gate.weight.double()[j * routed_per:(j + 1) * routed_per]
+        p = torch.softmax(x @ w_r.T, -1)
+        top_p, index = p.topk(layer.top_k, dim=-1)
+        selected = torch.zeros_like(p).scatter(-1, index, 1.0)
+        mode = layer.head_weighting
+        if mode == "paper":
+            routed = p * selected
+        elif mode == "renormalized":
+            routed = layer.top_k * p * selected / (p * selected).sum(-1, keepdim=True)
+        else:
+            routed = routed_per * p * selected
+        if layer.shared_gate is None:
+            out.append(routed)
+            continue
+        a = torch.softmax(x @ layer.group_gate.weight.double()[2 * j:2 * j + 2].T, -1)
+        s = torch.softmax(x @ layer.shared_gate.weight.double()[j * shared_per:(j + 1) * shared_per].T, -1)
+        if mode != "paper":
+            a, s = 2 * a, shared_per * s
+        out.append(torch.cat([a[..., :1] * s, a[..., 1:] * routed], -1))
+    return torch.cat(out, -1)
 
 
 def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                   **masks) -> Tensor:
-    """MoH: ``sum_i g_i H^i W_O^i`` with the two-stage weights, one head at a time."""
+    """MoH: ``sum_i g_i H^i W_O^i`` with the two-stage weights, one head at a time. Head ``i`` reads K/V head
+    ``i // (H / kv_heads)``; with ``qk_norm`` its query and key are RMS-normalised before rotary, with an
+    ``output_gate`` its output ``H^i`` is multiplied by its G1 gate."""
     rotary = _self_rotary(layer, query, key, value)
     key, value = _inputs(query, key, value)
-    h, d = layer.num_heads, layer.head_dim
-    allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
+    h, d, dk = layer.num_heads, layer.head_dim, layer.key_dim
+    allowed, added = reference_mask(query.shape[0], h, query.shape[1], key.shape[1], **masks)  # per head
     x = query.double()
     if layer.routed_gate is None:
         g = torch.ones(*query.shape[:2], h, dtype=torch.float64)
     else:
         g = reference_moh_weights(layer, x)
+    gates = reference_output_gates(layer, query)
     y = torch.zeros_like(query)
     w_o = layer.out_proj.weight.T                                           # rows i*d:(i+1)*d = W_O^i
+
+    def rows(lin, sl):
+        return query.new_zeros(()) if lin.bias is None else lin.bias[sl]
+
     for i in range(h):
-        sl = slice(i * d, (i + 1) * d)
-        q_i = (query @ layer.q_proj.weight[sl].T + (layer.q_proj.bias[sl] if layer.q_proj.bias is not None else 0)).unsqueeze(1)
-        k_i = (key @ layer.k_proj.weight[sl].T + (layer.k_proj.bias[sl] if layer.k_proj.bias is not None else 0)).unsqueeze(1)
-        v_i = (value @ layer.v_proj.weight[sl].T + (layer.v_proj.bias[sl] if layer.v_proj.bias is not None else 0)).unsqueeze(1)
+        sl, qsl = slice(i * d, (i + 1) * d), slice(i * dk, (i + 1) * dk)
+        kv = i // (h // layer.kv_heads)
+        ksl, vsl = slice(kv * dk, (kv + 1) * dk), slice(kv * d, (kv + 1) * d)
+        q_i = (query @ layer.q_proj.weight[qsl].T + rows(layer.q_proj, qsl)).unsqueeze(1)
+        k_i = (key @ layer.k_proj.weight[ksl].T + rows(layer.k_proj, ksl)).unsqueeze(1)
+        v_i = (value @ layer.v_proj.weight[vsl].T + rows(layer.v_proj, vsl)).unsqueeze(1)
+        q_i, k_i = reference_qk_norm(q_i, layer.q_norm), reference_qk_norm(k_i, layer.k_norm)
         q_i, k_i = reference_rotary(q_i, rotary), reference_rotary(k_i, rotary)
-        h_i = reference_softmax_attention(q_i, k_i, v_i, allowed, added, 1.0 / math.sqrt(d)).squeeze(1)
+        h_i = reference_softmax_attention(q_i, k_i, v_i, allowed[:, i:i + 1], added[:, i:i + 1],
+                                          1.0 / math.sqrt(dk)).squeeze(1)
+        h_i = h_i * gates[:, :, i]
         y = y + g[..., i:i + 1].to(query.dtype) * (h_i @ w_o[sl])
     if layer.out_proj.bias is not None:
         y = y + layer.out_proj.bias

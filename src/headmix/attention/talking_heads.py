@@ -31,16 +31,24 @@ class TalkingHeadsAttention(MultiHeadAttention):
     (``query_block=None``: no blocks). The results are those of the full computation (rows are independent).
     ``rotary`` options and the self-attention rule (``layer(x, x, x)`` is ``layer(x)``) as
     :class:`MultiHeadAttention`.
+
+    ``kv_heads``, ``qk_norm`` and ``output_gate`` as :class:`MultiHeadAttention`: with ``G`` K/V heads the
+    logits of query head ``h`` are ``J_hat^(h) = q_h K_{h // (H/G)}^T`` (then mixed over all ``H`` heads) and
+    its weights read the values of the same K/V head; the scores are computed with the ``H/G`` query heads of
+    a group against their one K/V head by broadcasting (no copy of K/V). The G1 gate multiplies each head's
+    output after the post-softmax mixing and the values, before ``out_proj``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, pre_softmax: bool = True, post_softmax: bool = True, *,
                  head_dim: int | None = None, key_dim: int | None = None, bias: bool = True, dropout: float = 0.0,
                  q_bias: bool | None = None, kv_bias: bool | None = None, out_bias: bool | None = None,
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
-                 zero_padded_queries: bool = False, query_block: int | None = 128):
+                 zero_padded_queries: bool = False, query_block: int | None = 128, kv_heads: int | None = None,
+                 qk_norm: bool = False, qk_norm_eps: float = 1e-6, output_gate: str | None = None):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, key_dim=key_dim, bias=bias, dropout=dropout,
                          q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
-                         rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries)
+                         rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries,
+                         kv_heads=kv_heads, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, output_gate=output_gate)
         self.pre_mix = nn.Parameter(torch.eye(num_heads)) if pre_softmax else None
         self.post_mix = nn.Parameter(torch.eye(num_heads)) if post_softmax else None
         if query_block is not None:
@@ -72,6 +80,7 @@ class TalkingHeadsAttention(MultiHeadAttention):
                 blocks.append(checkpoint(self._attend, q[:, :, rows], k, v, _query_rows(bias, rows, tgt),
                                          _query_rows(empty, rows, tgt), dropout, use_reentrant=False))
             o = torch.cat(blocks, dim=2)
+        o = self._gate_heads(o, query)
         y = self._zero_padded(self.out_proj(merge_heads(o)), query, key, key_padding_mask, query_padding_mask, cache)
         return AttentionOutput(y, zero_loss(query), new_cache)
 
@@ -80,7 +89,7 @@ class TalkingHeadsAttention(MultiHeadAttention):
         """Talking-heads attention of the queries ``q`` ``(batch, heads, t, key_dim)`` (Shazeer et al. 2020,
         Algorithm 2): logits, pre-softmax mixing ``J = sum_j lambda_ij J_hat^(j)``, masks, softmax,
         post-softmax mixing, dropout, and the weighted sum of the values."""
-        logits = q @ k.transpose(-1, -2) * self.key_dim ** -0.5
+        logits = _grouped_matmul(q, k.transpose(-1, -2)) * self.key_dim ** -0.5
         if self.pre_mix is not None:
             logits = mix_heads(self.pre_mix.to(logits.dtype), logits)
         if bias is not None:
@@ -92,7 +101,18 @@ class TalkingHeadsAttention(MultiHeadAttention):
             weights = mix_heads(self.post_mix.to(weights.dtype), weights)
         if dropout > 0:
             weights = F.dropout(weights, dropout)
-        return weights @ v
+        return _grouped_matmul(weights, v)
+
+
+def _grouped_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` over ``(batch, H, ...)`` and ``(batch, G, ...)`` with ``G`` dividing ``H``: head ``h`` of ``a``
+    with head ``h // (H / G)`` of ``b`` (grouped-query attention), by broadcasting ``b`` over each group's
+    ``H / G`` heads (no copy)."""
+    heads, groups = a.shape[1], b.shape[1]
+    if heads == groups:
+        return a @ b
+    out = a.unflatten(1, (groups, heads // groups)) @ b.unsqueeze(2)
+    return out.flatten(1, 2)
 
 
 def _query_rows(mask: Tensor | None, rows: slice, tgt: int) -> Tensor | None:

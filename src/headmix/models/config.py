@@ -37,7 +37,7 @@ EXPERT_IMPLS = IMPLS
 # Fields that only mean something for some kinds; they must be None (unset) for the others.
 _KIND_FIELDS = {
     "num_experts": ("moa", "switchhead"),
-    "kv_heads": ("moa",),
+    "kv_heads": ("moa", "mha", "moh", "talking_heads"),
     "top_k": ("moa", "moh", "switchhead"),
     "num_shared_heads": ("moh",),
     "num_heads": ("mha", "moh", "talking_heads", "switchhead"),
@@ -50,6 +50,9 @@ _KIND_FIELDS = {
     "out_bias": ("mha", "moa", "moh", "talking_heads"),
     "head_weighting": ("moh",),
     "moh_impl": ("moh",),
+    "qk_norm": ("mha", "moh", "talking_heads"),
+    "output_gate": ("mha", "moh", "talking_heads"),
+    "route_per_group": ("moh",),
 }
 
 
@@ -111,6 +114,14 @@ class AttentionConfig:
     ``rotary`` rotates queries and keys of self-attention by position (RoPE, any kind; ``rotary_base`` is the
     ``10000`` of ``theta_i = base^(-2i/d)``, ``rotary_fraction`` the fraction of each query/key head rotated:
     default 1.0, the whole head, as Llama; the SwitchHead authors' ``SwitchHeadRope`` rotates 0.5).
+
+    ``kv_heads`` (MHA, MoH, Talking-Heads; unset = ``num_heads``): grouped-query attention, ``num_heads /
+    kv_heads`` query heads per K/V head (``1``: multi-query attention); the cache holds ``kv_heads`` heads.
+    ``qk_norm`` (MHA, MoH, Talking-Heads; unset = off): an RMSNorm over each head's queries and keys before
+    rotary (Qwen3, OLMo 2). ``output_gate`` (same kinds; unset = none): ``"headwise"`` or ``"elementwise"``,
+    Gated Attention's sigmoid gate on each head's output before the output projection (arXiv 2505.06708, G1).
+    ``route_per_group`` (MoH; needs ``kv_heads``; unset = off): Grouped Query Experts, routing inside each
+    K/V group, with ``num_shared_heads`` and ``top_k`` counted per group (arXiv 2606.20945).
     """
 
     kind: str = "mha"
@@ -143,6 +154,12 @@ class AttentionConfig:
     head_weighting: str | None = None
     load_balance_fractions: str = "normalized"
     zero_padded_queries: bool = False
+    #: RMSNorm over each head's queries and keys before rotary (QK-norm); None: off.
+    qk_norm: bool | None = None
+    #: ``"headwise"`` / ``"elementwise"`` sigmoid gate on each head's output (Gated Attention G1); None: no gate.
+    output_gate: str | None = None
+    #: MoH: route inside each K/V group (Grouped Query Experts); None: off.
+    route_per_group: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -175,15 +192,29 @@ class AttentionConfig:
                     _positive_int(f"{name}.{fname}", getattr(self, fname))
             if self.head_dim is None and embed_dim is not None and embed_dim % self.num_heads:
                 raise ValueError(f"{name}.num_heads ({self.num_heads}) must divide d_model ({embed_dim}) when {name}.head_dim is not set")
+        if self.kind in ("mha", "moh", "talking_heads") and self.kv_heads is not None:
+            _positive_int(f"{name}.kv_heads", self.kv_heads)
+            if self.num_heads % self.kv_heads:
+                raise ValueError(f"{name}.kv_heads ({self.kv_heads}) must divide {name}.num_heads ({self.num_heads})")
+        if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
+            raise ValueError(f"{name}.qk_norm must be true, false or null (off), got {self.qk_norm!r}")
+        if self.output_gate is not None:
+            _choice(f"{name}.output_gate", self.output_gate, attention.mha.OUTPUT_GATES)
+        if self.route_per_group is not None and not isinstance(self.route_per_group, bool):
+            raise ValueError(f"{name}.route_per_group must be true, false or null (off), got {self.route_per_group!r}")
+        if self.route_per_group and self.kv_heads is None:
+            raise ValueError(f"{name}.route_per_group needs {name}.kv_heads (the groups to route in)")
         if self.kind == "moh":
             if self.num_shared_heads is None or self.top_k is None:
                 raise ValueError(f"{name}.num_shared_heads and {name}.top_k are required for kind 'moh'")
-            if not isinstance(self.num_shared_heads, int) or not 0 <= self.num_shared_heads < self.num_heads:
-                raise ValueError(f"{name}.num_shared_heads must be in [0, num_heads={self.num_heads}), got {self.num_shared_heads!r}")
-            routed = self.num_heads - self.num_shared_heads
+            group = self.num_heads // self.kv_heads if self.route_per_group else self.num_heads
+            where = "num_heads / kv_heads" if self.route_per_group else "num_heads"
+            if not isinstance(self.num_shared_heads, int) or not 0 <= self.num_shared_heads < group:
+                raise ValueError(f"{name}.num_shared_heads must be in [0, {where}={group}), got {self.num_shared_heads!r}")
+            routed = group - self.num_shared_heads
             _positive_int(f"{name}.top_k", self.top_k)
             if self.top_k > routed:
-                raise ValueError(f"{name}.top_k K={self.top_k} exceeds the {routed} routed heads (num_heads - num_shared_heads)")
+                raise ValueError(f"{name}.top_k K={self.top_k} exceeds the {routed} routed heads ({where} - num_shared_heads)")
         if self.kind == "switchhead":
             if self.expert_dropout is not None:
                 _fraction(f"{name}.expert_dropout", self.expert_dropout)
@@ -250,6 +281,8 @@ class AttentionConfig:
             common["load_balance_fractions"] = self.load_balance_fractions
         if self.kind != "moa":
             common["q_bias"] = self.q_bias
+        if self.kind in ("mha", "moh", "talking_heads"):
+            common.update(kv_heads=self.kv_heads, qk_norm=bool(self.qk_norm), output_gate=self.output_gate)
         if self.kind == "mha":
             return attention.MultiHeadAttention(embed_dim, self.num_heads, self.head_dim, self.key_dim, **common)
         if self.kind == "moa":
@@ -261,7 +294,8 @@ class AttentionConfig:
             return attention.MixtureOfHeadsAttention(
                 embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,
                 load_balance_weight=self.load_balance_weight, head_weighting=self.head_weighting or "renormalized",
-                impl=self.moh_impl or "auto", expert_impl=self.expert_impl, **common)
+                impl=self.moh_impl or "auto", expert_impl=self.expert_impl,
+                route_per_group=bool(self.route_per_group), **common)
         if self.kind == "switchhead":
             return attention.SwitchHeadAttention(
                 embed_dim, self.num_heads, self.num_experts, self.top_k, self.head_dim, bias=self.bias,

@@ -1,0 +1,426 @@
+"""Grouped-query K/V heads (``kv_heads``), QK-norm (``qk_norm``) and output gates (``output_gate``) on the
+MHA family, against the plain references, torch's SDPA ``enable_gqa`` and Hugging Face's ``LlamaAttention``
+and ``Qwen3Attention`` (tiny configs, copied weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headmix.attention import MultiHeadAttention
+from headmix.attention.reference import reference_mha
+
+D = 18
+
+
+def gqa_layer(dtype=torch.float64, **kw) -> MultiHeadAttention:
+    """6 query heads of value size 5 and query/key size 4 (odd sizes) on ``kv_heads`` K/V heads, with the
+    norm weights and gate moved off their initial values so that they are exercised."""
+    torch.manual_seed(0)
+    opts = dict(head_dim=5, key_dim=4, kv_heads=2)
+    opts.update(kw)
+    layer = MultiHeadAttention(D, 6, **opts).to(dtype).eval()
+    with torch.no_grad():
+        for norm in (layer.q_norm, layer.k_norm):
+            if norm is not None:
+                norm.weight.add_(0.5 * torch.randn_like(norm.weight))
+    return layer
+
+
+def masks_for(case: str, batch: int, tgt: int, src: int, generator: torch.Generator) -> dict:
+    if case == "padding":
+        kpm = torch.zeros(batch, src, dtype=torch.bool)
+        kpm[1, src - 2:] = True
+        return {"key_padding_mask": kpm}
+    if case == "causal":
+        return {"is_causal": True}
+    if case == "causal_padding":
+        kpm = torch.zeros(batch, src, dtype=torch.bool)
+        kpm[0, src - 3:] = True
+        return {"is_causal": True, "key_padding_mask": kpm}
+    if case == "float_mask":
+        return {"attn_mask": torch.randn(tgt, src, generator=generator, dtype=torch.float64)}
+    if case == "per_head_mask":  # (batch * heads, tgt, src): one mask per query head
+        m = torch.rand(batch * 6, tgt, src, generator=generator) < 0.3
+        m[..., 0] = False
+        return {"attn_mask": m}
+    if case == "fully_masked_row":
+        m = torch.zeros(tgt, src, dtype=torch.bool)
+        m[1] = True
+        return {"attn_mask": m}
+    assert case == "none"
+    return {}
+
+
+CONFIGS = {
+    "gqa": dict(kv_heads=2),
+    "mqa": dict(kv_heads=1),
+    "gqa3": dict(kv_heads=3, rotary=True),
+    "qk_norm": dict(kv_heads=2, qk_norm=True, rotary=True),
+    "headwise": dict(kv_heads=2, output_gate="headwise"),
+    "elementwise": dict(kv_heads=3, output_gate="elementwise", qk_norm=True, rotary=True),
+    "all_mha": dict(kv_heads=None, qk_norm=True, output_gate="headwise", rotary=True),
+}
+MASKS = ["none", "padding", "causal", "causal_padding", "float_mask", "per_head_mask", "fully_masked_row"]
+
+
+def check_against(layer, reference, x: torch.Tensor, mem: torch.Tensor | None, masks: dict, atol=1e-5):
+    """``layer`` and ``reference`` (same call signature) give the same outputs and gradients (inputs and
+    every parameter)."""
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    m1 = None if mem is None else mem.clone().requires_grad_()
+    m2 = None if mem is None else mem.clone().requires_grad_()
+    layer.zero_grad()
+    out = layer(x1, m1, **masks).output
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    expected = reference(layer, x2, m2, **masks)
+    (expected * w).sum().backward()
+    torch.testing.assert_close(out, expected, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(x1.grad, x2.grad, atol=atol, rtol=1e-5)
+    if mem is not None:
+        torch.testing.assert_close(m1.grad, m2.grad, atol=atol, rtol=1e-5)
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=atol, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    return out
+
+
+# --------------------------------------------------------------------------- the agreed API
+
+
+def test_default_kv_heads_is_todays_layer_bit_for_bit():
+    torch.manual_seed(3)
+    old = MultiHeadAttention(D, 6, rotary=True)
+    torch.manual_seed(3)
+    new = MultiHeadAttention(D, 6, rotary=True, kv_heads=None, qk_norm=False, output_gate=None)
+    assert [(n, p.shape) for n, p in old.named_parameters()] == [(n, p.shape) for n, p in new.named_parameters()]
+    assert new.kv_heads == 6 and new.q_norm is None and new.gate_proj is None
+    x = torch.randn(2, 5, D)
+    assert torch.equal(old(x, is_causal=True).output, new(x, is_causal=True).output)
+
+
+def test_parameter_names_and_shapes():
+    layer = MultiHeadAttention(D, 6, head_dim=5, key_dim=4, kv_heads=2, qk_norm=True, qk_norm_eps=1e-5,
+                               output_gate="elementwise", q_bias=False)
+    shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+    assert shapes == {"q_proj.weight": (24, D), "k_proj.weight": (8, D), "k_proj.bias": (8,), "v_proj.weight": (10, D),
+                      "v_proj.bias": (10,), "out_proj.weight": (D, 30), "out_proj.bias": (D,), "q_norm.weight": (4,),
+                      "k_norm.weight": (4,), "gate_proj.weight": (30, D)}
+    assert layer.q_norm.eps == 1e-5 and layer.k_norm.eps == 1e-5
+    headwise = MultiHeadAttention(D, 6, output_gate="headwise")
+    assert tuple(headwise.gate_proj.weight.shape) == (6, D) and headwise.gate_proj.bias is not None
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_heads=4), r"^kv_heads \(4\) must divide num_heads \(6\)"),
+    (dict(kv_heads=0), r"^kv_heads must be a positive integer"),
+    (dict(kv_heads=2.0), r"^kv_heads must be a positive integer"),
+    (dict(output_gate="sigmoid"), r"^output_gate must be None or one of \('headwise', 'elementwise'\)"),
+    (dict(qk_norm=1), r"^qk_norm must be True or False"),
+    (dict(qk_norm=True, qk_norm_eps=0.0), r"^qk_norm_eps must be a positive number"),
+])
+def test_bad_arguments_get_one_line_errors(kw, match):
+    with pytest.raises(ValueError, match=match) as err:
+        MultiHeadAttention(D, 6, **kw)
+    assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- against the reference
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("case", MASKS)
+def test_mha_options_match_reference(config, case):
+    layer = gqa_layer(**CONFIGS[config])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 5, D, generator=g, dtype=torch.float64)
+    out = check_against(layer, reference_mha, x, None, masks_for(case, 2, 5, 5, g))
+    if case == "fully_masked_row":  # no allowed key: the row is the output bias
+        assert out[:, 1].eq(layer.out_proj.bias).all()
+
+
+@pytest.mark.parametrize("config", ["gqa", "mqa", "elementwise"])
+def test_mha_options_cross_attention_match_reference(config):
+    layer = gqa_layer(**CONFIGS[config])
+    g = torch.Generator().manual_seed(6)
+    x, mem = torch.randn(2, 4, D, generator=g, dtype=torch.float64), torch.randn(2, 7, D, generator=g, dtype=torch.float64)
+    check_against(layer, reference_mha, x, mem, masks_for("padding", 2, 4, 7, g))
+
+
+def test_gates_and_norms_change_the_output():
+    """The gate and the norms are applied (a layer that skipped them would match a layer without them)."""
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    plain = gqa_layer(kv_heads=2)
+    for option in (dict(qk_norm=True), dict(output_gate="headwise"), dict(output_gate="elementwise")):
+        layer = gqa_layer(kv_heads=2, **option)
+        layer.load_state_dict(plain.state_dict(), strict=False)
+        assert not torch.allclose(layer(x).output, plain(x).output)
+
+
+# --------------------------------------------------------------------------- against torch SDPA enable_gqa
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mha_kv_heads_is_sdpa_enable_gqa(kv_heads, causal):
+    torch.manual_seed(1)
+    layer = MultiHeadAttention(24, 6, kv_heads=kv_heads).eval()
+    x = torch.randn(2, 9, 24, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out = layer(x, is_causal=causal).output
+    q = layer.q_proj(x2).view(2, 9, 6, 4).transpose(1, 2)
+    k = layer.k_proj(x2).view(2, 9, kv_heads, 4).transpose(1, 2)
+    v = layer.v_proj(x2).view(2, 9, kv_heads, 4).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    expected = layer.out_proj(o.transpose(1, 2).reshape(2, 9, 24))
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    w = torch.randn_like(out)
+    ga = torch.autograd.grad((out * w).sum(), [x, layer.k_proj.weight, layer.v_proj.weight])
+    gb = torch.autograd.grad((expected * w).sum(), [x2, layer.k_proj.weight, layer.v_proj.weight])
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- cached decoding
+
+
+@pytest.mark.parametrize("config", ["gqa", "mqa", "qk_norm", "elementwise", "all_mha"])
+def test_cached_decoding_step_by_step_equals_full_forward(config):
+    layer = gqa_layer(**CONFIGS[config])
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    full = layer(x, is_causal=True).output
+    out = layer(x[:, :3], is_causal=True, use_cache=True)
+    steps, cache = [out.output], out.cache
+    for t in range(3, 7):
+        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
+        steps.append(out.output)
+        cache = out.cache
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    assert tuple(cache.key.shape) == (2, layer.kv_heads, 7, 4) and tuple(cache.value.shape) == (2, layer.kv_heads, 7, 5)
+    assert cache.nbytes == 2 * 7 * layer.kv_heads * (4 + 5) * 8
+
+
+def test_preallocated_cache_decoding_equals_full_forward():
+    layer = gqa_layer(**CONFIGS["elementwise"])
+    x = torch.randn(1, 5, D, dtype=torch.float64)
+    full = layer(x, is_causal=True).output
+    out = layer(x[:, :2], is_causal=True, use_cache=True)
+    cache, steps = out.cache.preallocate(8), [out.output]
+    for t in range(2, 5):
+        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
+        steps.append(out.output)
+        cache = out.cache
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    assert cache.key.shape[1] == 3
+
+
+# --------------------------------------------------------------------------- Hugging Face peers
+
+
+def _hf_rotary_and_mask(rotary_cls, config, batch: int, length: int, pad: torch.Tensor):
+    positions = torch.arange(length)[None].expand(batch, -1)
+    cos, sin = rotary_cls(config=config)(torch.zeros(1, dtype=torch.float64), positions)
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()[None, None] & ~pad[:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    return (cos.double(), sin.double()), mask
+
+
+def _compare_with_hf(ours: MultiHeadAttention, theirs, rotary_cls, config):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 6, config.hidden_size, generator=g, dtype=torch.float64)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    position_embeddings, mask = _hf_rotary_and_mask(rotary_cls, config, 2, 6, pad)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = ours(x1, is_causal=True, key_padding_mask=pad).output
+    expected = theirs(x2, position_embeddings=position_embeddings, attention_mask=mask)[0]
+    real = ~pad  # padded query rows: HF attends them to their allowed keys as we do, compare real rows only
+    torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-5)
+    w = torch.randn_like(out) * real[..., None]
+    (out * w).sum().backward()
+    (expected * w).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, atol=1e-5, rtol=1e-5)
+    names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "o_proj",
+             "q_norm": "q_norm", "k_norm": "k_norm"}
+    for mine, hf in names.items():
+        if getattr(ours, mine) is None:
+            continue
+        torch.testing.assert_close(getattr(ours, mine).weight.grad, getattr(theirs, hf).weight.grad, atol=1e-6,
+                                   rtol=1e-5, msg=lambda m, mine=mine: f"{mine}: {m}")
+
+
+def _copy_from_hf(ours: MultiHeadAttention, theirs) -> None:
+    with torch.no_grad():
+        for mine, hf in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"), ("out_proj", "o_proj"),
+                         ("q_norm", "q_norm"), ("k_norm", "k_norm")):
+            if getattr(ours, mine) is None:
+                continue
+            for part in ("weight", "bias"):
+                src = getattr(getattr(theirs, hf), part, None)
+                if src is not None:
+                    getattr(getattr(ours, mine), part).copy_(src)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_mha_kv_heads_is_hf_llama_attention(kv_heads):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8,
+                         attention_bias=False, max_position_embeddings=64, rope_theta=10000.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    theirs = LlamaAttention(config, layer_idx=0).double().eval()
+    ours = MultiHeadAttention(32, 4, kv_heads=kv_heads, bias=False, rotary=True).double().eval()
+    _copy_from_hf(ours, theirs)
+    _compare_with_hf(ours, theirs, LlamaRotaryEmbedding, config)
+
+
+def test_mha_qk_norm_is_hf_qwen3_attention():
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
+
+    config = Qwen3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                         attention_bias=False, max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-6)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    theirs = Qwen3Attention(config, layer_idx=0).double().eval()
+    with torch.no_grad():
+        theirs.q_norm.weight.normal_(1.0, 0.3)
+        theirs.k_norm.weight.normal_(1.0, 0.3)
+    ours = MultiHeadAttention(32, 4, head_dim=12, kv_heads=2, bias=False, rotary=True, rotary_base=1000.0,
+                              qk_norm=True, qk_norm_eps=1e-6).double().eval()
+    _copy_from_hf(ours, theirs)
+    _compare_with_hf(ours, theirs, Qwen3RotaryEmbedding, config)
+
+
+# --------------------------------------------------------------------------- MoH and Talking-Heads
+
+from headmix.attention import MixtureOfHeadsAttention, TalkingHeadsAttention  # noqa: E402
+from headmix.attention.reference import reference_moh  # noqa: E402
+from headmix.models.config import AttentionConfig  # noqa: E402
+
+
+def moh_layer(impl: str, dtype=torch.float64, **kw) -> MixtureOfHeadsAttention:
+    """8 heads of 3 (odd) with random router weights (so that the routing is not uniform) and norm weights off 1."""
+    torch.manual_seed(0)
+    opts = dict(num_heads=8, num_shared_heads=1, top_k=2, head_dim=3)
+    opts.update(kw)
+    layer = MixtureOfHeadsAttention(D, impl=impl, **opts).to(dtype).eval()
+    with torch.no_grad():
+        for lin in (layer.routed_gate, layer.shared_gate, layer.group_gate):
+            if lin is not None:
+                lin.weight.normal_()
+        for norm in (layer.q_norm, layer.k_norm):
+            if norm is not None:
+                norm.weight.add_(0.5 * torch.randn_like(norm.weight))
+    return layer
+
+
+MOH_CONFIGS = {
+    "gqa_aligned": dict(kv_heads=2, num_shared_heads=4),  # shared heads fill group 0: K/V read in place
+    "gqa_split": dict(kv_heads=2),  # shared head 0 splits group 0: the sparse path gathers K/V
+    "mqa_norm_gate": dict(kv_heads=1, qk_norm=True, output_gate="headwise", rotary=True),
+    "elementwise": dict(kv_heads=4, output_gate="elementwise", rotary=True, num_shared_heads=0, top_k=3),
+    "gqe": dict(kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2, rotary=True),
+    "gqe_norm_gate": dict(kv_heads=4, route_per_group=True, num_shared_heads=0, top_k=1, qk_norm=True,
+                          output_gate="elementwise", head_weighting="paper"),
+    "gqe_scaled": dict(kv_heads=2, route_per_group=True, num_shared_heads=2, top_k=1, head_weighting="scaled",
+                       output_gate="headwise"),
+}
+
+
+@pytest.mark.parametrize("impl", ["dense", "sparse"])
+@pytest.mark.parametrize("config", list(MOH_CONFIGS))
+@pytest.mark.parametrize("case", ["none", "causal_padding", "per_head_mask", "fully_masked_row"])
+def test_moh_options_match_reference(impl, config, case):
+    layer = moh_layer(impl, **MOH_CONFIGS[config])
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 5, D, generator=g, dtype=torch.float64)
+    masks = masks_for(case, 2, 5, 5, g)
+    if case == "per_head_mask":
+        masks["attn_mask"] = torch.rand(2 * 8, 5, 5, generator=g) < 0.3
+        masks["attn_mask"][..., 0] = False
+    check_against(layer, reference_moh, x, None, masks)
+
+
+@pytest.mark.parametrize("config", ["gqa_split", "mqa_norm_gate", "gqe", "gqe_norm_gate"])
+def test_moh_options_cached_decoding_equals_full_forward(config):
+    for impl in ("dense", "sparse"):
+        layer = moh_layer(impl, **MOH_CONFIGS[config])
+        x = torch.randn(2, 6, D, dtype=torch.float64)
+        full = layer(x, is_causal=True).output
+        out = layer(x[:, :3], is_causal=True, use_cache=True)
+        steps, cache = [out.output], out.cache
+        for t in range(3, 6):
+            out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
+            steps.append(out.output)
+            cache = out.cache
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+        assert cache.key.shape[1] == layer.kv_heads
+
+
+def test_moh_sparse_and_dense_give_the_same_routing_and_loss():
+    dense, sparse = moh_layer("dense", **MOH_CONFIGS["gqe"]), moh_layer("sparse", **MOH_CONFIGS["gqe"])
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    a, b = dense(x, is_causal=True), sparse(x, is_causal=True)
+    assert torch.equal(a.routing.expert_index, b.routing.expert_index)
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)
+
+
+@pytest.mark.parametrize("config", ["gqa", "mqa", "qk_norm", "elementwise"])
+def test_talking_heads_options_match_reference(config):
+    opts = CONFIGS[config]
+    torch.manual_seed(0)
+    layer = TalkingHeadsAttention(D, 6, head_dim=5, key_dim=4, query_block=2, **opts).double().eval()
+    with torch.no_grad():
+        layer.pre_mix.add_(0.3 * torch.randn(6, 6, dtype=torch.float64))
+        layer.post_mix.add_(0.3 * torch.randn(6, 6, dtype=torch.float64))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 5, D, generator=g, dtype=torch.float64)
+    layer.train()  # query blocks with checkpointing (dropout is 0)
+    check_against(layer, reference_mha, x, None, masks_for("causal_padding", 2, 5, 5, g))
+    layer.eval()
+    check_against(layer, reference_mha, x, None, masks_for("per_head_mask", 2, 5, 5, g))
+
+
+# --------------------------------------------------------------------------- AttentionConfig
+
+
+@pytest.mark.parametrize("kind", ["mha", "moh", "talking_heads"])
+def test_config_builds_the_options(kind):
+    extra = dict(num_shared_heads=1, top_k=1, route_per_group=True) if kind == "moh" else {}
+    cfg = AttentionConfig(kind=kind, num_heads=8, kv_heads=2, qk_norm=True, output_gate="elementwise", **extra)
+    layer = cfg.build(32)
+    assert layer.kv_heads == 2 and layer.q_norm is not None and layer.output_gate == "elementwise"
+    assert tuple(layer.k_proj.weight.shape) == (8, 32) and tuple(layer.gate_proj.weight.shape) == (32, 32)
+    if kind == "moh":
+        assert layer.route_per_group and layer.top_k == 1
+    assert AttentionConfig.from_dict(cfg.to_dict()) == cfg
+    plain = AttentionConfig(kind=kind, num_heads=8, **({k: v for k, v in extra.items() if k != "route_per_group"}))
+    layer = plain.build(32)
+    assert layer.kv_heads == 8 and layer.q_norm is None and layer.gate_proj is None
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kind="mha", num_heads=8, kv_heads=3), r"^attention\.kv_heads \(3\) must divide attention\.num_heads \(8\)$"),
+    (dict(kind="mha", num_heads=8, kv_heads=0), r"^attention\.kv_heads must be a positive integer"),
+    (dict(kind="talking_heads", num_heads=8, output_gate="sigmoid"), r"^attention\.output_gate must be one of"),
+    (dict(kind="moh", num_heads=8, num_shared_heads=1, top_k=1, qk_norm=1), r"^attention\.qk_norm must be true, false"),
+    (dict(kind="switchhead", num_heads=4, num_experts=2, top_k=1, output_gate="headwise"),
+     r"^attention\.output_gate applies to kind"),
+    (dict(kind="mha", num_heads=8, route_per_group=True), r"^attention\.route_per_group applies to kind 'moh'"),
+    (dict(kind="moh", num_heads=8, num_shared_heads=1, top_k=1, route_per_group=True),
+     r"^attention\.route_per_group needs attention\.kv_heads"),
+    (dict(kind="moh", num_heads=8, kv_heads=2, num_shared_heads=4, top_k=1, route_per_group=True),
+     r"^attention\.num_shared_heads must be in \[0, num_heads / kv_heads=4\)"),
+    (dict(kind="moh", num_heads=8, kv_heads=2, num_shared_heads=1, top_k=4, route_per_group=True),
+     r"^attention\.top_k K=4 exceeds the 3 routed heads"),
+])
+def test_config_bad_options_get_one_line_errors(kw, match):
+    with pytest.raises(ValueError, match=match) as err:
+        AttentionConfig(**kw)
+    assert "\n" not in str(err.value)
