@@ -363,6 +363,8 @@ def test_qwen3_conversion_errors():
                                                        "original_max_position_embeddings": 32}))
     with pytest.raises(ValueError, match="hidden_act must be 'silu'"):
         causal_lm_from_qwen3(hf_qwen3(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="rms_norm_eps must be 1e-06 .* got 1e-05"):
+        causal_lm_from_qwen3(hf_qwen3(rms_norm_eps=1e-5))
     hf = hf_qwen3()
     with pytest.raises(ValueError, match="kv_heads comes from the checkpoint's num_key_value_heads"):
         causal_lm_from_qwen3(hf, kv_heads=4)
@@ -388,6 +390,6 @@ def test_every_source_tensor_is_taken_once():
     hf.config.use_qk_norm = False
     with pytest.raises(ValueError, match=r"layers.0.self_attn.q_norm.weight: the source has QK-norm, the headmix layer has not"):
         causal_lm_from_qwen3(hf)
-    llama = hf_llama()
+    llama = hf_llama(rms_norm_eps=1e-6)
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_norm.weight: missing from the source checkpoint"):
         causal_lm_from_qwen3_state(llama.config, llama.state_dict())

@@ -4,13 +4,13 @@ MoH, keeping grouped-query K/V heads and QK-norm; and the Gated Attention author
 
 Qwen3 is Llama (:mod:`headmix.interop.llama`, same names and mapping) plus QK-norm: ``self_attn.q_norm`` and
 ``self_attn.k_norm``, an RMSNorm over each head's ``head_dim`` (epsilon ``rms_norm_eps``) applied to the
-queries and keys before rotary, map to the headmix layer's ``q_norm`` / ``k_norm`` (``qk_norm=True``,
-``qk_norm_eps=rms_norm_eps``). ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (Qwen3-0.6B:
+queries and keys before rotary, map to the headmix layer's ``q_norm`` / ``k_norm`` (``qk_norm=True``, whose
+epsilon is 1e-6: a checkpoint with another ``rms_norm_eps`` is refused). ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (Qwen3-0.6B:
 16 heads of 128 on ``hidden_size`` 1024); the attention scale is ``head_dim ** -0.5`` on both sides. Tied
 embeddings (the small Qwen3s) map to ``share_embeddings=True``; ``attention_bias`` to the biases of the
 four projections.
 
-Refused with a one-line error: sliding-window layers (``use_sliding_window`` / ``layer_types`` with
+Refused with a one-line error: ``rms_norm_eps`` other than 1e-6 (with QK-norm), sliding-window layers (``use_sliding_window`` / ``layer_types`` with
 ``"sliding_attention"``: headmix's layers attend to the whole causal prefix), scaled RoPE (YaRN etc.), an
 activation other than SiLU.
 
@@ -44,6 +44,11 @@ from ..models import CausalLanguageModel, ModelConfig
 from ._hf import copy_into, require_transformers
 from .llama import SourceTensors, causal_lm_from_state, decoder_config, hf_decoder_from_causal_lm
 
+#: The epsilon of the QK-norm of layers built from an :class:`AttentionConfig` (``MultiHeadAttention``'s
+#: ``qk_norm_eps`` default; the config has no field for it). Qwen3 uses ``rms_norm_eps`` (1e-6 in every released
+#: Qwen3) for QK-norm and the layer norms alike.
+QK_NORM_EPS = 1e-6
+
 #: The gate flags of the Gated Attention authors' Qwen3 config and the headmix ``output_gate`` they map to.
 GATE_FLAGS = {"headwise_attn_output_gate": "headwise", "elementwise_attn_output_gate": "elementwise"}
 
@@ -70,7 +75,10 @@ def config_from_qwen3(hf_config: Any, *, attention: str = "mha", num_shared_head
         if name in attention_options:
             raise ValueError(f"{name} comes from the checkpoint's config")
     qk_norm = bool(getattr(hf_config, "use_qk_norm", True))
-    extra = dict(qk_norm=True, qk_norm_eps=float(hf_config.rms_norm_eps)) if qk_norm else {}
+    if qk_norm and float(hf_config.rms_norm_eps) != QK_NORM_EPS:
+        raise ValueError(f"rms_norm_eps must be {QK_NORM_EPS} (the epsilon of headmix's QK-norm, which Qwen3's "
+                         f"q_norm/k_norm share with its layer norms), got {hf_config.rms_norm_eps}")
+    extra = dict(qk_norm=True) if qk_norm else {}
     gate = output_gate_of(hf_config)
     if gate is not None:
         extra["output_gate"] = gate
