@@ -318,10 +318,11 @@ def test_moh_from_dense_keeps_kv_heads_qk_norm_and_gate():
     torch.manual_seed(0)
     mha = MultiHeadAttention(32, 4, kv_heads=2, qk_norm=True, output_gate="elementwise", rotary=True).double()
     spread(mha)
-    moh = moh_from_dense(mha, num_shared_heads=1, top_k=3)
-    assert moh.k_proj.weight.shape == mha.k_proj.weight.shape and moh.gate_proj.weight.shape == mha.gate_proj.weight.shape
     x = torch.randn(2, 7, 32, dtype=torch.float64)
-    torch.testing.assert_close(moh(x, is_causal=True).output, mha(x, is_causal=True).output)
+    for options in (dict(num_shared_heads=1, top_k=3), dict(num_shared_heads=1, top_k=1, route_per_group=True)):
+        moh = moh_from_dense(mha, **options)
+        assert moh.k_proj.weight.shape == mha.k_proj.weight.shape and moh.gate_proj.weight.shape == mha.gate_proj.weight.shape
+        torch.testing.assert_close(moh(x, is_causal=True).output, mha(x, is_causal=True).output)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,7 +343,7 @@ def test_back_to_hf_is_the_source_parameter_for_parameter(family, tied):
 
 def test_back_to_hf_refuses_what_it_cannot_hold():
     hf = hf_qwen3()
-    with pytest.raises(ValueError, match="not in qwen3's form: it needs MHA attention"):
+    with pytest.raises(ValueError, match="not in qwen3's form: it needs MHA attention, not 'moh'"):
         causal_lm_to_qwen3(causal_lm_from_qwen3(hf, attention="moh", num_shared_heads=2, top_k=2))
     with pytest.raises(ValueError, match="not in llama's form: it needs qk_norm=False"):
         causal_lm_to_llama(causal_lm_from_qwen3(hf))
@@ -350,6 +351,10 @@ def test_back_to_hf_refuses_what_it_cannot_hold():
         causal_lm_to_qwen3(causal_lm_from_qwen3(gated_qwen3("headwise")))
     with pytest.raises(ValueError, match="not in qwen3's form: it needs qk_norm=True with qk_norm_eps == norm_eps"):
         causal_lm_to_qwen3(causal_lm_from_llama(hf_llama()))
+    from headmix.models import build_model, get_config
+
+    with pytest.raises(ValueError, match="not in llama's form: it needs MHA attention, not 'moa'"):
+        causal_lm_to_llama(build_model(get_config("llama-tiny-moa", vocab_size=V)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -270,6 +270,8 @@ def hf_decoder_from_causal_lm(model: CausalLanguageModel, family: str) -> Any:
     if not isinstance(model, CausalLanguageModel):
         raise ValueError(f"model must be a headmix CausalLanguageModel, got {type(model).__name__}")
     cfg, att = model.config, model.config.decoder_self_attention
+    if att.kind != "mha":
+        raise ValueError(f"the model is not in {family}'s form: it needs MHA attention, not {att.kind!r}")
     first = model.decoder.layers[0].self_attn
     projections = (first.q_proj, first.k_proj, first.v_proj, first.out_proj)
     qk_norm = family == "qwen3"
@@ -278,7 +280,7 @@ def hf_decoder_from_causal_lm(model: CausalLanguageModel, family: str) -> Any:
         (cfg.positions == "rotary" and att.rotary_fraction == 1.0, "positions='rotary' with rotary_fraction=1.0"),
         (not cfg.scale_embeddings and not cfg.embedding_norm, "scale_embeddings=False and embedding_norm=False"),
         (cfg.ffn == "swiglu" and (family == "llama" or not cfg.bias), "ffn='swiglu' (Qwen3: bias=False)"),
-        (att.kind == "mha" and first.key_dim == first.head_dim, "MHA attention with key_dim == head_dim"),
+        (first.key_dim == first.head_dim, "key_dim == head_dim"),
         (first.output_gate is None, "no output_gate (Llama and Qwen3 have none)"),
         (len({p.bias is None for p in projections}) == 1, "biases on all four attention projections or on none"),
         (first.qk_norm == qk_norm and (not qk_norm or first.q_norm.eps == cfg.norm_eps),
