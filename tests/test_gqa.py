@@ -424,3 +424,98 @@ def test_config_bad_options_get_one_line_errors(kw, match):
     with pytest.raises(ValueError, match=match) as err:
         AttentionConfig(**kw)
     assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- counting, presets, studies
+
+import dataclasses  # noqa: E402
+
+from headmix.models import (analytic_macs, analytic_parameters, build_model, count_parameters,  # noqa: E402
+                            get_config, measure_macs)
+from headmix.models.counting import attention_macs, attention_parameters  # noqa: E402
+
+LLAMA3_PRESETS = ["llama3-tiny-gqa", "llama3-tiny-gated", "llama3-tiny-gqe"]
+
+
+def _with_decoder_attention(name: str, **changes):
+    cfg = get_config(name, task="lm")
+    return cfg.replace(decoder_self_attention=dataclasses.replace(cfg.decoder_self_attention, **changes))
+
+
+@pytest.mark.parametrize("changes", [
+    dict(kind="mha", kv_heads=2), dict(kind="mha", kv_heads=1, qk_norm=True, output_gate="elementwise"),
+    dict(kind="talking_heads", kv_heads=2, output_gate="headwise"),
+    dict(kind="moh", num_shared_heads=1, top_k=2, kv_heads=2, qk_norm=True, output_gate="headwise"),
+    # GQE, sparse: 2 groups of 2 heads, 1 shared + the 1 routed per group (every routed head in use, so the
+    # padded sparse layout computes no padding rows and the measured count is the selected heads')
+    dict(kind="moh", num_shared_heads=1, top_k=1, kv_heads=2, route_per_group=True, moh_impl="sparse",
+         output_gate="elementwise"),
+])
+def test_counts_are_exact_for_the_options(changes):
+    cfg = _with_decoder_attention("tiny-mha", **changes)
+    assert analytic_parameters(cfg).total == count_parameters(build_model(cfg, device="meta"))
+    assert measure_macs(cfg) == analytic_macs(cfg).full
+
+
+@pytest.mark.parametrize("name", LLAMA3_PRESETS)
+def test_llama3_presets_counts_are_exact(name):
+    cfg = get_config(name)
+    assert analytic_parameters(cfg).total == count_parameters(build_model(cfg, device="meta"))
+    if name != "llama3-tiny-gqe":  # auto MoH: measured as whatever impl runs; the analytic count is the dense one
+        assert measure_macs(cfg) == analytic_macs(cfg).full
+
+
+def test_attention_formulas_for_the_options():
+    d, t, s, h, dh, g = 64, 10, 7, 8, 8, 2
+    base = AttentionConfig(kind="mha", num_heads=h)
+    gqa = dataclasses.replace(base, kv_heads=g)
+    full, _ = attention_macs(gqa, d, t, s)
+    assert full == t * d * h * dh + 2 * s * d * g * dh + 2 * h * t * s * dh + t * h * dh * d
+    assert attention_parameters(gqa, d)[0] == d * h * dh * 2 + 2 * d * g * dh + h * dh + 2 * g * dh + d
+    gated = dataclasses.replace(gqa, output_gate="elementwise", qk_norm=True, bias=False)
+    assert attention_macs(gated, d, t, s)[0] == full + t * d * h * dh
+    assert attention_parameters(gated, d)[0] == 2 * d * h * dh + 2 * d * g * dh + d * h * dh + 2 * dh
+    headwise = dataclasses.replace(gqa, output_gate="headwise")
+    assert attention_parameters(headwise, d)[0] == attention_parameters(gqa, d)[0] + d * h + h
+    # GQE, sparse: per group 1 shared + top 2 of 3; routers W_r (6), W_s (2) and W_h (2 per group)
+    gqe = AttentionConfig(kind="moh", num_heads=h, kv_heads=g, route_per_group=True, num_shared_heads=1, top_k=2,
+                          moh_impl="sparse", bias=False)
+    active = g * (1 + 2)
+    assert attention_macs(gqe, d, t, s)[0] == (t * d * active * dh + 2 * s * d * g * dh + 2 * active * t * s * dh
+                                               + t * active * dh * d + t * d * (6 + 2 + 2 * g))
+    assert attention_parameters(gqe, d)[0] == 2 * d * h * dh + 2 * d * g * dh + d * (6 + 2 + 2 * g)
+
+
+def test_llama3_presets_use_grouped_query_attention():
+    gqa, gated, gqe = (get_config(n) for n in LLAMA3_PRESETS)
+    model = build_model(gated)
+    att = model.decoder.layers[0].self_attn
+    assert att.kv_heads == 2 and att.num_heads == 8 and att.q_norm is not None and att.output_gate == "elementwise"
+    assert att.rotary is not None and att.rotary.base == 500000.0 and att.k_proj.bias is None
+    layer = build_model(gqe).decoder.layers[0].self_attn
+    assert layer.route_per_group and layer.kv_heads == 2 and layer.top_k == 2
+    assert build_model(gqa).decoder.layers[0].self_attn.gate_proj is None
+    # the cache of a GQA model holds 2 K/V heads per layer: a quarter of the 8-head model's
+    tokens = torch.randint(3, 100, (1, 5))
+    m = build_model(gqa).eval()
+    caches = m(tokens, use_cache=True).state.self_attn
+    assert len(caches) == 2 and all(c.key.shape[1] == 2 for c in caches)
+
+
+def test_study_matching_solves_and_counts_kv_heads():
+    from headmix.study.matching import attention_macs_of, match_attention
+
+    baseline = get_config("llama3-tiny-gqa")
+    # an MHA row with 8 heads of 8 solving for kv_heads must find the baseline's 2
+    match = match_attention(baseline, {"kind": "mha", "num_heads": 8}, ["kv_heads"], tolerance=0.001)
+    assert match.attention.kv_heads == 2 and match.attention.rotary_base == 500000.0
+    # the gated baseline's conventions go to MoH rows, not to MoA rows (which have none)
+    gated = get_config("llama3-tiny-gated")
+    row = match_attention(gated, {"kind": "moh", "num_heads": 8, "kv_heads": 2, "num_shared_heads": 1,
+                                  "route_per_group": True}, ["top_k"], tolerance=0.5)
+    assert row.attention.qk_norm and row.attention.output_gate == "elementwise"
+    moa = match_attention(gated, {"kind": "moa", "num_experts": 8, "head_dim": 8}, ["top_k"], tolerance=0.5)
+    assert moa.attention.qk_norm is None and moa.attention.output_gate is None
+    fewer = attention_macs_of(baseline.replace(decoder_self_attention=dataclasses.replace(
+        baseline.decoder_self_attention, kv_heads=1)), None, None)
+    assert fewer < attention_macs_of(baseline, None, None)

@@ -56,6 +56,12 @@ _KIND_FIELDS = {
 }
 
 
+def field_applies(field: str, kind: str) -> bool:
+    """Whether the :class:`AttentionConfig` field ``field`` means something for attention ``kind`` (fields that
+    apply to some kinds only must be unset for the others)."""
+    return kind in _KIND_FIELDS.get(field, ATTENTION_KINDS)
+
+
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -24,8 +24,13 @@ Three numbers per model:
   ``unroll = T``); cross-attention puts ``S`` where the key/value side runs (their formula has no
   cross-attention).
 - Sparse MoH (``moh_impl="sparse"``): the ``full`` count is what it computes, the shared and the
-  ``top_k`` selected heads' query projections, attention and output projections per query token, and every
+  ``top_k`` selected heads' query projections, attention and output projections per query token (per K/V
+  group with ``route_per_group``, GQE: ``kv_heads (num_shared_heads + top_k)`` heads), and every
   head's keys and values; dense MoH (and ``auto``, whatever it picks at run time) counts every head.
+- ``kv_heads`` (MHA, MoH, Talking-Heads): the K/V projections make ``kv_heads`` heads, ``2 S d_m
+  kv_heads d_h`` MACs; ``output_gate``: its projection ``T d_m H`` (headwise) or ``T d_m H d_h``
+  (elementwise) for every head; ``qk_norm`` is element-wise (0 MACs, ``2 d_k`` parameters). The ``paper``
+  column stays eq. 19-20 as printed (every head with its own K/V, no gates).
 - ``measured``: run the model once under ``torch.utils.flop_counter.FlopCounterMode`` (MACs =
   FLOPs / 2), with MoA layers on ``expert_impl="sorted"`` so that only the ``k`` selected experts per
   token are computed (and counted).
@@ -102,17 +107,38 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     h = att.num_heads
     dv = att.resolved_head_dim(d)
     dk = att.resolved_key_dim(d)
+    kv = att.kv_heads or h  # grouped-query attention: the K/V projections make kv_heads heads
+    groups = _route_groups(att)
     # Heads whose queries, attention rows and output projection are computed per query token: all of them,
-    # or with sparse MoH the shared heads and the top_k selected ones (keys and values stay dense).
-    active = att.num_shared_heads + att.top_k if att.kind == "moh" and att.moh_impl == "sparse" else h
-    full = t * d * active * dk + s * d * h * (dk + dv) + active * t * s * (dk + dv) + t * active * dv * d
+    # or with sparse MoH the shared heads and the top_k selected ones (per group with route_per_group; keys
+    # and values stay dense).
+    active = groups * (att.num_shared_heads + att.top_k) if att.kind == "moh" and att.moh_impl == "sparse" else h
+    full = t * d * active * dk + s * d * kv * (dk + dv) + active * t * s * (dk + dv) + t * active * dv * d
     paper = t * s * h * dk + 2 * t * d * h * dk + 2 * t * d * h * dv  # eq. 19 (= T^2 d_m + 4 T d_m^2)
+    full += t * d * _output_gates(att, h, dv)  # Gated Attention's gate projection, every head (QK-norm: element-wise)
     if att.kind == "talking_heads":
         full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h * t * s
     if att.kind == "moh":
-        routed, shared = h - att.num_shared_heads, att.num_shared_heads
-        full += t * d * routed + (t * d * (shared + 2) if shared else 0)
+        full += t * d * _moh_router_width(att, h, groups)
     return full, paper
+
+
+def _route_groups(att: AttentionConfig) -> int:
+    """MoH's router groups: the K/V groups with ``route_per_group`` (GQE), else 1."""
+    return att.kv_heads if att.kind == "moh" and att.route_per_group else 1
+
+
+def _output_gates(att: AttentionConfig, heads: int, head_dim: int) -> int:
+    """Outputs of the ``output_gate`` projection: one per head (headwise), one per output element
+    (elementwise), or 0."""
+    return {None: 0, "headwise": heads, "elementwise": heads * head_dim}[att.output_gate]
+
+
+def _moh_router_width(att: AttentionConfig, heads: int, groups: int) -> int:
+    """Outputs of MoH's router projections: ``W_r`` over the routed heads, and with shared heads ``W_s``
+    over them and ``W_h``'s two group weights, per router group."""
+    shared = groups * att.num_shared_heads
+    return (heads - shared) + ((shared + 2 * groups) if shared else 0)
 
 
 def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
@@ -133,14 +159,18 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
     h = att.num_heads
     dv = att.resolved_head_dim(d)
     dk = att.resolved_key_dim(d)
+    kv = att.kv_heads or h
     paper = 2 * d * h * dk + 2 * d * h * dv  # = 4 d_m^2
     q_bias, kv_bias, out_bias = att.resolved_biases()
-    full = paper + h * dk * q_bias + (h * dk + h * dv) * kv_bias + d * out_bias
+    gates = _output_gates(att, h, dv)
+    full = (d * h * dk + d * kv * (dk + dv) + h * dv * d  # W_q, W_k and W_v of kv_heads heads, W_o
+            + h * dk * q_bias + kv * (dk + dv) * kv_bias + d * out_bias
+            + gates * (d + q_bias)  # the output gate's projection (its bias follows q_bias)
+            + (2 * dk if att.qk_norm else 0))  # QK-norm: one weight per query/key dimension, for q and for k
     if att.kind == "talking_heads":
         full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h
     if att.kind == "moh":
-        routed, shared = h - att.num_shared_heads, att.num_shared_heads
-        full += d * routed + (d * (shared + 2) if shared else 0)
+        full += d * _moh_router_width(att, h, _route_groups(att))
     return full, paper
 
 

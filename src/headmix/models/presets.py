@@ -17,6 +17,11 @@ CPU work.
   layers), ``llama-mini-{mha,moa,moh,switchhead}`` (d_model 128, 3 layers), ``llama-tiny-moa-kv2`` (MoA with 2 grouped K/V
   heads, JetMoE's attention) and the JetMoE-style ``llama-{tiny,mini}-jetmoe`` (MoA attention and a
   mixture of SwiGLU experts).
+- Llama-3-style decoders (task ``lm`` only; the ``llama-*`` options, rotary base 500000 and grouped-query
+  attention, 4 query heads per K/V head): ``llama3-{tiny,mini}-gqa`` (MHA, 8 query heads on 2 K/V heads),
+  ``llama3-{tiny,mini}-gated`` (the same with QK-norm and Gated Attention's elementwise output gate, as
+  Qwen3-Next) and ``llama3-{tiny,mini}-gqe`` (MoH routed per K/V group, Grouped Query Experts: per group 1
+  shared head and the top 2 of the 3 others, so 6 of the 8 query heads run per token).
 
 :func:`get_config` takes a preset name, a ``{K}K{E}E{D}D`` string or a path to a JSON config.
 """
@@ -168,6 +173,24 @@ def _llama_mini(attention: AttentionConfig) -> Callable[[str, int], ModelConfig]
     return lambda task, vocab: llama_model(attention, vocab, d_model=128, layers=3, max_positions=512)
 
 
+#: Llama 3's rotary base (``rope_theta``).
+LLAMA3_ROTARY_BASE = 500000.0
+#: The llama3-* presets' attention: 8 query heads on 2 K/V heads (Llama-3-8B's 4 query heads per K/V head).
+LLAMA3_GQA = AttentionConfig(kind="mha", num_heads=8, kv_heads=2, rotary_base=LLAMA3_ROTARY_BASE)
+#: The same with QK-norm (Qwen3) and the elementwise G1 output gate (Gated Attention's best variant, Qwen3-Next).
+LLAMA3_GATED = dataclasses.replace(LLAMA3_GQA, qk_norm=True, output_gate="elementwise")
+#: Grouped Query Experts on the same groups: per K/V group 1 shared head and the top 2 of its 3 routed heads.
+LLAMA3_GQE = AttentionConfig(kind="moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
+                             rotary_base=LLAMA3_ROTARY_BASE)
+
+
+def _llama3(attention: AttentionConfig, d_model: int, layers: int,
+            max_positions: int) -> Callable[[str, int], ModelConfig]:
+    # llama_model sets rotary=True and no biases; the rotary base stays the attention config's (Llama 3's)
+    return lambda task, vocab: llama_model(attention, vocab, d_model=d_model, layers=layers,
+                                           max_positions=max_positions)
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -266,6 +289,18 @@ _PRESETS = [
            lambda task, vocab: jetmoe_model(vocab, d_model=128, layers=3, max_positions=512, top_k=2, num_experts=8,
                                             head_dim=32, kv_heads=2),
            "JetMoE-style d 128, 3 layers, MoA 2K8E32D with 2 K/V heads, top 2 of 8 SwiGLU experts of 176"),
+    Preset("llama3-tiny-gqa", ("lm",), 1000, _llama3(LLAMA3_GQA, 64, 2, 256),
+           "Llama-3-style d 64, SwiGLU 176, 2 layers, MHA 8 heads of 8 on 2 K/V heads"),
+    Preset("llama3-tiny-gated", ("lm",), 1000, _llama3(LLAMA3_GATED, 64, 2, 256),
+           "Llama-3-style d 64, 2 layers, GQA 8 on 2 K/V heads with QK-norm and an elementwise output gate"),
+    Preset("llama3-tiny-gqe", ("lm",), 1000, _llama3(LLAMA3_GQE, 64, 2, 256),
+           "Llama-3-style d 64, 2 layers, GQE: 8 heads on 2 K/V heads, per group 1 shared + top 2 of 3"),
+    Preset("llama3-mini-gqa", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_GQA, 128, 3, 512),
+           "Llama-3-style d 128, SwiGLU 352, 3 layers, MHA 8 heads of 16 on 2 K/V heads"),
+    Preset("llama3-mini-gated", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_GATED, 128, 3, 512),
+           "Llama-3-style d 128, 3 layers, GQA 8 on 2 K/V heads with QK-norm and an elementwise output gate"),
+    Preset("llama3-mini-gqe", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_GQE, 128, 3, 512),
+           "Llama-3-style d 128, 3 layers, GQE: 8 heads on 2 K/V heads, per group 1 shared + top 2 of 3"),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
 

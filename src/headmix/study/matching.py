@@ -11,6 +11,11 @@ A variant fixes some attention fields and names the ones to solve for (``top_k``
 the candidate values of those fields, keeps the configurations within the tolerance and picks, in order:
 the one closest to the ``prefer`` values (e.g. the baseline's head size, so MoA rows at several ``E``
 keep one ``k`` and ``d_h``), then the one closest to the baseline's MACs.
+
+Rows may fix (or solve, ``kv_heads``) the grouped-query options too: ``kv_heads`` (fewer K/V projections),
+``output_gate`` (its projection is counted) and ``qk_norm`` (element-wise, no MACs) are counted by
+:func:`headmix.models.counting.attention_macs` as the layer computes them, as is GQE's ``route_per_group``
+(its shared and selected heads per group, with ``moh_impl="sparse"``).
 """
 
 from __future__ import annotations
@@ -21,19 +26,31 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..models import AttentionConfig, ModelConfig, analytic_macs
+from ..models.config import field_applies
 
 #: The fields a variant may ask to solve for.
-SOLVABLE = ("top_k", "head_dim", "num_heads", "key_dim", "num_experts", "num_shared_heads")
+SOLVABLE = ("top_k", "head_dim", "num_heads", "key_dim", "num_experts", "num_shared_heads", "kv_heads")
 
 #: Options every row takes from the baseline's attention unless it fixes them: a row changes the kind of
 #: attention, not the model's conventions (a Llama-style baseline has no biases and rotary positions).
 INHERITED = ("bias", "q_bias", "kv_bias", "out_bias", "dropout", "rotary", "rotary_base", "rotary_fraction")
+#: Conventions a row takes from the baseline only when its kind has them (a Qwen3-style baseline's QK-norm
+#: and output gate go to MHA / MoH / Talking-Heads rows, not to MoA or SwitchHead rows). ``kv_heads`` is
+#: not inherited: it shapes the layer's cost, a row sets (or solves) it.
+INHERITED_WHERE_SUPPORTED = ("qk_norm", "output_gate")
 
 
 def inherited_options(baseline: ModelConfig) -> dict[str, Any]:
     """The :data:`INHERITED` options of ``baseline``'s attention (its first attention role), unset ones left out."""
     att = getattr(baseline, baseline.attention_roles()[0])
     return {name: getattr(att, name) for name in INHERITED if getattr(att, name) is not None}
+
+
+def conventions_for(kind: str, baseline: ModelConfig) -> dict[str, Any]:
+    """The :data:`INHERITED_WHERE_SUPPORTED` options of ``baseline``'s attention that a row of ``kind`` has."""
+    att = getattr(baseline, baseline.attention_roles()[0])
+    return {name: getattr(att, name) for name in INHERITED_WHERE_SUPPORTED
+            if getattr(att, name) is not None and field_applies(name, kind)}
 ROLES = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 
 
@@ -74,6 +91,9 @@ def _candidates(field: str, fixed: dict[str, Any], d_model: int) -> list[int]:
         return list(range(1, 129))
     if field == "num_shared_heads":
         return list(range(0, fixed.get("num_heads", 32)))
+    if field == "kv_heads":  # the divisors of num_heads (the others fail validation anyway)
+        heads = fixed.get("num_heads", 32)
+        return [g for g in range(1, heads + 1) if heads % g == 0] if "num_heads" in fixed else list(range(1, 33))
     raise ValueError(f"solve must name fields of {SOLVABLE}, got {field!r}")
 
 
@@ -110,7 +130,7 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
     target = attention_macs_of(baseline, src_len, tgt_len)
     best: tuple[tuple, Match] | None = None
     closest: Match | None = None
-    inherited = inherited_options(baseline)
+    inherited = {**inherited_options(baseline), **conventions_for(fixed.get("kind", "mha"), baseline)}
     for values in itertools.product(*(_candidates(f, fixed, baseline.d_model) for f in solve)):
         fields = {**inherited, **fixed, **dict(zip(solve, values))}
         try:
@@ -136,5 +156,6 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
 
 
 def _describe(att: AttentionConfig) -> str:
-    keys = ("kind", "num_heads", "num_experts", "top_k", "head_dim", "key_dim", "num_shared_heads")
+    keys = ("kind", "num_heads", "num_experts", "top_k", "head_dim", "key_dim", "num_shared_heads", "kv_heads",
+            "route_per_group", "qk_norm", "output_gate")
     return ", ".join(f"{k}={getattr(att, k)}" for k in keys if getattr(att, k, None) is not None)
