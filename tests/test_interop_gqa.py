@@ -69,16 +69,20 @@ def hf_qwen3(**kw):
 # --------------------------------------------------------------------------------------------------
 class AuthorsGatedQwen3Attention(modeling_qwen3.Qwen3Attention):
     """``q_proj`` holds, per K/V group, the group's query rows then its gate rows (``num_heads`` extra rows
-    headwise, ``num_heads * head_dim`` elementwise); ``attn_output * sigmoid(gate_score)`` before ``o_proj``."""
+    headwise, ``num_heads * head_dim`` elementwise); ``attn_output * sigmoid(gate_score)`` before ``o_proj``;
+    the four projections' bias flag is ``config.qkv_bias``, as their code reads it."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.headwise = bool(getattr(config, "headwise_attn_output_gate", False))
         self.elementwise = bool(getattr(config, "elementwise_attn_output_gate", False))
-        heads, bias = config.num_attention_heads, config.attention_bias
-        extra = heads if self.headwise else heads * self.head_dim if self.elementwise else 0
-        self.q_proj = torch.nn.Linear(config.hidden_size, heads * self.head_dim + extra, bias=bias)
-        self.num_heads, self.num_key_value_heads = heads, config.num_key_value_heads
+        heads, kv_heads, d, bias = config.num_attention_heads, config.num_key_value_heads, self.head_dim, config.qkv_bias
+        extra = heads if self.headwise else heads * d if self.elementwise else 0
+        self.q_proj = torch.nn.Linear(config.hidden_size, heads * d + extra, bias=bias)
+        self.k_proj = torch.nn.Linear(config.hidden_size, kv_heads * d, bias=bias)
+        self.v_proj = torch.nn.Linear(config.hidden_size, kv_heads * d, bias=bias)
+        self.o_proj = torch.nn.Linear(heads * d, config.hidden_size, bias=bias)
+        self.num_heads, self.num_key_value_heads = heads, kv_heads
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         bsz, q_len, _ = hidden_states.size()
@@ -119,10 +123,11 @@ class AuthorsGatedQwen3Attention(modeling_qwen3.Qwen3Attention):
         return attn_output, attn_weights
 
 
-def gated_qwen3(gate: str, **kw):
-    """A tiny gated Qwen3 of the authors (their config flag set, each layer's attention theirs)."""
+def gated_qwen3(gate: str, qkv_bias: bool = False, **kw):
+    """A tiny gated Qwen3 of the authors (their config flags set, each layer's attention theirs)."""
     cfg = qwen3_config(**kw)
     setattr(cfg, f"{gate}_attn_output_gate", True)
+    cfg.qkv_bias = qkv_bias
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
@@ -274,7 +279,7 @@ def test_gated_qwen3_attention_layer_equal_outputs_and_gradients(gate):
     for the input and for the query / gate rows of their ``q_proj`` (split into ``q_proj`` / ``gate_proj``)."""
     from headmix.interop.qwen3 import split_gated_q_rows
 
-    hf = gated_qwen3(gate, attention_bias=True).double()
+    hf = gated_qwen3(gate, qkv_bias=True).double()  # their bias flag (attention_bias stays False)
     layer = causal_lm_from_qwen3(hf).decoder.layers[1].self_attn
     assert layer.gate_proj.weight.shape == ((4 if gate == "headwise" else 64), 48)
     attn = hf.model.layers[1].self_attn
@@ -339,6 +344,21 @@ def test_back_to_hf_is_the_source_parameter_for_parameter(family, tied):
     for name, p in back.named_parameters():
         assert torch.equal(p, theirs[name]), name
     assert_same_logits(ours.eval(), back, tokens(2, 7), tol=1e-5)
+
+
+def test_the_llama3_gqa_preset_converts_to_hf_llama_with_its_kv_heads():
+    """A freshly built ``llama3-tiny-gqa`` (8 query heads on 2 K/V heads) as a Hugging Face Llama: the same
+    logits, greedy tokens and KV-cache bytes per token."""
+    from headmix.models import build_model, get_config
+
+    torch.manual_seed(0)
+    ours = build_model(get_config("llama3-tiny-gqa", vocab_size=V)).eval()
+    spread(ours)
+    hf = causal_lm_to_llama(ours)
+    assert hf.config.num_key_value_heads == 2 and hf.config.num_attention_heads == 8
+    assert_same_logits(ours, hf, tokens(2, 9), tol=1e-5)
+    assert_same_greedy(ours, hf, tokens(2, 4, seed=3))
+    assert_same_cache_bytes(ours, hf, 2, hf.config.head_dim)
 
 
 def test_back_to_hf_refuses_what_it_cannot_hold():
