@@ -233,10 +233,11 @@ def test_qwen3_to_mha_equal_logits_decoding_and_cache_bytes(kv_heads, tied, bias
     assert_same_cache_bytes(ours, hf, kv_heads, 16)
 
 
-def test_qwen3_left_padding_equals_hf_attention_mask():
+@pytest.mark.parametrize("gate", [None, "headwise"])
+def test_qwen3_left_padding_equals_hf_attention_mask(gate):
     """A left-padded batch: headmix masks the keys of ``pad_id``, Hugging Face those its ``attention_mask``
     zeroes; the logits of the real positions are equal (rotary scores depend on relative positions only)."""
-    hf = hf_qwen3()
+    hf = hf_qwen3() if gate is None else gated_qwen3(gate)
     hf.config._attn_implementation = "eager"
     ours = causal_lm_from_qwen3(hf).eval()
     ids = tokens(2, 9)
@@ -259,6 +260,7 @@ def test_qwen3_to_moh_with_every_head_active_keeps_logits(options):
     layer = ours.decoder.layers[0].self_attn
     assert isinstance(layer, MixtureOfHeadsAttention) and layer.q_norm is not None
     assert_same_logits(ours, hf, tokens(2, 9), tol=1e-5)
+    assert_same_greedy(ours, hf, tokens(2, 4, seed=3))  # MoH's own cached decoding
     assert_same_cache_bytes(ours, hf, 2, 16)
 
 
