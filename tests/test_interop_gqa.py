@@ -383,8 +383,10 @@ def test_back_to_hf_refuses_what_it_cannot_hold():
 # What the conversions refuse
 # --------------------------------------------------------------------------------------------------
 def test_qwen3_conversion_errors():
-    with pytest.raises(ValueError, match=r"use_sliding_window: layers \[1\] use sliding-window attention"):
+    with pytest.raises(ValueError, match=r"layer_types: layers \[1\] use sliding-window attention"):
         causal_lm_from_qwen3(hf_qwen3(layer_types=["full_attention", "sliding_attention"], sliding_window=4))
+    with pytest.raises(ValueError, match=r"layer_types: layers \[1\] use sliding-window attention"):
+        causal_lm_from_qwen3(hf_qwen3(use_sliding_window=True, sliding_window=4, max_window_layers=1))
     with pytest.raises(ValueError, match="rope_type 'yarn'"):
         causal_lm_from_qwen3(hf_qwen3(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                        "original_max_position_embeddings": 32}))

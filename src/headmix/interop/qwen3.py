@@ -5,13 +5,14 @@ MoH, keeping grouped-query K/V heads and QK-norm; and the Gated Attention author
 Qwen3 is Llama (:mod:`headmix.interop.llama`, same names and mapping) plus QK-norm: ``self_attn.q_norm`` and
 ``self_attn.k_norm``, an RMSNorm over each head's ``head_dim`` (epsilon ``rms_norm_eps``) applied to the
 queries and keys before rotary, map to the headmix layer's ``q_norm`` / ``k_norm`` (``qk_norm=True``, whose
-epsilon is 1e-6: a checkpoint with another ``rms_norm_eps`` is refused). ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (Qwen3-0.6B:
-16 heads of 128 on ``hidden_size`` 1024); the attention scale is ``head_dim ** -0.5`` on both sides. Tied
-embeddings (the small Qwen3s) map to ``share_embeddings=True``; ``attention_bias`` to the biases of the
-four projections.
+epsilon is 1e-6: a checkpoint with another ``rms_norm_eps`` is refused). ``head_dim`` may differ from
+``hidden_size / num_attention_heads`` (Qwen3-0.6B: 16 heads of 128 on ``hidden_size`` 1024); the attention
+scale is ``head_dim ** -0.5`` on both sides. Tied embeddings (the small Qwen3s) map to
+``share_embeddings=True``; ``attention_bias`` to the biases of the four projections.
 
-Refused with a one-line error: ``rms_norm_eps`` other than 1e-6 (with QK-norm), sliding-window layers (``use_sliding_window`` / ``layer_types`` with
-``"sliding_attention"``: headmix's layers attend to the whole causal prefix), scaled RoPE (YaRN etc.), an
+Refused with a one-line error: ``rms_norm_eps`` other than 1e-6 (with QK-norm), sliding-window layers
+(``layer_types`` with ``"sliding_attention"``, which transformers derives from ``use_sliding_window`` and
+``max_window_layers``: headmix's layers attend to the whole causal prefix), scaled RoPE (YaRN etc.), an
 activation other than SiLU.
 
 The gated Qwen3 of the Gated Attention authors (position G1: ``o_h <- o_h * sigmoid(x W_g)`` after the
@@ -57,7 +58,7 @@ def output_gate_of(hf_config: Any) -> str | None:
     """The headmix ``output_gate`` of a (gated) Qwen3 config: ``None``, ``"headwise"`` or ``"elementwise"``."""
     gates = [kind for flag, kind in GATE_FLAGS.items() if getattr(hf_config, flag, False)]
     if len(gates) > 1:  # their code would take the headwise gate
-        raise ValueError(f"headwise_attn_output_gate and elementwise_attn_output_gate are both set; set one")
+        raise ValueError("headwise_attn_output_gate and elementwise_attn_output_gate are both set; set one")
     return gates[0] if gates else None
 
 
@@ -67,10 +68,11 @@ def config_from_qwen3(hf_config: Any, *, attention: str = "mha", num_shared_head
     """The headmix :class:`ModelConfig` of a Hugging Face ``Qwen3Config`` (or the Gated Attention authors'
     gated one): :func:`headmix.interop.llama.config_from_llama`'s mapping plus ``qk_norm`` and
     ``output_gate`` (see the module docstring); refuses what headmix cannot express."""
+    # transformers 5 derives layer_types from use_sliding_window, sliding_window and max_window_layers
     windowed = [i for i, kind in enumerate(getattr(hf_config, "layer_types", None) or []) if kind != "full_attention"]
-    if getattr(hf_config, "use_sliding_window", False) or windowed:
-        raise ValueError(f"use_sliding_window: layers {windowed or 'all'} use sliding-window attention, which "
-                         f"headmix's layers do not express (they attend to the whole causal prefix)")
+    if windowed:
+        raise ValueError(f"layer_types: layers {windowed} use sliding-window attention, which cannot be converted: "
+                         f"headmix's layers attend to the whole causal prefix")
     for name in ("qk_norm", "output_gate"):
         if name in attention_options:
             raise ValueError(f"{name} comes from the checkpoint's config")
@@ -105,7 +107,7 @@ def copy_gated_q_proj(target: MultiHeadAttention, source: SourceTensors, heads: 
         t = source.take(f"q_proj.{kind}", required=kind == "weight")
         if (t is None) != (getattr(target.q_proj, kind) is None):
             raise ValueError(f"{source.prefix}q_proj.bias: {'absent' if t is None else 'present'} in the source, "
-                             f"not in the headmix layer")
+                             f"{'present' if t is None else 'absent'} in the headmix layer")
         if t is None:
             continue
         query, gates = split_gated_q_rows(t, heads, kv_heads, head_dim, gate)
