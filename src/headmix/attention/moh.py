@@ -219,7 +219,8 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
         query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
-        impl = choose_moh_impl(query.device, self.top_k, self.num_routed_heads, query.shape[1]) if self.impl == "auto" else self.impl
+        impl = (choose_moh_impl(query.device, self.top_k, self.num_routed_per_group, query.shape[1])
+                if self.impl == "auto" else self.impl)  # top_k of each router group's routed heads
         if impl == "sparse" and self.routed_gate is not None:
             return self._forward_sparse(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                         is_causal=is_causal, use_cache=use_cache, cache=cache,
@@ -320,9 +321,18 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             positions = (torch.arange(n, device=query.device) % tgt + past_len)[:, None].expand(n, slots_per_token)
             q_r = self.rotary.rotate_at(q_r, positions)
         k_r, v_r = _kv_of_heads(k, v, routed_ids, self.num_heads)
-        o_r = routed_heads_attention(q_r.to(k.dtype), k_r, v_r, index, batch, tgt,
-                                     bias=_heads(bias, routed_ids), empty_rows=_heads(empty, routed_ids),
-                                     causal=causal, dropout=dropout, routed_heads=routed)
+        if (self.route_per_group or self.kv_heads == 1) and _head_free(bias) and _head_free(empty):
+            # Each token's j-th slot of group g attends with K/V head g whichever head it selected (GQE: top_k
+            # slots per group; one K/V head: every slot), and the masks are the same for every head: the slots
+            # are query heads of grouped-query attention, (batch, groups * top_k, T, d_k) against the K/V heads,
+            # every row a real (token, selected head) pair: no sorting, no padding, the plain causal kernel.
+            q_slots = q_r.to(k.dtype).view(batch, tgt, slots_per_token, dk).transpose(1, 2)
+            o_r = scaled_dot_product(q_slots, k_r, v_r, bias, empty, dropout, causal=causal)
+            o_r = o_r.transpose(1, 2).reshape(n, slots_per_token, dv)
+        else:
+            o_r = routed_heads_attention(q_r.to(k.dtype), k_r, v_r, index, batch, tgt,
+                                         bias=_heads(bias, routed_ids), empty_rows=_heads(empty, routed_ids),
+                                         causal=causal, dropout=dropout, routed_heads=routed)
         if gates_all is not None:
             routed_gates = gates_all.reshape(n, self.num_heads, -1)[:, routed_ids]
             o_r = o_r * routed_gates.gather(1, index[..., None].expand(-1, -1, routed_gates.shape[-1])).to(o_r.dtype)
@@ -354,6 +364,11 @@ def _heads(mask: Tensor | None, heads: list[int]) -> Tensor | None:
     if _consecutive(heads):
         return mask[:, heads[0]:heads[0] + len(heads)]
     return mask[:, heads]
+
+
+def _head_free(mask: Tensor | None) -> bool:
+    """A mask (from :func:`attention_bias`) that is the same for every head, or none."""
+    return mask is None or mask.dim() < 4 or mask.shape[1] == 1
 
 
 def _consecutive(heads: list[int]) -> bool:

@@ -2,13 +2,16 @@
 ``pip install 'headmix[hf]'``; it is imported only when a function needs it).
 
 - :mod:`.moh`: dense attention -> Mixture-of-Head attention for continue-tuning (``moh_from_dense``).
-- :mod:`.llama`: ``LlamaForCausalLM`` -> a headmix Llama-style causal LM with MHA or MoH
-  (``causal_lm_from_llama``, ``load_llama``); one ``LlamaAttention`` -> MHA or MoH (``attention_from_llama``).
+- :mod:`.llama`: ``LlamaForCausalLM`` -> a headmix Llama-style causal LM with MHA or MoH, keeping grouped-query
+  K/V heads (``causal_lm_from_llama``, ``load_llama``; back: ``causal_lm_to_llama``); one ``LlamaAttention`` -> MHA or MoH (``attention_from_llama``).
+- :mod:`.qwen3`: ``Qwen3ForCausalLM`` (grouped K/V heads, QK-norm) and the Gated Attention authors' gated Qwen3
+  (headwise or elementwise output gates) -> a headmix causal LM with MHA or MoH (``causal_lm_from_qwen3``,
+  ``load_qwen3``; back, ungated: ``causal_lm_to_qwen3``).
 - :mod:`.jetmoe`: ``JetMoeAttention`` <-> headmix MoA with ``kv_heads`` (``moa_from_jetmoe_attention``,
   ``jetmoe_attention_from_moa``) and ``JetMoeForCausalLM`` <-> a headmix causal LM with MoA attention and
   the mixture-of-SwiGLU-experts feed-forward (``causal_lm_from_jetmoe``, ``causal_lm_to_jetmoe``,
   ``load_jetmoe``).
-- :func:`from_pretrained`: a Llama or JetMoe checkpoint (Hub name or local folder), converted by its
+- :func:`from_pretrained`: a Llama, Qwen3 or JetMoe checkpoint (Hub name or local folder), converted by its
   ``model_type``.
 
 docs/implementations.md ("Models and conversions") says what each conversion preserves.
@@ -26,18 +29,19 @@ from .jetmoe import (
     load_jetmoe,
     moa_from_jetmoe_attention,
 )
-from .llama import attention_from_llama, causal_lm_from_llama, config_from_llama, load_llama
+from .llama import attention_from_llama, causal_lm_from_llama, causal_lm_to_llama, config_from_llama, load_llama
 from ._hf import require_transformers
 from .moh import moh_from_dense, zero_moh_routers
+from .qwen3 import causal_lm_from_qwen3, causal_lm_to_qwen3, config_from_qwen3, load_qwen3
 
 #: The Hugging Face ``model_type`` values :func:`from_pretrained` converts, and their loaders.
-LOADERS = {"llama": load_llama, "jetmoe": load_jetmoe}
+LOADERS = {"llama": load_llama, "jetmoe": load_jetmoe, "qwen3": load_qwen3}
 
 
 def from_pretrained(name_or_path: str | os.PathLike, **options):
     """Load a Hugging Face causal LM checkpoint (a Hub name, which needs the network, or a local folder) and
     convert it to a headmix :class:`~headmix.models.CausalLanguageModel` with the loader of its
-    ``model_type`` (:func:`load_llama` or :func:`load_jetmoe`; ``options`` go to it)."""
+    ``model_type`` (:func:`load_llama`, :func:`load_qwen3` or :func:`load_jetmoe`; ``options`` go to it)."""
     transformers = require_transformers()
     model_type = transformers.AutoConfig.from_pretrained(str(name_or_path)).model_type
     if model_type not in LOADERS:
@@ -46,4 +50,5 @@ def from_pretrained(name_or_path: str | os.PathLike, **options):
 
 __all__ = ["attention_from_llama", "causal_lm_from_llama", "config_from_llama", "load_llama", "moh_from_dense", "zero_moh_routers",
            "moa_from_jetmoe_attention", "jetmoe_attention_from_moa", "config_from_jetmoe", "causal_lm_from_jetmoe",
-           "causal_lm_to_jetmoe", "load_jetmoe", "from_pretrained"]
+           "causal_lm_to_jetmoe", "load_jetmoe", "from_pretrained", "causal_lm_from_qwen3", "config_from_qwen3",
+           "load_qwen3", "causal_lm_to_llama", "causal_lm_to_qwen3"]

@@ -2,7 +2,8 @@
 paper does with LLaMA3-8B (Jin et al. 2024, section 4.4).
 
 What the conversion preserves, exactly: the query, key, value and output projections (and their biases,
-and the rotary embedding) are copied, so every head ``H^i`` and its output block ``W_O^i`` are the dense
+and the rotary embedding), the grouped K/V heads (``kv_heads``), the QK-norm weights (``q_norm``, ``k_norm``)
+and the output gate (``gate_proj``) are copied, so every head ``H^i`` and its output block ``W_O^i`` are the dense
 layer's. The new routers (routed-head gate ``W_r``, and with shared heads the shared gate ``W_s`` and the
 group gate ``W_h``) start at zero: uniform scores, so every active head gets the weight 1 with MoH's
 ``head_weighting="renormalized"`` (the default; ``a_r = a_s = 1`` and ``k p_i / sum_{TopK} p = 1``) and
@@ -52,8 +53,9 @@ def moh_from_dense(layer: MultiHeadAttention, num_shared_heads: int, top_k: int,
                    load_balance_weight: float = 0.01, **moh_options) -> MixtureOfHeadsAttention:
     """A :class:`MixtureOfHeadsAttention` with the heads of the dense ``layer`` (a headmix
     :class:`MultiHeadAttention`; its first ``num_shared_heads`` heads become the shared heads) and zero
-    routers; see the module docstring for what is preserved. ``moh_options`` are passed to MoH's
-    constructor (e.g. its weighting option)."""
+    routers, with the layer's ``kv_heads``, QK-norm and output gate; see the module docstring for what is
+    preserved. ``moh_options`` are passed to MoH's constructor (e.g. its weighting option, or
+    ``route_per_group=True``)."""
     if type(layer) is not MultiHeadAttention:
         raise ValueError(f"layer must be a headmix MultiHeadAttention, got {type(layer).__name__}")
     if layer.key_dim != layer.head_dim:
@@ -63,9 +65,15 @@ def moh_from_dense(layer: MultiHeadAttention, num_shared_heads: int, top_k: int,
     moh = MixtureOfHeadsAttention(layer.embed_dim, layer.num_heads, num_shared_heads, top_k, layer.head_dim,
                                   q_bias=layer.q_proj.bias is not None, kv_bias=layer.k_proj.bias is not None,
                                   out_bias=layer.out_proj.bias is not None, dropout=layer.dropout,
-                                  load_balance_weight=load_balance_weight, rotary=rotary, **moh_options)
+                                  load_balance_weight=load_balance_weight, rotary=rotary, kv_heads=layer.kv_heads,
+                                  qk_norm=layer.qk_norm, qk_norm_eps=layer.q_norm.eps if layer.qk_norm else 1e-6,
+                                  output_gate=layer.output_gate, **moh_options)
     moh.to(device=weight.device, dtype=weight.dtype)
     copy_projections(moh, layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj)
+    with torch.no_grad():
+        for name in ("q_norm", "k_norm", "gate_proj"):
+            if getattr(layer, name) is not None:
+                getattr(moh, name).load_state_dict(getattr(layer, name).state_dict())
     return zero_moh_routers(moh)
 
 
