@@ -574,3 +574,42 @@ def test_study_matching_solves_and_counts_kv_heads():
     fewer = attention_macs_of(baseline.replace(decoder_self_attention=dataclasses.replace(
         baseline.decoder_self_attention, kv_heads=1)), None, None)
     assert fewer < attention_macs_of(baseline, None, None)
+
+
+# --------------------------------------------------------------------------- headmix bench gqa (not timed)
+
+
+def test_bench_gqa_baseline_computes_what_the_layer_computes():
+    from headmix.bench.gqa import TorchGroupedAttention
+
+    torch.manual_seed(0)
+    baseline, ours = TorchGroupedAttention(32, 8, 2), MultiHeadAttention(32, 8, kv_heads=2)
+    ours.load_state_dict(baseline.state_dict())  # the same parameter names and shapes
+    x = torch.randn(2, 9, 32)
+    torch.testing.assert_close(baseline(x), ours(x, is_causal=True).output)
+
+
+def test_bench_gqa_cli_prints_every_comparison_against_its_baseline(capsys):
+    from headmix.cli.main import main
+
+    threads = torch.get_num_threads()  # --threads sets torch's thread count for the process: restore it
+    try:
+        code = main(["bench", "gqa", "--embed-dim", "32", "--heads", "8", "--kv-heads", "2", "--batch", "1",
+                     "--seq", "8", "--prefill-seq", "16", "--repeats", "1", "--warmup", "0", "--threads", "1",
+                     "--clock", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 0 and "CPU time of this process" in out and "8 query heads on 2 K/V heads" in out
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| g")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("gqa", "fwd+bwd 1x8", "torch SDPA enable_gqa"), ("gqa", "fwd+bwd 1x8", "headmix MHA"),
+        ("gqe", "fwd+bwd 1x8", "MHA"), ("gqe", "fwd+bwd 1x8", "GQE sparse (top 2 of 4 per group)"),
+        ("gqe", "fwd+bwd 1x8", "MoH sparse (top 4 of 8)"),
+        ("gqe", "prefill 1x16", "MHA"), ("gqe", "prefill 1x16", "GQE sparse (top 2 of 4 per group)"),
+        ("gqe", "prefill 1x16", "MoH sparse (top 4 of 8)"),
+        ("gates", "fwd+bwd 1x8", "MHA"), ("gates", "fwd+bwd 1x8", "+ qk_norm"),
+        ("gates", "fwd+bwd 1x8", "+ qk_norm + headwise gate"), ("gates", "fwd+bwd 1x8", "+ qk_norm + elementwise gate")]
+    assert [r[4] for r in rows if r[2] in ("torch SDPA enable_gqa", "MHA")] == ["1.000"] * 4
+    assert main(["bench", "gqa", "--heads", "8", "--kv-heads", "3"]) == 2
+    assert "--kv-heads must divide --heads" in capsys.readouterr().err
