@@ -613,3 +613,12 @@ def test_bench_gqa_cli_prints_every_comparison_against_its_baseline(capsys):
     assert [r[4] for r in rows if r[2] in ("torch SDPA enable_gqa", "MHA")] == ["1.000"] * 4
     assert main(["bench", "gqa", "--heads", "8", "--kv-heads", "3"]) == 2
     assert "--kv-heads must divide --heads" in capsys.readouterr().err
+
+
+def test_routing_analyses_refuse_gqe_layers_in_one_line():
+    from headmix.analysis import routed_layers
+
+    assert [l.kind for l in routed_layers(build_model(get_config("tiny-moh", task="lm")))] == ["moh", "moh"]
+    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.self_attn routes per K/V group \(GQE") as err:
+        routed_layers(build_model(get_config("llama3-tiny-gqe")))
+    assert "\n" not in str(err.value)
