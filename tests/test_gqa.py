@@ -622,3 +622,14 @@ def test_routing_analyses_refuse_gqe_layers_in_one_line():
     with pytest.raises(ValueError, match=r"decoder\.layers\.0\.self_attn routes per K/V group \(GQE") as err:
         routed_layers(build_model(get_config("llama3-tiny-gqe")))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_options_compile_without_graph_breaks():
+    layers = [MultiHeadAttention(32, 8, kv_heads=2, qk_norm=True, output_gate="elementwise", rotary=True),
+              MixtureOfHeadsAttention(32, 8, 1, 2, kv_heads=2, route_per_group=True, qk_norm=True,
+                                      output_gate="headwise", rotary=True, impl="dense")]
+    x = torch.randn(2, 9, 32)
+    for layer in layers:
+        compiled = torch.compile(layer, fullgraph=True)
+        torch.testing.assert_close(compiled(x, is_causal=True).output, layer(x, is_causal=True).output)
