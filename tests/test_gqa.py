@@ -88,6 +88,20 @@ def check_against(layer, reference, x: torch.Tensor, mem: torch.Tensor | None, m
     return out
 
 
+def assert_decoding_equals_full_forward(layer, x: torch.Tensor, prompt: int = 3):
+    """A prompt of ``prompt`` tokens, then one token at a time with the cache, gives the full causal forward's
+    outputs; returns the last cache."""
+    full = layer(x, is_causal=True).output
+    out = layer(x[:, :prompt], is_causal=True, use_cache=True)
+    steps, cache = [out.output], out.cache
+    for t in range(prompt, x.shape[1]):
+        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
+        steps.append(out.output)
+        cache = out.cache
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    return cache
+
+
 # --------------------------------------------------------------------------- the agreed API
 
 
@@ -190,15 +204,7 @@ def test_mha_kv_heads_is_sdpa_enable_gqa(kv_heads, causal):
 @pytest.mark.parametrize("config", ["gqa", "mqa", "qk_norm", "elementwise", "all_mha"])
 def test_cached_decoding_step_by_step_equals_full_forward(config):
     layer = gqa_layer(**CONFIGS[config])
-    x = torch.randn(2, 7, D, dtype=torch.float64)
-    full = layer(x, is_causal=True).output
-    out = layer(x[:, :3], is_causal=True, use_cache=True)
-    steps, cache = [out.output], out.cache
-    for t in range(3, 7):
-        out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
-        steps.append(out.output)
-        cache = out.cache
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    cache = assert_decoding_equals_full_forward(layer, torch.randn(2, 7, D, dtype=torch.float64))
     assert tuple(cache.key.shape) == (2, layer.kv_heads, 7, 4) and tuple(cache.value.shape) == (2, layer.kv_heads, 7, 5)
     assert cache.nbytes == 2 * 7 * layer.kv_heads * (4 + 5) * 8
 
@@ -347,19 +353,11 @@ def test_moh_options_match_reference(impl, config, case):
     check_against(layer, reference_moh, x, None, masks)
 
 
-@pytest.mark.parametrize("config", ["gqa_split", "mqa_norm_gate", "gqe", "gqe_norm_gate"])
+@pytest.mark.parametrize("config", ["gqa_split", "gqa_aligned", "mqa_norm_gate", "gqe", "gqe_norm_gate"])
 def test_moh_options_cached_decoding_equals_full_forward(config):
     for impl in ("dense", "sparse"):
         layer = moh_layer(impl, **MOH_CONFIGS[config])
-        x = torch.randn(2, 6, D, dtype=torch.float64)
-        full = layer(x, is_causal=True).output
-        out = layer(x[:, :3], is_causal=True, use_cache=True)
-        steps, cache = [out.output], out.cache
-        for t in range(3, 6):
-            out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
-            steps.append(out.output)
-            cache = out.cache
-        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+        cache = assert_decoding_equals_full_forward(layer, torch.randn(2, 6, D, dtype=torch.float64))
         assert cache.key.shape[1] == layer.kv_heads
 
 
@@ -369,6 +367,61 @@ def test_moh_sparse_and_dense_give_the_same_routing_and_loss():
     a, b = dense(x, is_causal=True), sparse(x, is_causal=True)
     assert torch.equal(a.routing.expert_index, b.routing.expert_index)
     torch.testing.assert_close(a.aux_loss, b.aux_loss)
+
+
+@pytest.mark.parametrize("weighting", ["renormalized", "paper", "scaled"])
+def test_gqe_routes_inside_every_group(weighting):
+    """Each token: in every K/V group its shared heads and exactly top_k of the group's routed heads are active;
+    the routed weights are renormalised within the group (renormalized: they sum to a_r * top_k per group)."""
+    layer = moh_layer("dense", num_heads=12, kv_heads=3, route_per_group=True, num_shared_heads=1, top_k=2,
+                      head_weighting=weighting)
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    g, routing = layer.head_weights(x, None)
+    groups = g.view(2, 5, 3, 4)
+    assert (groups[..., 0] > 0).all()  # the shared head of each group
+    assert ((groups[..., 1:] > 0).sum(-1) == 2).all()  # top 2 of each group's 3 routed heads
+    assert routing.expert_index.shape == (10, 6)
+    assert ((routing.expert_index.view(10, 3, 2) // 3) == torch.arange(3)[:, None]).all()
+    a = torch.softmax((x.reshape(10, D) @ layer.group_gate.weight.double().T).view(10, 3, 2), -1)  # a pair per group
+    routed_sum = groups[..., 1:].reshape(10, 3, 3).sum(-1)
+    if weighting == "renormalized":
+        torch.testing.assert_close(routed_sum, 2 * a[..., 1] * 2)  # [a_s, a_r] = 2 softmax, times top_k
+    elif weighting == "paper":
+        assert (routed_sum < a[..., 1] + 1e-12).all()  # a_r times the selected p, which sum below 1
+    probs = routing.probs.view(10, 3, 3)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(10, 3, dtype=torch.float64))  # softmax per group
+
+
+def test_gqe_with_one_group_is_global_moh():
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    for impl in ("dense", "sparse"):
+        gqe = moh_layer(impl, kv_heads=1, route_per_group=True)
+        moh = moh_layer(impl, kv_heads=1)
+        assert [(n, p.shape) for n, p in gqe.named_parameters()] == [(n, p.shape) for n, p in moh.named_parameters()]
+        moh.load_state_dict(gqe.state_dict())
+        a, b = gqe(x, is_causal=True), moh(x, is_causal=True)
+        torch.testing.assert_close(a.output, b.output)
+        torch.testing.assert_close(a.aux_loss, b.aux_loss)
+
+
+def test_gqe_load_balance_is_the_mean_of_the_groups_losses():
+    layer = moh_layer("sparse", num_heads=12, kv_heads=3, route_per_group=True, num_shared_heads=0, top_k=2)
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    out = layer(x, key_padding_mask=pad)
+    keep = ~pad.reshape(-1)
+    p = torch.softmax(x.reshape(14, D) @ layer.routed_gate.weight.double().T, -1)  # W_r rows, group by group
+    expected = []
+    for j in range(3):
+        pj = torch.softmax((x.reshape(14, D) @ layer.routed_gate.weight.double()[4 * j:4 * j + 4].T), -1)
+        chosen = torch.zeros_like(pj).scatter(-1, pj.topk(2, -1).indices, 1.0)
+        f = chosen[keep].sum(0) / (keep.sum() * 2)  # MoA eq. 13-15 within the group (4 experts)
+        big_p = pj[keep].mean(0)
+        expected.append(4 * (f * big_p).sum())
+    assert p.shape == (14, 12)
+    torch.testing.assert_close(out.losses["load_balance"], torch.stack(expected).mean())
+    torch.testing.assert_close(out.aux_loss, layer.load_balance_weight * torch.stack(expected).mean())
 
 
 @pytest.mark.parametrize("config", ["gqa", "mqa", "qk_norm", "elementwise"])
@@ -385,6 +438,8 @@ def test_talking_heads_options_match_reference(config):
     check_against(layer, reference_mha, x, None, masks_for("causal_padding", 2, 5, 5, g))
     layer.eval()
     check_against(layer, reference_mha, x, None, masks_for("per_head_mask", 2, 5, 5, g))
+    cache = assert_decoding_equals_full_forward(layer, x)
+    assert cache.key.shape[1] == layer.kv_heads
 
 
 # --------------------------------------------------------------------------- AttentionConfig
@@ -519,3 +574,62 @@ def test_study_matching_solves_and_counts_kv_heads():
     fewer = attention_macs_of(baseline.replace(decoder_self_attention=dataclasses.replace(
         baseline.decoder_self_attention, kv_heads=1)), None, None)
     assert fewer < attention_macs_of(baseline, None, None)
+
+
+# --------------------------------------------------------------------------- headmix bench gqa (not timed)
+
+
+def test_bench_gqa_baseline_computes_what_the_layer_computes():
+    from headmix.bench.gqa import TorchGroupedAttention
+
+    torch.manual_seed(0)
+    baseline, ours = TorchGroupedAttention(32, 8, 2), MultiHeadAttention(32, 8, kv_heads=2)
+    ours.load_state_dict(baseline.state_dict())  # the same parameter names and shapes
+    x = torch.randn(2, 9, 32)
+    torch.testing.assert_close(baseline(x), ours(x, is_causal=True).output)
+
+
+def test_bench_gqa_cli_prints_every_comparison_against_its_baseline(capsys):
+    from headmix.cli.main import main
+
+    threads = torch.get_num_threads()  # --threads sets torch's thread count for the process: restore it
+    try:
+        code = main(["bench", "gqa", "--embed-dim", "32", "--heads", "8", "--kv-heads", "2", "--batch", "1",
+                     "--seq", "8", "--prefill-seq", "16", "--repeats", "1", "--warmup", "0", "--threads", "1",
+                     "--clock", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 0 and "CPU time of this process" in out and "8 query heads on 2 K/V heads" in out
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| g")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("gqa", "fwd+bwd 1x8", "torch SDPA enable_gqa"), ("gqa", "fwd+bwd 1x8", "headmix MHA"),
+        ("gqe", "fwd+bwd 1x8", "MHA"), ("gqe", "fwd+bwd 1x8", "GQE sparse (top 2 of 4 per group)"),
+        ("gqe", "fwd+bwd 1x8", "MoH sparse (top 4 of 8)"),
+        ("gqe", "prefill 1x16", "MHA"), ("gqe", "prefill 1x16", "GQE sparse (top 2 of 4 per group)"),
+        ("gqe", "prefill 1x16", "MoH sparse (top 4 of 8)"),
+        ("gates", "fwd+bwd 1x8", "MHA"), ("gates", "fwd+bwd 1x8", "+ qk_norm"),
+        ("gates", "fwd+bwd 1x8", "+ qk_norm + headwise gate"), ("gates", "fwd+bwd 1x8", "+ qk_norm + elementwise gate")]
+    assert [r[4] for r in rows if r[2] in ("torch SDPA enable_gqa", "MHA")] == ["1.000"] * 4
+    assert main(["bench", "gqa", "--heads", "8", "--kv-heads", "3"]) == 2
+    assert "--kv-heads must divide --heads" in capsys.readouterr().err
+
+
+def test_routing_analyses_refuse_gqe_layers_in_one_line():
+    from headmix.analysis import routed_layers
+
+    assert [l.kind for l in routed_layers(build_model(get_config("tiny-moh", task="lm")))] == ["moh", "moh"]
+    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.self_attn routes per K/V group \(GQE") as err:
+        routed_layers(build_model(get_config("llama3-tiny-gqe")))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_options_compile_without_graph_breaks():
+    layers = [MultiHeadAttention(32, 8, kv_heads=2, qk_norm=True, output_gate="elementwise", rotary=True),
+              MixtureOfHeadsAttention(32, 8, 1, 2, kv_heads=2, route_per_group=True, qk_norm=True,
+                                      output_gate="headwise", rotary=True, impl="dense")]
+    x = torch.randn(2, 9, 32)
+    for layer in layers:
+        compiled = torch.compile(layer, fullgraph=True)
+        torch.testing.assert_close(compiled(x, is_causal=True).output, layer(x, is_causal=True).output)

@@ -114,6 +114,9 @@ def routed_layers(model: nn.Module) -> list[RoutedLayer]:
         if isinstance(m, MixtureOfAttentionHeads):
             out.append(RoutedLayer(len(out), name, "moa", m.num_experts, m.top_k, 0, m))
         elif isinstance(m, MixtureOfHeadsAttention) and m.num_routed_heads > 0:
+            if m.route_per_group:  # its routed heads interleave with the shared ones, group by group
+                raise ValueError(f"{name} routes per K/V group (GQE, route_per_group=True): the routing analyses "
+                                 f"count MoH's routed heads after its shared ones and do not analyse it yet")
             out.append(RoutedLayer(len(out), name, "moh", m.num_routed_heads, m.top_k, m.num_shared_heads, m))
         elif isinstance(m, SwitchHeadAttention):
             for side in SWITCHHEAD_SIDES if m.value_selector is not None else SWITCHHEAD_SIDES[1:]:

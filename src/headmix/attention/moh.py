@@ -183,7 +183,8 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     def _weights(self, x: Tensor, token_mask: Tensor | None) -> tuple[Tensor | None, Routing]:
         """The shared heads' weights ``(N, num_shared_heads)`` (None without shared heads) and the routing,
         whose ``gates`` ``(N, top_k)`` are the selected routed heads' weights (eq. 5-6, or the authors' code's
-        form, per ``head_weighting``)."""
+        form, per ``head_weighting``); with ``route_per_group`` each group's (eq. 5-6 within the group), the
+        shared weights ``(N, G S)`` and the gates ``(N, G top_k)`` group by group."""
         batch, time, dim = x.shape
         flat32 = x.reshape(batch * time, dim).to(router_dtype(x))
         n, route_groups = batch * time, self.route_groups

@@ -232,8 +232,9 @@ def reference_moh_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
     first ``S`` shared) has its own rows of ``W_r`` and ``W_s``, its own pair of ``W_h``, its own softmaxes and
     top-k, with ``S``, ``k`` and ``R`` counted in the group."""
     x = x.double()
-    groups = layer.route_groups
-    routed_per, shared_per = layer.num_routed_per_group, layer.num_shared_heads
+    groups = layer.kv_heads if layer.route_per_group else 1
+    shared_per = layer.num_shared_heads
+    routed_per = layer.num_heads // groups - shared_per
     out = []
     for j in range(groups):
         w_r = layer.routed_gate.weight.double()[j * routed_per:(j + 1) * routed_per]

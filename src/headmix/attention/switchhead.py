@@ -90,6 +90,12 @@ class SwitchHeadAttention(AttentionLayer):
     The cache holds the keys (after rotation) and the values after the expert mixing, ``(batch, num_heads, S,
     head_dim)``.
     ``routing`` is a :class:`SwitchHeadRouting`.
+
+    Not here: ``kv_heads``, ``qk_norm`` and ``output_gate`` (which MHA, MoH and Talking-Heads take). A head's
+    values are its own per-token mixture of value experts, so sharing K/V heads across query heads would change
+    the layer (one expert selection for several heads) rather than shrink its cache; QK-norm and the G1 gate
+    would apply as in MHA, but no paper or peer combines them with SwitchHead to test against (and with
+    ``num_experts=1`` the output selector already is a sigmoid gate per head). See docs/implementations.md.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_experts: int, top_k: int, head_dim: int | None = None, *,
