@@ -292,6 +292,25 @@ def test_matches_the_reference_outputs_and_gradients(case):
         torch.testing.assert_close(gp0[name], gp1[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("chunk", [1, 200])
+def test_head_groups_give_the_reference_outputs_and_gradients(monkeypatch, chunk):
+    """The chosen tokens' projections run a group of heads at a time (one head, or a few, per group here)."""
+    import headmix.attention.mosa as mosa_module
+
+    monkeypatch.setattr(mosa_module, "_CHUNK_NUMBERS", chunk)
+    assert len(mosa_module._head_groups(3, 9 * D)) == (3 if chunk == 1 else 2)  # 3 x 3 slots per head
+    layer = make(num_dense_heads=1)
+    x = torch.randn(3, 11, D, dtype=torch.double, requires_grad=True)
+    kpm = padding_mask()
+    y = layer(x, is_causal=True, key_padding_mask=kpm).output
+    gx, gw_in, gw_out = torch.autograd.grad(y.square().sum(), (x, layer.sparse_qkv, layer.sparse_out))
+    y_ref = reference_mosa(layer, x, is_causal=True, key_padding_mask=kpm)
+    gx_ref, gw_in_ref, gw_out_ref = torch.autograd.grad(y_ref.square().sum(), (x, layer.sparse_qkv, layer.sparse_out))
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-7)
+    for got, want in ((gx, gx_ref), (gw_in, gw_in_ref), (gw_out, gw_out_ref)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_routing_is_the_reference_choice_and_padding_is_never_chosen():
     layer = make(include_first=True)
     x = torch.randn(3, 11, D, dtype=torch.double)

@@ -6,11 +6,12 @@ import argparse
 
 
 def _modules():
-    from ..bench import attention, decode, models
+    from ..bench import attention, decode, models, mosa
 
     return {"attention": (attention, "MoA and SwitchHead vs torch MHA: time, memory, decoding"),
             "models": (models, "whole-model training steps: MoA vs the MHA model of equal MACs"),
-            "decode": (decode, "decoding tokens/s against the memory-bandwidth bound of the expert weights")}
+            "decode": (decode, "decoding tokens/s against the memory-bandwidth bound of the expert weights"),
+            "mosa": (mosa, "Mixture of Sparse Attention vs MHA of equal attention MACs: time, memory, KV cache")}
 
 
 def add_parser(sub) -> None:
