@@ -9,7 +9,9 @@ repeat runs each layer once, in turn; the median over repeats is reported):
 
 - ``fwd+bwd``: forward and backward of ``output.square().mean()``;
 - memory: on CUDA the peak allocated memory of a forward+backward; on CPU the bytes of the tensors autograd
-  saves for backward (see :func:`headmix.bench.attention.peak_memory`);
+  saves for backward (see :func:`headmix.bench.attention.peak_memory`), which counts the weights autograd keeps
+  (MoSA at MHA's MACs has many more heads, so many more weights), and beside it the same without the layer's
+  parameters (the activations alone);
 
 and the ratios MoSA / MHA. The KV cache per token of generation follows: MHA's ``2 H d_h`` numbers, and
 MoSA's under the causal threshold rule (the only rule with a cache: sparse heads keep only the tokens they
@@ -73,12 +75,32 @@ def bench_mosa(seq_lens: list[int], *, embed_dim: int, heads: int, head_dim: int
         times = interleaved_timings({n: (lambda l=l: step(l)) for n, l in layers.items()}, repeats, warmup, device,
                                     clock=clock)
         memory = {n: peak_memory(lambda l=l: step(l), device) for n, l in layers.items()}
+        activations = {n: saved_activation_bytes(lambda l=l: step(l), l) for n, l in layers.items()}
         rows.append({"seq": seq, "batch": batch, "mosa": f"{sparse} sparse + {dense_heads} dense x {head_dim}, "
                      f"k {mosa.tokens_for(seq)}", "macs_ratio": macs_ratio,
                      "mha_ms": 1e3 * times["MHA"], "mosa_ms": 1e3 * times["MoSA"],
                      "time_ratio": times["MoSA"] / times["MHA"], "mha_mib": memory["MHA"] / 2**20,
-                     "mosa_mib": memory["MoSA"] / 2**20, "memory_ratio": memory["MoSA"] / max(memory["MHA"], 1)})
+                     "mosa_mib": memory["MoSA"] / 2**20, "memory_ratio": memory["MoSA"] / max(memory["MHA"], 1),
+                     "activation_ratio": activations["MoSA"] / max(activations["MHA"], 1),
+                     "params_ratio": sum(p.numel() for p in mosa.parameters()) / sum(p.numel() for p in mha.parameters())})
     return rows
+
+
+def saved_activation_bytes(fn, layer: torch.nn.Module) -> int:
+    """Bytes of the distinct storages autograd saves during ``fn()``, the storages of ``layer``'s parameters
+    left out."""
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
 
 
 @torch.no_grad()
@@ -105,7 +127,8 @@ ROW_COLUMNS = [("seq", "seq", "{}"), ("batch", "batch", "{}"), ("mosa", "MoSA", 
                ("macs_ratio", "attention MACs / MHA", "{:.3f}"), ("mha_ms", "MHA fwd+bwd ms", "{:.1f}"),
                ("mosa_ms", "MoSA fwd+bwd ms", "{:.1f}"), ("time_ratio", "time / MHA", "{:.2f}"),
                ("mha_mib", "MHA memory MiB", "{:.1f}"), ("mosa_mib", "MoSA memory MiB", "{:.1f}"),
-               ("memory_ratio", "memory / MHA", "{:.2f}")]
+               ("memory_ratio", "memory / MHA", "{:.2f}"), ("activation_ratio", "activations / MHA", "{:.2f}"),
+               ("params_ratio", "parameters / MHA", "{:.1f}")]
 CACHE_COLUMNS = [("seq", "seq", "{}"), ("mosa", "MoSA", "{}"), ("mha_bytes", "MHA bytes/token/layer", "{:.0f}"),
                  ("mosa_expected_bytes", "MoSA expected", "{:.0f}"),
                  ("mosa_measured_bytes", "MoSA measured (threshold rule)", "{:.0f}")]
