@@ -15,9 +15,9 @@ repeat runs each layer once, in turn; the median over repeats is reported):
 
 and the ratios MoSA / MHA. The KV cache per token of generation follows: MHA's ``2 H d_h`` numbers, and
 MoSA's under the causal threshold rule (the only rule with a cache: sparse heads keep only the tokens they
-choose), expected ``2 H_s d_h k / T + 2 H_d d_h`` numbers and measured on a cached prompt after calibrating
-the thresholds on top-k routings of random inputs (the measured cache pads every head to the largest number
-of tokens any head of any sequence chose).
+choose), expected ``2 H_s d_h k / T + 2 H_d d_h`` numbers and measured on a prompt of ``T`` random tokens fed
+with the cache 128 tokens at a time, after calibrating the thresholds on top-k routings of random inputs (the
+measured cache pads every head to the largest number of tokens any head of any sequence chose).
 """
 
 from __future__ import annotations
@@ -116,7 +116,9 @@ def cache_bytes(seq: int, *, embed_dim: int, heads: int, head_dim: int, sparsity
     k = mosa.tokens_for(seq)
     mosa.calibrate_thresholds([mosa(torch.randn_like(x), is_causal=True).routing for _ in range(2)])
     mosa.selection = "threshold"
-    cache = mosa(x, is_causal=True, use_cache=True).cache
+    cache = None
+    for start in range(0, seq, 128):  # the prompt in chunks: the threshold rule's forward is dense over a chunk
+        cache = mosa(x[:, start:start + 128], is_causal=True, use_cache=True, cache=cache).cache
     return {"seq": seq, "mosa": f"{sparse} sparse + {dense_heads} dense x {head_dim}",
             "mha_bytes": 2 * embed_dim * size,
             "mosa_expected_bytes": (2 * sparse * head_dim * k / seq + 2 * dense_heads * head_dim) * size,
