@@ -444,12 +444,18 @@ class _GatherProject(torch.autograd.Function):
 def _gathered(x: Tensor, index: Tensor, buffer: Tensor | None) -> tuple[Tensor, Tensor]:
     """``x[index]`` as ``(heads, slots, d)``, written into the flat ``buffer`` when it is large enough; returns
     it and the buffer."""
-    n = index.numel()
-    if buffer is None or buffer.numel() < n * x.shape[1]:
-        buffer = x.new_empty(n * x.shape[1])
-    out = buffer[:n * x.shape[1]].view(n, x.shape[1])
+    out, buffer = _reused(buffer, x, (index.numel(), x.shape[1]))
     torch.index_select(x, 0, index.flatten(), out=out)
     return out.view(index.shape[0], index.shape[1], x.shape[1]), buffer
+
+
+def _reused(buffer: Tensor | None, like: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """A ``shape`` view of the flat ``buffer`` (a new one of ``like``'s dtype and device when it is missing or
+    too small), and the buffer."""
+    n = math.prod(shape)
+    if buffer is None or buffer.numel() < n:
+        buffer = like.new_empty(n)
+    return buffer[:n].view(shape), buffer
 
 
 def gather_project(x: Tensor, index: Tensor, weight: Tensor) -> Tensor:
@@ -470,10 +476,7 @@ class _ProjectScatter(torch.autograd.Function):
         y = o.new_zeros(rows, weight.shape[2])
         buffer = None
         for h0, h1 in _head_groups(heads, slots * weight.shape[2]):
-            n = (h1 - h0) * slots * weight.shape[2]
-            if buffer is None or buffer.numel() < n:
-                buffer = o.new_empty(n)
-            projected = buffer[:n].view(h1 - h0, slots, weight.shape[2])
+            projected, buffer = _reused(buffer, o, (h1 - h0, slots, weight.shape[2]))
             torch.bmm(o[h0:h1], weight[h0:h1], out=projected)
             y.index_add_(0, index[h0:h1].flatten(), projected.view(-1, weight.shape[2]))
         return y
