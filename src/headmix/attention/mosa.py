@@ -230,7 +230,7 @@ class MixtureOfSparseAttention(AttentionLayer):
                 pick[:, 0] = 2.0  # sigmoid < 2: token 0 always among the top k
             if padding is not None:
                 pick = pick.masked_fill(padding[..., None], -1.0)  # below every real token
-            index = pick.topk(k, dim=1, largest=False).indices.transpose(1, 2)
+            index = pick.topk(k, dim=1).indices.transpose(1, 2)              # (B, H, k)
             index = index.sort(dim=2).values  # in position order: the causal mask is then the slots' own
         scores = r.transpose(1, 2).gather(2, index)
         if padding is None:
