@@ -474,3 +474,16 @@ def test_refuses_cross_attention_topk_caches_and_uncalibrated_thresholds():
         layer(x)
     with pytest.raises(ValueError, match="attn_mask must have shape"):
         make()(x, attn_mask=torch.zeros(1, 3, 5, 5, dtype=torch.bool))
+
+
+def test_autocast_bfloat16_runs_the_chosen_products_in_bfloat16():
+    torch.manual_seed(0)
+    layer = MixtureOfSparseAttention(D, 3, 8, sparsity=3, num_dense_heads=1)
+    x = torch.randn(2, 12, D, requires_grad=True)
+    want = layer(x, is_causal=True).output
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x, is_causal=True).output
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+    got.float().sum().backward()
+    assert layer.sparse_qkv.grad.dtype == torch.float32 and layer.sparse_qkv.grad.abs().sum() > 0

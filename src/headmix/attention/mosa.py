@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from .base import AttentionLayer, AttentionOutput, KVCache, check_mask_dtype, check_positive, scaled_dot_product, zero_loss
 from .mha import MultiHeadAttention
+from .moa import autocast_dtype
 from .padding import check_flag, real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding, make_rotary
 
@@ -344,7 +345,8 @@ class MixtureOfSparseAttention(AttentionLayer):
         batch, length, dim = x.shape
         heads, _, slots = positions.shape
         index = self._flat_index(positions, offset, length)                       # (H, B * S)
-        qkv = gather_project(x.reshape(batch * length, dim), index, self.sparse_qkv.to(x.dtype))
+        compute = autocast_dtype(x) or x.dtype  # the custom products below run outside autocast
+        qkv = gather_project(x.reshape(batch * length, dim).to(compute), index, self.sparse_qkv.to(compute))
         qkv = qkv.view(heads, batch, slots, 3, self.head_dim)
         qk, v = qkv[..., :2, :], qkv[..., 2, :].contiguous()  # v alone: attention keeps it, not all of qkv
         if self.rotary is not None:
@@ -396,6 +398,15 @@ class MixtureOfSparseAttention(AttentionLayer):
         return y.view(batch, length, self.embed_dim)
 
 
+def _no_autocast(fn):
+    """Run ``fn`` with autocast off (its products write into preallocated outputs, which autocast cannot
+    recast); the callers pass tensors of one dtype."""
+    def wrapped(ctx, *args):
+        with torch.autocast(device_type=args[0].device.type, enabled=False):
+            return fn(ctx, *args)
+    return wrapped
+
+
 #: The gathered / projected rows of at most this many numbers are in memory at once (about 8 MB in float32):
 #: the heads run in groups through one reused buffer, not one ``heads x slots x embed_dim`` tensor.
 _CHUNK_NUMBERS = 2 ** 21
@@ -413,6 +424,7 @@ class _GatherProject(torch.autograd.Function):
     gathered into one reused buffer, again in backward."""
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, x: Tensor, index: Tensor, weight: Tensor) -> Tensor:
         ctx.save_for_backward(x, index, weight)
         heads, slots = index.shape
@@ -424,6 +436,7 @@ class _GatherProject(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, grad: Tensor):
         x, index, weight = ctx.saved_tensors
         heads, slots = index.shape
@@ -470,6 +483,7 @@ class _ProjectScatter(torch.autograd.Function):
     time in one reused buffer and not kept for backward."""
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, o: Tensor, index: Tensor, weight: Tensor, rows: int) -> Tensor:
         ctx.save_for_backward(o, index, weight)
         heads, slots = index.shape
@@ -482,6 +496,7 @@ class _ProjectScatter(torch.autograd.Function):
         return y
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, grad: Tensor):
         o, index, weight = ctx.saved_tensors
         heads, slots = index.shape
