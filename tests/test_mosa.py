@@ -487,3 +487,18 @@ def test_autocast_bfloat16_runs_the_chosen_products_in_bfloat16():
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
     got.float().sum().backward()
     assert layer.sparse_qkv.grad.dtype == torch.float32 and layer.sparse_qkv.grad.abs().sum() > 0
+
+
+def test_cache_reorder_selects_rows_and_preallocation_is_refused():
+    layer = calibrated()
+    x = torch.randn(3, 6, D, dtype=torch.double)
+    cache = layer(x, is_causal=True, use_cache=True).cache
+    index = torch.tensor([2, 0])
+    picked = cache.reorder(index)
+    for got, want in ((picked.key, cache.key), (picked.value, cache.value), (picked.positions, cache.positions),
+                      (picked.dense.key, cache.dense.key)):
+        assert torch.equal(got, want[index])
+    step = layer(x[[2, 0], :1], is_causal=True, use_cache=True, cache=picked)
+    assert step.cache.length == 7
+    with pytest.raises(ValueError, match="cannot be preallocated"):
+        cache.preallocate(16)
