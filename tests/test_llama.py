@@ -160,7 +160,9 @@ def test_config_errors(changes, message):
 # --------------------------------------------------------------------------------------------------
 # Decoding and training
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", [n for n in LLAMA_PRESETS if n.startswith("llama-tiny")])
+# MoSA's training rule (expert-choice top-k) has no cache; its cached generation under the causal threshold rule
+# is tested in tests/test_mosa_toolkit.py.
+@pytest.mark.parametrize("name", [n for n in LLAMA_PRESETS if n.startswith("llama-tiny") and not n.endswith("-mosa")])
 def test_cached_decoding_equals_uncached(name):
     torch.manual_seed(0)
     model = build_model(llama(name)).eval()

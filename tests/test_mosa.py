@@ -292,6 +292,25 @@ def test_matches_the_reference_outputs_and_gradients(case):
         torch.testing.assert_close(gp0[name], gp1[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("chunk", [1, 200])
+def test_head_groups_give_the_reference_outputs_and_gradients(monkeypatch, chunk):
+    """The chosen tokens' projections run a group of heads at a time (one head, or a few, per group here)."""
+    import headmix.attention.mosa as mosa_module
+
+    monkeypatch.setattr(mosa_module, "_CHUNK_NUMBERS", chunk)
+    assert len(mosa_module._head_groups(3, 9 * D)) == (3 if chunk == 1 else 2)  # 3 x 3 slots per head
+    layer = make(num_dense_heads=1)
+    x = torch.randn(3, 11, D, dtype=torch.double, requires_grad=True)
+    kpm = padding_mask()
+    y = layer(x, is_causal=True, key_padding_mask=kpm).output
+    gx, gw_in, gw_out = torch.autograd.grad(y.square().sum(), (x, layer.sparse_qkv, layer.sparse_out))
+    y_ref = reference_mosa(layer, x, is_causal=True, key_padding_mask=kpm)
+    gx_ref, gw_in_ref, gw_out_ref = torch.autograd.grad(y_ref.square().sum(), (x, layer.sparse_qkv, layer.sparse_out))
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-7)
+    for got, want in ((gx, gx_ref), (gw_in, gw_in_ref), (gw_out, gw_out_ref)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_routing_is_the_reference_choice_and_padding_is_never_chosen():
     layer = make(include_first=True)
     x = torch.randn(3, 11, D, dtype=torch.double)
@@ -455,3 +474,31 @@ def test_refuses_cross_attention_topk_caches_and_uncalibrated_thresholds():
         layer(x)
     with pytest.raises(ValueError, match="attn_mask must have shape"):
         make()(x, attn_mask=torch.zeros(1, 3, 5, 5, dtype=torch.bool))
+
+
+def test_autocast_bfloat16_runs_the_chosen_products_in_bfloat16():
+    torch.manual_seed(0)
+    layer = MixtureOfSparseAttention(D, 3, 8, sparsity=3, num_dense_heads=1)
+    x = torch.randn(2, 12, D, requires_grad=True)
+    want = layer(x, is_causal=True).output
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x, is_causal=True).output
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+    got.float().sum().backward()
+    assert layer.sparse_qkv.grad.dtype == torch.float32 and layer.sparse_qkv.grad.abs().sum() > 0
+
+
+def test_cache_reorder_selects_rows_and_preallocation_is_refused():
+    layer = calibrated()
+    x = torch.randn(3, 6, D, dtype=torch.double)
+    cache = layer(x, is_causal=True, use_cache=True).cache
+    index = torch.tensor([2, 0])
+    picked = cache.reorder(index)
+    for got, want in ((picked.key, cache.key), (picked.value, cache.value), (picked.positions, cache.positions),
+                      (picked.dense.key, cache.dense.key)):
+        assert torch.equal(got, want[index])
+    step = layer(x[[2, 0], :1], is_causal=True, use_cache=True, cache=picked)
+    assert step.cache.length == 7
+    with pytest.raises(ValueError, match="cannot be preallocated"):
+        cache.preallocate(16)

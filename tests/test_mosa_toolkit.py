@@ -199,3 +199,22 @@ def test_a_mosa_study_row_trains_on_the_embedded_corpus(tmp_path, docs_file):
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     train_records = [m for m in metrics if m.get("split", "train") == "train" and "loss" in m]
     assert len(train_records) == 3 and train_records[-1]["load_cv"] == pytest.approx(0.0)  # expert choice: even
+
+
+def test_bench_matches_heads_by_macs_and_runs_at_a_tiny_size():
+    from headmix.bench.mosa import bench_mosa, cache_bytes, matched_sparse_heads
+
+    heads, ratio = matched_sparse_heads(32, 2, 64, head_dim=8, sparsity=4, dense_heads=1)
+    mha = 2 * (4 * 64 * 32 * 16 + 2 * 64 * 64 * 16)
+    per_head = 64 * 32 + 4 * 16 * 32 * 8 + 2 * 16 * 16 * 8
+    dense = 4 * 64 * 32 * 8 + 2 * 64 * 64 * 8
+    assert ratio == pytest.approx((heads * per_head + dense) / mha)
+    assert all(abs(ratio - 1) <= abs((n * per_head + dense) / mha - 1) for n in (heads - 1, heads + 1))
+    rows = bench_mosa([64], embed_dim=32, heads=2, head_dim=8, sparsity=4, dense_heads=1, batch_tokens=128,
+                      repeats=1, warmup=0, device=torch.device("cpu"), dtype=torch.float32)
+    assert rows[0]["mosa"].startswith(f"{heads} sparse + 1 dense x 8, k 16") and rows[0]["batch"] == 2
+    assert rows[0]["params_ratio"] == pytest.approx((heads * (32 + 4 * 32 * 8) + 4 * 32 * 8) / (4 * 32 * 32))
+    cache = cache_bytes(64, embed_dim=32, heads=2, head_dim=8, sparsity=4, dense_heads=1, batch=2,
+                        device=torch.device("cpu"), dtype=torch.float32)
+    assert cache["mha_bytes"] == 2 * 32 * 4
+    assert cache["mosa_expected_bytes"] == pytest.approx((2 * heads * 8 * 16 / 64 + 2 * 8) * 4)

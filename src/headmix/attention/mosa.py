@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from .base import AttentionLayer, AttentionOutput, KVCache, check_mask_dtype, check_positive, scaled_dot_product, zero_loss
 from .mha import MultiHeadAttention
+from .moa import autocast_dtype
 from .padding import check_flag, real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding, make_rotary
 
@@ -220,7 +221,8 @@ class MixtureOfSparseAttention(AttentionLayer):
 
     def select_topk(self, r: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
         """Expert choice: each head's top ``k`` tokens by ``r`` ``(batch, time, heads)``. Returns
-        ``(positions, scores)`` ``(batch, heads, k)``, ``-1`` and 0 in the slots a padded token fills."""
+        ``(positions, scores)`` ``(batch, heads, k)``, each head's chosen positions in increasing order, ``-1``
+        and 0 in the slots a padded token fills."""
         batch, length, _ = r.shape
         k = self.tokens_for(length)
         with torch.no_grad():
@@ -230,6 +232,7 @@ class MixtureOfSparseAttention(AttentionLayer):
             if padding is not None:
                 pick = pick.masked_fill(padding[..., None], -1.0)  # below every real token
             index = pick.topk(k, dim=1).indices.transpose(1, 2)              # (B, H, k)
+            index = index.sort(dim=2).values  # in position order: the causal mask is then the slots' own
         scores = r.transpose(1, 2).gather(2, index)
         if padding is None:
             return index, scores
@@ -294,19 +297,24 @@ class MixtureOfSparseAttention(AttentionLayer):
         r = self.router_scores(query)
         if self.selection == "topk":
             positions, scores = self.select_topk(r, padding)
-            q, k_new, v_new = self._project_chosen(query, positions, past)
-            keys, values, key_pos = k_new, v_new, positions
         else:
             positions, scores = self.select_threshold(r, padding, past)
-            q, k_new, v_new = self._project_chosen(query, positions, past)
-            keys, values, key_pos = k_new, v_new, positions
-            if cache is not None:
-                keys = torch.cat([cache.key, keys], dim=2)
-                values = torch.cat([cache.value, values], dim=2)
-                key_pos = torch.cat([cache.positions, key_pos], dim=2)
-        o = self._sparse_attention(q, keys, values, positions, key_pos, past, is_causal, key_added, pair_forbidden,
-                                   pair_added)
-        y = self._scatter(o * scores[..., None].to(o.dtype), positions - past, new)
+        # head-major inside: (heads, batch, slots), so each head's tokens are one block of a batched matmul
+        q_pos = positions.transpose(0, 1)
+        q, keys, values = self._project_chosen(query, q_pos, past)
+        key_pos = q_pos
+        if cache is not None:
+            keys = torch.cat([cache.key.transpose(0, 1), keys], dim=2)
+            values = torch.cat([cache.value.transpose(0, 1), values], dim=2)
+            key_pos = torch.cat([cache.positions.transpose(0, 1), key_pos], dim=2)
+        if cache is None and padding is None and key_added is None and pair_forbidden is None:
+            # no padding, masks or cache: under top-k every slot holds a chosen token, in position order, so the
+            # causal order of the original positions is the slots' order (see _sparse_attention_unmasked)
+            o = self._sparse_attention_unmasked(q, keys, values, q_pos, is_causal)
+        else:
+            o = self._sparse_attention(q, keys, values, q_pos, key_pos, past, is_causal, key_added, pair_forbidden,
+                                       pair_added)
+        y = self._scatter(o * scores.transpose(0, 1)[..., None].to(o.dtype), q_pos - past, new)
 
         dense_cache = None
         if self.dense is not None:
@@ -316,44 +324,63 @@ class MixtureOfSparseAttention(AttentionLayer):
             dense_cache = dense_out.cache
         new_cache = None
         if use_cache:
-            key_c, value_c, pos_c = _compact(keys, values, key_pos)
+            key_c, value_c, pos_c = _compact(keys.transpose(0, 1), values.transpose(0, 1), key_pos.transpose(0, 1))
             new_cache = MoSACache(key_c, value_c, pos_c, dense_cache, total, self.layer_id)
         token_mask = real_token_mask(query, None, key_padding_mask, query_padding_mask, cache)
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
         return AttentionOutput(y, zero_loss(query), new_cache, MoSARouting(positions, scores, r, token_mask))
 
+    def _flat_index(self, positions: Tensor, offset: int, length: int) -> Tensor:
+        """Rows ``b * length + (position - offset)`` of the flattened ``(batch * length, embed_dim)`` input, for
+        ``(heads, batch, slots)`` positions (empty slots, ``-1``, read row ``b * length``)."""
+        batch = positions.shape[1]
+        base = torch.arange(batch, device=positions.device)[None, :, None] * length
+        return (base + (positions - offset).clamp(min=0)).reshape(positions.shape[0], -1)
+
     def _project_chosen(self, x: Tensor, positions: Tensor, offset: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``Q, K, V`` ``(batch, heads, slots, head_dim)`` of the tokens at ``positions`` (``offset ..``; empty
-        slots read token 0 and are masked later), queries and keys rotated at their original positions."""
+        """``Q, K, V`` ``(heads, batch, slots, head_dim)`` of the tokens at ``positions`` (``(heads, batch,
+        slots)``, ``offset ..``; empty slots read a token and are masked later), queries and keys rotated at their
+        original positions (``rotary_fraction`` of each head)."""
         batch, length, dim = x.shape
-        heads, slots = positions.shape[1:]
-        local = (positions - offset).clamp(min=0)
-        chosen = x.gather(1, local.reshape(batch, heads * slots, 1).expand(-1, -1, dim)).view(batch, heads, slots, dim)
-        qkv = torch.einsum("bhsd,hde->bhse", chosen, self.sparse_qkv.to(x.dtype))
-        q, k, v = qkv.chunk(3, dim=-1)
+        heads, _, slots = positions.shape
+        index = self._flat_index(positions, offset, length)                       # (H, B * S)
+        compute = autocast_dtype(x) or x.dtype  # the custom products below run outside autocast
+        qkv = gather_project(x.reshape(batch * length, dim).to(compute), index, self.sparse_qkv.to(compute))
+        qkv = qkv.view(heads, batch, slots, 3, self.head_dim)
+        qk, v = qkv[..., :2, :], qkv[..., 2, :].contiguous()  # v alone: attention keeps it, not all of qkv
         if self.rotary is not None:
-            at = positions.clamp(min=0)
-            q, k = self.rotary.rotate_at(q, at), self.rotary.rotate_at(k, at)
-        return q, k, v
+            qk = _rotate_at(qk, self.rotary, positions.clamp(min=0), offset + length)
+        return qk[..., 0, :], qk[..., 1, :], v
+
+    def _sparse_attention_unmasked(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, is_causal: bool) -> Tensor:
+        """Attention among the chosen tokens without padding, masks or cache: top-k slots are all filled and in
+        position order, so the kernel's own causal mask over the slots is the causal order of the positions."""
+        dropout = self.dropout if self.training else 0.0
+        if self.selection == "topk":
+            return scaled_dot_product(q, k, v, None, None, dropout, causal=is_causal)
+        return self._sparse_attention(q, k, v, q_pos, q_pos, 0, is_causal, None, None, None)
 
     def _sparse_attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, past: int,
-                          is_causal: bool, key_added: Tensor | None, pair_forbidden: Tensor | None, pair_added: Tensor | None) -> Tensor:
-        """Softmax attention among the chosen tokens, masked by their original positions."""
-        batch = q.shape[0]
+                          is_causal: bool, key_added: Tensor | None, pair_forbidden: Tensor | None,
+                          pair_added: Tensor | None) -> Tensor:
+        """Softmax attention among the chosen tokens (``(heads, batch, slots, .)``), masked by their original
+        positions."""
         forbidden = (q_pos < 0)[..., :, None] | (k_pos < 0)[..., None, :]
         if is_causal:
             forbidden = forbidden | (k_pos[..., None, :] > q_pos[..., :, None])
         kc = k_pos.clamp(min=0)
         added = None
         if key_added is not None:  # padded keys are never chosen; a float mask's finite values are added
-            added = key_added.gather(1, kc.flatten(1)).view_as(kc)[..., None, :].expand_as(forbidden)
+            heads = kc.shape[0]
+            added = key_added[None].expand(heads, -1, -1).gather(2, kc)[..., None, :].expand_as(forbidden)
         if pair_forbidden is not None:
-            rows = (q_pos - past).clamp(min=0)
-            pf = _gather_pairs(pair_forbidden, rows, kc, batch)
+            rows = (q_pos - past).clamp(min=0).transpose(0, 1)
+            cols = kc.transpose(0, 1)
+            pf = _gather_pairs(pair_forbidden, rows, cols, q.shape[1]).transpose(0, 1)
             forbidden = forbidden | pf
             if pair_added is not None:
-                pa = _gather_pairs(pair_added, rows, kc, batch)
+                pa = _gather_pairs(pair_added, rows, cols, q.shape[1]).transpose(0, 1)
                 added = pa if added is None else added + pa
         empty = forbidden.all(dim=-1, keepdim=True)
         bias = torch.zeros(forbidden.shape, dtype=q.dtype, device=q.device).masked_fill(forbidden & ~empty, float("-inf"))
@@ -361,15 +388,147 @@ class MixtureOfSparseAttention(AttentionLayer):
             bias = bias + added.to(q.dtype)
         return scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0)
 
-    def _scatter(self, o: Tensor, local: Tensor, length: int) -> Tensor:
-        """``sum_h scatter_I(o_h W_O^h)``: each slot's row projected by its head's ``W_O`` and added at its
-        position (empty slots, ``local < 0``, hold zeros and add nothing)."""
-        batch, heads, slots, _ = o.shape
-        rows = torch.einsum("bhse,hed->bhsd", o, self.sparse_out.to(o.dtype))
-        index = (torch.arange(batch, device=o.device)[:, None, None] * length + local.clamp(min=0)).flatten()
-        y = o.new_zeros(batch * length, self.embed_dim)
-        y = y.index_add(0, index, rows.reshape(-1, self.embed_dim))
+    def _scatter(self, o: Tensor, positions: Tensor, length: int) -> Tensor:
+        """``sum_h scatter_I(o_h W_O^h)``: each slot's row (``o`` ``(heads, batch, slots, head_dim)``) projected
+        by its head's ``W_O`` and added at its position (``positions`` relative to this call; empty slots hold
+        zeros and add nothing)."""
+        heads, batch = o.shape[:2]
+        index = self._flat_index(positions, 0, length)
+        y = project_scatter(o.reshape(heads, -1, self.head_dim), index, self.sparse_out.to(o.dtype), batch * length)
         return y.view(batch, length, self.embed_dim)
+
+
+def _no_autocast(fn):
+    """Run ``fn`` with autocast off (its products write into preallocated outputs, which autocast cannot
+    recast); the callers pass tensors of one dtype."""
+    def wrapped(ctx, *args):
+        with torch.autocast(device_type=args[0].device.type, enabled=False):
+            return fn(ctx, *args)
+    return wrapped
+
+
+#: The gathered / projected rows of at most this many numbers are in memory at once (about 8 MB in float32):
+#: the heads run in groups through one reused buffer, not one ``heads x slots x embed_dim`` tensor.
+_CHUNK_NUMBERS = 2 ** 21
+
+
+def _head_groups(heads: int, per_head: int) -> list[tuple[int, int]]:
+    size = max(1, _CHUNK_NUMBERS // max(per_head, 1))
+    return [(h, min(h + size, heads)) for h in range(0, heads, size)]
+
+
+class _GatherProject(torch.autograd.Function):
+    """``x[index[h]] @ weight[h]`` for every head ``h``: ``x`` ``(N, d)``, ``index`` ``(H, M)``, ``weight``
+    ``(H, d, e)`` -> ``(H, M, e)``. The gathered rows (``H M d`` numbers, many times ``x`` when heads choose
+    many tokens between them) are never held at once nor kept for backward: a group of heads at a time is
+    gathered into one reused buffer, again in backward."""
+
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, x: Tensor, index: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, index, weight)
+        heads, slots = index.shape
+        out = x.new_empty(heads, slots, weight.shape[2])
+        buffer = None
+        for h0, h1 in _head_groups(heads, slots * x.shape[1]):
+            chosen, buffer = _gathered(x, index[h0:h1], buffer)
+            torch.bmm(chosen, weight[h0:h1], out=out[h0:h1])
+        return out
+
+    @staticmethod
+    @_no_autocast
+    def backward(ctx, grad: Tensor):
+        x, index, weight = ctx.saved_tensors
+        heads, slots = index.shape
+        grad = grad.contiguous()
+        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[2] else None
+        buffer = None
+        for h0, h1 in _head_groups(heads, slots * x.shape[1]):
+            if grad_x is not None:
+                grad_chosen = torch.bmm(grad[h0:h1], weight[h0:h1].transpose(1, 2))
+                grad_x.index_add_(0, index[h0:h1].flatten(), grad_chosen.view(-1, x.shape[1]))
+            if grad_weight is not None:
+                chosen, buffer = _gathered(x, index[h0:h1], buffer)
+                torch.bmm(chosen.transpose(1, 2), grad[h0:h1], out=grad_weight[h0:h1])
+        return grad_x, None, grad_weight
+
+
+def _gathered(x: Tensor, index: Tensor, buffer: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``x[index]`` as ``(heads, slots, d)``, written into the flat ``buffer`` when it is large enough; returns
+    it and the buffer."""
+    out, buffer = _reused(buffer, x, (index.numel(), x.shape[1]))
+    torch.index_select(x, 0, index.flatten(), out=out)
+    return out.view(index.shape[0], index.shape[1], x.shape[1]), buffer
+
+
+def _reused(buffer: Tensor | None, like: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """A ``shape`` view of the flat ``buffer`` (a new one of ``like``'s dtype and device when it is missing or
+    too small), and the buffer."""
+    n = math.prod(shape)
+    if buffer is None or buffer.numel() < n:
+        buffer = like.new_empty(n)
+    return buffer[:n].view(shape), buffer
+
+
+def gather_project(x: Tensor, index: Tensor, weight: Tensor) -> Tensor:
+    """``(H, M, e)``: the rows ``x[index[h]]`` of ``x`` ``(N, d)`` times ``weight[h]`` ``(H, d, e)``, without
+    holding or keeping the gathered rows (:class:`_GatherProject`; first derivatives only)."""
+    return _GatherProject.apply(x, index, weight)
+
+
+class _ProjectScatter(torch.autograd.Function):
+    """``y[index[h, m]] += o[h, m] @ weight[h]`` into a zero ``(N, e)``: ``o`` ``(H, M, d)``, ``index``
+    ``(H, M)``, ``weight`` ``(H, d, e)``. The projected rows (``H M e`` numbers) are made a group of heads at a
+    time in one reused buffer and not kept for backward."""
+
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, o: Tensor, index: Tensor, weight: Tensor, rows: int) -> Tensor:
+        ctx.save_for_backward(o, index, weight)
+        heads, slots = index.shape
+        y = o.new_zeros(rows, weight.shape[2])
+        buffer = None
+        for h0, h1 in _head_groups(heads, slots * weight.shape[2]):
+            projected, buffer = _reused(buffer, o, (h1 - h0, slots, weight.shape[2]))
+            torch.bmm(o[h0:h1], weight[h0:h1], out=projected)
+            y.index_add_(0, index[h0:h1].flatten(), projected.view(-1, weight.shape[2]))
+        return y
+
+    @staticmethod
+    @_no_autocast
+    def backward(ctx, grad: Tensor):
+        o, index, weight = ctx.saved_tensors
+        heads, slots = index.shape
+        grad = grad.contiguous()
+        grad_o = torch.empty_like(o) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[2] else None
+        buffer = None
+        for h0, h1 in _head_groups(heads, slots * weight.shape[2]):
+            grad_rows, buffer = _gathered(grad, index[h0:h1], buffer)
+            if grad_o is not None:
+                torch.bmm(grad_rows, weight[h0:h1].transpose(1, 2), out=grad_o[h0:h1])
+            if grad_weight is not None:
+                torch.bmm(o[h0:h1].transpose(1, 2), grad_rows, out=grad_weight[h0:h1])
+        return grad_o, None, grad_weight, None
+
+
+def project_scatter(o: Tensor, index: Tensor, weight: Tensor, rows: int) -> Tensor:
+    """``(rows, e)``: zeros with ``o[h, m] @ weight[h]`` added at row ``index[h, m]`` for every head and slot,
+    without holding or keeping the projected rows (:class:`_ProjectScatter`; first derivatives only)."""
+    return _ProjectScatter.apply(o, index, weight, rows)
+
+
+def _rotate_at(x: Tensor, rotary: RotaryEmbedding, positions: Tensor, length: int) -> Tensor:
+    """``x`` ``(heads, batch, slots, n, head_dim)`` with the rotary part of every row turned to its slot's
+    position (``positions`` ``(heads, batch, slots)``): ``cos``/``sin`` are computed once for positions
+    ``0 .. length - 1`` and looked up."""
+    cos, sin = rotary.cos_sin(torch.arange(length, device=x.device), x.dtype)           # (length, rotary_dim)
+    cos, sin = cos[positions][..., None, :], sin[positions][..., None, :]
+    d = rotary.rotary_dim
+    rot = x[..., :d]
+    rotated = rot * cos + rotary._turn(rot) * sin
+    return rotated if d == x.shape[-1] else torch.cat([rotated, x[..., d:]], dim=-1)
 
 
 def _key_masks(key_padding_mask: Tensor | None, batch: int, total: int,

@@ -6,12 +6,13 @@ import argparse
 
 
 def _modules():
-    from ..bench import attention, decode, gqa, models
+    from ..bench import attention, decode, gqa, models, mosa
 
     return {"attention": (attention, "MoA and SwitchHead vs torch MHA: time, memory, decoding"),
             "models": (models, "whole-model training steps: MoA vs the MHA model of equal MACs"),
             "decode": (decode, "decoding tokens/s against the memory-bandwidth bound of the expert weights"),
-            "gqa": (gqa, "grouped-query MHA vs torch SDPA enable_gqa, GQE vs grouped MHA, gates and QK-norm")}
+            "gqa": (gqa, "grouped-query MHA vs torch SDPA enable_gqa, GQE vs grouped MHA, gates and QK-norm"),
+            "mosa": (mosa, "Mixture of Sparse Attention vs MHA of equal attention MACs: time, memory, KV cache")}
 
 
 def add_parser(sub) -> None:
