@@ -113,8 +113,13 @@ def run(args) -> int:
         raise ValueError("--out is required to run a study (the study folder)")
     log = lambda m: print(f"[headmix] {m}", file=sys.stderr, flush=True)  # noqa: E731
     if args.report:
-        results = finished_results(spec, args.out, log)
-        write_report(spec, planned, results, args.out)
+        from ..study.runner import study_lock
+
+        if not (Path(args.out) / "study.json").is_file():
+            raise FileNotFoundError(f"{args.out} holds no study (no study.json)")
+        with study_lock(Path(args.out)):  # not while a worker writes it
+            results = finished_results(spec, args.out, log)
+            write_report(spec, planned, results, args.out)
         print(open(os.path.join(args.out, "results.md")).read())
         return 0
     from ..training.config import pick_device
