@@ -322,3 +322,21 @@ def test_a_saved_folder_needs_headmix_installed_for_remote_code(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         "ImportError: This modeling file requires the following packages that were not found in your environment: "
         "headmix. Run `pip install headmix`")
+
+
+def test_the_recipe_example_runs_at_a_tiny_size(tmp_path):
+    """examples/hf_llama_to_moh.py end to end: Llama folder -> MoH -> Trainer -> save_pretrained -> Auto -> generate."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_llama_to_moh", SRC.parent / "examples" / "hf_llama_to_moh.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    text = tmp_path / "text.txt"
+    text.write_text("In the beginning was the word, and the word was with the text. " * 40)
+    result = example.main(["--out", str(tmp_path / "out"), "--text", str(text), "--steps", "3", "--d-model", "32",
+                           "--heads", "4", "--kv-heads", "2", "--shared-heads", "1", "--top-k", "2", "--block", "32",
+                           "--batch", "4"])
+    assert len(result["losses"]) == 3
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["headmix"]["decoder_self_attention"]["kind"] == "moh"
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")) is HeadmixForCausalLM

@@ -17,6 +17,8 @@ from __future__ import annotations
 from ..interop._hf import require_transformers
 
 _transformers = require_transformers()
+if int(_transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"headmix.hf needs transformers 5 (found {_transformers.__version__}): pip install 'headmix[hf]'")
 
 from .configuration_headmix import HeadmixConfig  # noqa: E402  (after the one-line install hint)
 from .convert import hf_to_headmix, run_to_hf  # noqa: E402
