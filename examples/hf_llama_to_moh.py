@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, required=True, help="a new folder: the Hugging Face model is saved here")
     parser.add_argument("--llama", type=Path, help="a Llama checkpoint folder (default: build a small one)")
     parser.add_argument("--text", type=Path, help="a UTF-8 text file (default: headmix's embedded English documents)")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=8)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shared-heads", type=int, default=2, help="MoH heads every token uses")
     parser.add_argument("--top-k", type=int, default=4, help="MoH routed heads each token selects")
     parser.add_argument("--block", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--text-bytes", type=int, default=2_000_000)
     args = parser.parse_args(argv)
     if args.out.exists():

@@ -4,6 +4,7 @@ caches), the loss with the routing losses, Trainer, refusals, and headmix folder
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import headmix  # noqa: E402
 from headmix.hf import HeadmixCache, HeadmixConfig, HeadmixForCausalLM, hf_to_headmix, run_to_hf  # noqa: E402
+from headmix.cli.main import main as cli_main  # noqa: E402
 from headmix.models import build_model, get_config  # noqa: E402
 from headmix.models.generation import beam_search, greedy_decode  # noqa: E402
 
@@ -132,10 +134,15 @@ def test_greedy_generate_gives_headmix_generate_tokens(preset):
     assert torch.equal(hf.generate(ids, max_new_tokens=8, do_sample=False, suppress_tokens=[0], use_cache=False), out)
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny-moa-kv2", "llama-tiny-moh", "tiny-moa"])
+@pytest.mark.parametrize("preset", ["llama-tiny-moa-kv2", "llama-tiny-moh", "tiny-moa", "zero-padded-moa"])
 def test_left_padded_batch_gives_each_rows_own_logits_and_tokens(preset):
-    """Rotary (positions from the cache; RoPE is relative) and sinusoidal (positions from the mask) alike."""
-    model = headmix_lm(preset)
+    """Rotary (positions from the cache; RoPE is relative) and sinusoidal (positions from the mask) alike;
+    with ``zero_padded_queries`` a padded query's output is zero, so a new token must never count as padding."""
+    if preset == "zero-padded-moa":
+        attention = get_config("llama-tiny-moa-kv2", task="lm", vocab_size=VOCAB).decoder_self_attention
+        model = headmix_lm("llama-tiny-moa-kv2", decoder_self_attention=dataclasses.replace(attention, zero_padded_queries=True))
+    else:
+        model = headmix_lm(preset)
     hf = HeadmixForCausalLM.from_headmix(model)
     long, short = prompt(1, 7, seed=2), prompt(1, 4, seed=3)
     ids = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
@@ -263,7 +270,7 @@ def test_trainer_lowers_the_loss_with_the_aux_loss_included(tmp_path):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 6
-    assert losses[0] == pytest.approx(float(first.loss), abs=1e-3)  # lm + aux, not lm alone
+    assert losses[0] == pytest.approx(float(first.lm_loss + first.aux_loss), abs=1e-3)  # lm + aux, not lm alone
     assert losses[-1] < losses[0] - 0.5
     with torch.no_grad():
         after = hf(batch, labels=batch)
@@ -271,7 +278,7 @@ def test_trainer_lowers_the_loss_with_the_aux_loss_included(tmp_path):
 
 
 # --------------------------------------------------------------------------------- headmix folders
-def test_run_folder_to_hf_folder_and_back_without_loss(tmp_path):
+def test_run_folder_to_hf_folder_and_back_without_loss(tmp_path, capsys):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
@@ -281,7 +288,8 @@ def test_run_folder_to_hf_folder_and_back_without_loss(tmp_path):
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     (run / "tokenizer").mkdir()
     Tokenizer(WordLevel(vocab, unk_token="<pad>")).save(str(run / "tokenizer" / "tokenizer.json"))
-    out = run_to_hf(run, tmp_path / "hf")
+    assert cli_main(["export-hf", str(run), str(tmp_path / "hf")]) == 0
+    out = tmp_path / "hf"
     assert {"config.json", "model.safetensors", "tokenizer.json", "modeling_headmix.py"} <= set(os.listdir(out))
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
@@ -293,6 +301,8 @@ def test_run_folder_to_hf_folder_and_back_without_loss(tmp_path):
     assert load_file(tmp_path / "again" / "model.safetensors").keys() == load_file(run / "model.safetensors").keys()
     with pytest.raises(ValueError, match="exists"):
         run_to_hf(run, out)
+    assert cli_main(["export-hf", str(run), str(out)]) == 2  # refused in one line, the folder untouched
+    assert "choose a new folder" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- imports, remote code
