@@ -7,7 +7,7 @@ attention converted to MoH with the same heads and zero routers (``headmix.inter
 ``--steps`` steps on a real text file (default: the English documents embedded in headmix, at the byte level:
 token = byte + 3, after pad / bos / eos), saved, reloaded through the Auto classes and sampled.
 
-    python examples/hf_llama_to_moh.py --out runs/hf-moh              # ~2-3 minutes on 2 CPU cores
+    python examples/hf_llama_to_moh.py --out runs/hf-moh    # 483 s on 2 busy CPU cores (docs/hf.md)
     python examples/hf_llama_to_moh.py --llama path/to/llama --text my.txt --out runs/x
 """
 
