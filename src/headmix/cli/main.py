@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_translate(sub)
     _add_evaluate(sub)
-    for optional in ("macs", "bench", "analyze", "study", "data"):
+    for optional in ("macs", "bench", "analyze", "study", "data", "export_hf"):
         try:
             module = __import__(f"headmix.cli.{optional}", fromlist=["add_parser"])
         except ImportError:
@@ -349,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
-    module = __import__(f"headmix.cli.{args.command}", fromlist=["run"])
+    module = __import__(f"headmix.cli.{args.command.replace('-', '_')}", fromlist=["run"])
     return module.run(args)
 
 

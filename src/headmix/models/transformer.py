@@ -166,9 +166,18 @@ class Embeddings(nn.Module):
 
     def forward(self, ids: Tensor, offset: int | Tensor = 0) -> Tensor:
         """``offset``: the position of ``ids[:, 0]``, an int or a 0-d tensor (a preallocated decoding state's
-        length, whose bound the caller checks: :func:`headmix.models.generation` sizes the buffers)."""
+        length, whose bound the caller checks: :func:`headmix.models.generation` sizes the buffers); or a
+        ``(batch, time)`` long tensor, every token's own position (left-padded batches, as Hugging Face's
+        ``position_ids``)."""
         length = ids.shape[1]
-        if isinstance(offset, Tensor):
+        if isinstance(offset, Tensor) and offset.dim() == 2:
+            if offset.shape != ids.shape:
+                raise ValueError(f"positions must have the shape of the tokens {tuple(ids.shape)}, got {tuple(offset.shape)}")
+            if self.positions is not None or self.sinusoids is not None:
+                if bool((offset < 0).any()) or bool((offset >= self.max_positions).any()):
+                    raise ValueError(f"positions must lie in [0, max_positions={self.max_positions})")
+            positions = offset
+        elif isinstance(offset, Tensor):
             positions = offset + torch.arange(length, device=ids.device)
         else:
             if offset + length > self.max_positions:
@@ -346,9 +355,13 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = ResidualNorm(config)
 
     def forward(self, x: Tensor, padding_mask: Tensor | None, memory: Tensor | None, memory_padding_mask: Tensor | None,
-                self_cache: KVCache | None, cross_cache: KVCache | None,
-                use_cache: bool) -> tuple[Tensor, AttentionOutput, AttentionOutput | None, AttentionOutput | None]:
-        self_out = self.self_attn(self.self_attn_norm.input(x), key_padding_mask=padding_mask,
+                self_cache: KVCache | None, cross_cache: KVCache | None, use_cache: bool, *,
+                key_padding_mask: Tensor | None = None,
+                ) -> tuple[Tensor, AttentionOutput, AttentionOutput | None, AttentionOutput | None]:
+        """``padding_mask`` ``(B, T)`` marks padded queries; ``key_padding_mask`` ``(B, past + T)`` the padded keys
+        of self-attention, cached ones included (default: ``padding_mask``)."""
+        self_keys = padding_mask if key_padding_mask is None else key_padding_mask
+        self_out = self.self_attn(self.self_attn_norm.input(x), key_padding_mask=self_keys,
                                   query_padding_mask=padding_mask, is_causal=True,
                                   use_cache=use_cache, cache=self_cache)
         x = self.self_attn_norm.add(x, self_out.output)
@@ -415,13 +428,25 @@ class TransformerDecoder(nn.Module):
         self.final_norm = make_norm(config) if config.norm == "pre" else None
 
     def forward(self, tokens: Tensor, memory: Tensor | None = None, memory_padding_mask: Tensor | None = None, *,
-                state: DecoderState | None = None, use_cache: bool = False) -> DecoderOutput:
+                state: DecoderState | None = None, use_cache: bool = False, key_padding_mask: Tensor | None = None,
+                positions: Tensor | None = None) -> DecoderOutput:
         """``tokens`` ``(B, T)``: the whole target prefix, or with ``state`` only the new tokens (taken as
         non-padding). ``memory`` ``(B, S, d_model)`` the encoder output for cross-attention (not needed
-        once ``state`` holds the static cross-attention caches)."""
+        once ``state`` holds the static cross-attention caches).
+
+        ``key_padding_mask`` ``(B, past + T)``, True at padding, replaces the rule "the token ``pad_id`` is
+        padding" for the self-attention keys (cached positions included) and, its last ``T`` columns, for the
+        queries (Hugging Face's ``attention_mask``, inverted). ``positions`` ``(B, T)``: each token's position in
+        the absolute position embeddings (default ``past + t``; rotary positions always come from the cache)."""
         past = 0 if state is None else state.length
         padding_mask = tokens.eq(self.config.pad_id) if state is None else None
-        x = self.embed(tokens, offset=past)
+        if key_padding_mask is not None:
+            if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (tokens.shape[0], past + tokens.shape[1]):
+                raise ValueError(f"key_padding_mask must be a bool tensor of shape (batch, past + time) = "
+                                 f"({tokens.shape[0]}, {past + tokens.shape[1]}), got {key_padding_mask.dtype} "
+                                 f"{tuple(key_padding_mask.shape)}")
+            padding_mask = key_padding_mask[:, past:]
+        x = self.embed(tokens, offset=past if positions is None else positions)
         outputs = []
         n = len(self.layers)
         self_caches = state.self_attn if state is not None else [None] * n
@@ -429,7 +454,8 @@ class TransformerDecoder(nn.Module):
         new_self, new_cross = [], []
         for i, layer in enumerate(self.layers):
             x, self_out, cross_out, ffn_out = layer(x, padding_mask, memory, memory_padding_mask,
-                                                    self_caches[i], cross_caches[i], use_cache)
+                                                    self_caches[i], cross_caches[i], use_cache,
+                                                    key_padding_mask=key_padding_mask)
             outputs += [(f"decoder.layers.{i}.self_attn", self_out), (f"decoder.layers.{i}.cross_attn", cross_out),
                         (f"decoder.layers.{i}.ffn", ffn_out)]
             new_self.append(self_out.cache)

@@ -1,0 +1,33 @@
+"""headmix causal language models as Hugging Face ``transformers`` models (docs/hf.md).
+
+Importing this package registers ``model_type="headmix"`` with ``AutoConfig`` and :class:`HeadmixForCausalLM`
+with ``AutoModelForCausalLM`` (so ``AutoModelForCausalLM.from_pretrained(folder)`` loads a saved headmix model
+with the installed headmix, running no code from the folder), and marks both classes for ``auto_map`` (a saved
+folder also loads with ``trust_remote_code=True`` where headmix is installed but not imported). ``import
+headmix`` does not import this package: ``transformers`` would add about 2 s to every headmix import (measured
+in docs/hf.md), so the registration happens here, once, on request.
+
+- :class:`HeadmixConfig`, :class:`HeadmixForCausalLM`, :class:`HeadmixCache`: the config, the model, the cache.
+- :func:`run_to_hf`, :func:`hf_to_headmix`: a headmix run folder (or model folder) to a Hugging Face folder
+  (weights, config, tokenizer) and back, without loss.
+"""
+
+from __future__ import annotations
+
+from ..interop._hf import require_transformers
+
+_transformers = require_transformers()
+if int(_transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"headmix.hf needs transformers 5 (found {_transformers.__version__}): pip install 'headmix[hf]'")
+
+from .configuration_headmix import HeadmixConfig  # noqa: E402  (after the one-line install hint)
+from .convert import hf_to_headmix, run_to_hf  # noqa: E402
+from .modeling_headmix import HeadmixCache, HeadmixCausalLMOutput, HeadmixForCausalLM  # noqa: E402
+
+_transformers.AutoConfig.register(HeadmixConfig.model_type, HeadmixConfig, exist_ok=True)
+_transformers.AutoModelForCausalLM.register(HeadmixConfig, HeadmixForCausalLM, exist_ok=True)
+HeadmixConfig.register_for_auto_class()
+HeadmixForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["HeadmixConfig", "HeadmixForCausalLM", "HeadmixCache", "HeadmixCausalLMOutput", "run_to_hf",
+           "hf_to_headmix"]

@@ -1,0 +1,60 @@
+"""headmix folders <-> Hugging Face folders, without loss.
+
+- :func:`run_to_hf`: a finished ``headmix train lm`` run (or any folder headmix's ``save_pretrained`` wrote) ->
+  a new folder that ``AutoModelForCausalLM.from_pretrained`` loads: ``config.json`` (a :class:`HeadmixConfig`
+  with ``auto_map``), ``model.safetensors`` (the same tensors under ``model.``), the two headmix source files
+  ``auto_map`` names and, when the run has one, its tokenizer as a ``PreTrainedTokenizerFast``
+  (``tokenizer.json``, with headmix's pad / bos / eos tokens) for ``AutoTokenizer``.
+- :func:`hf_to_headmix`: such a folder -> the headmix :class:`~headmix.models.CausalLanguageModel` (its
+  ``save_pretrained`` writes headmix's own form again).
+
+The output folder is written whole or not at all (:func:`headmix.storage.files.atomic_directory`), and an
+existing one is refused, never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from headmix.models.transformer import CausalLanguageModel, load_pretrained
+from headmix.storage.files import atomic_directory
+
+from .modeling_headmix import HeadmixForCausalLM
+
+
+def run_to_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write the causal LM of the headmix folder ``source`` (``config.json`` + ``model.safetensors``, and
+    ``tokenizer/tokenizer.json`` when present) as a Hugging Face folder ``out``; returns ``out``. A ``ValueError``
+    for a folder that is not a causal LM, or an ``out`` that exists."""
+    source, out = Path(source), Path(out)
+    if out.exists():
+        raise ValueError(f"out {out} exists: choose a new folder (nothing is overwritten)")
+    model = load_pretrained(source)
+    if not isinstance(model, CausalLanguageModel):
+        raise ValueError(f"{source} holds a {type(model).__name__}; only causal LMs (task 'lm') become Hugging Face models")
+    tokenizer = _hf_tokenizer(source / "tokenizer" / "tokenizer.json", model.config)
+    with atomic_directory(out) as tmp:
+        HeadmixForCausalLM.from_headmix(model).save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return out
+
+
+def hf_to_headmix(folder: str | os.PathLike) -> CausalLanguageModel:
+    """The headmix causal LM of a Hugging Face folder written by :func:`run_to_hf` or
+    ``HeadmixForCausalLM.save_pretrained`` (a ``ValueError`` names a missing tensor)."""
+    return HeadmixForCausalLM.from_pretrained(str(folder)).to_headmix()
+
+
+def _hf_tokenizer(file: Path, config):
+    """The run's tokenizer as a ``PreTrainedTokenizerFast`` with headmix's special tokens, or ``None``."""
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer.from_file(str(file))
+    special = {name: tokenizer.id_to_token(getattr(config, field))
+               for name, field in (("pad_token", "pad_id"), ("bos_token", "bos_id"), ("eos_token", "eos_id"))}
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
