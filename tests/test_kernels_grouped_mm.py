@@ -167,3 +167,23 @@ def test_bfloat16_compiles_fullgraph_with_no_graph_break(kind):
     for a, b in zip(torch.autograd.grad(got.output.float().sum(), params),
                     torch.autograd.grad(want.output.float().sum(), params)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_bfloat16_against_float64_with_no_host_sync():
+    """What ``auto`` picks on CUDA for bfloat16: PyTorch's CUTLASS grouped GEMM, against the float64 reference
+    (outputs and gradients, empty experts), with CUDA's sync debug mode set to error."""
+    n, k, e, d_in, d_out = 512, 4, 16, 64, 48
+    idx, t64 = make_case(n, k, e, d_in, d_out, torch.float64, allowed=list(range(12)))
+    want = run("reference", idx, e, *t64)
+    low = [t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in t64]
+    assert choose_impl(torch.device("cuda"), n * k, e, k, True, torch.bfloat16) == "grouped_mm"
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run("grouped_mm", idx.cuda(), e, *low)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, a, b in zip(NAMES, got, want):
+        err, scale = (a.double().cpu() - b).abs().max().item(), b.abs().max().item()
+        assert err <= 3e-2 * scale, f"{name}: max err {err:.3g} > 3e-2 * {scale:.3g}"
