@@ -63,8 +63,9 @@ def test_fold_writes_the_summaries_once_and_refuses_tiny_runs(tiny_check, tmp_pa
     doc = tmp_path / "performance.md"
     shutil.copy(ROOT / "docs" / "performance.md", doc)
     before = doc.read_text()
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run([sys.executable, "-m", "headmix.bench.gpu_check", "fold", str(tiny_check), "--doc", str(doc)],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT, env=env)
     assert proc.returncode == 2 and "is a --tiny run" in proc.stderr and doc.read_text() == before
     for _ in range(2):  # a second fold replaces the first
         section = gpu_check.fold(tiny_check, doc, allow_tiny=True)

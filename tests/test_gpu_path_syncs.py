@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from test_dispatch_counts import SYNC_OPS, OpRecorder
+from test_kernels_grouped_mm import assert_aot_equals_eager
 
 from headmix.attention import (
     MixtureOfAttentionHeads,
@@ -126,10 +127,4 @@ def test_sparse_moh_fullgraph_aot_equals_eager():
     layer_bf16 = MixtureOfHeadsAttention(D, 8, num_shared_heads=2, top_k=2, impl="sparse",
                                          expert_impl="grouped_mm").to(torch.bfloat16)
     xb = torch.randn(2, 7, D, dtype=torch.bfloat16, requires_grad=True)
-    aot = torch.compile(layer_bf16, backend="aot_eager", fullgraph=True, dynamic=False)
-    got, want = aot(xb, is_causal=True), layer_bf16(xb, is_causal=True)
-    torch.testing.assert_close(got.output, want.output)
-    params = [xb, *layer_bf16.parameters()]
-    for a, b in zip(torch.autograd.grad(got.output.float().sum(), params),
-                    torch.autograd.grad(want.output.float().sum(), params)):
-        torch.testing.assert_close(a, b)
+    assert_aot_equals_eager(layer_bf16, xb)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import NAMES, assert_all_close, einsum_map, einsum_reduce, make_case, run
+from test_kernels import CASES as KERNEL_CASES
 
 from headmix.attention import MixtureOfAttentionHeads, MixtureOfHeadsAttention, SwitchHeadAttention
 from headmix.kernels import choose_impl, expert_map, expert_map_weighted, expert_reduce, expert_routing
@@ -16,13 +17,7 @@ from headmix.kernels import grouped_torch
 # (N, k, E, d_in, d_out, allowed experts): the cases of tests/test_kernels.py, plus sizes whose rows are
 # 16-byte aligned only after padding in one operand and not the other
 CASES = {
-    "basic": (13, 2, 5, 17, 9, None),
-    "k_eq_E": (7, 4, 4, 8, 6, None),
-    "k1": (11, 1, 6, 5, 7, None),
-    "empty_experts": (9, 2, 6, 10, 3, [0, 2, 3]),  # experts 1, 4, 5 get no tokens
-    "N0": (0, 3, 5, 4, 6, None),
-    "odd_sizes": (40, 3, 7, 33, 17, None),
-    "single_expert": (5, 1, 1, 3, 2, None),
+    **KERNEL_CASES,
     "aligned_in_odd_out": (21, 2, 4, 16, 5, None),
     "odd_in_aligned_out": (21, 2, 4, 5, 16, None),
     "first_and_last_empty": (12, 2, 6, 8, 8, [1, 2, 3, 4]),
@@ -160,6 +155,11 @@ def test_bfloat16_compiles_fullgraph_with_no_graph_break(kind):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(layer)(x, is_causal=True)
     assert explained.graph_break_count == 0, [str(b.reason).split("\n")[0] for b in explained.break_reasons]
+    assert_aot_equals_eager(layer, x)
+
+
+def assert_aot_equals_eager(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    """``torch.compile(fullgraph=True)`` with AOT autograd gives eager's causal output and gradients."""
     aot = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=False)
     got, want = aot(x, is_causal=True), layer(x, is_causal=True)
     torch.testing.assert_close(got.output, want.output)

@@ -78,7 +78,7 @@ STEPS: dict[str, list[Step]] = {
         Step("attention_moh", 150, [*CLI, "bench", "attention", "--device", "cuda", "--batch-tokens", "32768",
                                     "--repeats", "5", "--moh-curve", "--moh-seq", "2048", "--moh-batch", "16"],
              [*CLI, "bench", "attention", "--device", "cpu", "--seq", "8", "--experts", "4", "--batch", "1",
-              "--embed-dim", "32", "--top-k", "2", "--head-dim", "8", "--switchhead", "--repeats", "1", "--warmup",
+              "--embed-dim", "32", "--top-k", "2", "--head-dim", "16", "--switchhead", "--repeats", "1", "--warmup",
               "0", "--no-decode"]),
     ],
 }
