@@ -43,7 +43,7 @@ bench: setup
 # On a machine with a CUDA GPU: the gpu-marked tests and the GPU benchmarks, with the machine's own python3
 # (CUDA PyTorch and Triton already installed; no venv, no network; headmix from src/). PYTHON=... picks another.
 gpu-check:
-	PYTHON=$(PYTHON) benchmarks/gpu_check.sh
+	PYTHON=$(PYTHON) benchmarks/gpu_check.sh part1; s1=$$?; PYTHON=$(PYTHON) benchmarks/gpu_check.sh part2 && exit $$s1
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

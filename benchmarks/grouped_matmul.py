@@ -133,7 +133,7 @@ def cpu_sweep(args) -> None:
 
 
 def cuda_table(args, device: str = "cuda") -> None:
-    """bf16 triton (and dense) vs a dense matmul pair of equal FLOPs; target eff >= 0.7."""
+    """bf16 triton, grouped_mm (and dense) vs a dense matmul pair of equal FLOPs; target eff >= 0.7."""
     n, d_model, d_head, k = args.tokens, args.d_model, args.d_head, args.top_k
     dtype = torch.bfloat16
     name = torch.cuda.get_device_name() if device == "cuda" else device
@@ -143,7 +143,7 @@ def cuda_table(args, device: str = "cuda") -> None:
     for e in args.experts:
         fwd, both = {}, {}
         fwd[base], both[base] = _linear_fns(n, d_model, k * d_head, dtype, device)
-        for impl in ("triton", "dense"):
+        for impl in ("triton", "grouped_mm", "dense"):
             fwd[impl], both[impl] = _moa_fns(n, d_model, d_head, k, e, impl, dtype, device)
         t_fwd = interleaved_timings(fwd, args.repeats * 5, 3, device)
         t_both = interleaved_timings(both, args.repeats * 5, 3, device)

@@ -109,7 +109,9 @@ def test_recorder_sees_host_syncs():
 # against 24 (3.0x; before, 108: 4.5x), about 30 of them the auxiliary losses (routing/losses.py, eq. 13-17),
 # SwitchHead at 58 (2.4x; before, 106: 4.4x): the second bound keeps what was gained.
 MAX_RATIO_ALL = {"moa": 2.0, "switchhead": 2.5}
-MAX_RATIO_LAUNCHING = {"moa": 3.0, "switchhead": 2.5}
+# Issue 31 fused the losses' arithmetic and wrote their backward into the logits by hand (routing/losses.py,
+# _FusedRouterLosses): MoA 62 against 24 (2.58x; the target of 2.0x is not reached, see docs/performance.md).
+MAX_RATIO_LAUNCHING = {"moa": 2.6, "switchhead": 2.5}
 
 
 @pytest.mark.parametrize("name", ["moa", "switchhead"])

@@ -36,7 +36,7 @@ def graph_breaks(fn, *args, **kwargs) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["moa", "switchhead"])
-@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "auto"])  # auto runs one of the others
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i not in ("auto", "grouped_mm")])  # auto runs one of the others; grouped_mm compiles in bfloat16 only (test_kernels_grouped_mm.py)
 def test_no_graph_break_in_training_and_decoding(kind, impl):
     layer = make_layer(kind, impl)
     x = torch.randn(2, 6, D)

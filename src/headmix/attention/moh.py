@@ -35,7 +35,9 @@ def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int) -> 
     prefill) when ``top_k / routed <= SPARSE_MAX_ACTIVE_FRACTION`` and the call is not being compiled (the
     sparse path reads group sizes back to the host); ``dense`` for one-query decoding steps (on the CPU the
     sparse step's gathered cache slices cost as much as the skipped heads save: docs/performance.md) and on
-    other devices until the sparse path is measured there."""
+    other devices until the sparse path is measured there: off the CPU (and compiled) the sparse path has no
+    host sync but pads every (row, head) group to the sequence length (``moh_sparse.static_shapes``), so its
+    attention is as large as dense's and only the routed projections are saved."""
     if routed == 0 or tgt == 1 or torch.compiler.is_compiling() or device.type != "cpu":
         return "dense"
     return "sparse" if top_k <= SPARSE_MAX_ACTIVE_FRACTION * routed else "dense"

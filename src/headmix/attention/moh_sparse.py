@@ -17,8 +17,13 @@ A slot ``s = n k + j`` is token ``n = b T + t`` with its ``j``-th selected route
   its head's keys, gathered from the cache; only the selected heads' slices of the cache are read.
 
 Both give exactly what dense MoH gives for the selected heads (the unselected heads contribute 0 there).
-The group sizes are read back to the host (``c``, the chunk bounds): this path is for eager execution;
-``impl="auto"`` picks the dense layer under ``torch.compile`` (see :class:`MixtureOfHeadsAttention`).
+Group sizes come from device offsets (a sort and a ``searchsorted``, no ``bincount``). In eager execution on
+the CPU the largest group ``c`` and the causal chunks' key bounds are read back to the host; where that would
+be a host sync (any other device, or under ``torch.compile``: :func:`static_shapes`) every group is padded
+to the static capacity ``c = T`` (a token selects a head at most once) and the causal mask is applied to
+whole rows, so no shape depends on the routing: the path compiles with ``fullgraph=True`` and can be
+captured in a CUDA graph, at the cost of an attention as large as dense MoH's routed heads' (the routed
+projections stay sparse).
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ from .base import scaled_dot_product
 #: Rows per causal chunk of the ``heads`` layout: fewer chunks waste more of the causal half, more chunks
 #: add attention calls. ``headmix bench attention --moh-curve`` (CPU, fp32, sequence 512) chose it.
 CAUSAL_CHUNK_ROWS = 64
+
+
+def static_shapes(t: Tensor) -> bool:
+    """Whether the ``heads`` layout must keep routing-independent shapes (no host sync): on every device but
+    the CPU, and under ``torch.compile``."""
+    return t.device.type != "cpu" or torch.compiler.is_compiling()
 
 
 def routed_heads_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, batch: int, tgt: int, *,
@@ -56,16 +67,18 @@ def routed_heads_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, batch
     group = b * heads + r
     order = torch.argsort(group * tgt + t)
     group_sorted = group[order]
-    counts = torch.bincount(group, minlength=batch * heads)
-    width = int(counts.max())  # host sync: the padded group size (eager path)
-    rank = torch.arange(slots, device=q.device) - (torch.cumsum(counts, 0) - counts)[group_sorted]
+    static = static_shapes(q)
+    # group g owns the sorted slots starts[g]:starts[g + 1] (device offsets, as expert_routing's)
+    starts = torch.searchsorted(group_sorted, torch.arange(batch * heads + 1, device=q.device, dtype=group.dtype))
+    width = tgt if static else int((starts[1:] - starts[:-1]).max())  # eager CPU: the largest group (host read)
+    rank = torch.arange(slots, device=q.device) - starts[group_sorted]
     q_pad = q.new_zeros(batch * heads, width, q.shape[-1]).index_put((group_sorted, rank),
                                                                      q.reshape(slots, -1)[order])
     pos = torch.full((batch * heads, width), -1, dtype=torch.long, device=q.device)
     pos = pos.index_put((group_sorted, rank), t[order]).view(batch, heads, width)
     q_pad = q_pad.view(batch, heads, width, -1)
     if causal:
-        o = _causal_chunks(q_pad, k, v, pos, dropout)
+        o = _causal_chunks(q_pad, k, v, pos, dropout, static)
     else:
         o = _gathered_masks(q_pad, k, v, pos, bias, empty_rows, dropout)
     o_sorted = o.reshape(batch * heads, width, -1)[group_sorted, rank]
@@ -93,18 +106,20 @@ def _rows(mask: Tensor, batch_heads: torch.Size, b: Tensor, r: Tensor, t: Tensor
     return m[b, r, t][:, None, None, :]
 
 
-def _causal_chunks(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, dropout: float) -> Tensor:
+def _causal_chunks(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, dropout: float, static: bool = False) -> Tensor:
     """Rows at positions ``pos`` (``-1``: padding) with the causal mask ``key <= pos``, in chunks of rows
-    that each attend only to the keys up to the chunk's last position."""
+    that each attend only to the keys up to the chunk's last position (``static``: one chunk of every row
+    over every key, no host read)."""
     width = q.shape[2]
+    rows = max(width, 1) if static else CAUSAL_CHUNK_ROWS
     outs = []
-    for start in range(0, width, CAUSAL_CHUNK_ROWS):
-        p = pos[:, :, start:start + CAUSAL_CHUNK_ROWS]
-        keys = int(p.max()) + 1  # host sync: the keys this chunk can see
+    for start in range(0, width, rows):
+        p = pos[:, :, start:start + rows]
+        keys = k.shape[2] if static else int(p.max()) + 1  # eager CPU: the keys this chunk can see (host read)
         cols = torch.arange(keys, device=q.device)
         forbidden = (cols > p[..., None]) & (p[..., None] >= 0)  # padding rows see every key (discarded)
         bias = torch.zeros(forbidden.shape, dtype=q.dtype, device=q.device).masked_fill(forbidden, float("-inf"))
-        outs.append(scaled_dot_product(q[:, :, start:start + CAUSAL_CHUNK_ROWS], k[:, :, :keys], v[:, :, :keys],
+        outs.append(scaled_dot_product(q[:, :, start:start + rows], k[:, :, :keys], v[:, :, :keys],
                                        bias, None, dropout))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

@@ -104,7 +104,11 @@ LAYERS: list[LayerSpec] = [
               _headmix_call, needs="triton"),
     LayerSpec("MoA 8K32E64D dense", lambda d: MixtureOfAttentionHeads(d, 32, 8, 64, expert_impl="dense"),
               _headmix_call),
+    LayerSpec("MoA 8K32E64D grouped_mm", lambda d: MixtureOfAttentionHeads(d, 32, 8, 64, expert_impl="grouped_mm"),
+              _headmix_call),
     LayerSpec("MoH 8x64 2 shared top 3", lambda d: MixtureOfHeadsAttention(d, 8, 2, 3), _headmix_call),
+    LayerSpec("MoH 8x64 2 shared top 3 sparse grouped_mm",
+              lambda d: MixtureOfHeadsAttention(d, 8, 2, 3, impl="sparse", expert_impl="grouped_mm"), _headmix_call),
     LayerSpec("SwitchHead 2H4E2K head 171 triton",
               lambda d: SwitchHeadAttention(d, 2, 4, 2, head_dim=171, expert_impl="triton"), _headmix_call,
               needs="triton"),
@@ -266,7 +270,7 @@ def grouped_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:
                 clear()
         return fn
 
-    impls = ["dense", "sorted"] if device.type == "cpu" else ["dense"]
+    impls = ["dense", "sorted", "grouped_mm"] if device.type == "cpu" else ["dense", "grouped_mm"]
     if _triton_usable(device, args):
         impls.insert(0, "triton")
     lines = [f"## grouped projections: map + reduce, N {n}, d_model {d}, head 64, k {k}, E {e}, {dtype}, {device}",

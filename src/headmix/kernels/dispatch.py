@@ -20,6 +20,9 @@ gather     per-slot weights ``W[expert_index]`` + batched mat-vec (forced only)
 bag        one ``embedding_bag`` over the selected experts' weight rows (decoding)
 triton     Triton grouped GEMM (:mod:`.grouped_triton`); CUDA, or CPU tensors
            under ``TRITON_INTERPRET=1`` (tests only)
+grouped_mm PyTorch's grouped GEMM ``torch.nn.functional.grouped_mm``
+           (:mod:`.grouped_torch`); bfloat16 on CUDA / under compile,
+           float32/bfloat16/float16 on the CPU in eager mode
 auto       see :func:`choose_impl`
 ========== ==================================================================
 """
@@ -29,12 +32,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import grouped_cpu, reference
+from . import grouped_cpu, grouped_torch, reference
 from .routing_info import ExpertRouting
 
 __all__ = ["IMPLS", "choose_impl", "expert_map", "expert_map_weighted", "expert_reduce"]
 
-IMPLS = ("auto", "reference", "dense", "sorted", "gather", "bag", "triton")
+IMPLS = ("auto", "reference", "dense", "sorted", "gather", "bag", "triton", "grouped_mm")
 
 # CPU ``auto`` thresholds, measured with ``benchmarks/grouped_matmul.py --sweep`` on a
 # 2-core CPU (float32, d_model 512, d_head 64, map + reduce, min of 5-15 runs):
@@ -79,11 +82,14 @@ BAG_MAX_SLOTS = 512
 
 
 def choose_impl(
-    device: torch.device, num_slots: int, num_experts: int, top_k: int, needs_grad: bool = True
+    device: torch.device, num_slots: int, num_experts: int, top_k: int, needs_grad: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """The ``auto`` rule (``num_slots = N*k``).
 
-    * CUDA: ``triton`` if Triton is importable, else ``sorted``.
+    * CUDA: ``grouped_mm`` for bfloat16 (PyTorch's CUTLASS grouped GEMM: vendor-tuned, no host sync; not
+      yet measured against ``triton`` on a GPU, see docs/performance.md), else ``triton`` if Triton is
+      importable, else ``sorted``.
     * CPU, first match (thresholds measured on a 2-core CPU, see the comment above):
 
       1. ``dense``  if ``k == E`` or ``E <= 1.5 k``
@@ -93,6 +99,8 @@ def choose_impl(
       4. ``sorted`` otherwise (cost ~ N*k, independent of E)
     """
     if device.type == "cuda":
+        if dtype == torch.bfloat16:
+            return "grouped_mm"
         from .grouped_triton import triton_available
 
         return "triton" if triton_available() else "sorted"
@@ -152,7 +160,7 @@ def _needs_grad(*tensors: Tensor) -> bool:
 
 def _resolve(impl: str, t: Tensor, routing: ExpertRouting, needs_grad: bool) -> str:
     if impl == "auto":
-        impl = choose_impl(t.device, routing.num_slots, routing.num_experts, routing.top_k, needs_grad)
+        impl = choose_impl(t.device, routing.num_slots, routing.num_experts, routing.top_k, needs_grad, t.dtype)
     if impl == "triton":
         from . import grouped_triton
 
@@ -187,6 +195,8 @@ def expert_map(x: Tensor, weight: Tensor, routing: ExpertRouting, impl: str = "a
         return reference.bag_map(x, weight, routing.expert_index)
     if impl == "sorted":
         return grouped_cpu.sorted_map(x, weight, routing)
+    if impl == "grouped_mm":
+        return grouped_torch.grouped_mm_map(x, weight, routing)
     from . import grouped_triton
 
     return grouped_triton.triton_map(x, weight, routing)
@@ -205,17 +215,20 @@ def expert_map_weighted(x: Tensor, weight: Tensor, gates: Tensor, routing: Exper
 
     Returns:
         (N, groups, d_out). ``triton`` scales the slots in its kernel (no (N, k, d_out) product with the
-        gates); the others weight :func:`expert_map`'s output.
+        gates); ``grouped_mm`` weights and sums in one ``bmm``; the others weight :func:`expert_map`'s output.
     """
     _check_common("x", x, weight, routing, impl, 2)
     n, k = routing.num_tokens, routing.top_k
     if not isinstance(groups, int) or groups < 1 or k % groups:
         raise ValueError(f"groups must be a positive divisor of k = {k}, got {groups!r}")
     gates = _checked_gates(gates, x, n, k)
-    if _resolve(impl, x, routing, _needs_grad(x, weight, gates)) == "triton":
+    resolved = _resolve(impl, x, routing, _needs_grad(x, weight, gates))
+    if resolved == "triton":
         from . import grouped_triton
 
         return grouped_triton.triton_map_weighted(x, weight, gates, routing, groups)
+    if resolved == "grouped_mm":
+        return grouped_torch.grouped_mm_map_weighted(x, weight, gates, routing, groups)
     y = expert_map(x, weight, routing, impl)
     return (y * gates.unsqueeze(-1)).view(n, groups, k // groups, weight.shape[2]).sum(2)
 
@@ -251,6 +264,8 @@ def expert_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouti
         return reference.bag_reduce(h, weight, gates, routing.expert_index)
     if impl == "sorted":
         return grouped_cpu.sorted_reduce(h, weight, gates, routing)
+    if impl == "grouped_mm":
+        return grouped_torch.grouped_mm_reduce(h, weight, gates, routing)
     from . import grouped_triton
 
     return grouped_triton.triton_reduce(h, weight, gates, routing)

@@ -155,6 +155,49 @@ def prune_for_slots(block_ms: list[int], slots_bucket: int) -> list[bool]:
     return keep
 
 
+#: Shared memory one H100 (sm_90) thread block may use: 227 KB of the multiprocessor's 228 KB.
+HOPPER_SHARED_PER_BLOCK = 227 * 1024
+
+
+def shared_bytes_bound(rows: int, cols: int, inner: int, num_stages: int, element_size: int) -> int:
+    """Shared memory of a (rows x inner) @ (inner x cols) tile product, at most: ``num_stages`` buffers of both
+    input tiles, or the float32 output tile's layout conversion in the epilogue, whichever is larger.
+    ``grouped_mm_kernel``: rows BLOCK_M, cols BLOCK_N, inner BLOCK_K; ``grouped_wgrad_kernel``: rows BLOCK_K,
+    cols BLOCK_N, inner BLOCK_M. Compiled for sm_90 (``benchmarks/hopper_aot.py``, all 224 configurations of
+    the space in bfloat16 and float32) it never underestimates and is exact for float32's pipelines."""
+    return max(num_stages * (rows * inner + inner * cols) * element_size, rows * cols * 4)
+
+
+def prune_for_shared(configs: list[dict], wgrad: bool, element_size: int, limit: int) -> list[bool]:
+    """Which configurations (``{"meta": {BLOCK_M, BLOCK_N, BLOCK_K}, "num_stages": ...}``, every tile size
+    given) fit ``limit`` bytes of shared memory per block; the others fail to launch ("out of resource")."""
+    keep = []
+    for c in configs:
+        m, n, k = c["meta"]["BLOCK_M"], c["meta"]["BLOCK_N"], c["meta"]["BLOCK_K"]
+        rows, inner = (k, m) if wgrad else (m, k)
+        keep.append(shared_bytes_bound(rows, n, inner, c["num_stages"], element_size) <= limit)
+    return keep
+
+
+def prune_configs(kind: str, configs: list, named_args: dict, **kwargs) -> list:
+    """The autotuner's early prune of ``triton.Config`` s: row blocks for the slot count
+    (:func:`prune_for_slots`) and shared memory within the device's limit per block (:func:`prune_for_shared`;
+    tile sizes the space does not vary come from the launch's ``kwargs``)."""
+    keep = prune_for_slots([c.kwargs["BLOCK_M"] for c in configs], named_args["SLOTS_BUCKET"])
+    a = named_args["A"]
+    tiles = [{"meta": {name: c.kwargs.get(name, kwargs.get(name)) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")},
+              "num_stages": c.num_stages} for c in configs]
+    fits = prune_for_shared(tiles, kind == "wgrad", a.element_size(), _shared_limit(a.device))
+    return [c for c, k, f in zip(configs, keep, fits) if k and f]
+
+
+def _shared_limit(device: torch.device) -> int:
+    if device.type != "cuda":
+        return HOPPER_SHARED_PER_BLOCK
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", HOPPER_SHARED_PER_BLOCK)
+
+
 def slots_bucket(num_slots: int) -> int:
     return 1 << max(num_slots - 1, 0).bit_length()
 
@@ -180,13 +223,10 @@ def _tuned(kind: str):
     configs = [triton.Config(c["meta"], num_warps=c["num_warps"], num_stages=c["num_stages"])
                for c in tuning_space(vary_n, vary_k)]
 
-    def prune(configs, named_args, **kwargs):
-        keep = prune_for_slots([c.kwargs["BLOCK_M"] for c in configs], named_args["SLOTS_BUCKET"])
-        return [c for c, k in zip(configs, keep) if k]
-
     key = ["SLOTS_BUCKET", "K", "N", "FAN_IN", "HAS_SCALE"] + (["ROWDOT"] if kind != "wgrad" else [])
     options = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
+    return triton.autotune(configs=configs, key=key,
+                           prune_configs_by={"early_config_prune": functools.partial(prune_configs, kind)},
                            **options)(wgrad_kernel if kind == "wgrad" else mm_kernel)
 
 
