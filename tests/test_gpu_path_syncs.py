@@ -21,6 +21,7 @@ from test_kernels_grouped_mm import assert_aot_equals_eager
 from headmix.attention import (
     MixtureOfAttentionHeads,
     MixtureOfHeadsAttention,
+    MixtureOfSparseAttention,
     MultiHeadAttention,
     SwitchHeadAttention,
     TalkingHeadsAttention,
@@ -31,7 +32,8 @@ D = 32
 
 SLOW = pytest.mark.slow  # the Triton interpreter: 5-20 s each on the shared 2-core machine
 LAYERS = ["mha", "talking_heads", pytest.param("moa_triton", marks=SLOW), "moa_grouped_mm",
-          pytest.param("switchhead_triton", marks=SLOW), "switchhead_grouped_mm", "moh_dense", "moh_sparse"]
+          pytest.param("switchhead_triton", marks=SLOW), "switchhead_grouped_mm", "moh_dense", "moh_sparse",
+          "gqa_gated", "gqe_dense", "gqe_sparse", "mosa"]
 
 
 def make(name: str) -> torch.nn.Module:
@@ -45,7 +47,14 @@ def make(name: str) -> torch.nn.Module:
         return MixtureOfAttentionHeads(D, 8, 2, 8, expert_impl=impl)
     if kind == "switchhead":
         return SwitchHeadAttention(D, 2, 4, 2, head_dim=8, expert_impl=impl)
-    return MixtureOfHeadsAttention(D, 8, num_shared_heads=2, top_k=2, impl=impl, expert_impl="grouped_mm")
+    if name == "gqa_gated":
+        return MultiHeadAttention(D, 4, kv_heads=2, qk_norm=True, output_gate="headwise")
+    if kind == "gqe":
+        return MixtureOfHeadsAttention(D, 8, num_shared_heads=1, top_k=2, kv_heads=2, route_per_group=True, impl=impl,
+                                       expert_impl="grouped_mm")
+    if kind == "moh":
+        return MixtureOfHeadsAttention(D, 8, num_shared_heads=2, top_k=2, impl=impl, expert_impl="grouped_mm")
+    return MixtureOfSparseAttention(D, 4, 8, tokens_per_head=3, num_dense_heads=1)
 
 
 @pytest.fixture
@@ -69,10 +78,17 @@ def test_no_host_sync_in_training_and_decoding(name, cuda_shapes):
         layer(x, key_padding_mask=mask).output.sum().backward()
     assert not syncs(rec), f"{name} training: {syncs(rec)}"
     layer.eval()
+    if name == "mosa":  # training takes its top-k; decoding its causal threshold rule (top-k has no cache)
+        layer.calibrate_thresholds([layer(x).routing])
+        layer.selection = "threshold"
     with torch.no_grad():
         cache = layer(x[:, :6], is_causal=True, use_cache=True).cache
         with OpRecorder() as rec:
             layer(x[:, 6:], use_cache=True, cache=cache)
+    if name == "mosa":  # its cache keeps only the chosen tokens: one read of their count per step (documented)
+        assert syncs(rec) == ["_local_scalar_dense"], f"{name} decoding: {syncs(rec)}"
+        assert rec.all_ops.count("_local_scalar_dense") == 1, rec.all_ops
+        return
     assert not syncs(rec), f"{name} decoding: {syncs(rec)}"
 
 

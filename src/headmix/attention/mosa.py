@@ -180,6 +180,7 @@ class MixtureOfSparseAttention(AttentionLayer):
                                          rotary=self.rotary if self.rotary is not None else False)
                       if num_dense_heads > 0 else None)
         self.register_buffer("score_threshold", torch.full((h,), float("nan")))
+        self._thresholds_checked: int | None = None  # the buffer version last found calibrated (no NaN)
         self.reset_parameters()
 
     @property
@@ -242,8 +243,11 @@ class MixtureOfSparseAttention(AttentionLayer):
     def select_threshold(self, r: Tensor, padding: Tensor | None, offset: int) -> tuple[Tensor, Tensor]:
         """The causal rule: every token has a slot in each head, chosen when ``r >= tau_h``. Returns
         ``(positions, scores)`` ``(batch, heads, time)`` (positions ``offset ..``, ``-1`` where not chosen)."""
-        if torch.isnan(self.score_threshold).any():
-            raise ValueError("selection='threshold' needs score_threshold: call calibrate_thresholds(routings) first")
+        version = self.score_threshold._version  # read back once per change of the thresholds: no sync per step
+        if version != self._thresholds_checked:
+            if torch.isnan(self.score_threshold).any():
+                raise ValueError("selection='threshold' needs score_threshold: call calibrate_thresholds(routings) first")
+            self._thresholds_checked = version
         batch, length, heads = r.shape
         chosen = r.detach() >= self.score_threshold.to(r.dtype)
         if padding is not None:
