@@ -6,9 +6,9 @@
 #         host sync, flash attention, Inductor, bf16 training) and benchmarks/gpu_layers.py (one fwd+bwd per
 #         layer at batch 16 x 2048, d_model 512, bf16, against torch MHA; the grouped projections for dense,
 #         grouped_mm and triton);
-#   part2 (at most 450 s = 7.5 min: models 180 s + decode 120 s + attention_moh 150 s): headmix bench models
-#         (Llama-style training steps, eager and compiled), headmix bench decode (batch 1 and 8) and headmix
-#         bench attention with the MoH curve.
+#   part2 (at most 510 s = 8.5 min: models 180 s + decode 120 s + attention_moh 150 s + gqa 60 s): headmix
+#         bench models (Llama-style training steps, eager and compiled), headmix bench decode (batch 1 and 8),
+#         headmix bench attention with the MoH curve and headmix bench gqa (grouped MHA, the GQE curve, gates).
 # The estimates are the sums of the steps' own time limits (headmix.bench.gpu_check.STEPS; a step that runs
 # over is stopped and reported); the running times on an H100 are still to be measured at this commit.
 # Usage: benchmarks/gpu_check.sh part1|part2 [--tiny] [--out DIR]   (default runs/gpu_check)

@@ -80,6 +80,12 @@ STEPS: dict[str, list[Step]] = {
              [*CLI, "bench", "attention", "--device", "cpu", "--seq", "8", "--experts", "4", "--batch", "1",
               "--embed-dim", "32", "--top-k", "2", "--head-dim", "16", "--switchhead", "--repeats", "1", "--warmup",
               "0", "--no-decode"]),
+        # the GQE curve: grouped MHA against SDPA enable_gqa, GQE (half of each group's routed heads) against
+        # grouped MHA (fwd+bwd and prefill), the gates and QK-norm
+        Step("gqa", 60, [*CLI, "bench", "gqa", "--device", "cuda", "--dtype", "bfloat16", "--batch", "8", "--seq",
+                         "2048", "--prefill-seq", "8192", "--repeats", "5"],
+             [*CLI, "bench", "gqa", "--device", "cpu", "--embed-dim", "32", "--heads", "4", "--kv-heads", "2",
+              "--batch", "1", "--seq", "8", "--prefill-seq", "8", "--repeats", "1", "--warmup", "0"]),
     ],
 }
 
