@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-heads", type=int, default=2, help="Llama's grouped K/V heads")
     parser.add_argument("--shared-heads", type=int, default=2, help="MoH heads every token uses")
     parser.add_argument("--top-k", type=int, default=4, help="MoH routed heads each token selects")
+    parser.add_argument("--route-per-group", action="store_true",
+                        help="route inside each K/V group (GQE): --shared-heads and --top-k then count per group")
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--text-bytes", type=int, default=2_000_000)
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
             llama = Path(tmp) / "llama"
             tiny_llama(llama, args.d_model, args.layers, args.heads, args.kv_heads)
         # 1. Llama -> headmix MoH (same heads, zero routers), wrapped as a transformers model
-        moh = load_llama(llama, attention="moh", num_shared_heads=args.shared_heads, top_k=args.top_k, pad_id=0)
+        moh = load_llama(llama, attention="moh", num_shared_heads=args.shared_heads, top_k=args.top_k, pad_id=0,
+                         route_per_group=args.route_per_group)
         model = HeadmixForCausalLM.from_headmix(moh)
         # 2. continue training with Trainer: loss = next-token cross-entropy + MoH's load-balancing loss
         training = transformers.TrainingArguments(
