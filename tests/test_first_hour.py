@@ -90,3 +90,127 @@ def test_every_stored_model_config_of_the_studies_still_loads_and_round_trips():
     for data in configs:
         config = ModelConfig.from_dict(data)
         assert ModelConfig.from_dict(json.loads(config.to_json())) == config
+
+
+# --------------------------------------------------------------------------- a failed first run
+
+@pytest.fixture(scope="module")
+def docs_file(tmp_path_factory) -> Path:
+    from headmix.data import load_embedded_documents, write_jsonl_documents
+
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    write_jsonl_documents(load_embedded_documents(sources="kjv-bible")[:40], path)
+    return path
+
+
+def lm_args(out: Path, data: Path, *extra: str) -> list[str]:
+    return ["train", "lm", "--preset", "tiny-mha", "--out", str(out), "--data", str(data), "--vocab-size", "300",
+            "--max-steps", "1", "--max-tokens", "256", "--max-len", "32", "--no-progress", *extra]
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--preset", "tiny-moe"], "unknown model 'tiny-moe'"),
+    (["--vocab-size", "50"], "--vocab-size must be >= 262"),
+    (["--max-tokens", "10"], r"--max-tokens \(10\) must be >= max_len \(32\)"),
+])
+def test_a_mistake_the_options_show_fails_before_anything_is_written(tmp_path, docs_file, capsys, bad, message):
+    from headmix.cli.main import main
+
+    out = tmp_path / "bad1"
+    assert main(lm_args(out, docs_file, *bad)) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and __import__("re").search(message, err), err
+    assert not out.exists()
+
+
+def test_data_given_as_a_folder_says_so(tmp_path, docs_file, capsys):
+    from headmix.cli.main import main
+
+    assert main(lm_args(tmp_path / "run", tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert f"data {tmp_path} is a folder; expected a file (lm: a JSONL of documents)" in err
+
+
+def test_a_run_that_failed_before_its_first_step_does_not_lock_its_folder(tmp_path, docs_file, capsys):
+    """The issue's case: a first attempt that failed after writing its config (here: a corpus with the wrong
+    field, found only when read) must not refuse the corrected command on the same folder."""
+    from headmix.cli.main import main
+
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text("".join(json.dumps({"body": line}) + "\n" for line in docs_file.read_text().splitlines()))
+    out = tmp_path / "bad1"
+    assert main(lm_args(out, wrong)) == 2
+    assert (out / "train_config.json").is_file()  # the failed attempt got that far
+    capsys.readouterr()
+    assert main(lm_args(out, docs_file)) == 0
+    err = capsys.readouterr().err
+    assert "but it never trained a step (no checkpoint): starting it over" in err
+    stored = json.loads((out / "train_config.json").read_text())
+    assert stored["data"] == [str(docs_file.resolve())] and (out / "model.safetensors").is_file()
+    # once it has trained, the folder keeps its options
+    assert main(lm_args(out, docs_file, "--seed", "2")) == 2
+    assert "was created with seed=1; this command has seed=2" in capsys.readouterr().err
+
+
+def test_only_a_never_trained_run_starts_over(tmp_path):
+    from headmix.runs import Run, RunMismatchError
+
+    def open_run(seed, restart=True):
+        return Run.create_or_resume(tmp_path / "r", {"seed": seed}, identity=["seed"], restart_untrained=restart)
+
+    with open_run(1) as run:
+        (run.data_dir).mkdir()
+        (run.data_dir / "train.jsonl").write_text("{}\n")
+    with pytest.raises(RunMismatchError, match="created with seed=1"):
+        open_run(2, restart=False)  # a study's shared folder, or any caller that did not ask
+    with open_run(2) as run:
+        assert run.read_config()["seed"] == 2 and not run.data_dir.exists()
+        (run.checkpoints_dir / "step_00000001").mkdir(parents=True)
+    with pytest.raises(RunMismatchError, match="created with seed=2"):
+        open_run(3)
+    assert Run(tmp_path / "r").read_config()["seed"] == 2
+
+
+# --------------------------------------------------------------------------- TrainConfig
+
+@pytest.mark.parametrize("options,message", [
+    (dict(task="lmm"), "task must be one of"), (dict(max_steps=-3), "max_steps must be a positive integer"),
+    (dict(warmup_steps=-1), "warmup_steps must be a non-negative integer"),
+    (dict(vocab_size=50), "vocab_size must be >= 262"),
+])
+def test_train_config_is_checked_on_construction(options, message):
+    from headmix.training import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(out="x", **options)
+
+
+def test_the_default_schedule_leaves_its_warm_up():
+    from headmix.training import TrainConfig, lr_multiplier
+
+    cfg = TrainConfig(out="x")
+    assert cfg.resolved_warmup_steps == cfg.max_steps // 10 and cfg.schedule_warning() is None
+    peak = [lr_multiplier(s, schedule="linear", warmup_steps=cfg.resolved_warmup_steps, max_steps=cfg.max_steps)
+            for s in range(cfg.max_steps)]
+    assert max(peak) == 1.0 and peak[-1] < 0.01
+    assert TrainConfig(out="x", warmup_steps=7).resolved_warmup_steps == 7
+    assert TrainConfig(out="x", max_steps=30, warmup_steps=4000).schedule_warning() == (
+        "warmup_steps (4000) >= max_steps (30): the learning rate stays in its warm-up, at most 0.0075 of lr, "
+        "and never decays")
+
+
+def test_a_json_presets_vocab_size_is_the_default(tmp_path):
+    from headmix.models import get_config
+    from headmix.training import TrainConfig
+
+    path = tmp_path / "m.json"
+    get_config("tiny-mha", task="lm", vocab_size=500).save_json(path)
+    assert TrainConfig(out="x", task="lm", preset=str(path)).vocab_size == 500
+    assert TrainConfig(out="x", task="lm", preset=str(path), vocab_size=400).vocab_size == 400
+    assert TrainConfig(out="x", task="lm", preset="tiny-mha").vocab_size == 8000
+
+
+def test_the_data_line_is_for_people():
+    from headmix.training.setup import describe_sizes
+
+    assert describe_sizes({"train": 1383, "valid": 29, "dropped_valid": 0}) == "train 1,383, valid 29, dropped valid 0"

@@ -170,8 +170,8 @@ def stop_on_signals() -> Iterator[Callable[[], str | None]]:
 def _run_train(args) -> int:
     from ..training import TrainConfig, train
 
-    cfg = dataclass_from_args(TrainConfig, args)
     try:
+        cfg = dataclass_from_args(TrainConfig, args)
         cfg.validate()
     except ValueError as err:  # name the option as it was typed: "seed must be ..." -> "--seed must be ..."
         field, _, rest = str(err).partition(" ")

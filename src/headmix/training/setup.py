@@ -58,8 +58,14 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
             task.write_items(part, tmp)
     if not stored.is_file() or cfg.tokenizer:
         run.save_tokenizer(tok)
-    log(f"data: {split.sizes.as_dict()}, vocabulary {tok.vocab_size}")
+    log(f"data: {describe_sizes(split.sizes.as_dict())}; vocabulary {tok.vocab_size:,}")
     return parts, tok
+
+
+def describe_sizes(sizes: dict[str, Any]) -> str:
+    """The split sizes as a line for people: ``{"train": 1383, "dropped_valid": 0}`` -> ``train 1,383, dropped
+    valid 0``."""
+    return ", ".join(f"{name.replace('_', ' ')} {value:,}" for name, value in sizes.items())
 
 
 #: The options that decide the splits: a run reads a shared folder's splits only when they agree.
@@ -179,7 +185,7 @@ def optimizer_and_schedule(cfg: TrainConfig, params) -> tuple[torch.optim.Optimi
     optimizer = torch.optim.AdamW(params, lr=cfg.resolved_lr, betas=cfg.betas, eps=cfg.eps,
                                   weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
-        s, schedule=cfg.resolved_schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps))
+        s, schedule=cfg.resolved_schedule, warmup_steps=cfg.resolved_warmup_steps, max_steps=cfg.max_steps))
     return optimizer, schedule
 
 

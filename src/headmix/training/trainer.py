@@ -53,8 +53,11 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
 
     with contextlib.ExitStack() as cleanup:
         # Rank 0 owns the folder (its lock, the stored config, every write); the other ranks read it.
-        run = cleanup.enter_context(Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY)) if d.main \
-            else Run(cfg.out)
+        run = cleanup.enter_context(Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY,
+                                                         restart_untrained=True)) if d.main else Run(cfg.out)
+        warning = cfg.schedule_warning()
+        if warning:
+            log(f"warning: {warning}")
         torch.manual_seed(cfg.seed)
         if d.main:
             prepare_data(cfg, run, log)
