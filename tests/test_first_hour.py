@@ -214,3 +214,32 @@ def test_the_data_line_is_for_people():
     from headmix.training.setup import describe_sizes
 
     assert describe_sizes({"train": 1383, "valid": 29, "dropped_valid": 0}) == "train 1,383, valid 29, dropped valid 0"
+
+
+def test_malformed_corpus_lines_are_reported_once(tmp_path, docs_file, capsys):
+    import warnings
+
+    from headmix.cli.main import main
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps({"body": f"line {i}"}) + "\n" for i in range(5)) + docs_file.read_text())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(lm_args(tmp_path / "run", mixed)) == 0
+    err = capsys.readouterr().err
+    assert not [w for w in caught if "malformed" in str(w.message)]
+    assert len([line for line in err.splitlines() if "malformed" in line]) == 1 and err.count(f"{mixed}:1:") == 1
+    assert "[headmix] skipped 5 malformed line(s) (--strict makes them an error)" in err
+
+
+def test_a_corpus_with_no_valid_line_is_one_error_without_a_warning(tmp_path):
+    import warnings
+
+    from headmix.data import CorpusError, read_jsonl_documents
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"body": f"line {i}"}) + "\n" for i in range(3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning would raise here instead of the CorpusError
+        with pytest.raises(CorpusError, match="no valid documents"):
+            read_jsonl_documents(bad)

@@ -34,12 +34,12 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
     if cfg.shared_data is not None:
         return read_shared_splits(cfg, run, log)
 
-    report = ReadReport()
+    report = ReadReport(max_examples=1, warn=False)  # reported here, in one line
     items = task.read_corpus(cfg.data, strict=cfg.strict, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang, report=report)
     split = task.split_corpus(items, valid_size=cfg.valid_size, test_size=cfg.test_size,
                               seed=cfg.resolved_split_seed)
     if report.malformed:
-        log(report.summary())
+        log(f"skipped {report.malformed:,} malformed line(s) (--strict makes them an error): {report.summary()}")
     parts = {"train": split.train, "valid": split.valid, "test": split.test}
     for name, part in parts.items():
         if not part:
