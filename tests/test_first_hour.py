@@ -243,3 +243,140 @@ def test_a_corpus_with_no_valid_line_is_one_error_without_a_warning(tmp_path):
         warnings.simplefilter("error")  # a warning would raise here instead of the CorpusError
         with pytest.raises(CorpusError, match="no valid documents"):
             read_jsonl_documents(bad)
+
+
+# --------------------------------------------------------------------------- text generation
+
+def tiny_lm(vocab_size: int = 40, positions: str = "rotary"):
+    import torch
+
+    from headmix.models import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    config = ModelConfig(task="lm", vocab_size=vocab_size, d_model=32, ffn_dim=64, encoder_layers=0, decoder_layers=2,
+                         norm="pre", positions=positions, max_positions=64,
+                         decoder_self_attention=AttentionConfig(kind="mha", num_heads=4), dropout=0.0)
+    return build_model(config).eval()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8),
+                                                     (0.9, 7, 0.6), (1.0, 1, None), (1.0, None, 0.01)])
+def test_filter_logits_matches_hugging_faces_warpers(temperature, top_k, top_p):
+    import torch
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    from headmix.models import filter_logits
+
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50) * 3
+    warpers = [TemperatureLogitsWarper(temperature)]
+    if top_k is not None:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None:
+        warpers.append(TopPLogitsWarper(top_p))
+    theirs = LogitsProcessorList(warpers)(None, logits.clone())
+    ours = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert torch.equal(ours.isinf(), theirs.isinf())
+    torch.testing.assert_close(ours[~ours.isinf()], theirs[~theirs.isinf()])
+
+
+def reference_sample(model, prompt, max_len, temperature, top_k, top_p, seed):
+    """A plain loop: the whole prefix through the model at every step (no cache), the filter written out."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    tokens, out = prompt.clone(), []
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool)
+    for _ in range(max_len):
+        with torch.no_grad():
+            logits = model(tokens).logits[:, -1].float().log_softmax(-1)
+        logits[:, model.config.pad_id] = float("-inf")
+        logits = logits / temperature
+        if top_k is not None:
+            kth = logits.sort(-1, descending=True).values[:, top_k - 1:top_k]
+            logits[logits < kth] = float("-inf")
+        if top_p is not None:
+            for row in logits:
+                probs = row.softmax(-1)
+                order = probs.argsort(descending=True)
+                mass = 0.0
+                for i in order.tolist():
+                    if mass >= top_p:
+                        row[i] = float("-inf")
+                    mass += float(probs[i])
+        token = torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+        token = token.masked_fill(done, model.config.pad_id)
+        done |= token.eq(model.config.eos_id)
+        out.append(token)
+        tokens = torch.cat([tokens, token[:, None]], 1)
+        if bool(done.all()):
+            break
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.8, 6, None), (1.2, None, 0.7)])
+def test_sampling_draws_what_a_plain_loop_draws(temperature, top_k, top_p):
+    import torch
+
+    from headmix.models import sample_decode
+
+    model = tiny_lm()
+    prompt = torch.tensor([[1, 5, 9, 3], [1, 7, 7, 8], [1, 4, 30, 2]])
+    expected = reference_sample(model, prompt, 12, temperature, top_k, top_p, seed=3)
+    for use_cache in (True, False):
+        got = sample_decode(model, prompt, 12, temperature=temperature, top_k=top_k, top_p=top_p,
+                            generator=torch.Generator().manual_seed(3), use_cache=use_cache)
+        assert torch.equal(got.tokens, expected)
+
+
+def test_temperature_zero_is_greedy_and_top_k_one_samples_the_argmax():
+    import torch
+
+    from headmix.models import greedy_decode, sample_decode
+
+    model = tiny_lm()
+    prompt = torch.tensor([[1, 5, 9, 3], [1, 7, 7, 8]])
+    greedy = greedy_decode(model, prompt, 10)
+    assert torch.equal(sample_decode(model, prompt, 10, temperature=0).tokens, greedy.tokens)
+    assert torch.equal(sample_decode(model, prompt, 10, temperature=2.0, top_k=1,
+                                     generator=torch.Generator().manual_seed(0)).tokens, greedy.tokens)
+
+
+class CharTokenizer:
+    """A tokenizer for tests: one id per character (ids 5..), bos 1, eos 2, pad 0."""
+
+    bos_id, eos_id, pad_id = 1, 2, 0
+
+    def encode(self, text, *, add_bos=False):
+        return ([self.bos_id] if add_bos else []) + [5 + (ord(c) % 30) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i - 5) for i in ids if i >= 5)
+
+
+def test_generate_text_batches_prompts_of_any_length_and_repeats_with_a_seed():
+    from headmix.models import generate_text
+
+    model, tok = tiny_lm(), CharTokenizer()
+    prompts = ["abc", "hello", "xy", "abd"]
+    alone = [generate_text(model, tok, p, max_new_tokens=6)[0] for p in prompts]
+    assert generate_text(model, tok, prompts, max_new_tokens=6) == alone
+    assert generate_text(model, tok, prompts, max_new_tokens=6, batch_size=1) == alone
+    sampled = generate_text(model, tok, prompts, max_new_tokens=6, temperature=1.5, seed=4)
+    assert generate_text(model, tok, prompts, max_new_tokens=6, temperature=1.5, seed=4) == sampled
+    assert sampled != generate_text(model, tok, prompts, max_new_tokens=6, temperature=1.5, seed=5)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(temperature=-1), "temperature must be a number >= 0"), (dict(top_k=0), "top_k must be a positive integer"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"), (dict(max_new_tokens=0), "max_new_tokens must be"),
+    (dict(max_new_tokens=70), r"max_new_tokens \(70\) \+ the longest prompt \(3 tokens\) exceed the model's "
+                              r"max_positions \(64\)"),
+])
+def test_generate_text_refuses_bad_options_in_one_line(options, message):
+    from headmix.models import generate_text
+
+    model = tiny_lm(positions="learned")
+    with pytest.raises(ValueError, match=message):
+        generate_text(model, CharTokenizer(), ["ab"], **options)

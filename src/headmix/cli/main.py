@@ -217,6 +217,77 @@ def _run_translate(args) -> int:
     return 0
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="continue text prompts with a trained language model (greedy or sampled)",
+                       description="Continue each prompt with a causal LM run (task lm): text in, text out, with "
+                                   "the run's tokenizer. Greedy by default; --temperature > 0 samples.")
+    p.add_argument("run", help="run folder of a finished 'lm' run")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    given.add_argument("--prompts", metavar="FILE", help="a file of prompts, one a line ('-': standard input)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens generated per prompt at most "
+                                                                          "(default: 64)")
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                   help="0: greedy (the default); > 0: sample from the distribution divided by it")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=_probability, default=None,
+                   help="sample within the smallest set of most likely tokens holding this probability (nucleus)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
+    p.add_argument("--jsonl", action="store_true", help='write one {"prompt", "continuation"} JSON object a line')
+    add_device_option(p)
+
+
+def _run_generate(args) -> int:
+    from ..models import CausalLanguageModel, generate_text
+    from ..runs import load_run
+    from ..training.config import pick_device
+
+    if args.prompts is None:
+        prompts = args.prompt
+    elif args.prompts == "-":
+        prompts = sys.stdin.read().splitlines()
+    else:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts = f.read().splitlines()
+    if (args.top_k is not None or args.top_p is not None) and args.temperature == 0:
+        raise ValueError("--top-k and --top-p choose among the tokens a sample is drawn from: give --temperature > 0 "
+                         "(the default, 0, is greedy)")
+    device = pick_device(args.device)
+    run = load_run(args.run, device)
+    if not isinstance(run.model, CausalLanguageModel):
+        raise ValueError(f"{args.run} is a {run.model.config.task!r} run; headmix generate continues text with a "
+                         f"language model (task 'lm'); for translation use headmix translate")
+    texts = generate_text(run.model, run.tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          device=device)
+    for prompt, text in zip(prompts, texts):
+        if args.jsonl:
+            print(json.dumps({"prompt": prompt, "continuation": text}, ensure_ascii=False))
+        else:
+            print(prompt + text)
+    return 0
+
+
 def _add_evaluate(sub) -> None:
     p = sub.add_parser("evaluate", help="BLEU/chrF (translation) or perplexity (LM) of a run on its held-out split")
     p.add_argument("run", help="run folder")
@@ -278,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_train(sub)
     _add_translate(sub)
+    _add_generate(sub)
     _add_evaluate(sub)
     for optional in ("macs", "bench", "analyze", "study", "data"):
         try:
@@ -288,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-RUNNERS = {"demo": _run_demo, "train": _run_train, "translate": _run_translate, "evaluate": _run_evaluate}
+RUNNERS = {"demo": _run_demo, "train": _run_train, "translate": _run_translate, "generate": _run_generate,
+           "evaluate": _run_evaluate}
 
 
 def keep_freed_memory() -> None:
