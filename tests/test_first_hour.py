@@ -380,3 +380,121 @@ def test_generate_text_refuses_bad_options_in_one_line(options, message):
     model = tiny_lm(positions="learned")
     with pytest.raises(ValueError, match=message):
         generate_text(model, CharTokenizer(), ["ab"], **options)
+
+
+# --------------------------------------------------------------------------- a trained run: generate, --init-from
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory, docs_file) -> Path:
+    from headmix.cli.main import main
+
+    out = tmp_path_factory.mktemp("runs") / "lm"
+    assert main(lm_args(out, docs_file, "--max-steps", "3")) == 0
+    return out
+
+
+def test_generate_command_continues_prompts_from_the_command_line_and_a_file(lm_run, tmp_path, capsys):
+    from headmix.cli.main import main
+    from headmix.models import generate_text
+    from headmix.runs import load_run
+
+    run = load_run(lm_run)
+    prompts = ["In the beginning", "And God said"]
+    expected = generate_text(run.model, run.tokenizer, prompts, max_new_tokens=5)
+    capsys.readouterr()
+    assert main(["generate", str(lm_run), "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out == "".join(p + e + "\n" for p, e in zip(prompts, expected))
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(prompts) + "\n")
+    sampled = generate_text(run.model, run.tokenizer, prompts, max_new_tokens=5, temperature=0.9, top_p=0.9, seed=7)
+    assert main(["generate", str(lm_run), "--prompts", str(file), "--max-new-tokens", "5", "--temperature", "0.9",
+                 "--top-p", "0.9", "--seed", "7", "--jsonl"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines == [{"prompt": p, "continuation": e} for p, e in zip(prompts, sampled)]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--top-k", "5"], "--top-k and --top-p choose among the tokens a sample is drawn from: give --temperature > 0"),
+    (["--top-p", "1.5"], "argument --top-p: expected a number in (0, 1], got 1.5"),
+    (["--temperature", "-1"], "argument --temperature: expected a number >= 0, got -1.0"),
+])
+def test_generate_command_refuses_bad_options_in_one_line(lm_run, capsys, args, message):
+    from headmix.cli.main import main
+
+    assert main(["generate", str(lm_run), "--prompt", "x", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def final_weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "model.safetensors"))
+
+
+def test_init_from_a_headmix_run_starts_from_its_weights_and_tokenizer(lm_run, docs_file, tmp_path):
+    import torch
+
+    from headmix.cli.main import main
+
+    out = tmp_path / "continued"
+    args = lm_args(out, docs_file, "--init-from", str(lm_run), "--lr", "1e-9", "--warmup-steps", "0")
+    args.remove("--preset"), args.remove("tiny-mha")
+    assert main(args) == 0
+    before, after = final_weights(lm_run), final_weights(out)
+    assert before.keys() == after.keys()
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], atol=1e-6, rtol=0)
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (lm_run / "tokenizer" / "tokenizer.json").read_bytes()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["init_from"] == {"path": str(lm_run.resolve()), "kind": "headmix run"} and summary["preset"] is None
+    assert json.loads((out / "train_config.json").read_text())["init_from"] == str(lm_run)
+
+
+def test_init_from_a_hugging_face_llama_folder_converts_it(docs_file, tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from headmix.cli.main import main
+    from headmix.interop import from_pretrained
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
+    folder = tmp_path / "llama"
+    llama.save_pretrained(folder)
+    options = {"attention": "moh", "num_shared_heads": 1, "top_k": 3}
+    out = tmp_path / "moh"
+    args = lm_args(out, docs_file, "--init-from", str(folder), "--init-options", json.dumps(options), "--lr", "1e-9",
+                   "--warmup-steps", "0")
+    args.remove("--preset"), args.remove("tiny-mha")
+    assert main(args) == 0
+    converted = from_pretrained(folder, **options).state_dict()
+    after = final_weights(out)
+    assert converted.keys() == after.keys()
+    for name in converted:
+        torch.testing.assert_close(after[name], converted[name], atol=1e-6, rtol=0)
+    assert json.loads((out / "summary.json").read_text())["init_from"] == {
+        "path": str(folder.resolve()), "kind": "hugging face", "options": options}
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--preset", "tiny-moa"], "--preset 'tiny-moa' and init_from"),
+    (["--init-options", "{\"attention\": \"moh\"}"], "--init-options apply to a Hugging Face init_from only"),
+])
+def test_init_from_refuses_contradictions_before_writing(lm_run, docs_file, tmp_path, capsys, extra, message):
+    from headmix.cli.main import main
+
+    args = lm_args(tmp_path / "x", docs_file, "--init-from", str(lm_run), *extra)
+    args.remove("--preset"), args.remove("tiny-mha")
+    assert main(args) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_init_from_a_folder_without_a_model_says_so(docs_file, tmp_path, capsys):
+    from headmix.cli.main import main
+
+    args = lm_args(tmp_path / "x", docs_file, "--init-from", str(tmp_path))
+    args.remove("--preset"), args.remove("tiny-mha")
+    assert main(args) == 2
+    assert f"init_from {tmp_path}: no config.json; expected a finished headmix run folder" in capsys.readouterr().err

@@ -29,7 +29,7 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple
 
 #: Fields that define a run: resuming with another value is refused (headmix.runs.RunMismatchError).
 IDENTITY = ("task", "preset", "data", "src_lang", "tgt_lang", "tokenizer", "vocab_size", "valid_size",
-            "test_size", "max_len", "seed", "split_seed")
+            "test_size", "max_len", "seed", "split_seed", "init_from", "init_options")
 
 
 @dataclass
@@ -40,7 +40,8 @@ class TrainConfig:
     RoBERTa's (learning rate 5e-4, linear schedule)."""
 
     task: str = option("translation", "what to train", choices=tuple(TASKS), cli="positional")
-    preset: str = option("tiny-moa", "preset name, {K}K{E}E{D}D string, or JSON model config file")
+    preset: str | None = option(None, "preset name, {K}K{E}E{D}D string, or JSON model config file (default: "
+                                      "tiny-moa; not with --init-from, whose model is used)")
     out: str = option("runs/run", "run folder (created, or resumed when it holds a run)", cli="required")
     data: list[str] = option(factory=list, metavar="FILE",
                              help="translation: a TSV of pairs or two aligned text files; mlm/lm: a JSONL of "
@@ -85,8 +86,18 @@ class TrainConfig:
     compile: bool = option(False, "torch.compile the model for training (the compile time is reported once and "
                                   "left out of tokens/s)")
     progress: bool = option(True, "show a progress bar")
+    init_from: str | None = option(None, "start from these weights (and their model): a finished headmix run "
+                                         "folder (its tokenizer too, unless --tokenizer), or a local Hugging Face "
+                                         "folder converted by headmix.interop.from_pretrained", metavar="RUN_DIR|HF_FOLDER")
+    init_options: str | None = option(None, "with a Hugging Face --init-from: a JSON object of keyword options of "
+                                            "the conversion, e.g. '{\"attention\": \"moh\", \"num_shared_heads\": "
+                                            "2, \"top_k\": 2}'", metavar="JSON")
 
     def __post_init__(self) -> None:
+        if self.preset is None and self.init_from is None:
+            self.preset = DEFAULT_PRESET
+        if self.init_from is not None and self.tokenizer is None and is_headmix_run(self.init_from):
+            self.tokenizer = str(Path(self.init_from) / "tokenizer")  # the ids its embeddings were trained on
         if self.vocab_size is None:
             self.vocab_size = _json_preset_vocab_size(self.preset) or DEFAULT_VOCAB_SIZE
         self.check_values()
@@ -107,6 +118,25 @@ class TrainConfig:
     @property
     def resolved_schedule(self) -> str:
         return self.schedule or self.task_spec.default_schedule
+
+    @property
+    def resolved_init_options(self) -> dict[str, Any]:
+        """``init_options`` parsed (``{}`` when unset); ``ValueError`` for anything but a JSON object given with a
+        Hugging Face ``init_from``."""
+        if self.init_options is None:
+            return {}
+        import json
+
+        try:
+            options = json.loads(self.init_options)
+        except ValueError as err:
+            raise ValueError(f"init_options must be a JSON object, got {self.init_options!r} ({err})") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"init_options must be a JSON object, got {self.init_options!r}")
+        if self.init_from is None or is_headmix_run(self.init_from):
+            raise ValueError("init_options apply to a Hugging Face init_from only (a headmix run's model is used as "
+                             "it is)")
+        return options
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -164,6 +194,10 @@ class TrainConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.init_from is not None and self.preset is not None:
+            raise ValueError(f"preset {self.preset!r} and init_from {self.init_from!r} both give the model: leave "
+                             f"out preset (the model of init_from is trained on)")
+        self.resolved_init_options  # noqa: B018 - checks the JSON
 
     def validate(self) -> None:
         """``ValueError`` naming the first option with a value it cannot take, ``FileNotFoundError`` for a
@@ -185,12 +219,30 @@ class TrainConfig:
             raise FileNotFoundError(f"tokenizer not found: {self.tokenizer}")
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise ValueError(f"out {self.out} is a file, expected a run folder")
-        from ..models import get_config  # the preset (name, K/E/D string or JSON file) and its fields
+        if self.preset is not None:
+            from ..models import get_config  # the preset (name, K/E/D string or JSON file) and its fields
 
-        get_config(self.preset, task=self.task, vocab_size=self.vocab_size)
+            get_config(self.preset, task=self.task, vocab_size=self.vocab_size)
+        if self.init_from is not None:
+            source = Path(self.init_from)
+            if not (source / "config.json").is_file():
+                raise FileNotFoundError(f"init_from {source}: no config.json; expected a finished headmix run folder "
+                                        f"or a local Hugging Face model folder")
+            if is_headmix_run(source) and not (source / "model.safetensors").is_file():
+                raise FileNotFoundError(f"init_from {source} is a headmix run without its final model "
+                                        f"(model.safetensors): finish it first (run its command again)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+#: ``preset`` when none is given (and no ``init_from``).
+DEFAULT_PRESET = "tiny-moa"
+
+
+def is_headmix_run(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a headmix run folder (it holds ``train_config.json``), not a Hugging Face folder."""
+    return (Path(path) / "train_config.json").is_file()
 
 
 #: ``vocab_size`` when neither the option nor a JSON preset gives one.
