@@ -498,3 +498,63 @@ def test_init_from_a_folder_without_a_model_says_so(docs_file, tmp_path, capsys)
     args.remove("--preset"), args.remove("tiny-mha")
     assert main(args) == 2
     assert f"init_from {tmp_path}: no config.json; expected a finished headmix run folder" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the layers
+
+def all_layers():
+    from headmix import (MixtureOfAttentionHeads, MixtureOfHeadsAttention, MultiHeadAttention, SwitchHeadAttention,
+                         TalkingHeadsAttention)
+
+    return {"mha": MultiHeadAttention(16, 4, key_dim=6), "moa": MixtureOfAttentionHeads(16, 6, 2, 8, kv_heads=2),
+            "moh": MixtureOfHeadsAttention(16, 4, 1, 2), "th": TalkingHeadsAttention(16, 4),
+            "switchhead": SwitchHeadAttention(16, 2, 5, 3, head_dim=7)}
+
+
+REPRS = {"mha": "embed_dim=16, num_heads=4, head_dim=4, key_dim=6",
+         "moa": "embed_dim=16, num_experts=6, top_k=2, head_dim=8, kv_heads=2",
+         "moh": "embed_dim=16, num_heads=4, num_shared_heads=1, top_k=2, head_dim=4, key_dim=4",
+         "th": "embed_dim=16, num_heads=4, head_dim=4, key_dim=4",
+         "switchhead": "embed_dim=16, num_heads=2, num_experts=5, top_k=3, head_dim=7"}
+
+
+@pytest.mark.parametrize("name", sorted(REPRS))
+def test_repr_shows_the_sizes(name):
+    layer = all_layers()[name]
+    assert layer.extra_repr() == REPRS[name]
+    assert repr(layer).splitlines()[1].strip() == REPRS[name]
+
+
+@pytest.mark.parametrize("name", sorted(REPRS))
+def test_every_layers_forward_has_a_docstring_naming_its_output(name):
+    doc = type(all_layers()[name]).forward.__doc__
+    assert doc and "AttentionOutput" in doc and "key_padding_mask" in doc
+
+
+@pytest.mark.parametrize("name", sorted(REPRS))
+def test_an_input_of_another_dtype_is_one_line_naming_it(name):
+    import torch
+
+    layer = all_layers()[name]
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match=r"^query has dtype torch.float16 but the layer's weights are torch.float32: "
+                                         r"convert one to the other \(layer.to\(torch.float16\)"):
+        layer(x.half())
+    with pytest.raises(ValueError, match=r"^key has dtype torch.float64"):
+        layer(x, x.double()[:, :2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts by itself
+        assert layer(x.bfloat16()).output.shape == (2, 3, 16)
+
+
+def test_from_torch_refuses_a_sequence_first_module_unless_told():
+    import torch
+
+    from headmix import MultiHeadAttention
+
+    ref = torch.nn.MultiheadAttention(16, 4).eval()  # batch_first=False, torch's default
+    with pytest.raises(ValueError, match=r"^module has batch_first=False .* pass allow_seq_first=True"):
+        MultiHeadAttention.from_torch(ref)
+    layer = MultiHeadAttention.from_torch(ref, allow_seq_first=True).eval()
+    x = torch.randn(5, 3, 16)  # (time, batch, embed_dim) for the torch module
+    expected, _ = ref(x, x, x, need_weights=False)
+    torch.testing.assert_close(layer(x.transpose(0, 1)).output.transpose(0, 1), expected)
