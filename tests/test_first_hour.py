@@ -558,3 +558,72 @@ def test_from_torch_refuses_a_sequence_first_module_unless_told():
     x = torch.randn(5, 3, 16)  # (time, batch, embed_dim) for the torch module
     expected, _ = ref(x, x, x, need_weights=False)
     torch.testing.assert_close(layer(x.transpose(0, 1)).output.transpose(0, 1), expected)
+
+
+# --------------------------------------------------------------------------- the command line
+
+def test_version_and_help_speak_to_a_user(capsys):
+    from headmix import __version__
+    from headmix.cli.main import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"headmix {__version__}\n"
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "process-wide" not in text and "library functions" not in text
+    assert "`headmix COMMAND --help` describes a command" in text and "generate" in text
+    assert main(["train", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-progress do not show a progress bar" in text and "do not:" not in text
+
+
+class FakeBar:
+    made: list = []
+
+    def __init__(self, total, desc, unit):
+        self.total, self.desc, self.unit, self.updates, self.closed = total, desc, unit, 0, False
+        FakeBar.made.append(self)
+
+    def update(self, n):
+        self.updates += n
+
+    def close(self):
+        self.closed = True
+
+
+def fake_progress_bar(total, desc, unit, enabled):
+    return FakeBar(total, desc, unit) if enabled else None
+
+
+def test_evaluate_shows_a_progress_bar_of_its_batches(lm_run, monkeypatch, capsys):
+    from headmix.cli.main import main
+    from headmix.evaluation import loss
+
+    monkeypatch.setattr(loss, "progress_bar", fake_progress_bar)
+    FakeBar.made = []
+    assert main(["evaluate", str(lm_run), "--split", "valid"]) == 0
+    assert len(FakeBar.made) == 1
+    bar = FakeBar.made[0]
+    assert bar.total >= 1 and bar.updates == bar.total and bar.closed and bar.unit == "batch"
+    FakeBar.made = []
+    assert main(["evaluate", str(lm_run), "--split", "valid", "--no-progress"]) == 0
+    assert FakeBar.made == []
+
+
+def test_translate_shows_a_progress_bar_of_its_sentences(monkeypatch):
+    import torch
+
+    from headmix.evaluation import translate, translation
+    from headmix.models import build_model, get_config
+
+    monkeypatch.setattr(translation, "progress_bar", fake_progress_bar)
+    FakeBar.made = []
+    torch.manual_seed(0)
+    model = build_model(get_config("tiny-mha", task="translation", vocab_size=40))
+    translate(model, CharTokenizerWithEos(), ["ab", "abc", "b"], beam_size=1, batch_size=2, max_len_b=2, progress=True)
+    assert [(b.total, b.updates, b.closed, b.unit) for b in FakeBar.made] == [(3, 3, True, "sentence")]
+
+
+class CharTokenizerWithEos(CharTokenizer):
+    def encode(self, text, *, add_bos=False, add_eos=False):
+        return super().encode(text, add_bos=add_bos) + ([self.eos_id] if add_eos else [])

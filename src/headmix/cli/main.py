@@ -18,6 +18,12 @@ import types
 import typing
 from typing import Any, Callable, Iterator, Sequence
 
+#: What ``headmix --help`` says above the commands.
+DESCRIPTION = """Attention layers that select or mix heads per token (MoA, MoH, Talking-Heads, SwitchHead, MHA):
+train, evaluate and compare models that use them. `headmix COMMAND --help` describes a command.
+
+Exit codes: 0 done, 1 a run failed, 2 a bad command line (one line on stderr says why)."""
+
 #: Exit codes: 2 for a bad command line, 1 for a run that failed.
 USAGE_ERROR, RUN_FAILED = 2, 1
 
@@ -65,7 +71,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
         if base is bool:
             if default:
                 parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                                    help=f"do not: {kwargs['help']}")
+                                    help=f"do not {kwargs['help']}")
             else:
                 parser.add_argument(_flag(f.name), dest=f.name, action="store_true", help=kwargs["help"])
             parser.set_defaults(**{f.name: default})
@@ -297,6 +303,7 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--limit", type=_positive_int, default=None, help="score only the first N sentences / documents")
     p.add_argument("--compound-split", action="store_true", help="German compound splitting before BLEU (the paper's)")
     p.add_argument("--output", default=None, help="write the translations to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown on a terminal only)")
     add_device_option(p)
 
 
@@ -306,7 +313,7 @@ def _run_evaluate(args) -> int:
 
     result = evaluate_run(args.run, split=args.split, beam_size=args.beam, length_penalty=args.length_penalty,
                           limit=args.limit, compound_split=args.compound_split, device=pick_device(args.device),
-                          output=args.output)
+                          output=args.output, progress=not args.no_progress)
     print(json.dumps(result, indent=2, ensure_ascii=False))
     return 0
 
@@ -344,7 +351,10 @@ def _run_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="headmix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .. import __version__
+
+    parser = _Parser(prog="headmix", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"headmix {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_demo(sub)
     _add_train(sub)
