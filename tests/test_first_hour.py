@@ -627,3 +627,47 @@ def test_translate_shows_a_progress_bar_of_its_sentences(monkeypatch):
 class CharTokenizerWithEos(CharTokenizer):
     def encode(self, text, *, add_bos=False, add_eos=False):
         return super().encode(text, add_bos=add_bos) + ([self.eos_id] if add_eos else [])
+
+
+# --------------------------------------------------------------------------- examples/
+
+def run_example(name: str, argv: list[str]):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def test_example_layer_in_your_model_learns_to_copy(capsys):
+    first = run_example("layer_in_your_model", ["--steps", "1"])
+    last = run_example("layer_in_your_model", ["--steps", "40"])
+    assert last < first / 2
+    assert "embed_dim=64, num_experts=16, top_k=4, head_dim=16" in capsys.readouterr().out
+
+
+def test_example_continue_training_llama(tmp_path, docs_file, capsys):
+    texts = run_example("continue_training_llama", ["--out", str(tmp_path), "--data", str(docs_file), "--steps", "1",
+                                                    "--vocab-size", "300"])
+    assert len(texts) == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["init_from"]["options"] == {"attention": "moh", "num_shared_heads": 1, "top_k": 2}
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["decoder_self_attention"]["kind"] == "moh"
+
+
+@pytest.mark.slow
+def test_example_study_on_your_text(tmp_path, docs_file):
+    text = tmp_path / "notes.txt"
+    text.write_text("\n\n".join(json.loads(line)["text"] for line in docs_file.read_text().splitlines()))
+    table = run_example("study_on_your_text", ["--text", str(text), "--out", str(tmp_path / "study"), "--steps", "1",
+                                               "--seeds", "1", "2", "--vocab-size", "300"])
+    assert all(f"| {row} |" in table for row in ("MHA", "MoA", "MoH"))
+
+
+def test_examples_readme_lists_every_example():
+    listed = (ROOT / "examples" / "README.md").read_text()
+    for script in (ROOT / "examples").glob("*.py"):
+        assert f"[`{script.name}`]({script.name})" in listed
+    assert "the Hugging Face recipe, [docs/hf.md](../docs/hf.md)" in listed
