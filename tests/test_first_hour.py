@@ -225,8 +225,9 @@ def test_malformed_corpus_lines_are_reported_once(tmp_path, docs_file, capsys):
     mixed.write_text("".join(json.dumps({"body": f"line {i}"}) + "\n" for i in range(5)) + docs_file.read_text())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert main(lm_args(tmp_path / "run", mixed)) == 0
+        assert main(lm_args(tmp_path / "run", mixed, "--warmup-steps", "2")) == 0
     err = capsys.readouterr().err
+    assert "[headmix] warning: warmup_steps (2) >= max_steps (1): the learning rate stays in its warm-up" in err
     assert not [w for w in caught if "malformed" in str(w.message)]
     assert len([line for line in err.splitlines() if "malformed" in line]) == 1 and err.count(f"{mixed}:1:") == 1
     assert "[headmix] skipped 5 malformed line(s) (--strict makes them an error)" in err
@@ -323,9 +324,10 @@ def test_sampling_draws_what_a_plain_loop_draws(temperature, top_k, top_p):
 
     model = tiny_lm()
     prompt = torch.tensor([[1, 5, 9, 3], [1, 7, 7, 8], [1, 4, 30, 2]])
-    expected = reference_sample(model, prompt, 12, temperature, top_k, top_p, seed=3)
+    expected = reference_sample(model, prompt, 40, temperature, top_k, top_p, seed=3)
+    assert bool(expected.eq(model.config.eos_id).any())  # some row ends: what follows its eos is padding
     for use_cache in (True, False):
-        got = sample_decode(model, prompt, 12, temperature=temperature, top_k=top_k, top_p=top_p,
+        got = sample_decode(model, prompt, 40, temperature=temperature, top_k=top_k, top_p=top_p,
                             generator=torch.Generator().manual_seed(3), use_cache=use_cache)
         assert torch.equal(got.tokens, expected)
 
@@ -356,11 +358,15 @@ class CharTokenizer:
 
 
 def test_generate_text_batches_prompts_of_any_length_and_repeats_with_a_seed():
-    from headmix.models import generate_text
+    import torch
+
+    from headmix.models import generate_text, greedy_decode
 
     model, tok = tiny_lm(), CharTokenizer()
     prompts = ["abc", "hello", "xy", "abd"]
     alone = [generate_text(model, tok, p, max_new_tokens=6)[0] for p in prompts]
+    ids = torch.tensor([[tok.bos_id, *tok.encode("abc")]])  # the prompt starts with bos, as training blocks do
+    assert alone[0] == tok.decode(greedy_decode(model, ids, 6).tokens[0].tolist())
     assert generate_text(model, tok, prompts, max_new_tokens=6) == alone
     assert generate_text(model, tok, prompts, max_new_tokens=6, batch_size=1) == alone
     sampled = generate_text(model, tok, prompts, max_new_tokens=6, temperature=1.5, seed=4)
@@ -671,3 +677,28 @@ def test_examples_readme_lists_every_example():
     for script in (ROOT / "examples").glob("*.py"):
         assert f"[`{script.name}`]({script.name})" in listed
     assert "the Hugging Face recipe, [docs/hf.md](../docs/hf.md)" in listed
+
+
+# --------------------------------------------------------------------------- docs
+
+def python_snippets(path: Path) -> list[str]:
+    import re
+
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/models.md"])
+def test_the_python_snippets_of_the_docs_run(doc, tmp_path, monkeypatch):
+    snippets = python_snippets(ROOT / doc)
+    assert snippets
+    monkeypatch.chdir(tmp_path)
+    for snippet in snippets:
+        exec(compile(snippet, f"{doc} snippet", "exec"), {"__name__": "__snippet__"})
+
+
+def test_translate_points_a_language_model_to_generate(lm_run, capsys):
+    from headmix.cli.main import main
+
+    assert main(["translate", str(lm_run)]) == 2
+    assert f"headmix translate needs a translation run (for a language model: headmix generate {lm_run}" in \
+        capsys.readouterr().err

@@ -212,6 +212,9 @@ def _run_translate(args) -> int:
 
     device = pick_device(args.device)
     run = load_run(args.run, device)
+    if run.model.config.task != "translation":
+        raise ValueError(f"{args.run} is a {run.model.config.task!r} run; headmix translate needs a translation run "
+                         f"(for a language model: headmix generate {args.run} --prompt TEXT)")
     if args.input == "-":
         lines = sys.stdin.read().splitlines()
     else:

@@ -261,8 +261,7 @@ def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int | None
         ordered, order = logits.sort(dim=-1, descending=True)
         probs = ordered.softmax(-1)
         before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
-        drop = before >= top_p
-        drop[..., 0] = False
+        drop = before >= top_p  # never the most likely token: nothing comes before it
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits
 
