@@ -151,6 +151,14 @@ def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cach
     ``src``: the source sentences ``(B, S)`` (translation, padding allowed) or the prompts ``(B, T)``
     (causal LM, no padding). ``static_cache``, ``static_step``: see the module docstring."""
     _check(model, src, max_len)
+    return _token_by_token(model, src, max_len, lambda log_probs: log_probs.argmax(-1), use_cache, static_cache,
+                           static_step)
+
+
+def _token_by_token(model: PreTrainedModel, src: Tensor, max_len: int, pick: Callable[[Tensor], Tensor],
+                    use_cache: bool, static_cache: bool = False, static_step: Callable | None = None) -> GenerationOutput:
+    """One token per step, ``pick(log_probs)`` ``(B, vocab) -> (B,)``, for at most ``max_len`` steps: padding
+    after a row's ``eos`` (scored 0), stopping once every row has ended."""
     cfg = model.config
     with _eval_mode(model):
         prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
@@ -160,7 +168,7 @@ def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cach
         out = []
         for _ in range(max_len):
             log_probs = prefix.next_log_probs()
-            token = log_probs.argmax(-1)
+            token = pick(log_probs)
             scores += log_probs.gather(1, token[:, None])[:, 0].masked_fill(finished, 0.0)
             token = token.masked_fill(finished, cfg.pad_id)
             finished |= token.eq(cfg.eos_id)
@@ -278,25 +286,12 @@ def sample_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, temperat
     _check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return greedy_decode(model, src, max_len, use_cache=use_cache)
-    cfg = model.config
-    with _eval_mode(model):
-        prefix = _Prefix(model, src, use_cache, max_len)
-        batch = src.shape[0]
-        finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
-        scores = torch.zeros(batch, device=src.device)
-        out = []
-        for _ in range(max_len):
-            log_probs = prefix.next_log_probs()
-            probs = filter_logits(log_probs, temperature=temperature, top_k=top_k, top_p=top_p).softmax(-1)
-            token = torch.multinomial(probs, 1, generator=generator)[:, 0]
-            scores += log_probs.gather(1, token[:, None])[:, 0].masked_fill(finished, 0.0)
-            token = token.masked_fill(finished, cfg.pad_id)
-            finished |= token.eq(cfg.eos_id)
-            out.append(token)
-            prefix.append(token)
-            if bool(finished.all()):
-                break
-        return GenerationOutput(torch.stack(out, dim=1), scores)
+
+    def draw(log_probs: Tensor) -> Tensor:
+        probs = filter_logits(log_probs, temperature=temperature, top_k=top_k, top_p=top_p).softmax(-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    return _token_by_token(model, src, max_len, draw, use_cache)
 
 
 def generate_text(model: CausalLanguageModel, tokenizer, prompts: list[str] | str, *, max_new_tokens: int = 64,
