@@ -100,7 +100,7 @@ class TrainConfig:
             self.tokenizer = str(Path(self.init_from) / "tokenizer")  # the ids its embeddings were trained on
         if self.vocab_size is None:
             self.vocab_size = _json_preset_vocab_size(self.preset) or DEFAULT_VOCAB_SIZE
-        self.check_values()
+        self.check_values()  # a bad value fails here, on construction
 
     @property
     def task_spec(self):
