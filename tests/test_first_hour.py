@@ -365,13 +365,30 @@ def test_generate_text_batches_prompts_of_any_length_and_repeats_with_a_seed():
     model, tok = tiny_lm(), CharTokenizer()
     prompts = ["abc", "hello", "xy", "abd"]
     alone = [generate_text(model, tok, p, max_new_tokens=6)[0] for p in prompts]
-    ids = torch.tensor([[tok.bos_id, *tok.encode("abc")]])  # the prompt starts with bos, as training blocks do
+    ids = torch.tensor([[tok.bos_id, *tok.encode("abc")]])
     assert alone[0] == tok.decode(greedy_decode(model, ids, 6).tokens[0].tolist())
     assert generate_text(model, tok, prompts, max_new_tokens=6) == alone
     assert generate_text(model, tok, prompts, max_new_tokens=6, batch_size=1) == alone
     sampled = generate_text(model, tok, prompts, max_new_tokens=6, temperature=1.5, seed=4)
     assert generate_text(model, tok, prompts, max_new_tokens=6, temperature=1.5, seed=4) == sampled
     assert sampled != generate_text(model, tok, prompts, max_new_tokens=6, temperature=1.5, seed=5)
+
+
+def test_generate_text_feeds_the_model_bos_then_the_prompt(monkeypatch):
+    """As the training blocks start: a prompt without bos would be text the model never saw begin."""
+    from headmix.models import generate_text, generation
+
+    fed = []
+    real = generation.sample_decode
+
+    def spy(model, src, *args, **kwargs):
+        fed.extend(src.tolist())
+        return real(model, src, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "sample_decode", spy)
+    tok = CharTokenizer()
+    generate_text(tiny_lm(), tok, ["hello", "ab", "xy"], max_new_tokens=2)
+    assert sorted(fed) == sorted([tok.bos_id, *tok.encode(p)] for p in ["hello", "ab", "xy"])
 
 
 @pytest.mark.parametrize("options,message", [
