@@ -461,7 +461,9 @@ def test_init_from_a_headmix_run_starts_from_its_weights_and_tokenizer(lm_run, d
     from headmix.cli.main import main
 
     out = tmp_path / "continued"
-    args = lm_args(out, docs_file, "--init-from", str(lm_run), "--lr", "1e-9", "--warmup-steps", "0")
+    # --vocab-size 400 would train another tokenizer: the run's own (300 ids, its embeddings' ids) is taken instead
+    args = lm_args(out, docs_file, "--init-from", str(lm_run), "--lr", "1e-9", "--warmup-steps", "0", "--vocab-size",
+                   "400")
     args.remove("--preset"), args.remove("tiny-mha")
     assert main(args) == 0
     before, after = final_weights(lm_run), final_weights(out)
