@@ -112,8 +112,16 @@ class AttentionLayer(nn.Module):
     """Base of the headmix attention layers: argument checks and cache plumbing.
 
     Subclasses implement ``_project_kv(key, value) -> (k, v)`` giving ``(batch, kv_heads, S, size)``
-    tensors, and ``forward``.
+    tensors, and ``forward``; ``repr_sizes`` names the size attributes ``repr()`` shows.
     """
+
+    #: the attributes :meth:`extra_repr` shows (those that are not None), e.g. ``embed_dim=512, num_heads=8``
+    repr_sizes: tuple[str, ...] = ("embed_dim",)
+
+    def extra_repr(self) -> str:
+        """The layer's sizes (:attr:`repr_sizes`), shown by ``repr(layer)`` above its submodules."""
+        return ", ".join(f"{name}={getattr(self, name)}" for name in self.repr_sizes
+                         if getattr(self, name, None) is not None)
 
     def __init__(self, embed_dim: int):
         super().__init__()
@@ -134,6 +142,7 @@ class AttentionLayer(nn.Module):
         ``(x, None, None)``, so it is self-attention in every respect (rotary positions, the growing cache,
         the padding-derived token mask): see :func:`is_self_attention`."""
         check_embed_input("query", query, self.embed_dim)
+        self._check_dtype("query", query)
         if key is None and value is not None:
             raise ValueError("value was given without key: pass key too (key=None means self-attention)")
         if is_self_attention(query, key, value):
@@ -143,11 +152,24 @@ class AttentionLayer(nn.Module):
             if value is None:
                 value = key
             check_embed_input("value", value, self.embed_dim)
+            self._check_dtype("key", key)
+            self._check_dtype("value", value)
             if key.shape[:2] != value.shape[:2]:
                 raise ValueError(f"key and value must have the same (batch, source_len), got {tuple(key.shape[:2])} and {tuple(value.shape[:2])}")
             if key.shape[0] != query.shape[0]:
                 raise ValueError(f"key must have the batch size of query ({query.shape[0]}), got {key.shape[0]}")
         return query, key, value
+
+    def _check_dtype(self, name: str, x: Tensor) -> None:
+        """``ValueError`` for an input whose dtype is not the layer's weights' (``float16`` input to a
+        ``float32`` layer), unless autocast is on for its device (autocast casts them itself)."""
+        weight = next(self.parameters(), None)
+        if weight is None or x.dtype == weight.dtype:
+            return
+        if x.dtype.is_floating_point and torch.is_autocast_enabled(x.device.type):
+            return
+        raise ValueError(f"{name} has dtype {x.dtype} but the layer's weights are {weight.dtype}: convert one to the "
+                         f"other (layer.to({x.dtype}) or {name}.to({weight.dtype})), or run under torch.autocast")
 
     def _keys_values(
         self, query: Tensor, key: Tensor | None, value: Tensor | None, use_cache: bool, cache: KVCache | None,

@@ -129,6 +129,8 @@ class MultiHeadAttention(AttentionLayer):
     cross-attention, which is not rotated (see :func:`~headmix.attention.base.is_self_attention`).
     """
 
+    repr_sizes = ("embed_dim", "num_heads", "head_dim", "key_dim")
+
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int | None = None, key_dim: int | None = None,
                  bias: bool = True, dropout: float = 0.0, *, q_bias: bool | None = None, kv_bias: bool | None = None,
                  out_bias: bool | None = None, rotary: bool | RotaryEmbedding = False,
@@ -160,15 +162,22 @@ class MultiHeadAttention(AttentionLayer):
         self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
 
     @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
-        """A layer with the weights of a ``torch.nn.MultiheadAttention``; it gives the same outputs
-        (in batch-first layout) for the same masks."""
+    def from_torch(cls, module: nn.MultiheadAttention, *, allow_seq_first: bool = False) -> MultiHeadAttention:
+        """A layer with the weights of a ``torch.nn.MultiheadAttention``; it gives the same outputs for the same
+        masks, in batch-first layout: headmix layers take ``(batch, time, embed_dim)``. A module made with
+        ``batch_first=False`` (torch's default) takes ``(time, batch, embed_dim)``: converting it is refused
+        unless ``allow_seq_first=True`` says that its inputs will be transposed (``x.transpose(0, 1)``); a
+        ``(time, batch, ...)`` tensor fed to the converted layer would attend across the batch."""
         if not isinstance(module, nn.MultiheadAttention):
             raise ValueError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
         if module.bias_k is not None or module.add_zero_attn:
             raise ValueError("module uses add_bias_kv or add_zero_attn, which headmix does not support")
         if module.kdim != module.embed_dim or module.vdim != module.embed_dim:
             raise ValueError(f"module must have kdim == vdim == embed_dim ({module.embed_dim}), got {module.kdim}, {module.vdim}")
+        if not module.batch_first and not allow_seq_first:
+            raise ValueError("module has batch_first=False (inputs (time, batch, embed_dim)) but headmix layers take "
+                             "(batch, time, embed_dim): pass allow_seq_first=True to convert it and feed the layer "
+                             "x.transpose(0, 1)")
         d = module.embed_dim
         has_bias = module.in_proj_bias is not None
         layer = cls(d, module.num_heads, bias=has_bias, dropout=module.dropout)
@@ -227,6 +236,13 @@ class MultiHeadAttention(AttentionLayer):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        """Attend from ``query`` ``(B, T, embed_dim)`` to ``key`` / ``value`` ``(B, S, embed_dim)`` (``None``:
+        self-attention): per head ``softmax(q k^T / sqrt(key_dim)) v`` (Vaswani et al. 2017, eq. 1), the heads
+        concatenated and projected by ``out_proj`` (eq. 4-5 there). Returns an :class:`AttentionOutput`:
+        ``output`` ``(B, T, embed_dim)``, no routing, ``aux_loss`` 0.
+        Masks: ``key_padding_mask`` ``(B, S)``, ``attn_mask`` ``(T, S)`` (or per batch / head), ``is_causal``,
+        ``query_padding_mask`` ``(B, T)``, with ``torch.nn.MultiheadAttention``'s conventions (``True`` =
+        padding / forbidden; see :mod:`headmix.attention.base`); ``use_cache`` returns the new ``cache``."""
         check_mask_dtype("query_padding_mask", query_padding_mask, additive=False)  # also when zero_padded_queries is off
         query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
         q, k, v, new_cache, (bias, empty, causal) = self._heads_and_masks(

@@ -56,6 +56,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
     ``"dense"``, ``"sorted"``, ``"gather"``, ``"bag"``, ``"triton"``; see :mod:`headmix.kernels`).
     """
 
+    repr_sizes = ("embed_dim", "num_experts", "top_k", "head_dim", "kv_heads")
+
     def __init__(self, embed_dim: int, num_experts: int, top_k: int, head_dim: int, *, bias: bool = True,
                  dropout: float = 0.0, router: str = "softmax", renormalize: str = "detached",
                  load_balance_weight: float = 0.01, z_loss_weight: float = 0.001, expert_impl: str = "auto",
@@ -106,6 +108,14 @@ class MixtureOfAttentionHeads(AttentionLayer):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        """Route each token of ``query`` ``(B, T, embed_dim)`` to ``top_k`` of ``num_experts`` experts (eq. 7-9)
+        and mix their attention outputs over ``key`` / ``value`` ``(B, S, embed_dim)`` (``None``: self-attention)
+        with the gate weights (eq. 6, 10-12). Returns an :class:`AttentionOutput`: ``output``
+        ``(B, T, embed_dim)``, ``routing`` (each token's ``expert_index`` and ``gates``, ``(B*T, top_k)``),
+        ``aux_loss`` (eq. 13-17, weighted; add it to the training loss).
+        Masks: ``key_padding_mask`` ``(B, S)``, ``attn_mask`` ``(T, S)`` (or per batch / head), ``is_causal``,
+        ``query_padding_mask`` ``(B, T)``, with ``torch.nn.MultiheadAttention``'s conventions (``True`` =
+        padding / forbidden; see :mod:`headmix.attention.base`); ``use_cache`` returns the new ``cache``."""
         query, key, value = self._check_inputs(query, key, value)
         batch, tgt, dim = query.shape
         k_shared, v_shared, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)

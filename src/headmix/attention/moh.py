@@ -103,6 +103,8 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     numbers the routed heads group by group (routed head ``r`` is in group ``r // (H/G - S)``).
     """
 
+    repr_sizes = ("embed_dim", "num_heads", "num_shared_heads", "top_k", "head_dim", "key_dim")
+
     def __init__(self, embed_dim: int, num_heads: int, num_shared_heads: int, top_k: int, head_dim: int | None = None,
                  *, bias: bool = True, dropout: float = 0.0, load_balance_weight: float = 0.01,
                  q_bias: bool | None = None, kv_bias: bool | None = None, out_bias: bool | None = None,
@@ -221,6 +223,14 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        """Multi-head attention of ``query`` ``(B, T, embed_dim)`` over ``key`` / ``value`` (``None``:
+        self-attention) in which each token uses the ``num_shared_heads`` shared heads and ``top_k`` of the
+        routed heads, the heads' outputs weighted as ``head_weighting`` says (MoH, Jin et al. 2024, eq. 3; weights eq. 5-6)
+        before ``out_proj``. Returns an :class:`AttentionOutput`: ``output`` ``(B, T, embed_dim)``, ``routing``
+        (the routed heads each token chose and their weights), ``aux_loss`` (the weighted load-balancing loss).
+        Masks: ``key_padding_mask`` ``(B, S)``, ``attn_mask`` ``(T, S)`` (or per batch / head), ``is_causal``,
+        ``query_padding_mask`` ``(B, T)``, with ``torch.nn.MultiheadAttention``'s conventions (``True`` =
+        padding / forbidden; see :mod:`headmix.attention.base`); ``use_cache`` returns the new ``cache``."""
         query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
         impl = (choose_moh_impl(query.device, self.top_k, self.num_routed_per_group, query.shape[1])
                 if self.impl == "auto" else self.impl)  # top_k of each router group's routed heads

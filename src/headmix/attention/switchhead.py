@@ -98,6 +98,8 @@ class SwitchHeadAttention(AttentionLayer):
     ``num_experts=1`` the output selector already is a sigmoid gate per head). See docs/implementations.md.
     """
 
+    repr_sizes = ("embed_dim", "num_heads", "num_experts", "top_k", "head_dim")
+
     def __init__(self, embed_dim: int, num_heads: int, num_experts: int, top_k: int, head_dim: int | None = None, *,
                  bias: bool = False, dropout: float = 0.0, expert_dropout: float = 0.0, init_scale: float = 1.0,
                  expert_impl: str = "auto", rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0,
@@ -199,6 +201,16 @@ class SwitchHeadAttention(AttentionLayer):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        """SwitchHead attention of ``query`` ``(B, T, embed_dim)`` over ``key`` / ``value`` (``None``:
+        self-attention): per head ``h``, ``top_k`` of ``num_experts`` value projections chosen by the sigmoid
+        selector ``s = sigmoid(x W_S^h)`` on the key/value side and ``top_k`` output projections by
+        ``s' = sigmoid(q W_D^h)`` on the query side, the selected sigmoids as weights (Csordás et al., arXiv
+        2312.07987).
+        Returns an :class:`AttentionOutput`: ``output`` ``(B, T, embed_dim)``, ``routing`` (a
+        :class:`SwitchHeadRouting` with its ``value`` and ``output`` sides), no auxiliary loss.
+        Masks: ``key_padding_mask`` ``(B, S)``, ``attn_mask`` ``(T, S)`` (or per batch / head), ``is_causal``,
+        ``query_padding_mask`` ``(B, T)``, with ``torch.nn.MultiheadAttention``'s conventions (``True`` =
+        padding / forbidden; see :mod:`headmix.attention.base`); ``use_cache`` returns the new ``cache``."""
         query, key, value = self._check_inputs(query, key, value)
         batch, tgt, dim = query.shape
         h, k = self.num_heads, self.top_k

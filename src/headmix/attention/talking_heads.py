@@ -58,6 +58,13 @@ class TalkingHeadsAttention(MultiHeadAttention):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
                 use_cache: bool = False, cache: KVCache | None = None, query_padding_mask: Tensor | None = None) -> AttentionOutput:
+        """Multi-head attention of ``query`` ``(B, T, embed_dim)`` over ``key`` / ``value`` (``None``:
+        self-attention) whose ``num_heads`` attention logits are mixed across heads by ``pre_mix`` before the
+        softmax and the weights by ``post_mix`` after it (Shazeer et al. 2020, Algorithm 2). Returns an
+        :class:`AttentionOutput`: ``output`` ``(B, T, embed_dim)``, no routing.
+        Masks: ``key_padding_mask`` ``(B, S)``, ``attn_mask`` ``(T, S)`` (or per batch / head), ``is_causal``,
+        ``query_padding_mask`` ``(B, T)``, with ``torch.nn.MultiheadAttention``'s conventions (``True`` =
+        padding / forbidden; see :mod:`headmix.attention.base`); ``use_cache`` returns the new ``cache``."""
         check_mask_dtype("query_padding_mask", query_padding_mask, additive=False)  # also when zero_padded_queries is off
         query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
         q, k, v, new_cache, (bias, empty, causal) = self._heads_and_masks(

@@ -18,6 +18,12 @@ import types
 import typing
 from typing import Any, Callable, Iterator, Sequence
 
+#: What ``headmix --help`` says above the commands.
+DESCRIPTION = """Attention layers that select or mix heads per token (MoA, MoH, Talking-Heads, SwitchHead, MHA):
+train, evaluate and compare models that use them. `headmix COMMAND --help` describes a command.
+
+Exit codes: 0 done, 1 a run failed, 2 a bad command line (one line on stderr says why)."""
+
 #: Exit codes: 2 for a bad command line, 1 for a run that failed.
 USAGE_ERROR, RUN_FAILED = 2, 1
 
@@ -65,7 +71,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
         if base is bool:
             if default:
                 parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                                    help=f"do not: {kwargs['help']}")
+                                    help=f"do not {kwargs['help']}")
             else:
                 parser.add_argument(_flag(f.name), dest=f.name, action="store_true", help=kwargs["help"])
             parser.set_defaults(**{f.name: default})
@@ -170,8 +176,8 @@ def stop_on_signals() -> Iterator[Callable[[], str | None]]:
 def _run_train(args) -> int:
     from ..training import TrainConfig, train
 
-    cfg = dataclass_from_args(TrainConfig, args)
     try:
+        cfg = dataclass_from_args(TrainConfig, args)
         cfg.validate()
     except ValueError as err:  # name the option as it was typed: "seed must be ..." -> "--seed must be ..."
         field, _, rest = str(err).partition(" ")
@@ -206,6 +212,9 @@ def _run_translate(args) -> int:
 
     device = pick_device(args.device)
     run = load_run(args.run, device)
+    if run.model.config.task != "translation":
+        raise ValueError(f"{args.run} is a {run.model.config.task!r} run; headmix translate needs a translation run "
+                         f"(for a language model: headmix generate {args.run} --prompt TEXT)")
     if args.input == "-":
         lines = sys.stdin.read().splitlines()
     else:
@@ -214,6 +223,77 @@ def _run_translate(args) -> int:
     for hyp in translate(run.model, run.tokenizer, lines, beam_size=args.beam, length_penalty=args.length_penalty,
                          device=device):
         print(hyp)
+    return 0
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="continue text prompts with a trained language model (greedy or sampled)",
+                       description="Continue each prompt with a causal LM run (task lm): text in, text out, with "
+                                   "the run's tokenizer. Greedy by default; --temperature > 0 samples.")
+    p.add_argument("run", help="run folder of a finished 'lm' run")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    given.add_argument("--prompts", metavar="FILE", help="a file of prompts, one a line ('-': standard input)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens generated per prompt at most "
+                                                                          "(default: 64)")
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                   help="0: greedy (the default); > 0: sample from the distribution divided by it")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=_probability, default=None,
+                   help="sample within the smallest set of most likely tokens holding this probability (nucleus)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
+    p.add_argument("--jsonl", action="store_true", help='write one {"prompt", "continuation"} JSON object a line')
+    add_device_option(p)
+
+
+def _run_generate(args) -> int:
+    from ..models import CausalLanguageModel, generate_text
+    from ..runs import load_run
+    from ..training.config import pick_device
+
+    if args.prompts is None:
+        prompts = args.prompt
+    elif args.prompts == "-":
+        prompts = sys.stdin.read().splitlines()
+    else:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts = f.read().splitlines()
+    if (args.top_k is not None or args.top_p is not None) and args.temperature == 0:
+        raise ValueError("--top-k and --top-p choose among the tokens a sample is drawn from: give --temperature > 0 "
+                         "(the default, 0, is greedy)")
+    device = pick_device(args.device)
+    run = load_run(args.run, device)
+    if not isinstance(run.model, CausalLanguageModel):
+        raise ValueError(f"{args.run} is a {run.model.config.task!r} run; headmix generate continues text with a "
+                         f"language model (task 'lm'); for translation use headmix translate")
+    texts = generate_text(run.model, run.tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          device=device)
+    for prompt, text in zip(prompts, texts):
+        if args.jsonl:
+            print(json.dumps({"prompt": prompt, "continuation": text}, ensure_ascii=False))
+        else:
+            print(prompt + text)
     return 0
 
 
@@ -226,6 +306,7 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--limit", type=_positive_int, default=None, help="score only the first N sentences / documents")
     p.add_argument("--compound-split", action="store_true", help="German compound splitting before BLEU (the paper's)")
     p.add_argument("--output", default=None, help="write the translations to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown on a terminal only)")
     add_device_option(p)
 
 
@@ -235,7 +316,7 @@ def _run_evaluate(args) -> int:
 
     result = evaluate_run(args.run, split=args.split, beam_size=args.beam, length_penalty=args.length_penalty,
                           limit=args.limit, compound_split=args.compound_split, device=pick_device(args.device),
-                          output=args.output)
+                          output=args.output, progress=not args.no_progress)
     print(json.dumps(result, indent=2, ensure_ascii=False))
     return 0
 
@@ -273,11 +354,15 @@ def _run_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="headmix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .. import __version__
+
+    parser = _Parser(prog="headmix", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"headmix {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_demo(sub)
     _add_train(sub)
     _add_translate(sub)
+    _add_generate(sub)
     _add_evaluate(sub)
     for optional in ("macs", "bench", "analyze", "study", "data", "export_hf"):
         try:
@@ -288,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-RUNNERS = {"demo": _run_demo, "train": _run_train, "translate": _run_translate, "evaluate": _run_evaluate}
+RUNNERS = {"demo": _run_demo, "train": _run_train, "translate": _run_translate, "generate": _run_generate,
+           "evaluate": _run_evaluate}
 
 
 def keep_freed_memory() -> None:

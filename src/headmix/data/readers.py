@@ -108,9 +108,12 @@ class ReadReport:
 
     Pass one to a reader (``report=ReadReport()``) to inspect it afterwards; it
     is filled while the generator runs and is complete once it is exhausted.
+    ``warn=False``: the reader does not end with a :class:`CorpusWarning` for
+    malformed lines (the caller reports them from this report, once).
     """
 
     max_examples: int = 5
+    warn: bool = True
     paths: list[str] = field(default_factory=list)
     lines: int = 0
     valid: int = 0
@@ -241,14 +244,14 @@ def _utf8_reason(raw: bytes) -> str:
 
 
 def _finish(report: ReadReport, allow_empty: bool, what: str) -> None:
-    if report.malformed:
-        msg = f"skipped {report.malformed} malformed line(s): {report.summary()}"
-        logger.warning(msg)
-        warnings.warn(msg, CorpusWarning, stacklevel=3)
-    else:
-        logger.info(report.summary())
+    """Malformed lines: one :class:`CorpusWarning` (unless ``report.warn`` is off), or, when nothing was valid,
+    one :class:`CorpusError` instead."""
     if report.valid == 0 and not allow_empty:
         raise CorpusError(f"no valid {what} in {', '.join(report.paths)} ({report.summary()})")
+    if report.malformed and report.warn:
+        warnings.warn(f"skipped {report.malformed} malformed line(s): {report.summary()}", CorpusWarning, stacklevel=3)
+    elif not report.malformed:
+        logger.info(report.summary())
 
 
 class _Bad(Exception):

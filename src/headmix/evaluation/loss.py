@@ -30,15 +30,28 @@ def load_record(counts: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 @torch.no_grad()
+def progress_bar(total: int | None, desc: str, unit: str, enabled: bool):
+    """A tqdm bar on stderr when ``enabled`` and stderr is a terminal (``update(n)``, ``close()``), else ``None``."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=None)
+
+
 def validation_loss(model: nn.Module, loader, task, device: torch.device | str,
-                    autocast: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+                    autocast: Callable[[], Any] = contextlib.nullcontext, *, progress: bool = False) -> dict[str, Any]:
     """Token-averaged loss (label-smoothed as in training), NLL and perplexity of ``model`` over
-    ``loader`` (batches of ``task``), and the share of routing slots per expert of each routed layer."""
+    ``loader`` (batches of ``task``), and the share of routing slots per expert of each routed layer.
+    ``progress``: a bar of the batches on stderr."""
     was_training = model.training
     model.eval()
     loss, nll, tokens = 0.0, 0.0, 0
     counts: dict[str, torch.Tensor] = {}
+    bar = progress_bar(len(loader) if hasattr(loader, "__len__") else None, "evaluate", "batch", progress)
     for batch in loader:
+        if bar is not None:
+            bar.update(1)
         with autocast():
             out = model(**task.model_inputs(batch, device))
         n = int(out.num_tokens)
@@ -46,6 +59,8 @@ def validation_loss(model: nn.Module, loader, task, device: torch.device | str,
         nll += float(out.nll_loss) * n
         tokens += n
         add_expert_counts(out.routing, counts)
+    if bar is not None:
+        bar.close()
     model.train(was_training)
     n = max(tokens, 1)
     return {"loss": loss / n, "nll": nll / n, "ppl": math.exp(min(nll / n, 50.0)), "tokens": tokens,

@@ -10,19 +10,22 @@ import torch
 from ..data import Tokenizer, pad_sequences
 from ..data.wmt14 import split_compounds
 from ..models import EncoderDecoderModel, beam_search
+from .loss import progress_bar
 
 
 @torch.no_grad()
 def translate(model: EncoderDecoderModel, tokenizer: Tokenizer, sentences: Sequence[str], *, beam_size: int = 4,
               length_penalty: float = 1.0, batch_size: int = 64, max_len_a: float = 1.5, max_len_b: int = 10,
-              device: str | torch.device = "cpu") -> list[str]:
+              device: str | torch.device = "cpu", progress: bool = False) -> list[str]:
     """Translate ``sentences`` with beam search (the layers' caches). Sentences are batched by length;
-    each batch may generate up to ``max_len_a * longest source + max_len_b`` tokens."""
+    each batch may generate up to ``max_len_a * longest source + max_len_b`` tokens. ``progress``: a bar of
+    the sentences on stderr."""
     if not isinstance(model, EncoderDecoderModel):
         raise ValueError(f"model must be a translation (encoder-decoder) model, got {type(model).__name__}")
     encoded = [tokenizer.encode(s, add_eos=True)[: model.config.max_positions - 1] for s in sentences]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     out: list[str] = [""] * len(encoded)
+    bar = progress_bar(len(encoded), "translate", "sentence", progress)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
         src, lengths = pad_sequences([encoded[i] for i in idx], tokenizer.pad_id)
@@ -30,6 +33,10 @@ def translate(model: EncoderDecoderModel, tokenizer: Tokenizer, sentences: Seque
         result = beam_search(model, src.to(device), beam_size, max_len, length_penalty)
         for row, i in enumerate(idx):
             out[i] = tokenizer.decode(result.tokens[row].tolist())
+        if bar is not None:
+            bar.update(len(idx))
+    if bar is not None:
+        bar.close()
     return out
 
 

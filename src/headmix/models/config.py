@@ -58,6 +58,29 @@ _KIND_FIELDS = {
     "sparsity": ("mosa",),
     "tokens_per_head": ("mosa",),
     "include_first": ("mosa",),
+    "router": ("moa",),
+    "renormalize": ("moa",),
+    "load_balance_weight": ("moa", "moh"),
+    "z_loss_weight": ("moa",),
+    "pre_softmax": ("talking_heads",),
+    "post_softmax": ("talking_heads",),
+    "expert_impl": ("moa", "moh", "switchhead"),
+    "load_balance_fractions": ("moa", "moh"),
+}
+
+#: The value an unset (None) field of :data:`_KIND_FIELDS` takes for the kinds that use it: ``__post_init__``
+#: fills it in, so ``AttentionConfig(kind="moa").router == "softmax"`` while ``kind="mha"`` keeps ``None``.
+#: Configs saved before these fields defaulted to None stored these values for every kind:
+#: :meth:`AttentionConfig.from_dict` drops such a stored default of a field the kind does not use.
+_KIND_DEFAULTS = {
+    "router": "softmax",
+    "renormalize": "detached",
+    "load_balance_weight": 0.01,
+    "z_loss_weight": 0.001,
+    "pre_softmax": True,
+    "post_softmax": True,
+    "expert_impl": "auto",
+    "load_balance_fractions": "normalized",
 }
 
 
@@ -140,6 +163,11 @@ class AttentionConfig:
     Gated Attention's sigmoid gate on each head's output before the output projection (arXiv 2505.06708, G1).
     ``route_per_group`` (MoH; needs ``kv_heads``; unset = off): Grouped Query Experts, routing inside each
     K/V group, with ``num_shared_heads`` and ``top_k`` counted per group (arXiv 2606.20945).
+    A field that the chosen ``kind`` does not use must stay unset (``None``): setting it is a ``ValueError``
+    naming it (the table ``_KIND_FIELDS`` says which kinds use which field). Unset fields the kind uses take
+    their defaults on construction (``_KIND_DEFAULTS``: ``router="softmax"``, ``renormalize="detached"``,
+    ``load_balance_weight=0.01``, ``z_loss_weight=0.001``, ``pre_softmax=post_softmax=True``,
+    ``expert_impl="auto"``, ``load_balance_fractions="normalized"``).
     """
 
     kind: str = "mha"
@@ -150,14 +178,14 @@ class AttentionConfig:
     kv_heads: int | None = None
     top_k: int | None = None
     num_shared_heads: int | None = None
-    router: str = "softmax"
-    renormalize: str = "detached"
-    load_balance_weight: float = 0.01
-    z_loss_weight: float = 0.001
-    pre_softmax: bool = True
-    post_softmax: bool = True
+    router: str | None = None
+    renormalize: str | None = None
+    load_balance_weight: float | None = None
+    z_loss_weight: float | None = None
+    pre_softmax: bool | None = None
+    post_softmax: bool | None = None
     dropout: float = 0.0
-    expert_impl: str = "auto"
+    expert_impl: str | None = None
     bias: bool = True
     expert_dropout: float | None = None
     init_scale: float | None = None
@@ -170,7 +198,7 @@ class AttentionConfig:
     rotary_base: float = 10000.0
     rotary_fraction: float = 1.0
     head_weighting: str | None = None
-    load_balance_fractions: str = "normalized"
+    load_balance_fractions: str | None = None
     zero_padded_queries: bool = False
     #: RMSNorm over each head's queries and keys before rotary (QK-norm); None: off.
     qk_norm: bool | None = None
@@ -190,16 +218,24 @@ class AttentionConfig:
     """MoSA: the first token is always chosen (unset: False)."""
 
     def __post_init__(self) -> None:
+        self._check_kind_fields("attention")
+        for fname, default in _KIND_DEFAULTS.items():
+            if getattr(self, fname) is None and self.kind in _KIND_FIELDS[fname]:
+                setattr(self, fname, default)
         self.validate()
 
-    def validate(self, embed_dim: int | None = None, name: str = "attention") -> None:
-        """Raise ``ValueError`` naming the offending field (``name.field``). With ``embed_dim``, also check
-        that the default head size ``embed_dim // num_heads`` exists."""
+    def _check_kind_fields(self, name: str) -> None:
+        """``ValueError`` naming the first field set (not None) that ``kind`` does not use (:data:`_KIND_FIELDS`)."""
         _choice(f"{name}.kind", self.kind, ATTENTION_KINDS)
         for fname, kinds in _KIND_FIELDS.items():
             if self.kind not in kinds and getattr(self, fname) is not None:
                 raise ValueError(f"{name}.{fname} applies to kind {' / '.join(repr(k) for k in kinds)} only; "
                                  f"it must be unset (None) for kind {self.kind!r}, got {getattr(self, fname)!r}")
+
+    def validate(self, embed_dim: int | None = None, name: str = "attention") -> None:
+        """Raise ``ValueError`` naming the offending field (``name.field``). With ``embed_dim``, also check
+        that the default head size ``embed_dim // num_heads`` exists."""
+        self._check_kind_fields(name)
         if self.kind in ("moa", "switchhead"):
             required = ("num_experts", "top_k", "head_dim") if self.kind == "moa" else ("num_experts", "top_k")
             for fname in required:
@@ -265,7 +301,8 @@ class AttentionConfig:
             _choice(f"{name}.head_weighting", self.head_weighting, attention.moh.HEAD_WEIGHTINGS)
         if self.moh_impl is not None:
             _choice(f"{name}.moh_impl", self.moh_impl, attention.moh.MOH_IMPLS)
-        _choice(f"{name}.load_balance_fractions", self.load_balance_fractions, LOAD_BALANCE_FRACTIONS)
+        if self.load_balance_fractions is not None:
+            _choice(f"{name}.load_balance_fractions", self.load_balance_fractions, LOAD_BALANCE_FRACTIONS)
         if not isinstance(self.zero_padded_queries, bool):
             raise ValueError(f"{name}.zero_padded_queries must be true or false, got {self.zero_padded_queries!r}")
         if not isinstance(self.rotary, bool):
@@ -280,7 +317,7 @@ class AttentionConfig:
                              f"{self.resolved_key_dim(embed_dim)} query/key dimensions per head")
         for fname in ("load_balance_weight", "z_loss_weight"):
             v = getattr(self, fname)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}.{fname} must be a non-negative number, got {v!r}")
 
     def _validate_mosa(self, embed_dim: int | None, name: str) -> None:
@@ -380,6 +417,9 @@ class AttentionConfig:
         A MoH config saved before ``head_weighting`` existed (the key absent) reads as ``"scaled"``, the
         weighting its weights were trained with; a saved ``null`` means the current default."""
         _check_keys(cls, data, name)
+        kind = data.get("kind", "mha")
+        data = {k: v for k, v in data.items()  # a default every field used to store, for every kind
+                if not (k in _KIND_DEFAULTS and kind not in _KIND_FIELDS[k] and _same_value(v, _KIND_DEFAULTS[k]))}
         if data.get("kind") == "moh" and "head_weighting" not in data:
             data = {**data, "head_weighting": "scaled"}
         try:
@@ -586,6 +626,11 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
         return cls.from_dict(data)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """``a == b`` with the types too (``True`` is not ``1``, ``0.01`` is not ``"0.01"``)."""
+    return type(a) is type(b) and a == b
 
 
 def _check_keys(cls: type, data: dict[str, Any], name: str) -> None:

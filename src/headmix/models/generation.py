@@ -151,6 +151,14 @@ def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cach
     ``src``: the source sentences ``(B, S)`` (translation, padding allowed) or the prompts ``(B, T)``
     (causal LM, no padding). ``static_cache``, ``static_step``: see the module docstring."""
     _check(model, src, max_len)
+    return _token_by_token(model, src, max_len, lambda log_probs: log_probs.argmax(-1), use_cache, static_cache,
+                           static_step)
+
+
+def _token_by_token(model: PreTrainedModel, src: Tensor, max_len: int, pick: Callable[[Tensor], Tensor],
+                    use_cache: bool, static_cache: bool = False, static_step: Callable | None = None) -> GenerationOutput:
+    """One token per step, ``pick(log_probs)`` ``(B, vocab) -> (B,)``, for at most ``max_len`` steps: padding
+    after a row's ``eos`` (scored 0), stopping once every row has ended."""
     cfg = model.config
     with _eval_mode(model):
         prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
@@ -160,7 +168,7 @@ def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cach
         out = []
         for _ in range(max_len):
             log_probs = prefix.next_log_probs()
-            token = log_probs.argmax(-1)
+            token = pick(log_probs)
             scores += log_probs.gather(1, token[:, None])[:, 0].masked_fill(finished, 0.0)
             token = token.masked_fill(finished, cfg.pad_id)
             finished |= token.eq(cfg.eos_id)
@@ -230,3 +238,100 @@ def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: in
         for b, (_, seq) in enumerate(best):
             tokens[b, :len(seq)] = seq
         return GenerationOutput(tokens, torch.tensor([s for s, _ in best], device=device))
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+
+
+def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None) -> Tensor:
+    """``(B, V)`` logits divided by ``temperature`` (> 0), then ``-inf`` outside the ``top_k`` most likely
+    tokens and outside the nucleus ``top_p`` (Holtzman et al. 2020, "The Curious Case of Neural Text
+    Degeneration", eq. 3: the smallest set of most likely tokens whose probability sums to at least ``p``;
+    the most likely token is always kept), in that order, as Hugging Face's ``TemperatureLogitsWarper``,
+    ``TopKLogitsWarper`` and ``TopPLogitsWarper``. Tokens tied with the ``k``-th are kept."""
+    _check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        raise ValueError("temperature must be > 0 to sample (0 means greedy: take the argmax)")
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
+        drop = before >= top_p  # never the most likely token: nothing comes before it
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
+                  use_cache: bool = True) -> GenerationOutput:
+    """Draw each next token from the model's distribution filtered by :func:`filter_logits` (``temperature``,
+    ``top_k``, ``top_p``), for at most ``max_len`` new tokens; ``temperature=0`` takes the argmax
+    (:func:`greedy_decode`). ``generator`` (a ``torch.Generator`` on ``src``'s device) makes the draws
+    repeatable. ``src``: as :func:`greedy_decode`. ``scores``: the summed log-probabilities of the drawn
+    tokens under the model (before the filtering)."""
+    _check(model, src, max_len)
+    _check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return greedy_decode(model, src, max_len, use_cache=use_cache)
+
+    def draw(log_probs: Tensor) -> Tensor:
+        probs = filter_logits(log_probs, temperature=temperature, top_k=top_k, top_p=top_p).softmax(-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    return _token_by_token(model, src, max_len, draw, use_cache)
+
+
+def generate_text(model: CausalLanguageModel, tokenizer, prompts: list[str] | str, *, max_new_tokens: int = 64,
+                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                  seed: int | None = None, batch_size: int = 32, device: str | torch.device = "cpu") -> list[str]:
+    """Continue each prompt (text in, text out) with a causal LM and its tokenizer (a
+    :class:`headmix.data.Tokenizer`, or anything with ``encode(text, add_bos=True)``, ``decode(ids)``):
+    greedy with ``temperature=0`` (the default), else sampled (:func:`sample_decode`, ``top_k``, ``top_p``),
+    at most ``max_new_tokens`` tokens each, stopping at ``eos``. Prompts are encoded with ``bos`` in front, as
+    the training blocks start, and batched by token length (a batch holds no padding); ``seed`` makes the
+    draws repeatable for the same prompts. Returns the continuations (without the prompts)."""
+    if not isinstance(model, CausalLanguageModel):
+        raise ValueError(f"model must be a causal language model (task 'lm'), got {type(model).__name__}")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    _check_sampling(temperature, top_k, top_p)
+    device = torch.device(device)
+    encoded = [tokenizer.encode(p, add_bos=True) for p in prompts]
+    cfg = model.config
+    if cfg.positions != "rotary":
+        longest = max((len(e) for e in encoded), default=0)
+        if longest + max_new_tokens > cfg.max_positions:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) + the longest prompt ({longest} tokens) exceed the "
+                             f"model's max_positions ({cfg.max_positions}): ask for fewer tokens or a shorter prompt")
+    generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(encoded):
+        by_length.setdefault(len(ids), []).append(i)
+    out = [""] * len(prompts)
+    for length in sorted(by_length):
+        group = by_length[length]
+        for start in range(0, len(group), batch_size):
+            idx = group[start:start + batch_size]
+            src = torch.tensor([encoded[i] for i in idx], dtype=torch.long, device=device)
+            result = sample_decode(model, src, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   generator=generator)
+            for row, i in enumerate(idx):
+                out[i] = tokenizer.decode(result.tokens[row].tolist())
+    return out

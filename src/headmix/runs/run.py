@@ -190,7 +190,8 @@ class Run:
     # ------------------------------------------------------------------------------------- configuration
     @classmethod
     def create_or_resume(cls, path: str | os.PathLike, config: Mapping[str, Any], *, identity: Sequence[str],
-                         file_fields: Sequence[str] = FILE_FIELDS, log: Callable[[str], None] | None = None) -> Run:
+                         file_fields: Sequence[str] = FILE_FIELDS, log: Callable[[str], None] | None = None,
+                         restart_untrained: bool = False) -> Run:
         """Open ``path`` for training with ``config`` (a JSON-able dict, e.g. ``TrainConfig.to_dict()``).
 
         - a file at ``path``: :class:`RunError`;
@@ -202,6 +203,10 @@ class Run:
           Fields in ``file_fields`` (input files) are compared as absolute paths and by the sha256 of
           their content. Other fields may change: the stored configuration is then rewritten.
         - a non-empty folder that is not a run (no ``train_config.json``): :class:`RunError`.
+        - with ``restart_untrained``, a run that never trained (:meth:`never_trained`: a first attempt that
+          failed before its first checkpoint) does not pin its identity: on a difference, what that attempt
+          derived from its options (``data/``, ``tokenizer/``, ``metrics.jsonl``, ``tensorboard/``) is removed,
+          one line says so, and the folder starts over with ``config``.
 
         The returned run holds the lock; use it as a context manager (or call :meth:`unlock`) to release
         it. Stale temporary files of interrupted writers are removed once the lock is held."""
@@ -226,12 +231,22 @@ class Run:
         if fingerprints:
             new[FINGERPRINT_KEY] = fingerprints
         run = cls(path, log=log)
-        run._check_stored(new, identity, file_fields)  # before the lock, so a mismatch writes nothing at all
+        try:
+            run._check_stored(new, identity, file_fields)  # before the lock, so a mismatch writes nothing at all
+        except RunMismatchError:
+            if not (restart_untrained and run.never_trained()):
+                raise
         with write_guard(path, None):
             path.mkdir(parents=True, exist_ok=True)
         run.lock()
         try:
-            stored = run._check_stored(new, identity, file_fields)  # again: another process may have begun
+            try:
+                stored = run._check_stored(new, identity, file_fields)  # again: another process may have begun
+            except RunMismatchError as err:
+                if not (restart_untrained and run.never_trained()):
+                    raise
+                run._start_over(str(err))
+                stored = None
             run.remove_temporaries()
             if stored != new:
                 atomic_write_json(run.config_path, new)
@@ -239,6 +254,22 @@ class Run:
             run.unlock()
             raise
         return run
+
+    def never_trained(self) -> bool:
+        """Whether the folder holds a run that never trained: a ``train_config.json`` but no checkpoint, no
+        final model, no summary, and no token cache (``tokenized/``: a study's shared splits, never restarted)."""
+        return (self.config_path.is_file() and not self.checkpoints() and not self.model_path.exists()
+                and not self.summary_path.exists() and not (self.path / "tokenized").exists())
+
+    def _start_over(self, reason: str) -> None:
+        """Remove what a run that never trained derived from its options (it holds no weights), under the lock."""
+        self._require_lock("(start over)")
+        self.log(f"{reason.split(' (')[0]}, but it never trained a step (no checkpoint): starting it over "
+                 f"with this command's options")
+        for derived in (self.data_dir, self.tokenizer_dir, self.metrics_path, self.path / "tensorboard",
+                        self.config_path):
+            if derived.exists():
+                remove_path(derived)
 
     def read_config(self) -> dict[str, Any]:
         """The stored ``train_config.json`` (without the input files' checksums)."""

@@ -36,6 +36,7 @@ class EvaluationOptions:
     output: str | os.PathLike | None = None  # translation: write the hypotheses here
     max_tokens: int = 8192
     device: str = "cpu"
+    progress: bool = False  # a progress bar on stderr (on a terminal only)
 
 
 class Task:

@@ -56,6 +56,6 @@ class LanguageModelTask(Task):
         seed, max_len = run.train_config["seed"], run.train_config["max_len"]
         loader = self.loader(self.dataset(docs, run.tokenizer, max_len), run.tokenizer,
                              max_tokens=max(options.max_tokens, max_len + 2), train=False, seed=seed)
-        result = validation_loss(run.model, loader, self, options.device)
+        result = validation_loss(run.model, loader, self, options.device, progress=options.progress)
         result.pop("expert_load", None)
         return {**result, "split": options.split, "ppl": math.exp(min(result["nll"], 50.0))}

@@ -70,7 +70,7 @@ class TranslationTask(Task):
         if options.limit is not None:
             pairs = pairs[:options.limit]
         hyps = translate(run.model, run.tokenizer, [p.src for p in pairs], beam_size=options.beam_size,
-                         length_penalty=options.length_penalty, device=options.device)
+                         length_penalty=options.length_penalty, device=options.device, progress=options.progress)
         if options.output is not None:
             atomic_write(options.output, "".join(h + "\n" for h in hyps))
         scores = corpus_scores(hyps, [p.tgt for p in pairs], compound_split=options.compound_split)

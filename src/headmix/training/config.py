@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..data.tokenizer import SPECIAL_TOKENS
 from ..tasks import TASKS, get_task
 from .schedule import SCHEDULES
 
@@ -28,7 +29,7 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple
 
 #: Fields that define a run: resuming with another value is refused (headmix.runs.RunMismatchError).
 IDENTITY = ("task", "preset", "data", "src_lang", "tgt_lang", "tokenizer", "vocab_size", "valid_size",
-            "test_size", "max_len", "seed", "split_seed")
+            "test_size", "max_len", "seed", "split_seed", "init_from", "init_options")
 
 
 @dataclass
@@ -39,7 +40,8 @@ class TrainConfig:
     RoBERTa's (learning rate 5e-4, linear schedule)."""
 
     task: str = option("translation", "what to train", choices=tuple(TASKS), cli="positional")
-    preset: str = option("tiny-moa", "preset name, {K}K{E}E{D}D string, or JSON model config file")
+    preset: str | None = option(None, "preset name, {K}K{E}E{D}D string, or JSON model config file (default: "
+                                      "tiny-moa; not with --init-from, whose model is used)")
     out: str = option("runs/run", "run folder (created, or resumed when it holds a run)", cli="required")
     data: list[str] = option(factory=list, metavar="FILE",
                              help="translation: a TSV of pairs or two aligned text files; mlm/lm: a JSONL of "
@@ -51,7 +53,8 @@ class TrainConfig:
     shared_data: str | None = option(None, "read the splits (and cached token ids) of this folder, prepared once "
                                            "for several runs (a study's shared/), instead of splitting the corpus "
                                            "into the run folder; it must come from the same data and split")
-    vocab_size: int = option(8000, "size of the BPE vocabulary trained on the train split")
+    vocab_size: int | None = option(None, "size of the BPE vocabulary trained on the train split (default: the "
+                                          "vocab_size of a JSON --preset, else 8000)")
     valid_size: float = option(0.02, "held-out fraction for validation, in [0, 1)")
     test_size: float = option(0.02, "held-out fraction for test, in [0, 1)")
     max_len: int = option(128, "tokens per sentence (translation) or per block (mlm/lm)")
@@ -60,7 +63,8 @@ class TrainConfig:
     max_tokens: int = option(4096, "tokens per batch per process")
     grad_accum: int = option(1, "batches accumulated per optimizer step")
     lr: float | None = option(None, "peak learning rate (default: the task's, 7e-4 translation, 5e-4 mlm/lm)")
-    warmup_steps: int = option(4000, "linear warm-up steps of the learning rate")
+    warmup_steps: int | None = option(None, "linear warm-up steps of the learning rate (default: a tenth of "
+                                            "--max-steps)")
     schedule: str | None = option(None, "learning-rate schedule (default: inverse_sqrt for translation, linear "
                                         "for mlm/lm)", choices=SCHEDULES)
     betas: tuple[float, float] = option((0.9, 0.98), "Adam's beta1 and beta2")
@@ -82,6 +86,21 @@ class TrainConfig:
     compile: bool = option(False, "torch.compile the model for training (the compile time is reported once and "
                                   "left out of tokens/s)")
     progress: bool = option(True, "show a progress bar")
+    init_from: str | None = option(None, "start from these weights (and their model): a finished headmix run "
+                                         "folder (its tokenizer too, unless --tokenizer), or a local Hugging Face "
+                                         "folder converted by headmix.interop.from_pretrained", metavar="RUN_DIR|HF_FOLDER")
+    init_options: str | None = option(None, "with a Hugging Face --init-from: a JSON object of keyword options of "
+                                            "the conversion, e.g. '{\"attention\": \"moh\", \"num_shared_heads\": "
+                                            "2, \"top_k\": 2}'", metavar="JSON")
+
+    def __post_init__(self) -> None:
+        if self.preset is None and self.init_from is None:
+            self.preset = DEFAULT_PRESET
+        if self.init_from is not None and self.tokenizer is None and is_headmix_run(self.init_from):
+            self.tokenizer = str(Path(self.init_from) / "tokenizer")  # the ids its embeddings were trained on
+        if self.vocab_size is None:
+            self.vocab_size = _json_preset_vocab_size(self.preset) or DEFAULT_VOCAB_SIZE
+        self.check_values()  # a bad value fails here, on construction
 
     @property
     def task_spec(self):
@@ -100,8 +119,42 @@ class TrainConfig:
     def resolved_schedule(self) -> str:
         return self.schedule or self.task_spec.default_schedule
 
-    def validate(self) -> None:
-        """``ValueError`` naming the first option with a value it cannot take (nothing is written)."""
+    @property
+    def resolved_init_options(self) -> dict[str, Any]:
+        """``init_options`` parsed (``{}`` when unset); ``ValueError`` for anything but a JSON object given with a
+        Hugging Face ``init_from``."""
+        if self.init_options is None:
+            return {}
+        import json
+
+        try:
+            options = json.loads(self.init_options)
+        except ValueError as err:
+            raise ValueError(f"init_options must be a JSON object, got {self.init_options!r} ({err})") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"init_options must be a JSON object, got {self.init_options!r}")
+        if self.init_from is None or is_headmix_run(self.init_from):
+            raise ValueError("init_options apply to a Hugging Face init_from only (a headmix run's model is used as "
+                             "it is)")
+        return options
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        """``warmup_steps``, or a tenth of ``max_steps`` when unset."""
+        return self.warmup_steps if self.warmup_steps is not None else self.max_steps // 10
+
+    def schedule_warning(self) -> str | None:
+        """A line saying why the schedule is not what the user likely meant (warm-up as long as the run: the
+        learning rate never reaches its peak nor decays), or ``None``."""
+        if self.resolved_warmup_steps >= self.max_steps > 0:
+            return (f"warmup_steps ({self.resolved_warmup_steps}) >= max_steps ({self.max_steps}): the learning "
+                    f"rate stays in its warm-up, at most {self.max_steps / max(self.resolved_warmup_steps, 1):.2g} "
+                    f"of lr, and never decays")
+        return None
+
+    def check_values(self) -> None:
+        """``ValueError`` naming the first option with a value it cannot take; the checks that need no file nor
+        device (run on construction; :meth:`validate` adds those)."""
         get_task(self.task)
         for name, choices in (("schedule", SCHEDULES), ("distributed", ("ddp", "fsdp")), ("bf16", ("auto", "on", "off"))):
             value = getattr(self, name)
@@ -112,11 +165,19 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tokenizer is None and self.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (5 special tokens + 256 bytes + 1 merge), "
+                             f"got {self.vocab_size}")
+        if self.max_tokens < self.max_len:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be >= max_len ({self.max_len}): a batch holds "
+                             f"at least one example of up to max_len tokens")
         if self.split_seed is not None and (isinstance(self.split_seed, bool) or not isinstance(self.split_seed, int)
                                             or self.split_seed < 0):
             raise ValueError(f"split_seed must be a non-negative integer, got {self.split_seed!r}")
         for name in ("seed", "warmup_steps"):
             value = getattr(self, name)
+            if name == "warmup_steps" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         _positive("lr", self.lr, allow_none=True)
@@ -133,9 +194,22 @@ class TrainConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.init_from is not None and self.preset is not None:
+            raise ValueError(f"preset {self.preset!r} and init_from {self.init_from!r} both give the model: leave "
+                             f"out preset (the model of init_from is trained on)")
+        self.resolved_init_options  # noqa: B018 - checks the JSON
+
+    def validate(self) -> None:
+        """``ValueError`` naming the first option with a value it cannot take, ``FileNotFoundError`` for a
+        missing input: everything that can be checked before a run writes anything (the values, the preset,
+        the device, the input files)."""
+        self.check_values()
         pick_device(self.device)
         self.task_spec.check_data_files(self.data)
         for p in self.data:
+            if Path(p).is_dir():
+                raise ValueError(f"data {p} is a folder; expected a file ({self.task_spec.name}: "
+                                 f"{DATA_FORMS.get(self.task, 'a corpus file')})")
             if not Path(p).is_file():
                 raise FileNotFoundError(f"data file not found: {p}")
         if self.shared_data is not None and not (Path(self.shared_data) / "train_config.json").is_file():
@@ -145,9 +219,54 @@ class TrainConfig:
             raise FileNotFoundError(f"tokenizer not found: {self.tokenizer}")
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise ValueError(f"out {self.out} is a file, expected a run folder")
+        if self.preset is not None:
+            from ..models import get_config  # the preset (name, K/E/D string or JSON file) and its fields
+
+            get_config(self.preset, task=self.task, vocab_size=self.vocab_size)
+        if self.init_from is not None:
+            source = Path(self.init_from)
+            if not (source / "config.json").is_file():
+                raise FileNotFoundError(f"init_from {source}: no config.json; expected a finished headmix run folder "
+                                        f"or a local Hugging Face model folder")
+            if is_headmix_run(source) and not (source / "model.safetensors").is_file():
+                raise FileNotFoundError(f"init_from {source} is a headmix run without its final model "
+                                        f"(model.safetensors): finish it first (run its command again)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+#: ``preset`` when none is given (and no ``init_from``).
+DEFAULT_PRESET = "tiny-moa"
+
+
+def is_headmix_run(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a headmix run folder (it holds ``train_config.json``), not a Hugging Face folder."""
+    return (Path(path) / "train_config.json").is_file()
+
+
+#: ``vocab_size`` when neither the option nor a JSON preset gives one.
+DEFAULT_VOCAB_SIZE = 8000
+#: The smallest vocabulary of the byte-level BPE (:func:`headmix.data.train_tokenizer`): the special tokens, the
+#: 256 bytes and one merge.
+MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256 + 1
+#: What ``--data`` takes, per task (for the error on a folder).
+DATA_FORMS = {"translation": "a TSV of pairs (src<TAB>tgt) or two aligned text files",
+              "mlm": "a JSONL of documents", "lm": "a JSONL of documents"}
+
+
+def _json_preset_vocab_size(preset: str) -> int | None:
+    """The ``vocab_size`` a JSON model config file ``preset`` holds (``None`` for a preset name, or a file that
+    does not hold one: :meth:`TrainConfig.validate` reports a bad file)."""
+    import json
+
+    if not str(preset).endswith(".json") or not Path(preset).is_file():
+        return None
+    try:
+        value = json.loads(Path(preset).read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:

@@ -34,12 +34,12 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
     if cfg.shared_data is not None:
         return read_shared_splits(cfg, run, log)
 
-    report = ReadReport()
+    report = ReadReport(max_examples=1, warn=False)  # reported here, in one line
     items = task.read_corpus(cfg.data, strict=cfg.strict, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang, report=report)
     split = task.split_corpus(items, valid_size=cfg.valid_size, test_size=cfg.test_size,
                               seed=cfg.resolved_split_seed)
     if report.malformed:
-        log(report.summary())
+        log(f"skipped {report.malformed:,} malformed line(s) (--strict makes them an error): {report.summary()}")
     parts = {"train": split.train, "valid": split.valid, "test": split.test}
     for name, part in parts.items():
         if not part:
@@ -58,8 +58,14 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
             task.write_items(part, tmp)
     if not stored.is_file() or cfg.tokenizer:
         run.save_tokenizer(tok)
-    log(f"data: {split.sizes.as_dict()}, vocabulary {tok.vocab_size}")
+    log(f"data: {describe_sizes(split.sizes.as_dict())}; vocabulary {tok.vocab_size:,}")
     return parts, tok
+
+
+def describe_sizes(sizes: dict[str, Any]) -> str:
+    """The split sizes as a line for people: ``{"train": 1383, "dropped_valid": 0}`` -> ``train 1,383, dropped
+    valid 0``."""
+    return ", ".join(f"{name.replace('_', ' ')} {value:,}" for name, value in sizes.items())
 
 
 #: The options that decide the splits: a run reads a shared folder's splits only when they agree.
@@ -201,6 +207,42 @@ def model_config(cfg: TrainConfig, tok: Tokenizer) -> ModelConfig:
     return mcfg.replace(**changes)
 
 
+def initial_model(cfg: TrainConfig, tok: Tokenizer, log: Callable[[str], None]) -> tuple[ModelConfig, dict | None, dict]:
+    """The model config of the run and, with ``cfg.init_from``, the weights to start from and a record of their
+    source (for ``summary.json``): a finished headmix run folder's final model, or a Hugging Face folder
+    converted by :func:`headmix.interop.from_pretrained` (with ``cfg.init_options``). Without it, the preset's
+    config (:func:`model_config`), no weights, and ``{}``."""
+    if cfg.init_from is None:
+        return model_config(cfg, tok), None, {}
+    from .config import is_headmix_run
+
+    source = Path(cfg.init_from).expanduser().resolve()
+    if is_headmix_run(source):
+        from ..models import load_pretrained
+
+        model = load_pretrained(source)
+        record = {"path": str(source), "kind": "headmix run"}
+    else:
+        from ..interop import from_pretrained
+
+        model = from_pretrained(source, **cfg.resolved_init_options)
+        record = {"path": str(source), "kind": "hugging face", "options": cfg.resolved_init_options}
+    config = model.config
+    if config.task != cfg.task:
+        raise ValueError(f"init_from {source} holds a {config.task!r} model; this run's task is {cfg.task!r}")
+    if tok.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model of init_from {source} embeds "
+                         f"{config.vocab_size}: give --tokenizer (or --vocab-size) of at most {config.vocab_size}")
+    changes: dict[str, Any] = {"pad_id": tok.pad_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    if cfg.dropout is not None:
+        changes["dropout"] = cfg.dropout
+    if config.positions != "rotary" and config.max_positions < cfg.max_len + 2:
+        raise ValueError(f"max_len {cfg.max_len} needs {cfg.max_len + 2} positions; the model of init_from {source} "
+                         f"has {config.max_positions}")
+    log(f"initial weights: {record['kind']} {source}" + (f" {record['options']}" if record.get("options") else ""))
+    return config.replace(**changes), model.state_dict(), record
+
+
 def autocast_for(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
     """A context-manager factory: bf16 autocast when ``cfg.bf16`` asks for it, else nothing."""
     on = cfg.bf16 == "on" or (cfg.bf16 == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
@@ -230,7 +272,7 @@ def optimizer_and_schedule(cfg: TrainConfig, params) -> tuple[torch.optim.Optimi
     optimizer = torch.optim.AdamW(params, lr=cfg.resolved_lr, betas=cfg.betas, eps=cfg.eps,
                                   weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
-        s, schedule=cfg.resolved_schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps))
+        s, schedule=cfg.resolved_schedule, warmup_steps=cfg.resolved_warmup_steps, max_steps=cfg.max_steps))
     return optimizer, schedule
 
 

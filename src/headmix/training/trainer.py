@@ -25,7 +25,7 @@ from .config import IDENTITY, TrainConfig, pick_device
 from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
 from .machine import machine_record
-from .setup import (autocast_for, cached_dataset, compile_model, compiled_graphs, forever, model_config,
+from .setup import (autocast_for, cached_dataset, compile_model, compiled_graphs, forever, initial_model,
                     optimizer_and_schedule, prepare_data)
 
 
@@ -53,17 +53,23 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
 
     with contextlib.ExitStack() as cleanup:
         # Rank 0 owns the folder (its lock, the stored config, every write); the other ranks read it.
-        run = cleanup.enter_context(Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY)) if d.main \
-            else Run(cfg.out)
+        run = cleanup.enter_context(Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY,
+                                                         restart_untrained=True)) if d.main else Run(cfg.out)
+        warning = cfg.schedule_warning()
+        if warning:
+            log(f"warning: {warning}")
         torch.manual_seed(cfg.seed)
         if d.main:
             prepare_data(cfg, run, log)
         d.barrier()
         parts, tok = prepare_data(cfg, run, log)  # every rank reads the stored splits and tokenizer
 
-        mcfg = model_config(cfg, tok)
+        mcfg, initial_weights, init_record = initial_model(cfg, tok, log)
         torch.manual_seed(cfg.seed)
-        model = build_model(mcfg).to(device)
+        model = build_model(mcfg)
+        if initial_weights is not None:
+            model.load_state_dict(initial_weights)
+        model = model.to(device)
         params = count_parameters(model)
         tok_file = run.tokenizer_dir / "tokenizer.json"
         train_loader = task.loader(cached_dataset(cfg, "train", parts["train"], tok, tok_file), tok,
@@ -96,7 +102,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         autocast = autocast_for(cfg, device)
         metrics = MetricsLog(run.path, enabled=d.main)
         cleanup.callback(metrics.close)
-        log(f"model {cfg.preset} ({params / 1e6:.2f}M parameters) on {device}, world size {d.world_size}")
+        log(f"model {cfg.preset or cfg.init_from} ({params / 1e6:.2f}M parameters) on {device}, world size "
+            f"{d.world_size}")
 
         t_start = time.time()
 
@@ -200,6 +207,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                        "machine": machine_record(device)}
             if cfg.compile:
                 summary.update(compile_seconds=compile_seconds, compile_steps=compile_steps)
+            if init_record:
+                summary["init_from"] = init_record
             run.write_summary(summary)
             log(f"done: {step} steps in {train_seconds:.0f}s, valid loss {valid['loss']:.3f}, ppl {valid['ppl']:.1f}")
         d.barrier()
