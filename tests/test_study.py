@@ -513,3 +513,14 @@ def test_lm_en_gpu_runs_on_cuda(tmp_path, docs_file, monkeypatch):
     summary = json.loads(next(out.glob("runs/MHA/seed-1")).joinpath("summary.json").read_text())
     assert summary["machine"]["device_type"] == "cuda"
     assert summary["machine"]["device_name"] == torch.cuda.get_device_name(0)
+
+
+@pytest.mark.parametrize("name", ["lm-en", "lm-en-llama", "translation-en-de"])
+def test_the_committed_studies_can_still_be_continued(name):
+    """A change of a built-in spec or of the attention config's stored form must not turn the committed study
+    folder into "another study" (it could no longer be continued or reported)."""
+    from headmix.study import get_study, plan
+    from headmix.study.runner import check_plan
+
+    spec = get_study(name)
+    check_plan(spec, plan(spec), Path(__file__).resolve().parents[1] / "studies" / name)

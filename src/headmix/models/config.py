@@ -84,6 +84,15 @@ _KIND_DEFAULTS = {
 }
 
 
+def without_foreign_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored attention config dict without the defaults that files of older versions stored for every kind
+    (e.g. ``router="softmax"`` for kind ``"mha"``, now unset there): what :meth:`AttentionConfig.from_dict`
+    reads."""
+    kind = data.get("kind", "mha")
+    return {k: v for k, v in data.items()
+            if not (k in _KIND_DEFAULTS and kind not in _KIND_FIELDS[k] and _same_value(v, _KIND_DEFAULTS[k]))}
+
+
 def field_applies(field: str, kind: str) -> bool:
     """Whether the :class:`AttentionConfig` field ``field`` means something for attention ``kind`` (fields that
     apply to some kinds only must be unset for the others)."""
@@ -417,9 +426,7 @@ class AttentionConfig:
         A MoH config saved before ``head_weighting`` existed (the key absent) reads as ``"scaled"``, the
         weighting its weights were trained with; a saved ``null`` means the current default."""
         _check_keys(cls, data, name)
-        kind = data.get("kind", "mha")
-        data = {k: v for k, v in data.items()  # a default every field used to store, for every kind
-                if not (k in _KIND_DEFAULTS and kind not in _KIND_FIELDS[k] and _same_value(v, _KIND_DEFAULTS[k]))}
+        data = without_foreign_defaults(data)
         if data.get("kind") == "moh" and "head_weighting" not in data:
             data = {**data, "head_weighting": "scaled"}
         try:

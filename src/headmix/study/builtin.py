@@ -9,9 +9,13 @@
   ``k = 4`` of 4, 8 and 32 experts, scored with validation NLL and test BLEU.
 - ``lm-en-llama``: ``lm-en``'s data and training on the Llama-style decoder (``llama-mini-mha``: RMSNorm,
   SwiGLU, rotary positions, no biases); MHA against MoA (``k = 4`` of 8), SwitchHead (2 heads, top 2 of 4
-  value and output experts each), MoH and MoSA (1 dense head and sparse heads of 32 that keep 1/8 of the
-  tokens each, their number solved). Every row keeps the baseline's rotary positions and bias-free
+  value and output experts each) and MoH. Every row keeps the baseline's rotary positions and bias-free
   projections (:data:`headmix.study.matching.INHERITED`).
+- ``lm-en-contenders``: ``lm-en``'s data and training on the Llama-3-style decoder with grouped-query attention
+  (``llama3-mini-gqa``: 8 query heads of 16 on 2 K/V heads); this year's contenders at its attention MACs:
+  headwise-gated GQA (Gated Attention), GQE (MoH routed inside each K/V group: 1 shared + top 1 of 3, sparse),
+  MoA with 2 K/V heads (top 4 of 8), MoSA (2 dense heads and sparse heads of 16 keeping 1/8 of the tokens,
+  their number solved) and SwitchHead.
 
 A row's free fields (``solve``) are sized to the baseline's attention MACs within 2%
 (:mod:`headmix.study.matching`), preferring the baseline's head size of 32.
@@ -44,10 +48,6 @@ def _moa(e: int) -> RowSpec:
 
 
 _MOH = RowSpec("MoH", {"kind": "moh", "num_heads": 4, "num_shared_heads": 1, "top_k": 2}, ["head_dim"], _PREFER)
-#: Mixture of Sparse Attention (arXiv 2505.00315): one dense head and sparse heads of 32 keeping 1/8 of the
-#: tokens each; the number of sparse heads solved to the baseline's attention MACs.
-_MOSA = RowSpec("MoSA", {"kind": "mosa", "num_dense_heads": 1, "head_dim": 32, "sparsity": 8, "bias": False},
-                ["num_sparse_heads"])
 _LM_TRAINING = {"max_len": 128, "max_tokens": 2048, "lr": 2e-3, "warmup_steps": 100, "schedule": "linear",
                 "eval_every": 50, "log_every": 25, "save_every": 50, "average_last": 1, "keep_checkpoints": 2,
                 "vocab_size": 8000}
@@ -66,7 +66,7 @@ def lm_en_llama() -> StudySpec:
     rows = [RowSpec("MHA"), _moa(8),
             RowSpec("SwitchHead", {"kind": "switchhead", "num_heads": 2, "num_experts": 4, "top_k": 2}, ["head_dim"],
                     _PREFER),
-            _MOH, _MOSA]
+            _MOH]
     return StudySpec(name="lm-en-llama", task="lm", baseline="llama-mini-mha", rows=rows, seeds=[1, 2, 3],
                      max_steps=400, training=dict(_LM_TRAINING))
 

@@ -416,10 +416,15 @@ def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
     (absent from the file) take their defaults, which is what the older version did without naming them; the
     file is then rewritten with them (:func:`_write_plan`)."""
     from ..models import AttentionConfig
+    from ..models.config import without_foreign_defaults
 
-    attention = _defaults(AttentionConfig)
-    rows = [{**r, "attention": {**{k: v for k, v in attention.items() if k not in r.get("attention", {})},
-                                **r.get("attention", {})}} if isinstance(r, dict) else r
+    def attention(stored_attention: dict[str, Any]) -> dict[str, Any]:
+        # fields added since take their defaults; the defaults older files stored for kinds that do not use a
+        # field are unset (None), as this version writes them
+        kept = without_foreign_defaults(stored_attention)
+        return {**_defaults(AttentionConfig), **kept, **{k: None for k in stored_attention.keys() - kept.keys()}}
+
+    rows = [{**r, "attention": attention(r.get("attention", {}))} if isinstance(r, dict) else r
             for r in stored.get("rows", [])]
     return {**stored, "rows": rows, "spec": {**_defaults(StudySpec), **stored.get("spec", {})}}
 
