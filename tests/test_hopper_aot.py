@@ -83,3 +83,28 @@ def test_every_configuration_compiles_for_sm90_within_the_bound():
         b = bound(r.variant, r.dtype, r.block_m, r.block_n, r.block_k, r.num_stages)
         assert r.shared_bytes <= b, r
         assert (b <= HOPPER_SHARED_PER_BLOCK) == r.fits, r
+
+
+def test_compiles_when_the_kernels_were_defined_under_the_interpreter():
+    """The CPU tests define the kernels with ``TRITON_INTERPRET=1`` (tests/kernel_cases.py); compiling for sm_90 in
+    such a process must still work, and leave the process's environment as it was."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+from headmix.kernels import _triton_kernels  # interpreter objects from here on
+del os.environ["TRITON_INTERPRET"]
+from headmix.bench import hopper_aot
+row = hopper_aot.compile_one(("mm", "float32", {"meta": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32},
+                                                "num_warps": 8, "num_stages": 3}))
+assert row.tensor_cores == "wgmma" and "TRITON_INTERPRET" not in os.environ
+print("ok")
+"""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
