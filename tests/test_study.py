@@ -524,3 +524,14 @@ def test_the_committed_studies_can_still_be_continued(name):
 
     spec = get_study(name)
     check_plan(spec, plan(spec), Path(__file__).resolve().parents[1] / "studies" / name)
+
+
+def test_the_report_names_grouped_heads_routing_per_group_and_gates():
+    from headmix.study.report import _attention_text
+
+    assert _attention_text({"kind": "mha", "num_heads": 8, "head_dim": 16, "kv_heads": 2, "qk_norm": True,
+                            "output_gate": "headwise"}) == "MHA 8×16, 2 K/V heads, QK-norm, headwise gate"
+    assert _attention_text({"kind": "moh", "num_heads": 8, "head_dim": 28, "kv_heads": 2, "route_per_group": True,
+                            "num_shared_heads": 1, "top_k": 1, "moh_impl": "sparse"}) == \
+        "MoH 8×28, 1 shared, top 1, sparse, 2 K/V heads, routed per group"
+    assert _attention_text({"kind": "mha", "num_heads": 4, "head_dim": 32, "kv_heads": 4}) == "MHA 4×32"

@@ -371,6 +371,21 @@ def _difference_cells(row: dict[str, Any], metric: str, baseline: str) -> list[s
 
 
 def _attention_text(att: dict[str, Any]) -> str:
+    """The row's attention in a few words: its kind and sizes, then grouped K/V heads, per-group routing (GQE),
+    QK-norm and an output gate where set."""
+    extras = []
+    if att.get("kv_heads") and att["kv_heads"] != att.get("num_heads"):
+        extras.append(f"{att['kv_heads']} K/V heads")
+    if att.get("route_per_group"):
+        extras.append("routed per group")
+    if att.get("qk_norm"):
+        extras.append("QK-norm")
+    if att.get("output_gate"):
+        extras.append(f"{att['output_gate']} gate")
+    return ", ".join([_attention_sizes(att), *extras])
+
+
+def _attention_sizes(att: dict[str, Any]) -> str:
     kind = att["kind"]
     if kind == "moa":
         return f"MoA {att['top_k']}K{att['num_experts']}E{att['head_dim']}D"
