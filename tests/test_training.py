@@ -443,3 +443,27 @@ def test_training_window_leaves_compiling_steps_out_of_tokens_per_sec(monkeypatc
     record = window.record(world_size=2)
     assert record["tokens_per_sec"] == pytest.approx(400 * 2 / 2.0)
     assert record["loss"] == pytest.approx(4.0 / 3)
+
+
+def test_validation_runs_without_autograd():
+    """Validation builds no autograd graph (memory and time): the model's forward sees grad mode off."""
+    from types import SimpleNamespace
+
+    from headmix.evaluation.loss import validation_loss
+
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            seen.append(torch.is_grad_enabled())
+            loss = self.w * x.mean()
+            return SimpleNamespace(loss=loss, nll_loss=loss, num_tokens=torch.tensor(x.numel()), routing=[])
+
+    task = SimpleNamespace(model_inputs=lambda batch, device: {"x": batch})
+    result = validation_loss(Model(), [torch.full((3,), 2.0)], task, "cpu")
+    assert seen == [False]
+    assert result["loss"] == pytest.approx(2.0)

@@ -29,7 +29,6 @@ def load_record(counts: dict[str, torch.Tensor]) -> dict[str, float]:
     return {f"load_{k}": sum(s[k] for s in summaries) / len(summaries) for k in ("max_share", "min_share", "cv")}
 
 
-@torch.no_grad()
 def progress_bar(total: int | None, desc: str, unit: str, enabled: bool):
     """A tqdm bar on stderr when ``enabled`` and stderr is a terminal (``update(n)``, ``close()``), else ``None``."""
     if not enabled:
@@ -39,6 +38,7 @@ def progress_bar(total: int | None, desc: str, unit: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=None)
 
 
+@torch.no_grad()
 def validation_loss(model: nn.Module, loader, task, device: torch.device | str,
                     autocast: Callable[[], Any] = contextlib.nullcontext, *, progress: bool = False) -> dict[str, Any]:
     """Token-averaged loss (label-smoothed as in training), NLL and perplexity of ``model`` over
