@@ -18,6 +18,7 @@ which catches what ``TRITON_INTERPRET=1`` cannot (out-of-resource, no tensor cor
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -122,6 +123,7 @@ def ptxas_report(ptx: str, arch: str = "sm_90a") -> tuple[int, int, int]:
     return int(regs.group(1)) if regs else 0, *(tuple(map(int, spills.groups())) if spills else (0, 0))
 
 
+@functools.lru_cache(maxsize=1)  # one fresh copy per process, not one per compiled configuration
 def _compilable_kernels():
     """headmix's Triton kernels as ``triton.jit`` functions. Kernels defined while ``TRITON_INTERPRET=1`` was set
     (the CPU tests define them so) are interpreter objects that cannot be compiled: then a fresh copy of the
