@@ -199,7 +199,7 @@ def test_spec_errors_name_the_field(tmp_path):
 
 
 def test_builtin_studies_are_matched_within_two_percent():
-    for name in ("lm-en", "translation-en-de", "lm-en-llama", "lm-en-gpu", "lm-en-gpu-large"):
+    for name in ("lm-en", "translation-en-de", "lm-en-llama", "lm-en-contenders", "lm-en-gpu", "lm-en-gpu-large"):
         spec = get_study(name)
         rows = plan(spec)
         assert len(spec.seeds) >= 3
@@ -211,6 +211,17 @@ def test_builtin_studies_are_matched_within_two_percent():
     large = get_study("lm-en-gpu-large")
     assert large.max_steps * large.training["max_tokens"] >= 50_000_000
     assert [r.name for r in large.rows] == ["MHA", "MoA", "MoH", "SwitchHead"]
+
+
+def test_the_long_contenders_study_is_the_short_one_with_four_times_the_tokens():
+    """``lm-en-contenders-long`` shows the trend with training length: the same models, data and settings as
+    ``lm-en-contenders`` (the baseline and its two best rows), only four times the steps."""
+    short, long = get_study("lm-en-contenders"), get_study("lm-en-contenders-long")
+    assert long.max_steps == 4 * short.max_steps and long.training == short.training
+    assert long.baseline == short.baseline and long.task == short.task
+    same = {r.name: r.config for r in plan(short)}
+    assert [r.name for r in plan(long)] == ["GQA", "Gated", "GQE"]
+    assert all(r.config == same[r.name] for r in plan(long))
 
 
 def test_cli_plan_and_list(capsys, tmp_path):
@@ -515,7 +526,7 @@ def test_lm_en_gpu_runs_on_cuda(tmp_path, docs_file, monkeypatch):
     assert summary["machine"]["device_name"] == torch.cuda.get_device_name(0)
 
 
-@pytest.mark.parametrize("name", ["lm-en", "lm-en-llama", "translation-en-de"])
+@pytest.mark.parametrize("name", ["lm-en", "lm-en-llama", "translation-en-de", "lm-en-contenders"])
 def test_the_committed_studies_can_still_be_continued(name):
     """A change of a built-in spec or of the attention config's stored form must not turn the committed study
     folder into "another study" (it could no longer be continued or reported)."""

@@ -16,6 +16,8 @@
   headwise-gated GQA (Gated Attention), GQE (MoH routed inside each K/V group: 1 shared + top 1 of 3, sparse),
   MoA with 2 K/V heads (top 4 of 8), MoSA (2 dense heads and sparse heads of 16 keeping 1/8 of the tokens,
   their number solved) and SwitchHead.
+- ``lm-en-contenders-long``: the baseline and the two best rows of ``lm-en-contenders`` (Gated, GQE) once more
+  with four times the training tokens (1600 steps, one seed), to show the trend with training length.
 
 A row's free fields (``solve``) are sized to the baseline's attention MACs within 2%
 (:mod:`headmix.study.matching`), preferring the baseline's head size of 32.
@@ -77,8 +79,8 @@ _CONTENDERS_PREFER = {"head_dim": 16}
 _GQA = {"num_heads": 8, "kv_heads": 2}
 
 
-def lm_en_contenders() -> StudySpec:
-    rows = [RowSpec("GQA"),
+def _contender_rows() -> list[RowSpec]:
+    return [RowSpec("GQA"),
             RowSpec("Gated", {"kind": "mha", **_GQA, "output_gate": "headwise"}, ["head_dim"], _CONTENDERS_PREFER),
             RowSpec("GQE", {"kind": "moh", **_GQA, "route_per_group": True, "num_shared_heads": 1, "top_k": 1,
                             "moh_impl": "sparse"}, ["head_dim"], _CONTENDERS_PREFER),
@@ -88,8 +90,22 @@ def lm_en_contenders() -> StudySpec:
                     ["num_sparse_heads"]),
             RowSpec("SwitchHead", {"kind": "switchhead", "num_heads": 2, "num_experts": 4, "top_k": 2}, ["head_dim"],
                     {"head_dim": 32})]
-    return StudySpec(name="lm-en-contenders", task="lm", baseline="llama3-mini-gqa", rows=rows, seeds=[1, 2, 3],
-                     max_steps=400, training=dict(_LM_TRAINING))
+
+
+def lm_en_contenders() -> StudySpec:
+    return StudySpec(name="lm-en-contenders", task="lm", baseline="llama3-mini-gqa", rows=_contender_rows(),
+                     seeds=[1, 2, 3], max_steps=400, training=dict(_LM_TRAINING))
+
+
+#: the rows of ``lm-en-contenders-long``: the baseline and the two rows best at equal MACs after 400 steps
+#: (seeds 1 and 2 of ``lm-en-contenders``, docs/study.md).
+LONG_CONTENDERS = ("GQA", "Gated", "GQE")
+
+
+def lm_en_contenders_long() -> StudySpec:
+    rows = [row for row in _contender_rows() if row.name in LONG_CONTENDERS]
+    return StudySpec(name="lm-en-contenders-long", task="lm", baseline="llama3-mini-gqa", rows=rows, seeds=[1],
+                     max_steps=1600, training=dict(_LM_TRAINING))
 
 
 def translation_en_de() -> StudySpec:
@@ -168,7 +184,7 @@ def lm_en_gpu_large() -> StudySpec:
 
 
 BUILTIN = {"lm-en": lm_en, "translation-en-de": translation_en_de, "lm-en-llama": lm_en_llama,
-           "lm-en-contenders": lm_en_contenders,
+           "lm-en-contenders": lm_en_contenders, "lm-en-contenders-long": lm_en_contenders_long,
            "lm-en-gpu": lm_en_gpu, "lm-en-gpu-large": lm_en_gpu_large}
 
 
