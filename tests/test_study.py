@@ -546,3 +546,24 @@ def test_the_report_names_grouped_heads_routing_per_group_and_gates():
                             "num_shared_heads": 1, "top_k": 1, "moh_impl": "sparse"}) == \
         "MoH 8×28, 1 shared, top 1, sparse, 2 K/V heads, routed per group"
     assert _attention_text({"kind": "mha", "num_heads": 4, "head_dim": 32, "kv_heads": 4}) == "MHA 4×32"
+
+
+@pytest.mark.parametrize("name,spec", [("lm-en", "lm-en"), ("lm-en-llama", "lm-en-llama"),
+                                       ("translation-en-de", "translation-en-de"),
+                                       ("lm-en-moh-sparse", "studies/lm-en-moh-sparse.toml"),
+                                       ("lm-en-contenders", "lm-en-contenders")])
+def test_the_committed_reports_are_recomputed_from_their_run_records(name, spec, tmp_path, monkeypatch):
+    """Every number of a committed study's report comes from the run records committed beside it: the report
+    rewritten from a copy of the folder (no weights, no checkpoints) is the committed one."""
+    import shutil
+
+    from headmix.cli.main import main
+
+    root = Path(__file__).resolve().parents[1]
+    committed = root / "studies" / name
+    copy = tmp_path / name
+    shutil.copytree(committed, copy, ignore=shutil.ignore_patterns("*.png"))
+    monkeypatch.chdir(root)
+    assert main(["study", spec, "--out", str(copy), "--report"]) == 0
+    assert (copy / "results.md").read_text() == (committed / "results.md").read_text()
+    assert json.loads((copy / "results.json").read_text()) == json.loads((committed / "results.json").read_text())
