@@ -394,6 +394,32 @@ def test_equal_time_by_hand_on_made_up_curves():
     assert lines[-2].startswith("| Slow | 0.64 | 11 | 4.550 ± 0.071 | +0.450 [")
 
 
+def test_along_training_by_hand_on_made_up_curves():
+    """The gap at a quarter, half, three quarters and the end of the steps: the last baseline validation at or
+    before each, paired by seed; a seed the row lacks is left out, a step it never validated is "–"."""
+    from headmix.study.report import along_training, along_training_markdown
+
+    base = {"1": {"20": 6.0, "50": 5.5, "70": 5.0, "100": 4.8}, "2": {"20": 6.2, "50": 5.4, "70": 5.1, "100": 4.6}}
+    gated = {"1": {"20": 5.8, "50": 5.4, "70": 5.0, "100": 4.9}, "2": {"20": 5.9, "50": 5.2, "70": 5.2, "100": 4.7}}
+    sparse = {"1": {"20": 5.0, "100": 4.0}}  # validated less often, one seed
+    table = {"baseline": "B", "max_steps": 100, "rows": [{"name": "B"}, {"name": "G"}, {"name": "S"}],
+             "curves": {"B": base, "G": gated, "S": sparse}}
+    steps, deltas = along_training(table)
+    assert steps == [20, 50, 70, 100]  # the quarters 25, 50, 75, 100: the last validation at or before each
+    assert list(deltas) == ["G", "S"]
+    first = deltas["G"][0]
+    d = [5.8 - 6.0, 5.9 - 6.2]
+    m, sd = sum(d) / 2, abs(d[0] - d[1]) / math.sqrt(2)
+    half = 12.706205 * sd / math.sqrt(2)
+    assert first["mean"] == pytest.approx(m) and first["low"] == pytest.approx(m - half, rel=1e-5)
+    assert [c["mean"] for c in deltas["G"][1:]] == pytest.approx([-0.15, 0.05, 0.1])
+    assert deltas["S"][0]["mean"] == pytest.approx(-1.0) and deltas["S"][0]["low"] is None
+    assert deltas["S"][1] is None and deltas["S"][2] is None and deltas["S"][3]["mean"] == pytest.approx(-0.8)
+    lines = along_training_markdown(table)
+    assert lines[-4] == "| row | step 20 | step 50 | step 70 | step 100 |"
+    assert lines[-1] == "| S | -1.000 | – | – | -0.800 |"
+
+
 def test_validation_times_of_old_and_new_metrics_files(tmp_path):
     """Old metrics.jsonl: ``time`` on train records only, mapped to the validation steps by interpolation;
     newer validation records carry their own."""

@@ -11,7 +11,9 @@ baseline at equal time, read on their validation curves by step (:func:`equal_ti
 seed like the equal-MACs difference. The older **wall-clock reading** stays as a secondary table
 (:func:`equal_time`): each row's NLL at the baseline's training time (the wall-clock of the baseline's last
 validation, seed by seed), read off the row's curve against its own recorded wall-clock; "not reached" when
-the row's run ended earlier. It is only meaningful for runs that trained under the same load.
+the row's run ended earlier. It is only meaningful for runs that trained under the same load. Beside the
+equal-MACs table, :func:`along_training` shows whether a row's gap to the baseline opens or closes as
+training goes on (the paired difference at each quarter of the steps).
 """
 
 from __future__ import annotations
@@ -215,6 +217,58 @@ def _curves(results: list[RunResult], row: str, *, times: bool = False) -> dict[
             for r in results if r.row == row}
 
 
+def along_training(table: dict[str, Any]) -> tuple[list[int], dict[str, list[dict[str, Any] | None]]]:
+    """Whether a gap opens or closes with training: each row's validation NLL minus the baseline's, paired by
+    seed, at a quarter, half, three quarters and the end of the study's steps (at each, the last step at or
+    before it where the baseline validated), read from the validation curves of ``table`` (:func:`aggregate`).
+    Returns the steps and, per row other than the baseline, one paired difference (its ``to_dict``) per step,
+    ``None`` where the row has no validation at that step."""
+    curves = table.get("curves") or {}
+    base = curves.get(table["baseline"], {})
+    validated = sorted({int(step) for curve in base.values() for step in curve})
+    steps: list[int] = []
+    for quarter in (1, 2, 3, 4):
+        before = [step for step in validated if step <= table["max_steps"] * quarter / 4]
+        if before and before[-1] not in steps:
+            steps.append(before[-1])
+    deltas: dict[str, list[dict[str, Any] | None]] = {}
+    for row in table["rows"]:
+        if row["name"] == table["baseline"]:
+            continue
+        cells: list[dict[str, Any] | None] = []
+        for step in steps:
+            at = lambda curves: {int(seed): c[str(step)] for seed, c in curves.items() if str(step) in c}  # noqa: E731
+            try:
+                cells.append(paired_difference(at(curves.get(row["name"], {})), at(base)).to_dict())
+            except ValueError:  # no seed of the row validated there
+                cells.append(None)
+        deltas[row["name"]] = cells
+    return steps, deltas
+
+
+def along_training_markdown(table: dict[str, Any]) -> list[str]:
+    steps, deltas = along_training(table)
+    if not steps or not deltas:
+        return []
+    lines = ["#### Along training: does a gap open or close?", "",
+             f"Δ validation NLL against **{table['baseline']}** at a quarter, half, three quarters and the end of the "
+             "steps (each row's validation curve minus the baseline's at the same step, paired by seed, with its 95% "
+             "Student-t interval; the end is the last validation, before any averaging of the final weights). "
+             "Rows are at equal MACs and equal steps, as in the first table.", "",
+             "| row | " + " | ".join(f"step {s}" for s in steps) + " |", "|" + "---|" * (len(steps) + 1)]
+    for name, cells in deltas.items():
+        texts = []
+        for d in cells:
+            if d is None:
+                texts.append("–")
+            elif d["low"] is None:
+                texts.append(f"{d['mean']:+.3f}")
+            else:
+                texts.append(f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]")
+        lines.append(f"| {name} | " + " | ".join(texts) + " |")
+    return lines
+
+
 def _fmt(summary: dict[str, Any] | None, digits: int = 3) -> str:
     if not summary:
         return "–"
@@ -254,7 +308,9 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
         tps = row["metrics"].get("tokens_per_second")
         cells.append(f"{tps['mean']:,.0f}" if tps else "–")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [""] + interleaved_markdown(table) + [""] + equal_time_markdown(table) + [""] + machines_markdown(table)
+    along = along_training_markdown(table)
+    lines += [""] + (along + [""] if along else []) + interleaved_markdown(table) + [""] + equal_time_markdown(table) \
+        + [""] + machines_markdown(table)
     return "\n".join(lines) + "\n"
 
 
