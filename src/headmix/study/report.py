@@ -231,15 +231,18 @@ def along_training(table: dict[str, Any]) -> tuple[list[int], dict[str, list[dic
         before = [step for step in validated if step <= table["max_steps"] * quarter / 4]
         if before and before[-1] not in steps:
             steps.append(before[-1])
+
+    def at(step: int, by_seed: dict[str, dict[str, float]]) -> dict[int, float]:
+        return {int(seed): curve[str(step)] for seed, curve in by_seed.items() if str(step) in curve}
+
     deltas: dict[str, list[dict[str, Any] | None]] = {}
     for row in table["rows"]:
         if row["name"] == table["baseline"]:
             continue
         cells: list[dict[str, Any] | None] = []
         for step in steps:
-            at = lambda curves: {int(seed): c[str(step)] for seed, c in curves.items() if str(step) in c}  # noqa: E731
             try:
-                cells.append(paired_difference(at(curves.get(row["name"], {})), at(base)).to_dict())
+                cells.append(paired_difference(at(step, curves.get(row["name"], {})), at(step, base)).to_dict())
             except ValueError:  # no seed of the row validated there
                 cells.append(None)
         deltas[row["name"]] = cells
