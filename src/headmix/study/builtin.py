@@ -98,7 +98,7 @@ def lm_en_contenders() -> StudySpec:
 
 
 #: the rows of ``lm-en-contenders-long``: the baseline and the two rows best at equal MACs after 400 steps
-#: (seeds 1 and 2 of ``lm-en-contenders``, docs/study.md).
+#: (chosen after its seeds 1 and 2, still the two best with all three: docs/study.md).
 LONG_CONTENDERS = ("GQA", "Gated", "GQE")
 
 
