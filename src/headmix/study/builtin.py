@@ -17,7 +17,7 @@
   MoA with 2 K/V heads (top 4 of 8), MoSA (2 dense heads and sparse heads of 16 keeping 1/8 of the tokens,
   their number solved) and SwitchHead.
 - ``lm-en-contenders-long``: the baseline and the two best rows of ``lm-en-contenders`` (Gated, GQE) once more
-  with four times the training tokens (1600 steps, two seeds), to show the trend with training length.
+  with four times the training tokens (1600 steps, three seeds), to show the trend with training length.
 
 A row's free fields (``solve``) are sized to the baseline's attention MACs within 2%
 (:mod:`headmix.study.matching`), preferring the baseline's head size of 32.
@@ -104,7 +104,7 @@ LONG_CONTENDERS = ("GQA", "Gated", "GQE")
 
 def lm_en_contenders_long() -> StudySpec:
     rows = [row for row in _contender_rows() if row.name in LONG_CONTENDERS]
-    return StudySpec(name="lm-en-contenders-long", task="lm", baseline="llama3-mini-gqa", rows=rows, seeds=[1, 2],
+    return StudySpec(name="lm-en-contenders-long", task="lm", baseline="llama3-mini-gqa", rows=rows, seeds=[1, 2, 3],
                      max_steps=1600, training=dict(_LM_TRAINING))
 
 
