@@ -260,15 +260,7 @@ def along_training_markdown(table: dict[str, Any]) -> list[str]:
              "Rows are at equal MACs and equal steps, as in the first table.", "",
              "| row | " + " | ".join(f"step {s}" for s in steps) + " |", "|" + "---|" * (len(steps) + 1)]
     for name, cells in deltas.items():
-        texts = []
-        for d in cells:
-            if d is None:
-                texts.append("–")
-            elif d["low"] is None:
-                texts.append(f"{d['mean']:+.3f}")
-            else:
-                texts.append(f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]")
-        lines.append(f"| {name} | " + " | ".join(texts) + " |")
+        lines.append(f"| {name} | " + " | ".join("–" if d is None else _delta_text(d) for d in cells) + " |")
     return lines
 
 
@@ -354,12 +346,8 @@ def interleaved_markdown(table: dict[str, Any]) -> list[str]:
         else:
             cells.append(_fmt(e.get("summary")))
             diff = e.get("vs_baseline")
-            if diff is None:
-                cells += ["–", "baseline" if row is rows[0] else "–"]
-            elif diff["low"] is None:
-                cells += [f"{diff['mean']:+.3f}", diff["verdict"]]
-            else:
-                cells += [f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]", diff["verdict"]]
+            cells += (["–", "baseline" if row is rows[0] else "–"] if diff is None
+                      else [_delta_text(diff), diff["verdict"]])
             ends = e.get("delta_at_interval_ends")
             cells.append(", ".join("–" if d is None else f"{d:+.3f}" for d in ends) if ends else "–")
         lines.append("| " + " | ".join(cells) + " |")
@@ -398,12 +386,8 @@ def equal_time_markdown(table: dict[str, Any]) -> list[str]:
         else:
             cells.append(_fmt(timed.get("summary")))
             diff = timed.get("vs_baseline")
-            if diff is None:
-                cells += ["–", "baseline" if row["name"] == table["baseline"] else "–"]
-            elif diff["low"] is None:
-                cells += [f"{diff['mean']:+.3f}", diff["verdict"]]
-            else:
-                cells += [f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]", diff["verdict"]]
+            cells += (["–", "baseline" if row["name"] == table["baseline"] else "–"] if diff is None
+                      else [_delta_text(diff), diff["verdict"]])
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -424,9 +408,15 @@ def _difference_cells(row: dict[str, Any], metric: str, baseline: str) -> list[s
     diff = row["vs_baseline"].get(metric)
     if diff is None:
         return ["–", "baseline" if row["name"] == baseline else "–"]
+    return [_delta_text(diff), diff["verdict"]]
+
+
+def _delta_text(diff: dict[str, Any]) -> str:
+    """A paired difference (:meth:`PairedDifference.to_dict`) as ``+0.012 [-0.003, +0.027]``, or ``+0.012`` when
+    one seed gives no interval."""
     if diff["low"] is None:
-        return [f"{diff['mean']:+.3f}", diff["verdict"]]
-    return [f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]", diff["verdict"]]
+        return f"{diff['mean']:+.3f}"
+    return f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]"
 
 
 def _attention_text(att: dict[str, Any]) -> str:
