@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ..attention.base import check_positive
 from .transformer import CausalLanguageModel, DecoderState, EncoderDecoderModel, PreTrainedModel
 
 
@@ -307,10 +308,8 @@ def generate_text(model: CausalLanguageModel, tokenizer, prompts: list[str] | st
         raise ValueError(f"model must be a causal language model (task 'lm'), got {type(model).__name__}")
     if isinstance(prompts, str):
         prompts = [prompts]
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_positive("max_new_tokens", max_new_tokens)
+    check_positive("batch_size", batch_size)
     _check_sampling(temperature, top_k, top_p)
     device = torch.device(device)
     encoded = [tokenizer.encode(p, add_bos=True) for p in prompts]
