@@ -101,14 +101,23 @@ def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
     return cls(**values)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _number(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert(text)``, refused with "expected {expected}, got ..." when it fails or when
+    ``ok(value)`` is false (argparse turns that into a one-line usage error naming the option)."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _number(int, lambda v: v > 0, "a positive integer")
+_probability = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
 
 
 def device_option(text: str) -> str:
@@ -224,26 +233,6 @@ def _run_translate(args) -> int:
                          device=device):
         print(hyp)
     return 0
-
-
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def _add_generate(sub) -> None:
