@@ -95,8 +95,10 @@ def budget_s(part: str) -> int:
     return sum(step.limit_s for step in STEPS[part])
 
 
-def _machine(tiny: bool) -> dict:
+def _machine() -> dict:
     import torch
+
+    from ..training.machine import cpu_model
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
     try:
@@ -108,7 +110,7 @@ def _machine(tiny: bool) -> dict:
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
     else:
-        info["device"] = "cpu: " + (platform.processor() or platform.machine())
+        info["device"] = "cpu: " + cpu_model()  # the name run summaries record
     return info
 
 
@@ -144,7 +146,7 @@ def run_part(part: str, out: Path, tiny: bool = False, python: str = sys.executa
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     src = str(Path.cwd() / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    summary = {"part": part, "tiny": tiny, "machine": _machine(tiny), "commit": _commit(),
+    summary = {"part": part, "tiny": tiny, "machine": _machine(), "commit": _commit(),
                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget_s": budget_s(part), "steps": []}
     for step in STEPS[part]:
         log = out / f"{part}-{step.name}.log"
