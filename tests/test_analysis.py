@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from optional_hypothesis import given, settings, st  # hypothesis' own where installed
 
 from headmix.analysis import (
     LayerCounts,

@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from optional_hypothesis import given, settings, st  # hypothesis' own where installed
 
 from headmix import (
     MixtureOfAttentionHeads,

@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from optional_hypothesis import given, settings, st  # hypothesis' own where installed
 from torch.utils.data import DataLoader
 
 from headmix.data import (

@@ -175,6 +175,45 @@ def test_moa_attention_runs_on_flash_attention():
         assert relative_error(a, b) <= 5e-2, f"tensor {i}: {relative_error(a, b):.3g}"
 
 
+FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def grouped_layers():
+    """MoA (one shared K/V head), MoA with 2 K/V heads, grouped-query MHA and sparse GQE: every layer whose
+    queries outnumber its K/V heads."""
+    from headmix.attention import MixtureOfHeadsAttention, MultiHeadAttention
+
+    torch.manual_seed(0)
+    return {"moa": make_moa(embed_dim=256, num_experts=8, top_k=4, head_dim=64),
+            "moa kv2": make_moa(embed_dim=256, num_experts=8, top_k=4, head_dim=64, kv_heads=2),
+            "gqa": MultiHeadAttention(256, 8, kv_heads=2).to(DEVICE),
+            "gqe": MixtureOfHeadsAttention(256, 8, 2, 2, kv_heads=2, route_per_group=True, impl="sparse").to(DEVICE)}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["moa", "moa kv2", "gqa", "gqe"])
+def test_grouped_attention_with_masks_and_decoding_stays_on_the_fast_kernels(name, dtype):
+    """SDPA restricted to flash and memory-efficient attention (no math kernel): padded training steps in
+    fp32 and bf16 and cached decoding run, and equal the unrestricted results (SDPA with ``enable_gqa`` and a
+    mask or fp32 would need the math kernel, PyTorch issue 181528)."""
+    layer = grouped_layers()[name].to(dtype)
+    x = torch.randn(2, 64, 256, device=DEVICE, dtype=dtype, requires_grad=True)
+    padding = torch.zeros(2, 64, dtype=torch.bool, device=DEVICE)
+    padding[1, 50:] = True
+    kw = {"is_causal": True, "key_padding_mask": padding, "query_padding_mask": padding}
+    want = outputs_and_grads(layer, x, **kw)
+    with sdpa_kernel(FAST_SDPA):
+        got = outputs_and_grads(layer, x, **kw)
+        layer.eval()
+        with torch.no_grad():
+            out = layer(x[:, :40], is_causal=True, use_cache=True)
+            for t in range(40, 44):
+                out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=out.cache)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relative_error(a, b) <= (1e-4 if dtype == torch.float32 else 2e-2), f"tensor {i}"
+
+
 @needs_cuda
 def test_moa_compiles_with_inductor_in_one_graph():
     layer = make_moa(embed_dim=256, num_experts=16, top_k=4, head_dim=64, expert_impl="triton")

@@ -633,3 +633,46 @@ def test_options_compile_without_graph_breaks():
     for layer in layers:
         compiled = torch.compile(layer, fullgraph=True)
         torch.testing.assert_close(compiled(x, is_causal=True).output, layer(x, is_causal=True).output)
+
+
+# --------------------------------------------------------------------------- SDPA's fast kernels on CUDA
+
+from headmix.attention.base import attention_bias, cuda_flash_reads_grouped_kv, repeat_kv_heads  # noqa: E402
+
+
+def test_cuda_flash_takes_grouped_kv_only_without_a_mask_in_half_precision():
+    """CUDA's flash kernel is the only one that reads grouped K/V (``enable_gqa``); it takes no mask and no
+    fp32, so there the K/V heads are repeated for the memory-efficient kernel instead of SDPA's math kernel."""
+    q = torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16)
+    v = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)
+    bias = torch.zeros(1, 1, 4, 4, dtype=torch.bfloat16)
+    assert cuda_flash_reads_grouped_kv(q, v, None)
+    assert cuda_flash_reads_grouped_kv(q.half(), v.half(), None)
+    assert not cuda_flash_reads_grouped_kv(q, v, bias)
+    assert not cuda_flash_reads_grouped_kv(q.float(), v.float(), None)
+    assert not cuda_flash_reads_grouped_kv(q, v[..., :32], None)         # value size != key size
+    assert not cuda_flash_reads_grouped_kv(q.new_zeros(1, 8, 4, 288), v.new_zeros(1, 2, 4, 288), None)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_repeated_kv_heads_give_grouped_attention(kv_heads):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 8 if i == 0 else kv_heads, 5, 16, generator=g, dtype=torch.float64) for i in range(3))
+    bias = torch.randn(2, 1, 5, 5, generator=g, dtype=torch.float64)
+    k_rep, v_rep = repeat_kv_heads(q, k, v)
+    assert k_rep.shape == v_rep.shape == (2, 8, 5, 16) and k_rep.is_contiguous()
+    got = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=bias)
+    per_group = 8 // kv_heads
+    for h in range(8):  # query head h reads K/V head h // (heads / G)
+        want = F.scaled_dot_product_attention(q[:, h], k[:, h // per_group], v[:, h // per_group], attn_mask=bias[:, 0])
+        torch.testing.assert_close(got[:, h], want)
+
+
+def test_a_decoding_step_after_its_whole_cache_builds_no_mask():
+    """One query after a growing cache sees every key: no bias, so flash (which takes no mask) can run."""
+    kw = dict(key_padding_mask=None, attn_mask=None, is_causal=True, dtype=torch.float32, device=torch.device("cpu"))
+    assert attention_bias(2, 4, 1, 7, past_len=6, **kw) == (None, None, False)
+    bias, _, _ = attention_bias(2, 4, 2, 7, past_len=5, **kw)              # two new queries: the first sees 6 keys
+    assert bias is not None and torch.isinf(bias[..., 0, 6]).all() and not torch.isinf(bias[..., 1, :]).any()
+    bias, _, _ = attention_bias(2, 4, 1, 7, past_len=torch.tensor(3), **kw)  # a preallocated cache: slots past 3
+    assert bias is not None and torch.isinf(bias[..., 0, 4:]).all() and not torch.isinf(bias[..., 0, :4]).any()

@@ -15,8 +15,7 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from optional_hypothesis import given, settings, st  # hypothesis' own where installed
 from kernel_cases import (
     NAMES,
     assert_all_close,

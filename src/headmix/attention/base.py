@@ -194,7 +194,9 @@ class AttentionLayer(nn.Module):
         if cache is not None and cache.static:
             return cache.key, cache.value, (cache if use_cache else None), 0
         self_attention = key is None
-        k, v = (project or self._project_kv)(query if self_attention else key, query if self_attention else value)
+        if project is None:  # `project or ...` asks a closure's truth value, which torch 2.10/2.11 cannot compile
+            project = self._project_kv
+        k, v = project(query if self_attention else key, query if self_attention else value)
         past_len = 0
         if cache is not None:
             if not self_attention:
@@ -301,6 +303,9 @@ def attention_bias(
     if (is_causal and key_padding_mask is None and attn_mask is None and isinstance(past_len, int) and past_len == 0
             and target_len == source_len):
         return None, None, True
+    if (is_causal and key_padding_mask is None and attn_mask is None and isinstance(past_len, int)
+            and target_len == 1 and past_len + 1 == source_len):
+        return None, None, False  # one decoding step after its whole cache: it sees every key, no mask to build
     bias: Tensor | None = None
     forbidden: Tensor | None = None  # boolean, True = -inf
 
@@ -361,30 +366,32 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     """Softmax attention ``softmax(q k^T * scale + bias) v`` over ``(batch, heads, len, size)`` tensors.
 
     ``k``/``v`` may have one head shared by all query heads (multi-query attention, as MoA's shared
-    ``W_k``/``W_v``): it is broadcast without copies (on CUDA with torch >= 2.5 through ``enable_gqa``, so the
-    flash kernel reads the one head as grouped-query attention; on the CPU as a stride-0 view). With ``G`` key/value heads, ``1 < G < heads``
-    (grouped-query attention), query head ``h`` attends with key/value head ``h // (heads // G)``, through
-    ``scaled_dot_product_attention(enable_gqa=True)`` (torch >= 2.5): headmix never copies the keys and
-    values, torch's flash kernel reads the ``G`` heads as they are, its math fallback repeats them internally
-    (older torch: a stride-0 broadcast of each K/V head over its query heads, see
-    :func:`_grouped_by_broadcast`). Uses
+    ``W_k``/``W_v``) or ``G`` heads, ``1 < G < heads`` (grouped-query attention: query head ``h`` attends with
+    key/value head ``h // (heads // G)``). Where the kernel can read them in place they are not copied: on
+    CUDA (torch >= 2.5) through ``enable_gqa`` when the flash kernel takes the call
+    (:func:`cuda_flash_reads_grouped_kv`: no mask, half precision); otherwise on CUDA the K/V heads are
+    repeated (:func:`repeat_kv_heads`) so that the memory-efficient kernel takes masks and fp32 instead of the
+    math kernel SDPA would silently pick; on the CPU one shared head is a stride-0 view and ``G`` heads go
+    through ``enable_gqa`` (older torch: a stride-0 broadcast, :func:`_grouped_by_broadcast`). Uses
     ``torch.nn.functional.scaled_dot_product_attention`` so flash / memory-efficient kernels apply where they can.
     """
     if q.shape[-1] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
     grouped = {}
     if k.shape[1] != q.shape[1]:
-        if k.shape[1] == 1 and not (q.is_cuda and _SDPA_HAS_GQA):
+        if k.shape[1] != 1 and q.shape[1] % k.shape[1] != 0:
+            raise ValueError(f"keys must have 1 head, {q.shape[1]} heads or a divisor of {q.shape[1]}, got {k.shape[1]}")
+        if q.is_cuda and _SDPA_HAS_GQA and not cuda_flash_reads_grouped_kv(q, v, bias):
+            k, v = repeat_kv_heads(q, k, v)  # a mask, fp32 or a head size flash refuses: memory-efficient kernel
+        elif k.shape[1] == 1 and not q.is_cuda:
             # CPU: a stride-0 view (the CPU flash kernel reads it in place; its enable_gqa path would repeat K/V)
             k, v = _broadcast_kv(q, k, v)
+        elif _SDPA_HAS_GQA:
+            grouped = {"enable_gqa": True}  # CUDA flash reads the G (or MoA's one shared) K/V heads in place
         elif k.shape[1] == 1:
-            grouped = {"enable_gqa": True}  # CUDA: MoA's shared K/V head as grouped-query attention, no expand
-        elif q.shape[1] % k.shape[1] == 0:
-            if not _SDPA_HAS_GQA:
-                return _grouped_by_broadcast(q, k, v, bias, empty_rows, dropout, scale, causal)
-            grouped = {"enable_gqa": True}
+            k, v = _broadcast_kv(q, k, v)
         else:
-            raise ValueError(f"keys must have 1 head, {q.shape[1]} heads or a divisor of {q.shape[1]}, got {k.shape[1]}")
+            return _grouped_by_broadcast(q, k, v, bias, empty_rows, dropout, scale, causal)
     if k.shape[2] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
     out = F.scaled_dot_product_attention(
@@ -393,6 +400,22 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     if empty_rows is not None:
         out = out.masked_fill(empty_rows, 0.0)
     return out
+
+
+def cuda_flash_reads_grouped_kv(q: Tensor, v: Tensor, bias: Tensor | None) -> bool:
+    """Whether CUDA's flash kernel takes ``enable_gqa=True`` for these inputs: no mask (only ``is_causal``),
+    fp16/bf16, equal query/key and value head sizes of at most 256. Elsewhere SDPA with ``enable_gqa`` falls
+    back to its math kernel without a word (the memory-efficient kernel takes masks and fp32, but not
+    ``enable_gqa``; PyTorch issue 181528), so :func:`scaled_dot_product` repeats the K/V heads instead."""
+    return (bias is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1]
+            and q.shape[-1] <= 256)
+
+
+def repeat_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``k``/``v`` with each of their ``G`` heads repeated for its ``H/G`` query heads (a copy: the fused CUDA
+    kernels do not read a stride-0 or grouped head dimension)."""
+    per_group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
 
 
 def _grouped_by_broadcast(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, empty_rows: Tensor | None,
