@@ -40,10 +40,12 @@ bench: setup
 	$(BIN)/headmix bench models
 	$(BIN)/headmix bench decode
 
-# On a machine with a CUDA GPU: the gpu-marked tests and the GPU benchmarks, with the machine's own python3
-# (CUDA PyTorch and Triton already installed; no venv, no network; headmix from src/). PYTHON=... picks another.
+# On a machine with a CUDA GPU: the quick GPU check (every attention kind's layer, training step and decoding
+# against its baseline, at most 6 minutes), with the machine's own python3 (CUDA PyTorch and Triton already
+# installed; no venv, no network; headmix from src/). PYTHON=... picks another. The rest, one job each:
+# benchmarks/gpu_check.sh full1 and full2.
 gpu-check:
-	PYTHON=$(PYTHON) benchmarks/gpu_check.sh part1; s1=$$?; PYTHON=$(PYTHON) benchmarks/gpu_check.sh part2 && exit $$s1
+	PYTHON=$(PYTHON) benchmarks/gpu_check.sh quick
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -296,3 +296,38 @@ def test_layer_training_step_has_no_host_sync(variant):
         (out.output.square().mean() + out.aux_loss).backward()
     assert len(ops.names) > 50  # the mode saw the step
     assert [n for n in ops.names if n in HOST_SYNC_OPS] == []
+
+
+from headmix.bench.kinds import KINDS, without_triton  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", without_triton(KINDS), ids=lambda k: k.name)
+def test_every_attention_kind_compiles_fullgraph_forward_and_backward(kind):
+    """Every row of the GPU check's tables (each attention kind and option) under ``torch.compile(fullgraph=True)``
+    with AOTAutograd (the backward traced too): one graph, and the eager outputs and gradients."""
+    torch.manual_seed(0)
+    att = kind.config(64, 12)
+    dtype = torch.bfloat16 if att.expert_impl == "grouped_mm" else torch.float32  # grouped_mm compiles in bf16
+    layer = att.build(64).to(dtype)
+    x = torch.randn(2, 12, 64, dtype=dtype, requires_grad=True)
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, -3:] = True
+
+    def loss_of(x, padding):
+        out = layer(x, key_padding_mask=padding, query_padding_mask=padding, is_causal=True)
+        return out.output.square().mean() + (0 if out.aux_loss is None else out.aux_loss)
+
+    def grads(loss):
+        return torch.autograd.grad(loss, [x, *layer.parameters()], allow_unused=True)
+
+    want = grads(loss_of(x, padding))
+    counter = CompileCounter()
+    torch.compile(loss_of, backend=counter, fullgraph=True)(x, padding)
+    assert counter.frame_count == 1
+    got = grads(torch.compile(loss_of, backend="aot_eager", fullgraph=True)(x, padding))  # the backward traced too
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            tol = {} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-4}
+            torch.testing.assert_close(a, b, **tol)

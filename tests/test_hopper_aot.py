@@ -108,3 +108,18 @@ print("ok")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("variant", ["mm", "mm_rowdot", "wgrad"])
+def test_untuned_bfloat16_launches_do_not_spill_on_sm90(variant):
+    """Without autotuning (HEADMIX_TRITON_AUTOTUNE=0, the GPU check's quick part) a GPU launch takes the launch
+    code's own tiles, warps and stages (MoA at d_model 512, heads of 64: K and N up to 512): none of them may spill
+    registers on an H100 (with 4 warps and the forward's tiles, the row-dot and the weight gradient did, by up to
+    3.6 KB)."""
+    from headmix.kernels.grouped_triton import _launch_opts, untuned_tiles
+
+    gpu = torch.device("cuda")  # a name only: nothing runs on it
+    meta = untuned_tiles(variant, torch.bfloat16, 512, 512, gpu)
+    row = hopper_aot.compile_one((variant, "bfloat16", {"meta": meta, **_launch_opts(gpu)}))
+    assert (row.spill_stores, row.spill_loads) == (0, 0), row
+    assert row.fits and row.tensor_cores == "wgmma"

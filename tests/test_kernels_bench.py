@@ -91,9 +91,8 @@ def test_expert_growth_divides_by_the_fewest_experts_row_of_the_same_sequence():
 
 
 def test_gpu_layer_table_runs_at_tiny_sizes_on_cpu(capsys):
-    """benchmarks/gpu_layers.py's code path (make gpu-check runs it on a GPU): every row of the one layer
-    table is printed, measured or with why it was left out, and the grouped projections against the dense
-    Linear baseline."""
+    """The GPU check's layer table (``python -m headmix.bench.gpu_layers``) and grouped-projection table: every row
+    printed, measured or with why it was left out, against baselines measured in the same run."""
     from headmix.bench import gpu_layers
 
     assert gpu_layers.main(["--tiny", "--device", "cpu", "--no-triton"]) == 0
@@ -103,10 +102,23 @@ def test_gpu_layer_table_runs_at_tiny_sizes_on_cpu(capsys):
         assert spec.name in rows, spec.name
         if spec.needs:
             assert "skipped: needs Triton" in rows[spec.name] or "needs CUDA" in rows[spec.name]
-    measured = rows["MoA 8K32E64D dense"].split(" | ")
-    assert float(measured[1]) > 0 and int(measured[4]) > 0  # wall ms, ATen operations per step
-    assert rows["torch MHA 8x64"].split(" | ")[2] == "1.00"
+    measured = rows["MoA dense"].split(" | ")
+    assert measured[1] == "8K32E8D" and float(measured[2]) > 0 and int(measured[5]) > 0  # wall ms, ATen ops
+    assert rows[gpu_layers.BASELINE].split(" | ")[3] == "1.00"
+    assert "re-timed after the other rows" in out
     for variant in ("two dense Linear", "grouped dense", "grouped sorted"):
         assert variant in rows, variant
     with pytest.raises(SystemExit):
         gpu_layers.main(["--device", "cpu", "--batch", "0"])
+
+
+def test_benchmarks_default_to_bfloat16_on_cuda_and_refuse_unknown_dtypes():
+    import torch
+
+    from headmix.bench.timing import bench_dtype
+
+    assert bench_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert bench_dtype(None, torch.device("cpu")) == torch.float32
+    assert bench_dtype("float32", torch.device("cuda")) == torch.float32
+    with pytest.raises(ValueError, match="--dtype must be one of float32, bfloat16, float16, got 'fp8'"):
+        bench_dtype("fp8", torch.device("cpu"))

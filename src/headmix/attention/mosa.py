@@ -411,6 +411,10 @@ def _no_autocast(fn):
     return wrapped
 
 
+# Under torch.compile the two functions below compute the same products functionally (no out= into views of
+# preallocated tensors, which torch 2.10/2.11's compiled autograd.Function lost: zero weight gradients), leaving
+# the buffers to the compiler; eager runs keep the reused buffers.
+
 #: The gathered / projected rows of at most this many numbers are in memory at once (about 8 MB in float32):
 #: the heads run in groups through one reused buffer, not one ``heads x slots x embed_dim`` tensor.
 _CHUNK_NUMBERS = 2 ** 21
@@ -432,9 +436,12 @@ class _GatherProject(torch.autograd.Function):
     def forward(ctx, x: Tensor, index: Tensor, weight: Tensor) -> Tensor:
         ctx.save_for_backward(x, index, weight)
         heads, slots = index.shape
+        groups = _head_groups(heads, slots * x.shape[1])
+        if torch.compiler.is_compiling():  # out= into views of a preallocated tensor: see _functional_under_compile
+            return torch.cat([torch.bmm(x[index[h0:h1]], weight[h0:h1]) for h0, h1 in groups])
         out = x.new_empty(heads, slots, weight.shape[2])
         buffer = None
-        for h0, h1 in _head_groups(heads, slots * x.shape[1]):
+        for h0, h1 in groups:
             chosen, buffer = _gathered(x, index[h0:h1], buffer)
             torch.bmm(chosen, weight[h0:h1], out=out[h0:h1])
         return out
@@ -445,6 +452,14 @@ class _GatherProject(torch.autograd.Function):
         x, index, weight = ctx.saved_tensors
         heads, slots = index.shape
         grad = grad.contiguous()
+        if torch.compiler.is_compiling():
+            grad_x = grad_weight = None
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.zeros_like(x).index_add(0, index.flatten(),
+                                                      torch.bmm(grad, weight.transpose(1, 2)).view(-1, x.shape[1]))
+            if ctx.needs_input_grad[2]:
+                grad_weight = torch.bmm(x[index].transpose(1, 2), grad)
+            return grad_x, None, grad_weight
         grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[2] else None
         buffer = None
@@ -491,6 +506,9 @@ class _ProjectScatter(torch.autograd.Function):
     def forward(ctx, o: Tensor, index: Tensor, weight: Tensor, rows: int) -> Tensor:
         ctx.save_for_backward(o, index, weight)
         heads, slots = index.shape
+        if torch.compiler.is_compiling():
+            return o.new_zeros(rows, weight.shape[2]).index_add(0, index.flatten(),
+                                                                torch.bmm(o, weight).view(-1, weight.shape[2]))
         y = o.new_zeros(rows, weight.shape[2])
         buffer = None
         for h0, h1 in _head_groups(heads, slots * weight.shape[2]):
@@ -505,6 +523,11 @@ class _ProjectScatter(torch.autograd.Function):
         o, index, weight = ctx.saved_tensors
         heads, slots = index.shape
         grad = grad.contiguous()
+        if torch.compiler.is_compiling():
+            grad_rows = grad[index]
+            grad_o = torch.bmm(grad_rows, weight.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+            grad_weight = torch.bmm(o.transpose(1, 2), grad_rows) if ctx.needs_input_grad[2] else None
+            return grad_o, None, grad_weight, None
         grad_o = torch.empty_like(o) if ctx.needs_input_grad[0] else None
         grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[2] else None
         buffer = None

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..attention import MixtureOfAttentionHeads, MixtureOfHeadsAttention, MultiHeadAttention, SwitchHeadAttention
 from ..training.config import pick_device
-from .timing import add_clock_arguments, clock_setup, interleaved_timings
+from .timing import add_clock_arguments, bench_dtype, clock_setup, interleaved_timings
 
 
 def saved_activation_bytes(fn: Callable[[], torch.Tensor]) -> int:
@@ -280,7 +280,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = bench_dtype(args.dtype, device)
     if args.clock == "cpu" and device.type != "cpu":
         raise ValueError(f"--clock cpu measures CPU time and needs --device cpu, got {device}")
     clock, setup = clock_setup(args)

@@ -1,23 +1,29 @@
-"""The GPU check in two parts, each within a 10-minute job (``benchmarks/gpu_check.sh part1|part2``), and the
-fold of a finished check's summaries into ``docs/performance.md``.
+"""The GPU check: ``quick`` (one 10-minute job, at most 6 minutes by its steps' limits) and ``full1`` / ``full2``
+(the rest, at most 8 minutes each), run by ``benchmarks/gpu_check.sh``, and the fold of whatever parts finished
+into ``docs/performance.md``.
 
-* ``part1``: the ``gpu``-marked correctness tests (the Triton kernels and ``grouped_mm`` on CUDA against the
-  float64 reference, no host sync, flash attention, Inductor) and the layer table
-  (``benchmarks/gpu_layers.py``: one fwd+bwd per layer against torch MHA, and the grouped projections for
-  ``dense``, ``grouped_mm`` and ``triton``);
-* ``part2``: model steps (``headmix bench models``, eager and compiled), decoding (``headmix bench decode``)
-  and the MoA / MoH curves (``headmix bench attention --moh-curve``).
+* ``quick``: eager, bf16 on CUDA, every number against a baseline measured in the same process:
+  the layer table (:mod:`headmix.bench.gpu_layers`: every attention kind of :mod:`headmix.bench.kinds` and HF
+  ``JetMoeAttention``, one fwd+bwd at 16 x 2048, d_model 512, causal, against torch SDPA multi-head attention:
+  wall ms, ratio, GPU-busy ms, kernels per step, peak memory), a Llama-style training step per attention kind
+  against MHA and greedy decoding tokens/s at batch 1 and 8 (:mod:`headmix.bench.quick`). Triton runs its
+  default configuration (no autotuning).
+* ``full1``: the ``gpu``-marked tests, the grouped-projection table with Triton autotuning, the grouped-query
+  curve (``headmix bench gqa``);
+* ``full2``: compiled model steps (``headmix bench models --compile``), decoding with the static cache and
+  CUDA graphs (``headmix bench decode``), the MoA / MoH curves (``headmix bench attention --moh-curve``).
 
-Every step runs under its own time limit (:data:`STEPS`, seconds); a part's limits add up to at most
-:data:`PART_LIMIT_S` (9 minutes), which the script's header states. Each step's output goes to
-``OUT/<part>-<step>.log``, and ``OUT/<part>.json`` sums the part up: machine, commit, per step its status,
-seconds, limit and the markdown tables it printed. ``fold OUT`` writes both parts' summaries into
-``docs/performance.md`` between :data:`BEGIN` and :data:`END` (a check run with ``--tiny`` on a CPU is
-refused: its numbers say nothing about a GPU).
+Every step runs under its own time limit (:data:`STEPS`, seconds); a part's limits add up to at most its
+:data:`PART_LIMITS` entry, which the script's header states. A step's output is written to
+``OUT/<part>-<step>.log`` line by line as it comes (rows are printed as they are measured, so a step stopped at
+its limit keeps what it measured), and ``OUT/<part>.json`` is rewritten after every step: machine, commit, per
+step its status, seconds, limit, the markdown tables it printed and their rows as records. ``fold OUT`` writes
+every part found there into ``docs/performance.md`` between :data:`BEGIN` and :data:`END` (a check run with
+``--tiny`` on a CPU is refused: its numbers say nothing about a GPU).
 
-    python -m headmix.bench.gpu_check part1 [--tiny] [--out runs/gpu_check]
+    python -m headmix.bench.gpu_check quick [--tiny] [--out runs/gpu_check]
     python -m headmix.bench.gpu_check fold runs/gpu_check [--doc docs/performance.md]
-    python -m headmix.bench.gpu_check budget part1
+    python -m headmix.bench.gpu_check budget quick
 """
 
 from __future__ import annotations
@@ -26,20 +32,24 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..storage.files import atomic_write, atomic_write_json
 
-PARTS = ("part1", "part2")
-#: A part's steps must fit this many seconds (one 10-minute job, with a minute for start and copies).
-PART_LIMIT_S = 540
+PARTS = ("quick", "full1", "full2")
+#: The most seconds each part's steps may take: quick fits one 10-minute job with the machine's start and the
+#: copies; each full part fits one job too.
+PART_LIMITS = {"quick": 360, "full1": 480, "full2": 480}
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 
 CLI = ["-m", "headmix.cli.main"]
+NO_AUTOTUNE = (("HEADMIX_TRITON_AUTOTUNE", "0"),)
 
 
 @dataclass(frozen=True)
@@ -54,25 +64,40 @@ class Step:
 
 
 STEPS: dict[str, list[Step]] = {
-    "part1": [
+    "quick": [
+        Step("layers", 150, ["-m", "headmix.bench.gpu_layers", "--skip-grouped"],
+             ["-m", "headmix.bench.gpu_layers", "--skip-grouped", "--tiny", "--device", "cpu", "--no-triton"],
+             env=NO_AUTOTUNE),
+        Step("models", 120, ["-m", "headmix.bench.quick", "models", "--device", "cuda"],
+             ["-m", "headmix.bench.quick", "models", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
+        Step("decode", 90, ["-m", "headmix.bench.quick", "decode", "--device", "cuda"],
+             ["-m", "headmix.bench.quick", "decode", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
+    ],
+    "full1": [
         # one kernel configuration: autotuning every test's sizes would take minutes
         Step("tests", 240, ["-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "tests/test_gpu.py",
                             "tests/test_kernels_grouped_mm.py"],
              ["-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/test_kernels_grouped_mm.py", "-k",
-              "known_values"], env=(("HEADMIX_TRITON_AUTOTUNE", "0"),)),
+              "known_values"], env=NO_AUTOTUNE),
         # the first run autotunes the Triton kernels (Triton keeps the choices in its cache)
-        Step("layers", 270, ["benchmarks/gpu_layers.py"],
-             ["benchmarks/gpu_layers.py", "--tiny", "--device", "cpu", "--no-triton"]),
+        Step("grouped", 150, ["-m", "headmix.bench.gpu_layers", "--skip-layers"],
+             ["-m", "headmix.bench.gpu_layers", "--skip-layers", "--tiny", "--device", "cpu", "--no-triton"]),
+        # the GQE curve: grouped MHA against SDPA enable_gqa, GQE (half of each group's routed heads) against
+        # grouped MHA (fwd+bwd and prefill), the gates and QK-norm
+        Step("gqa", 60, [*CLI, "bench", "gqa", "--device", "cuda", "--batch", "8", "--seq", "2048",
+                         "--prefill-seq", "8192", "--repeats", "5"],
+             [*CLI, "bench", "gqa", "--device", "cpu", "--embed-dim", "32", "--heads", "4", "--kv-heads", "2",
+              "--batch", "1", "--seq", "8", "--prefill-seq", "8", "--repeats", "1", "--warmup", "0"]),
     ],
-    "part2": [
-        Step("models", 180, [*CLI, "bench", "models", "--presets", "llama-mini-mha", "llama-mini-moa",
-                             "llama-mini-moh", "llama-mini-switchhead", "--device", "cuda", "--compile",
-                             "--lm-batch", "8", "--lm-len", "1024", "--repeats", "10"],
-             [*CLI, "bench", "models", "--presets", "tiny-mha", "tiny-moa", "--device", "cpu", "--lm-batch", "1",
-              "--lm-len", "8", "--repeats", "1", "--warmup", "0"]),
-        Step("decode", 120, [*CLI, "bench", "decode", "--presets", "llama-mini-mha", "llama-mini-moa",
-                             "llama-mini-moh", "llama-mini-switchhead", "--device", "cuda", "--batches", "1", "8",
-                             "--prompt", "128", "--steps", "64", "--repeats", "5"],
+    "full2": [
+        Step("models_compiled", 180, [*CLI, "bench", "models", "--presets", "llama-mini-mha", "llama-mini-moa",
+                                      "llama-mini-moh", "llama-mini-switchhead", "--device", "cuda", "--compile",
+                                      "--lm-batch", "16", "--lm-len", "512", "--repeats", "10"],
+             [*CLI, "bench", "models", "--presets", "llama-tiny-mha", "llama-tiny-moa", "--device", "cpu",
+              "--lm-batch", "1", "--lm-len", "8", "--repeats", "1", "--warmup", "0"]),
+        Step("decode_graphs", 120, [*CLI, "bench", "decode", "--presets", "llama-mini-mha", "llama-mini-moa",
+                                    "llama-mini-moh", "llama-mini-switchhead", "--device", "cuda", "--batches", "1",
+                                    "8", "--prompt", "128", "--steps", "64", "--repeats", "5"],
              [*CLI, "bench", "decode", "--presets", "tiny-mha", "--device", "cpu", "--batches", "1", "--prompt",
               "4", "--steps", "2", "--repeats", "1", "--modes", "eager"]),
         Step("attention_moh", 150, [*CLI, "bench", "attention", "--device", "cuda", "--batch-tokens", "32768",
@@ -80,18 +105,12 @@ STEPS: dict[str, list[Step]] = {
              [*CLI, "bench", "attention", "--device", "cpu", "--seq", "8", "--experts", "4", "--batch", "1",
               "--embed-dim", "32", "--top-k", "2", "--head-dim", "16", "--switchhead", "--repeats", "1", "--warmup",
               "0", "--no-decode"]),
-        # the GQE curve: grouped MHA against SDPA enable_gqa, GQE (half of each group's routed heads) against
-        # grouped MHA (fwd+bwd and prefill), the gates and QK-norm
-        Step("gqa", 60, [*CLI, "bench", "gqa", "--device", "cuda", "--dtype", "bfloat16", "--batch", "8", "--seq",
-                         "2048", "--prefill-seq", "8192", "--repeats", "5"],
-             [*CLI, "bench", "gqa", "--device", "cpu", "--embed-dim", "32", "--heads", "4", "--kv-heads", "2",
-              "--batch", "1", "--seq", "8", "--prefill-seq", "8", "--repeats", "1", "--warmup", "0"]),
     ],
 }
 
 
 def budget_s(part: str) -> int:
-    """The sum of a part's time limits."""
+    """The sum of a part's time limits (at most its :data:`PART_LIMITS` entry)."""
     return sum(step.limit_s for step in STEPS[part])
 
 
@@ -107,6 +126,12 @@ def _machine() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
     else:
@@ -136,8 +161,47 @@ def markdown_tables(text: str) -> list[list[str]]:
     return tables
 
 
+def table_records(table: list[str]) -> list[dict]:
+    """A markdown table's rows as records keyed by its header's cells."""
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
+    if len(table) < 2:
+        return []
+    header = cells(table[0])
+    return [dict(zip(header, cells(line))) for line in table[2:]]
+
+
+def _run_streaming(cmd: list[str], env: dict, log: Path, limit_s: int) -> tuple[str, str]:
+    """Run ``cmd``, writing its output to ``log`` (and this process's stdout) line by line as it comes; stop it
+    (its whole process group) at ``limit_s`` seconds. Returns (status, output)."""
+    lines: list[str] = []
+    with open(log, "w", encoding="utf-8") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+        def pump() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                sink.write(line)
+                sink.flush()
+                print(line, end="", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            code = proc.wait(timeout=limit_s)
+            status = "ok" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = f"timed out after {limit_s} s"
+        reader.join(timeout=10)
+    return status, "".join(lines)
+
+
 def run_part(part: str, out: Path, tiny: bool = False, python: str = sys.executable) -> dict:
-    """Run a part's steps, each under its limit, and write ``out/<part>.json``; returns that summary."""
+    """Run a part's steps, each under its limit, rewriting ``out/<part>.json`` after each; returns that summary."""
     import torch
 
     if not tiny and not torch.cuda.is_available():
@@ -150,59 +214,76 @@ def run_part(part: str, out: Path, tiny: bool = False, python: str = sys.executa
                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget_s": budget_s(part), "steps": []}
     for step in STEPS[part]:
         log = out / f"{part}-{step.name}.log"
+        print(f"[gpu-check] {part} {step.name} (limit {step.limit_s} s)", flush=True)
         start = time.perf_counter()
-        try:
-            proc = subprocess.run([python, *(step.tiny if tiny else step.full)], env=dict(env, **dict(step.env)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=step.limit_s)
-            text, status = proc.stdout, "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-        except subprocess.TimeoutExpired as e:
-            text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            status = f"timed out after {step.limit_s} s"
+        status, text = _run_streaming([python, *(step.tiny if tiny else step.full)], dict(env, **dict(step.env)),
+                                      log, step.limit_s)
         seconds = round(time.perf_counter() - start, 1)
-        atomic_write(log, text)
         print(f"[gpu-check] {part} {step.name}: {status} in {seconds} s (limit {step.limit_s} s), log {log}",
               flush=True)
+        tables = markdown_tables(text)
         summary["steps"].append({"name": step.name, "status": status, "seconds": seconds, "limit_s": step.limit_s,
-                                 "log": log.name, "tables": markdown_tables(text)})
-    summary["seconds"] = round(sum(s["seconds"] for s in summary["steps"]), 1)
-    atomic_write_json(out / f"{part}.json", summary)
+                                 "log": log.name, "tables": tables, "rows": [table_records(t) for t in tables]})
+        summary["seconds"] = round(sum(s["seconds"] for s in summary["steps"]), 1)
+        atomic_write_json(out / f"{part}.json", summary)
     return summary
 
 
+def markers(part: str) -> tuple[str, str]:
+    """The comments that enclose ``part``'s section in the document."""
+    return f"<!-- gpu-check {part}:begin -->", f"<!-- gpu-check {part}:end -->"
+
+
+def part_section(summary: dict) -> str:
+    """One part's summary as markdown: machine, software, commit, per step its status and tables."""
+    m = summary["machine"]
+    begin, end = markers(summary["part"])
+    lines = [begin, "", f"#### `gpu_check.sh {summary['part']}` on {m.get('device')} at commit {summary.get('commit')} "
+             f"({summary['started']}; python {m.get('python')}, torch {m.get('torch')}, triton {m.get('triton')}, "
+             f"transformers {m.get('transformers')})", "",
+             f"{summary['seconds']} s of a {summary['budget_s']} s budget.", "",
+             "| step | status | seconds | limit s |", "|---|---|---|---|"]
+    lines += [f"| {st['name']} | {st['status']} | {st['seconds']} | {st['limit_s']} |" for st in summary["steps"]]
+    for st in summary["steps"]:
+        for table in st["tables"]:
+            lines += ["", f"{st['name']} ({st['log']}):", "", *table]
+    return "\n".join(lines + ["", end])
+
+
 def fold(out: Path, doc: Path, allow_tiny: bool = False) -> str:
-    """Write the summaries ``out/part1.json`` and ``out/part2.json`` into ``doc`` between :data:`BEGIN` and
-    :data:`END` (appended as a section when the markers are missing); returns the section."""
+    """Write every part summary found in ``out`` (``<part>.json``, finished or stopped part-way) into ``doc``,
+    each between its :func:`markers` (replacing that part's earlier section; appended under "GPU check
+    results" when absent), leaving the other parts' sections as they are. Returns what was written."""
     summaries = []
     for part in PARTS:
         path = out / f"{part}.json"
         if not path.is_file():
-            raise ValueError(f"out must hold a finished check's {path.name}, missing in {out}")
-        summary = json.loads(path.read_text())
+            continue
+        try:
+            summary = json.loads(path.read_text())
+        except ValueError:
+            raise ValueError(f"{path} is not a GPU check summary (not JSON)") from None
         if summary.get("tiny") and not allow_tiny:
             raise ValueError(f"{path} is a --tiny run on {summary['machine'].get('device')}: not folded into {doc}")
         summaries.append(summary)
-    lines = [BEGIN, ""]
-    for s in summaries:
-        m = s["machine"]
-        lines += [f"#### `gpu_check.sh {s['part']}` on {m.get('device')} at commit {s.get('commit')} "
-                  f"({s['started']}; torch {m.get('torch')}, triton {m.get('triton')})", "",
-                  f"{s['seconds']} s of a {s['budget_s']} s budget.", "",
-                  "| step | status | seconds | limit s |", "|---|---|---|---|"]
-        lines += [f"| {st['name']} | {st['status']} | {st['seconds']} | {st['limit_s']} |" for st in s["steps"]]
-        for st in s["steps"]:
-            for table in st["tables"]:
-                lines += ["", f"{st['name']} ({st['log']}):", "", *table]
-        lines.append("")
-    lines.append(END)
-    section = "\n".join(lines)
+    if not summaries:
+        raise ValueError(f"out must hold a part's summary ({', '.join(p + '.json' for p in PARTS)}), none in {out}")
     text = doc.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n## GPU check results\n\n" + section + "\n"
+    sections = []
+    for summary in summaries:
+        section = part_section(summary)
+        begin, end = markers(summary["part"])
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            text = head + section + rest.split(end, 1)[1]
+        else:
+            if BEGIN not in text:
+                text = text.rstrip("\n") + "\n\n## GPU check results\n\n" + BEGIN + "\n" + END + "\n"
+            head, rest = text.split(END, 1)
+            text = head + section + "\n\n" + END + rest
+        sections.append(section)
     atomic_write(doc, text)
-    return section
+    return "\n\n".join(sections)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     for part in PARTS:
         q = sub.add_parser(part, help=f"run {part}")
         q.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (checks the plumbing)")
-        q.add_argument("--out", default="runs/gpu_check")
-    q = sub.add_parser("fold", help="fold a finished check's summaries into docs/performance.md")
+        q.add_argument("--out", default="runs/gpu_check", help="folder for the logs and the JSON summary")
+    q = sub.add_parser("fold", help="fold the parts' summaries found in OUT into docs/performance.md")
     q.add_argument("out")
     q.add_argument("--doc", default="docs/performance.md")
     q.add_argument("--allow-tiny", action="store_true", help="fold --tiny summaries too (tests)")

@@ -31,25 +31,19 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..attention import (
-    MixtureOfAttentionHeads,
-    MixtureOfHeadsAttention,
-    MultiHeadAttention,
-    SwitchHeadAttention,
-    TalkingHeadsAttention,
-)
 from ..kernels import expert_map, expert_reduce, expert_routing
 from .attention import peak_memory
+from .kinds import KINDS, Kind, describe
 from .timing import interleaved_timings, machine_load
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One row of the table: ``build(d_model)`` returns a module, ``call(module, x)`` the output tensor of
+    """One row of the table: ``build(d_model, seq)`` returns a module, ``call(module, x)`` the output tensor of
     causal self-attention (plus the auxiliary loss where the layer has one)."""
 
     name: str
-    build: Callable[[int], nn.Module]
+    build: Callable[[int, int], nn.Module]
     call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     needs: str = ""  # "cuda", "triton" or "" (runs anywhere)
 
@@ -59,18 +53,21 @@ def _headmix_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.output if out.aux_loss is None else out.output + 0 * out.aux_loss
 
 
-def _torch_mha_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device, dtype=x.dtype)
-    return layer(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+def _torch_sdpa(d_model: int, seq: int) -> nn.Module:
+    from .gqa import TorchGroupedAttention
+
+    heads = d_model // 64 if d_model >= 512 else 8
+    return TorchGroupedAttention(d_model, heads, heads)
 
 
-def _jetmoe(d_model: int) -> nn.Module:
+def _jetmoe(d_model: int, seq: int) -> nn.Module:
     from transformers import JetMoeConfig
     from transformers.models.jetmoe.modeling_jetmoe import JetMoeAttention
 
-    cfg = JetMoeConfig(hidden_size=d_model, num_key_value_heads=1, kv_channels=64, num_local_experts=32,
-                       num_experts_per_tok=8, intermediate_size=2 * d_model, num_hidden_layers=1, vocab_size=16,
-                       attention_dropout=0.0)
+    heads = d_model // 64 if d_model >= 512 else 8
+    cfg = JetMoeConfig(hidden_size=d_model, num_key_value_heads=1, kv_channels=d_model // heads,
+                       num_local_experts=4 * heads, num_experts_per_tok=heads, intermediate_size=2 * d_model,
+                       num_hidden_layers=1, vocab_size=16, attention_dropout=0.0)
     cfg._attn_implementation = "sdpa"
     return JetMoeAttention(cfg, layer_idx=0)
 
@@ -87,33 +84,29 @@ def _jetmoe_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 PEERS_DIR = ".peers"
 
 
-def _authors_switchhead(d_model: int) -> nn.Module:
+def _authors_switchhead(d_model: int, seq: int) -> nn.Module:
     module = importlib.import_module("switchhead.switchhead")
-    return module.SwitchHeadRope(d_model, 2, 4, d_head=171, moe_k=2, rotate_fraction=0.0)
+    return module.SwitchHeadRope(d_model, 2, 4, d_head=-(-d_model // 3), moe_k=2, rotate_fraction=0.0)
 
 
 def _authors_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer(x, x, x, None)[0]  # their mask None: causal
 
 
-#: The layer table of issue 19 (d_model from the command line, 512 by default).
+def _kind_row(kind: Kind) -> LayerSpec:
+    def build(d_model: int, seq: int) -> nn.Module:
+        return kind.config(d_model, seq).build(d_model)
+
+    return LayerSpec(kind.name, build, _headmix_call, needs=kind.needs)
+
+
+#: The baseline (torch's own SDPA multi-head attention of the same width), every attention kind of
+#: :data:`headmix.bench.kinds.KINDS`, then the peers.
+BASELINE = "torch SDPA MHA"
 LAYERS: list[LayerSpec] = [
-    LayerSpec("torch MHA 8x64", lambda d: nn.MultiheadAttention(d, 8, batch_first=True), _torch_mha_call),
-    LayerSpec("headmix MHA 8x64", lambda d: MultiHeadAttention(d, 8), _headmix_call),
-    LayerSpec("MoA 8K32E64D triton", lambda d: MixtureOfAttentionHeads(d, 32, 8, 64, expert_impl="triton"),
-              _headmix_call, needs="triton"),
-    LayerSpec("MoA 8K32E64D dense", lambda d: MixtureOfAttentionHeads(d, 32, 8, 64, expert_impl="dense"),
-              _headmix_call),
-    LayerSpec("MoA 8K32E64D grouped_mm", lambda d: MixtureOfAttentionHeads(d, 32, 8, 64, expert_impl="grouped_mm"),
-              _headmix_call),
-    LayerSpec("MoH 8x64 2 shared top 3", lambda d: MixtureOfHeadsAttention(d, 8, 2, 3), _headmix_call),
-    LayerSpec("MoH 8x64 2 shared top 3 sparse grouped_mm",
-              lambda d: MixtureOfHeadsAttention(d, 8, 2, 3, impl="sparse", expert_impl="grouped_mm"), _headmix_call),
-    LayerSpec("SwitchHead 2H4E2K head 171 triton",
-              lambda d: SwitchHeadAttention(d, 2, 4, 2, head_dim=171, expert_impl="triton"), _headmix_call,
-              needs="triton"),
-    LayerSpec("Talking-Heads 8", lambda d: TalkingHeadsAttention(d, 8), _headmix_call),
-    LayerSpec("HF JetMoeAttention 8K32E64D (sdpa)", _jetmoe, _jetmoe_call),
+    LayerSpec(BASELINE, _torch_sdpa, lambda layer, x: layer(x)),
+    *(_kind_row(kind) for kind in KINDS),
+    LayerSpec("HF JetMoeAttention (sdpa, peer of MoA)", _jetmoe, _jetmoe_call),
     LayerSpec("SwitchHead authors' cvmm 2H4E2K", _authors_switchhead, _authors_call, needs="cuda"),
 ]
 
@@ -180,58 +173,85 @@ def _time_ms(fns: dict[str, Callable[[], None]], device: torch.device, repeats: 
 
 #: Rows whose failure only leaves them empty (a peer that is absent or differs); any other failing row makes
 #: :func:`main` exit with status 1.
-PEER_ROWS = {"HF JetMoeAttention 8K32E64D (sdpa)", "SwitchHead authors' cvmm 2H4E2K"}
+PEER_ROWS = {"HF JetMoeAttention (sdpa, peer of MoA)", "SwitchHead authors' cvmm 2H4E2K"}
+
+LAYER_COLUMNS = "| layer | shape | wall ms | x torch SDPA MHA | GPU-busy ms | kernels per step | peak MiB |"
 
 
-def layer_table(args, device: torch.device, dtype: torch.dtype) -> tuple[list[str], list[str]]:
-    """The table's lines and the names of the rows that failed."""
-    lines = [f"## one layer fwd+bwd, batch {args.batch} x {args.time}, d_model {args.d_model}, causal, {dtype}, "
-             f"{device}; wall = median ms" + ("" if device.type == "cuda" else f" ({machine_load()})"),
-             "", "| layer | wall ms | x torch MHA | GPU-busy ms | kernels per step | peak MiB |", "|---|---|---|---|---|---|"]
+def _why_not(spec: LayerSpec, device: torch.device, args) -> str | None:
+    if spec.needs == "cuda" and device.type != "cuda":
+        return "needs CUDA"
+    if spec.needs == "triton" and not _triton_usable(device, args):
+        return "skipped: needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)" + (" (--no-triton)" if args.no_triton else "")
+    return None
+
+
+def _shape(spec: LayerSpec, d_model: int, seq: int) -> str:
+    kind = next((k for k in KINDS if k.name == spec.name), None)
+    return describe(kind.config(d_model, seq), d_model) if kind is not None else ""
+
+
+def measure_layer(step: Callable[[], None], device: torch.device, repeats: int) -> dict:
+    """Wall ms (median), and on CUDA GPU-busy ms, kernels per step and peak MiB of one fwd+bwd ``step``; on
+    the CPU the ATen operations per step stand in for the kernels."""
+    row = {"ms": _time_ms({"step": step}, device, repeats)["step"]}
+    if device.type == "cuda":
+        row["peak"] = peak_memory(step, device) / 2**20
+        row["busy"], row["kernels"] = _kernel_profile(step, 5)
+    else:
+        row["kernels"] = _aten_ops(step)
+    return row
+
+
+def layer_table(args, device: torch.device, dtype: torch.dtype, emit: Callable[[str], None] = print) -> tuple[list[dict], list[str]]:
+    """Time every row of :data:`LAYERS`, one after the other, each printed (``emit``) as soon as it is measured,
+    its ratio against the baseline measured first in the same process (and re-timed last: the drift line).
+    Returns the rows (dicts) and the names of the rows that failed."""
+    emit(f"## one layer fwd+bwd, batch {args.batch} x {args.time}, d_model {args.d_model}, causal, {dtype}, "
+         f"{device}; wall = median ms" + ("" if device.type == "cuda" else f" ({machine_load()})"))
+    emit("")
+    emit(LAYER_COLUMNS)
+    emit("|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, args.time, args.d_model, generator=g).to(device, dtype).requires_grad_()
     grad = torch.randn(x.shape, generator=g).to(device, dtype)
-    rows: dict[str, dict] = {}
-    steps: dict[str, Callable[[], None]] = {}
+    rows, failed, base = [], [], None
+    baseline_step = None
     for spec in LAYERS:
-        why = None
-        if spec.needs == "cuda" and device.type != "cuda":
-            why = "needs CUDA"
-        elif spec.needs == "triton" and not _triton_usable(device, args):
-            why = "skipped: needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)" + (" (--no-triton)" if args.no_triton else "")
+        row = {"layer": spec.name, "shape": _shape(spec, args.d_model, args.time)}
+        why = _why_not(spec, device, args)
         if why is None:
             try:
                 torch.manual_seed(0)
-                layer = spec.build(args.d_model).to(device, dtype)
+                layer = spec.build(args.d_model, args.time).to(device, dtype)
                 step = _fwd_bwd(spec, layer, x, grad)
-                step()
-                steps[spec.name] = step
-                continue
+                step()  # compiles Triton kernels, warms caches
+                row.update(measure_layer(step, device, args.repeats))
+                if spec.name == BASELINE:
+                    base, baseline_step = row["ms"], step
+                row["ratio"] = row["ms"] / base if base else None
             except Exception as err:  # noqa: BLE001 - a peer that is absent or differs, or a failing row:
                 # the other rows are still measured, and main() exits with status 1
                 why = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
-        rows[spec.name] = {"skip": why}
-    for name, step in steps.items():
-        row = rows.setdefault(name, {})
-        if device.type == "cuda":
-            row["peak"] = peak_memory(step, device) / 2**20
-            row["busy"], row["kernels"] = _kernel_profile(step, 5)
+                failed.append(spec.name)
+            finally:
+                layer = step = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        if why is not None:
+            row["skip"] = why
+            emit(f"| {spec.name} | {row['shape']} | {why} | | | | |")
         else:
-            row["kernels"] = _aten_ops(step)
-    for name, ms in _time_ms(steps, device, args.repeats).items():
-        rows[name]["ms"] = ms
-    failed = [name for name, r in rows.items() if r.get("skip", "").startswith("failed")]
-    base = rows.get(LAYERS[0].name, {}).get("ms")
-    for spec in LAYERS:
-        r = rows[spec.name]
-        if "skip" in r:
-            lines.append(f"| {spec.name} | {r['skip']} | | | | |")
-            continue
-        ratio = f"{r['ms'] / base:.2f}" if base else ""
-        busy = f"{r['busy']:.2f}" if "busy" in r else ""
-        peak = f"{r['peak']:.0f}" if "peak" in r else ""
-        lines.append(f"| {spec.name} | {r['ms']:.3f} | {ratio} | {busy} | {r['kernels']:.0f} | {peak} |")
-    return lines, failed
+            ratio = f"{row['ratio']:.2f}" if row["ratio"] else ""
+            busy = f"{row['busy']:.2f}" if "busy" in row else ""
+            peak = f"{row['peak']:.0f}" if "peak" in row else ""
+            emit(f"| {spec.name} | {row['shape']} | {row['ms']:.3f} | {ratio} | {busy} | {row['kernels']:.0f} | {peak} |")
+        rows.append(row)
+    if baseline_step is not None:
+        again = _time_ms({"step": baseline_step}, device, args.repeats)["step"]
+        emit("")
+        emit(f"{BASELINE} re-timed after the other rows: {again:.3f} ms ({again / base:.2f}x its first timing)")
+    return rows, failed
 
 
 def grouped_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -322,13 +342,12 @@ def main(argv=None) -> int:
         sys.path.append(authors)  # the benchmark's own process only
     if device.type == "cuda":
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    out, failed = [], []
+    failed = []
     if not args.skip_layers:
-        lines, failed = layer_table(args, device, dtype)
-        out += lines + [""]
+        _, failed = layer_table(args, device, dtype, emit=lambda line: print(line, flush=True))
+        print()
     if not args.skip_grouped:
-        out += grouped_table(args, device, dtype)
-    print("\n".join(out))
+        print("\n".join(grouped_table(args, device, dtype)), flush=True)
     errors = [name for name in failed if name not in PEER_ROWS]
     if errors:
         print(f"error: failed rows: {', '.join(errors)}", file=sys.stderr)

@@ -29,7 +29,7 @@ from torch import nn
 from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..training.config import pick_device
 from .attention import _device_name, format_rows
-from .timing import add_clock_arguments, clock_setup, interleaved_timings
+from .timing import add_clock_arguments, bench_dtype, clock_setup, interleaved_timings
 
 
 class TorchGroupedAttention(nn.Module):
@@ -134,7 +134,7 @@ def run_benchmark(*, embed_dim: int, heads: int, kv_heads: int, batch: int, seq:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, else float32)")
     p.add_argument("--embed-dim", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -149,7 +149,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
-    dtype = getattr(torch, args.dtype)
+    dtype = bench_dtype(args.dtype, device)
     if args.clock == "cpu" and device.type != "cpu":
         raise ValueError(f"--clock cpu measures CPU time and needs --device cpu, got {device}")
     if args.heads % args.kv_heads or (args.heads // args.kv_heads) % 2:

@@ -32,7 +32,7 @@ from ..models import AttentionConfig
 from ..models.counting import attention_macs, mosa_macs
 from ..training.config import pick_device
 from .attention import _device_name, format_rows, peak_memory
-from .timing import add_clock_arguments, clock_setup, interleaved_timings
+from .timing import add_clock_arguments, bench_dtype, clock_setup, interleaved_timings
 
 
 def matched_sparse_heads(embed_dim: int, heads: int, length: int, *, head_dim: int, sparsity: float,
@@ -138,7 +138,7 @@ CACHE_COLUMNS = [("seq", "seq", "{}"), ("mosa", "MoSA", "{}"), ("mha_bytes", "MH
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, else float32)")
     p.add_argument("--embed-dim", type=int, default=512)
     p.add_argument("--heads", type=int, default=8, help="MHA heads (of embed_dim / heads)")
     p.add_argument("--head-dim", type=int, default=64, help="MoSA head size (sparse and dense)")
@@ -154,7 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
-    dtype = getattr(torch, args.dtype)
+    dtype = bench_dtype(args.dtype, device)
     if args.clock == "cpu" and device.type != "cpu":
         raise ValueError(f"--clock cpu measures CPU time and needs --device cpu, got {device}")
     clock, setup = clock_setup(args)

@@ -67,3 +67,17 @@ def clock_setup(args) -> tuple[Callable[[], float], str]:
         torch.set_num_threads(args.threads)
     what = "wall-clock time" if args.clock == "wall" else "CPU time of this process"
     return CLOCKS[args.clock], f"{torch.get_num_threads()} threads, {what}, {machine_load()}"
+
+
+#: The dtypes a benchmark's ``--dtype`` takes.
+BENCH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def bench_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """A benchmark's ``--dtype``: the named one, or by default bfloat16 on CUDA (what GPU training uses, and
+    what SDPA's flash kernel takes) and float32 elsewhere."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in BENCH_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(BENCH_DTYPES)}, got {name!r}")
+    return getattr(torch, name)

@@ -254,16 +254,32 @@ def _pow2_block(size: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, 1 << max(size - 1, 0).bit_length()))
 
 
-def _config(dtype: torch.dtype, k_dim: int, n_dim: int, tl, device: torch.device) -> dict:
+def untuned_tiles(variant: str, dtype: torch.dtype, k_dim: int, n_dim: int, device: torch.device) -> dict:
+    """``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` of a launch without autotuning: ``variant`` "mm" (the forward),
+    "mm_rowdot" (with the row-dot epilogue) or "wgrad" (the weight gradient, whose ``BLOCK_M`` is its row chunk).
+    On a GPU in 16-bit types the row-dot takes column tiles of at most 64 and the weight gradient chunks of 16
+    rows, the largest tiles that spill no registers on sm_90 with 8 warps under Triton 3.6 and 3.9 (compiled
+    ahead of time: tests/test_hopper_aot.py)."""
+    wide = dtype in (torch.float16, torch.bfloat16)
+    gpu_half = wide and device.type != "cpu"
+    widest_n = 64 if (not wide or (gpu_half and variant == "mm_rowdot")) else 128
+    block_m = DEFAULT_BLOCK_M
+    if variant == "wgrad" and gpu_half:
+        block_m = WGRAD_HALF_BLOCK_M
+    return {"BLOCK_M": block_m, "BLOCK_N": _pow2_block(n_dim, 16, widest_n),
+            "BLOCK_K": _pow2_block(k_dim, 16, 64 if wide else 32)}
+
+
+def _config(dtype: torch.dtype, k_dim: int, n_dim: int, tl, device: torch.device, variant: str = "mm") -> dict:
     if dtype == torch.float64:
         acc, precision = tl.float64, "ieee"
     else:
         acc = tl.float32
         precision = "tf32" if (dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32) else "ieee"
-    wide = dtype in (torch.float16, torch.bfloat16)
+    tiles = untuned_tiles(variant, dtype, k_dim, n_dim, device)
     return {
-        "BLOCK_K": _pow2_block(k_dim, 16, 64 if wide else 32),
-        "BLOCK_N": _pow2_block(n_dim, 16, 128 if wide else 64),
+        "BLOCK_K": tiles["BLOCK_K"],
+        "BLOCK_N": tiles["BLOCK_N"],
         "ACC_TYPE": acc,
         "INPUT_PRECISION": precision,
         "UPCAST": device.type == "cpu" and dtype == torch.bfloat16,
@@ -271,7 +287,19 @@ def _config(dtype: torch.dtype, k_dim: int, n_dim: int, tl, device: torch.device
 
 
 def _launch_opts(device: torch.device) -> dict:
-    return {} if device.type == "cpu" else {"num_warps": 4, "num_stages": 3}
+    """Warps and stages of an untuned launch on a GPU: 8 warps, with which none of :func:`untuned_tiles` spills
+    registers on sm_90 (with 4, bfloat16's row-dot and weight gradient did; tests/test_hopper_aot.py)."""
+    return {} if device.type == "cpu" else {"num_warps": 8, "num_stages": 3}
+
+
+#: The weight gradient's row chunk (its reduction block) of an untuned launch in 16-bit types on a GPU: with 64
+#: rows its 64 x 128 x 64 bfloat16 tile spills registers on sm_90 even with 8 warps, with 16 it does not.
+WGRAD_HALF_BLOCK_M = 16
+
+
+def wgrad_block_m(dtype: torch.dtype, device: torch.device, block_m: int) -> int:
+    """The weight gradient's row chunk: ``block_m`` when given, else :func:`untuned_tiles`'."""
+    return block_m or untuned_tiles("wgrad", dtype, 1, 1, device)["BLOCK_M"]
 
 
 def _lead(t: Tensor) -> tuple[int, int, int, int, int]:
@@ -302,7 +330,7 @@ def _launch_mm(a: Tensor, weight: Tensor, sort_order: Tensor, offsets: Tensor, f
     num_slots = sort_order.shape[0]
     num_experts, k_dim, n_dim = weight.shape
     y = a.new_empty(num_slots, n_dim)
-    cfg = _config(a.dtype, k_dim, n_dim, tl, a.device)
+    cfg = _config(a.dtype, k_dim, n_dim, tl, a.device, "mm" if rowdot is None else "mm_rowdot")
     tiles = triton_cdiv(n_dim, cfg["BLOCK_N"])
     dots = a.new_empty(0) if rowdot is None else a.new_empty(
         tiles, num_slots, dtype=rowdot.dtype if tiles == 1 else _partial_dtype(a.dtype))
@@ -429,10 +457,11 @@ def grouped_mm_wgrad(
         return dw
     if sort_order.shape[0] == 0:
         return dw.zero_()
-    cfg = _config(x.dtype, k_dim, n_dim, tl, x.device)
+    cfg = _config(x.dtype, k_dim, n_dim, tl, x.device, "wgrad")
     tiles = (triton_cdiv(k_dim, cfg["BLOCK_K"]), triton_cdiv(n_dim, cfg["BLOCK_N"]))
-    splits = num_splits or wgrad_splits(sort_order.shape[0], num_experts, tiles[0] * tiles[1],
-                                        block_m or DEFAULT_BLOCK_M, x.device)
+    rows_per_chunk = wgrad_block_m(x.dtype, x.device, block_m)
+    splits = num_splits or wgrad_splits(sort_order.shape[0], num_experts, tiles[0] * tiles[1], rows_per_chunk,
+                                        x.device)
     # partial sums are kept in the accumulator's precision
     out = dw if splits == 1 else x.new_empty(splits, num_experts, k_dim, n_dim, dtype=_partial_dtype(x.dtype))
     stride_split = 0 if splits == 1 else out.stride(0)
@@ -446,7 +475,7 @@ def grouped_mm_wgrad(
     tuned = _tuned("wgrad") if block_m == 0 else None
     with _device_guard(x):
         if tuned is None:
-            wgrad_kernel[(num_experts * splits, *tiles)](*args, **flags, BLOCK_M=block_m or DEFAULT_BLOCK_M,
+            wgrad_kernel[(num_experts * splits, *tiles)](*args, **flags, BLOCK_M=rows_per_chunk,
                                                          **_launch_opts(x.device))
         else:
             tuned[(num_experts * splits, *tiles)](*args, **flags)
