@@ -10,8 +10,17 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
+# The oldest supported pair (README, "Supported versions"): torch 2.10 (the first with a public F.grouped_mm) and
+# transformers 5.17. numpy below 2.4: Triton 3.6's CPU interpreter (the kernel tests) fails on numpy 2.4's scalars.
+OLDEST := torch==2.10.0 transformers==5.17.0 "numpy<2.4"
+OLDEST_VENV := .venv-oldest
+# The tests whose outcome depends on the torch / transformers / Triton versions: the Hugging Face wrapper and
+# conversions, the peers, compile, the kernels (and the layers the kernels and compile run).
+VERSION_TESTS := tests/test_hf.py tests/test_hf_peft.py tests/test_interop.py tests/test_interop_gqa.py \
+	tests/test_conformance.py tests/test_compile.py tests/test_kernels.py tests/test_kernels_compile.py \
+	tests/test_kernels_grouped_mm.py tests/test_kernels_triton.py tests/test_mosa.py tests/test_gqa.py
 
-.PHONY: setup demo test test-slow bench gpu-check clean
+.PHONY: setup demo test test-oldest test-slow bench gpu-check clean
 
 # Where $(PYTHON) already has a PyTorch that sees a CUDA GPU, the venv uses it (--system-site-packages: the
 # install below then skips torch) and `make demo` runs the GPU-sized demo; elsewhere nothing changes.
@@ -32,6 +41,18 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -n 2
 
+# The version-dependent tests on the oldest supported torch and transformers, in their own venv (.ci/run runs it
+# after `make test`).
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet $(OLDEST)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -e ".[test,triton]" $(OLDEST)
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/python -c "import torch, transformers; print('oldest supported pair: torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -q -n 2 $(VERSION_TESTS)
+
 test-slow: setup
 	$(BIN)/python -m pytest -q -n 2 -m slow
 
@@ -48,4 +69,4 @@ gpu-check:
 	PYTHON=$(PYTHON) benchmarks/gpu_check.sh quick
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) runs .pytest_cache

@@ -105,7 +105,7 @@ def grouped_mm_kernel(
             if UPCAST:  # interpreter: numpy has no bf16 matmul
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+            acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_TYPE)
         if ROWDOT:  # D[tile, s] = <acc[s, tile cols], H[s, tile cols]>
             h_rows = _row_offset(slots, h_l1, h_l2, h_s0, h_s1, h_s2)
             hv = tl.load(
@@ -170,7 +170,7 @@ def grouped_wgrad_kernel(
         if UPCAST:  # interpreter: numpy has no bf16 matmul
             at = at.to(tl.float32)
             dy = dy.to(tl.float32)
-        acc = tl.dot(at, dy, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(at, dy, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_TYPE)
     tl.store(
         DW + split.to(tl.int64) * stride_ws + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk
         + cols[None, :] * stride_wn,
