@@ -74,7 +74,7 @@ def plan(spec: StudySpec) -> list[PlannedRow]:
     """Each row's model config, sized to the baseline's attention MACs (see :mod:`headmix.study.matching`)."""
     baseline = spec.baseline_config()
     src_len, tgt_len = macs_lengths(spec, baseline)
-    target = attention_macs_of(baseline, src_len, tgt_len)
+    target = attention_macs_of(baseline, src_len, tgt_len, attention=spec.attention_macs)
     rows = []
     for row in spec.rows:
         if not row.attention:
@@ -83,7 +83,7 @@ def plan(spec: StudySpec) -> list[PlannedRow]:
             try:
                 match: Match = match_attention(baseline, row.attention, row.solve, prefer=row.prefer,
                                                tolerance=spec.tolerance, src_len=src_len, tgt_len=tgt_len,
-                                               moh_count=spec.moh_count)
+                                               moh_count=spec.moh_count, attention=spec.attention_macs)
             except ValueError as err:
                 raise ValueError(f"row {row.name!r}: {err}") from None
             config = with_attention(baseline, match.attention)
@@ -92,11 +92,12 @@ def plan(spec: StudySpec) -> list[PlannedRow]:
                 config = with_attention(baseline, AttentionConfig(**row.attention))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"row {row.name!r}: {err}") from None
-        att_macs = attention_macs_of(config, src_len, tgt_len, spec.moh_count)
+        att_macs = attention_macs_of(config, src_len, tgt_len, spec.moh_count, spec.attention_macs)
         if abs(att_macs / target - 1) > spec.tolerance:
             raise ValueError(f"row {row.name!r}: its attention costs {att_macs / target:.3f}x the baseline's MACs, "
                              f"outside the tolerance {spec.tolerance:.0%}; name fields to solve for")
-        rows.append(PlannedRow(row.name, config, att_macs, analytic_macs(config, src_len, tgt_len).total,
+        rows.append(PlannedRow(row.name, config, att_macs,
+                               analytic_macs(config, src_len, tgt_len, attention=spec.attention_macs).total,
                                analytic_parameters(config).total, att_macs / target))
     return rows
 

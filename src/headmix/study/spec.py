@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models import ModelConfig, get_config
+from ..models.counting import check_convention
 from .matching import MOH_COUNTS, SOLVABLE
 
 #: TrainConfig options a spec may not set: the study sets them itself for every run.
@@ -87,6 +88,10 @@ class StudySpec:
     #: sparse MoH rows (moh_impl = "sparse") sized by what they compute ("computed") or by the dense count
     #: ("dense": the same head sizes as a dense MoH row); the report says which
     moh_count: str = "computed"
+    #: how attention's score and weights x values products are counted when the rows are matched: "full" (every
+    #: query-key pair, the MoA and SwitchHead papers' convention) or "causal" (the decoder's self-attention as a
+    #: causal flash kernel computes it, in 128 x 128 tiles); the report shows the ratio under the other beside it
+    attention_macs: str = "full"
     #: sequence lengths at which MACs are counted (default: the model's block length for LMs, the
     #: paper's Appendix E lengths for translation)
     macs_src_len: int | None = None
@@ -135,6 +140,7 @@ class StudySpec:
             raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
         if not 0 < self.tolerance < 1:
             raise ValueError(f"tolerance must be in (0, 1), got {self.tolerance!r}")
+        check_convention(self.attention_macs)
         if self.moh_count not in MOH_COUNTS:
             raise ValueError(f"moh_count must be one of {MOH_COUNTS}, got {self.moh_count!r}")
         if not isinstance(self.drop_checkpoints, bool):
