@@ -385,8 +385,13 @@ def interleaved_markdown(table: dict[str, Any]) -> list[str]:
             t = e["timing"]
             measured.append(f"{row['name']}: {describe_machine(t.get('machine') or {})}, {t.get('device')}, bf16 "
                             f"{t.get('bf16')}, compile {t.get('compile')}, {t.get('measured_at')}")
+    devices = sorted({str((r.get("equal_time_interleaved") or {}).get("timing", {}).get("device")).split(":")[0]
+                      for r in rows[1:] if (r.get("equal_time_interleaved") or {}).get("timing")})
+    warning = ["", f"**Warning: the rows were timed on different devices ({', '.join(devices)}): their ratios do not "
+                   f"belong in one table.**"] if len(devices) > 1 else []
     return lines + ["", "Step times measured (" + ((rows[1].get("equal_time_interleaved") or {}).get("timing") or
-                                                   {}).get("method", "interleaved") + "): " + "; ".join(measured) + "."]
+                                                   {}).get("method", "interleaved") + "): " + "; ".join(measured) + "."]\
+        + warning
 
 
 def equal_time_markdown(table: dict[str, Any]) -> list[str]:
