@@ -53,6 +53,30 @@ def test_the_pack_holds_the_stream_a_run_tokenises(tiny_pack):
     assert load_pack(tiny_pack.parent / "again").sha256 == pack.sha256
 
 
+def test_a_run_on_the_pack_trains_on_its_blocks(tiny_pack):
+    """A run with ``pack`` reads the pack's streams and tokenizer and cuts them into its blocks: the blocks a run
+    on the same corpus, split and tokenizer makes."""
+    from headmix.data import CausalLMBlockDataset, Tokenizer, read_jsonl_documents, split_documents
+    from headmix.training import TrainConfig
+    from headmix.training.setup import cached_dataset, read_pack
+
+    cfg = TrainConfig(task="lm", pack=str(tiny_pack), max_len=32, out="unused")
+    parts, tok = read_pack(cfg)
+    assert tok.hf.to_str() == Tokenizer.load(tiny_pack / "tokenizer").hf.to_str()
+    split = split_documents(read_jsonl_documents(tiny_pack.parent / "docs.jsonl"), valid_size=0.05, test_size=0.05,
+                            seed=1)
+    for name, part in (("train", split.train), ("valid", split.valid)):
+        ours = cached_dataset(cfg, name, parts[name], tok, None)
+        theirs = CausalLMBlockDataset.from_documents(part, tok, 32)
+        assert len(ours) == len(theirs) > 0
+        assert all(np.array_equal(ours[i]["input_ids"], theirs[i]["input_ids"]) and
+                   np.array_equal(ours[i]["labels"], theirs[i]["labels"]) for i in range(len(ours)))
+    for bad, message in (({"task": "mlm"}, "a token pack is a causal LM's whole data"),
+                         ({"data": ["x.jsonl"]}, "no data, tokenizer, shared_data beside it|got task 'lm' and data")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**{"task": "lm", "pack": str(tiny_pack), "out": "unused", **bad}).check_values()
+
+
 def test_a_damaged_or_different_pack_is_refused_in_one_line(tiny_pack, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_pack, broken)
@@ -109,6 +133,8 @@ def test_the_gpu_study_runs_end_to_end_at_a_tiny_size_in_slices(tiny_pack, tmp_p
     assert "stopped between runs (--max-runs 3); 3 of" in capsys.readouterr().err
     assert len(list(out.glob("runs/*/seed-1/summary.json"))) == 3
     assert not (out / "shared").exists()  # no corpus read, no tokenizer trained: the pack is the data
+    for run in out.glob("runs/*/seed-1"):
+        assert (run / "tokenizer/tokenizer.json").read_bytes() == (tiny_pack / "tokenizer/tokenizer.json").read_bytes()
     assert all(json.loads(p.read_text())["device"] == "cpu" for p in out.glob("timing/*.json"))
     # a later slice on a "fresh machine": only the records travel (no weights, no checkpoints, no token cache)
     fresh = tmp_path / "fresh"
@@ -137,6 +163,11 @@ def test_the_gpu_study_runs_end_to_end_at_a_tiny_size_in_slices(tiny_pack, tmp_p
     shutil.copy2(fresh / "results.md", tmp_path / "results.md")
     assert _study(fresh, "--report") == 0
     assert (fresh / "results.md").read_text() == (tmp_path / "results.md").read_text()
+    # where the pack lives does not define the study: the same pack moved elsewhere reads the same study
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_pack, moved)
+    monkeypatch.setitem(builtin.BUILTIN, "lm-en-gpu-contenders", lambda: _tiny_spec(moved))
+    assert _study(fresh, "--report") == 0
 
 
 def test_timings_of_another_device_are_refused_and_marked(tiny_pack, tmp_path, monkeypatch, capsys):

@@ -325,7 +325,7 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
     lines.append("|" + "---|" * len(cols))
     for row in table["rows"]:
         cells = [row["name"], _attention_text(row["attention"]), f"{row['attention_macs'] / 1e6:.2f}M "
-                 f"({row['attention_macs_ratio']:.3f}x)", f"{row['attention_macs_ratio_other']:.3f}x",
+                 f"({row['attention_macs_ratio']:.3f}x)", _ratio_text(row.get("attention_macs_ratio_other")),
                  f"{row['parameters'] / 1e6:.2f}M", str(len(row["seeds"]))]
         cells += [_fmt(row["metrics"].get(m), 2 if m in ("bleu", "chrf", "valid_ppl") else 3) for m in table["metrics"]]
         for m in compared:
@@ -436,6 +436,10 @@ def machines_markdown(table: dict[str, Any]) -> list[str]:
         lines += ["", "**Warning: the runs did not all train on the same machine (or the machine was not recorded "
                       "for some): tokens/s and the equal-time comparison mix machines.**"]
     return lines
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio:.3f}x"
 
 
 def _difference_cells(row: dict[str, Any], metric: str, baseline: str) -> list[str]:
