@@ -190,6 +190,10 @@ def test_timings_of_another_device_are_refused_and_marked(tiny_pack, tmp_path, m
         "timing": {"device": d, "method": "interleaved"}}} for n, d in (("A", "cpu"), ("B", "cuda:0"))]
     assert "timed on different devices (cpu, cuda)" in "\n".join(interleaved_markdown({"baseline": "GQA",
                                                                                       "rows": rows}))
+    for row, name in zip(rows[1:], ("NVIDIA H100 80GB HBM3", "NVIDIA H200")):  # two GPU models: marked too
+        row["equal_time_interleaved"]["timing"] = {"device": "cuda:0", "machine": {"device_name": name}}
+    assert "timed on different devices (cuda NVIDIA H100 80GB HBM3, cuda NVIDIA H200)" in "\n".join(
+        interleaved_markdown({"baseline": "GQA", "rows": rows}))
 
 
 def test_a_pack_study_is_refused_in_one_line_without_its_pack(tiny_pack, tmp_path, monkeypatch, capsys):

@@ -385,13 +385,20 @@ def interleaved_markdown(table: dict[str, Any]) -> list[str]:
             t = e["timing"]
             measured.append(f"{row['name']}: {describe_machine(t.get('machine') or {})}, {t.get('device')}, bf16 "
                             f"{t.get('bf16')}, compile {t.get('compile')}, {t.get('measured_at')}")
-    devices = sorted({str((r.get("equal_time_interleaved") or {}).get("timing", {}).get("device")).split(":")[0]
-                      for r in rows[1:] if (r.get("equal_time_interleaved") or {}).get("timing")})
+    devices = sorted({_timing_device(r["equal_time_interleaved"]["timing"]) for r in rows[1:]
+                      if (r.get("equal_time_interleaved") or {}).get("timing")})
     warning = ["", f"**Warning: the rows were timed on different devices ({', '.join(devices)}): their ratios do not "
                    f"belong in one table.**"] if len(devices) > 1 else []
     return lines + ["", "Step times measured (" + ((rows[1].get("equal_time_interleaved") or {}).get("timing") or
                                                    {}).get("method", "interleaved") + "): " + "; ".join(measured) + "."]\
         + warning
+
+
+def _timing_device(timing: dict[str, Any]) -> str:
+    """The device a row was timed on: ``cpu``, or ``cuda`` with the GPU's name when recorded."""
+    kind = str(timing.get("device")).split(":")[0]
+    name = (timing.get("machine") or {}).get("device_name")
+    return f"{kind} {name}" if kind != "cpu" and name else kind
 
 
 def equal_time_markdown(table: dict[str, Any]) -> list[str]:
