@@ -4,7 +4,8 @@ split, tokenizer, batch order and schedule; a rerun continues where the study st
 A study folder::
 
     study.json                  the spec as given, and the matched attention of every row
-    shared/tokenizer/           the one tokenizer of every run (trained on the shared train split)
+    shared/tokenizer/           the one tokenizer of every run (trained on the shared train split); a study on a
+                                token pack (``pack``) has no shared/: the pack holds the split and tokenizer
     configs/ROW.json            each row's model config (the baseline's, with the row's attention)
     runs/ROW/seed-N/            a headmix training run folder (locked while in use, resumable)
     runs/ROW/seed-N/study_eval.json   translation: BLEU/chrF of that run on the test split
@@ -186,12 +187,12 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                                 f"--data FILE{'; ' + spec.data_note if spec.data_note else ''})")
     if spec.pack:
         check_pack(spec)  # every file of the pack against its checksums, before the folder is touched
+    check_timing_devices(spec, planned, out)
     out.mkdir(parents=True, exist_ok=True)
     with study_lock(out):
         _write_plan(spec, planned, out)
         if not spec.pack:
             prepare_shared_tokenizer(spec, out, log)
-    check_timing_devices(spec, planned, out)
 
     def stopped() -> bool:
         return stop is not None and stop() is not None
@@ -331,7 +332,7 @@ def drop_checkpoints(folder: Path, log: Callable[[str], None]) -> list[Path]:
 
 
 def check_pack(spec: StudySpec):
-    """The study's token pack, every file checked against its manifest and the manifest against the study's
+    """The study's token pack, every file checked against its manifest and the pack's checksum against the study's
     ``pack_sha256`` (:func:`headmix.data.pack.load_pack`); the error names the study."""
     from ..data.pack import load_pack
 
