@@ -232,3 +232,16 @@ def test_the_committed_pack_is_the_builtins_and_the_study_is_sized_as_documented
     assert "to be measured" in spec.gpu and "326k tokens/s" in spec.gpu
     slowest = float(spec.gpu.split(" s (a row at")[0].rsplit(" ", 1)[1])
     assert slowest <= 120
+
+
+@pytest.mark.gpu
+def test_the_gpu_study_runs_on_cuda_at_a_tiny_size(tiny_pack, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    monkeypatch.setitem(builtin.BUILTIN, "lm-en-gpu-contenders", lambda: _tiny_spec(tiny_pack))
+    out = tmp_path / "study"
+    assert main(["study", "lm-en-gpu-contenders", "--out", str(out), "--device", "cuda", "--no-progress"]) == 0
+    assert all(json.loads(p.read_text())["device"].startswith("cuda") for p in out.glob("timing/*.json"))
+    summary = json.loads((out / "runs/GQA/seed-1/summary.json").read_text())
+    assert summary["machine"]["device_type"] == "cuda"
