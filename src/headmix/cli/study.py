@@ -8,6 +8,7 @@
     headmix study lm-en --out studies/lm-en --report        # rewrite the report from the finished runs
     headmix study lm-en-gpu --out runs/g --device cuda:1    # one of several workers on one folder
     headmix study lm-en --out runs/s --time-budget 540      # stop cleanly within 9 minutes (exit 75), rerun
+    headmix study lm-en-gpu-contenders --out studies/lm-en-gpu-contenders --max-runs 3   # 3 runs, then exit 75
 
 Every row is sized to the baseline's attention MACs within 2% (``headmix macs`` counting) and trained for
 the same number of steps on the same split, tokenizer, batch order and schedule, once per seed. Each
@@ -54,6 +55,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--time-reserve", type=float, default=60.0, metavar="SECONDS",
                    help="with --time-budget: stop starting new steps this long before the budget ends, for what "
                         "cannot be cut (a run's final validation and summary, the report; default 60)")
+    p.add_argument("--max-runs", type=int, default=None, metavar="N",
+                   help="train at most N runs to their end, then stop before starting another (exit status 75 while "
+                        "runs remain): a command that must end between runs, e.g. on a machine that keeps nothing")
     p.add_argument("--plan", action="store_true", help="print the matched rows and exit without training")
     p.add_argument("--report", action="store_true", help="rewrite the report from the finished runs in --out, "
                                                         "training nothing")
@@ -140,13 +144,19 @@ def run(args) -> int:
                 reasons.append(reason)
             return reason
 
-        results = run_study(spec, args.out, progress=not args.no_progress, stop=stop, on_result=report, log=log)
+        results = run_study(spec, args.out, progress=not args.no_progress, stop=stop, on_result=report, log=log,
+                            max_runs=args.max_runs)
     done, total = len(results), len(spec.rows) * len(spec.seeds)
     if reasons:
         print(f"headmix study: stopped ({reasons[0]}); {done} of {total} runs finished; run the same command to "
               f"continue", file=sys.stderr)
         return EXIT_CONTINUE if reasons[0] == TIME_BUDGET else 1
-    if not study_complete(spec, planned, Path(args.out), results):
+    complete = study_complete(spec, planned, Path(args.out), results)
+    if not complete and args.max_runs is not None and done < total:
+        print(f"headmix study: stopped between runs (--max-runs {args.max_runs}); {done} of {total} runs finished; "
+              f"run the same command to continue", file=sys.stderr)
+        return EXIT_CONTINUE
+    if not complete:
         print(f"headmix study: {done} of {total} runs finished; the others are being timed or trained by other "
               f"workers on {args.out}, and the last to finish writes the report", file=sys.stderr)
         return 0

@@ -35,6 +35,16 @@ Three numbers per model:
   (:func:`mosa_macs`): per sparse head the router ``T d_m``, the chosen tokens' Q, K, V and output projections
   ``4 k d_m d_h`` and the attention among them ``2 k^2 d_h`` (``k = T // sparsity``, at least 2, at most
   ``T``), plus the dense heads as MHA.
+- ``attention`` convention of the ``full`` count (``headmix macs --attention-macs``, a study's
+  ``attention_macs``): ``"full"`` (the default, the MoA and SwitchHead papers' convention) counts every
+  (query, key) pair of the score and weights x values products, ``T S`` per head; ``"causal"`` counts a
+  causal layer (the decoder's self-attention) as a causal flash kernel computes it: in tiles of
+  :data:`FLASH_TILE` (128 queries x 128 keys), every tile at or below the diagonal computed whole, those
+  above it skipped (:func:`causal_pairs`: about half the square, exactly the square up to one tile). It
+  applies to every kind's score and weights x values products (and Talking-Heads' mixing of the scores,
+  which is per computed pair): MoSA's sparse heads attend causally among their ``k`` chosen tokens, so they
+  count ``causal_pairs(k)``. Encoder self-attention and cross-attention are not causal and count ``T S``
+  in both conventions. Projections and routers do not change.
 - ``measured``: run the model once under ``torch.utils.flop_counter.FlopCounterMode`` (MACs =
   FLOPs / 2), with MoA layers on ``expert_impl="sorted"`` so that only the ``k`` selected experts per
   token are computed (and counted).
@@ -60,6 +70,39 @@ from .config import AttentionConfig, ModelConfig
 
 #: Appendix E input sizes.
 APPENDIX_E_LENGTHS = {"translation": (10, 10), "mlm": (128, None), "lm": (None, 128)}
+#: How the ``full`` count costs attention's score and weights x values products (module docstring):
+#: ``"full"``, every (query, key) pair, or ``"causal"``, causal layers as a causal flash kernel computes them.
+ATTENTION_MACS = ("full", "causal")
+#: The (queries, keys) tile of the ``causal`` convention: the forward tile of the flash kernel that PyTorch's
+#: ``scaled_dot_product_attention`` runs on an H100 for heads of 64 (FlashAttention-2's ``run_mha_fwd_hdim64``,
+#: ``kBlockM = kBlockN = 128``; FlashAttention-3 also uses 128 x 128 for causal heads of 128). Heads of 128 under
+#: FlashAttention-2 use 128 x 64 tiles, which skip more of the square; one tile size keeps the count a property
+#: of the model, not of the head size.
+FLASH_TILE = (128, 128)
+
+
+def causal_pairs(length: int, tile: tuple[int, int] = FLASH_TILE) -> int:
+    """The (query, key) pairs a causal flash kernel computes over ``length`` tokens with ``tile`` = (query rows,
+    key columns) per tile: the query rows of tile ``i`` (``[i m, min((i + 1) m, T))``) against the keys up to the
+    end of the last key tile that reaches their last query (``min(ceil((i + 1) m / n) n, T)``), so a tile on
+    the diagonal is computed whole and the tiles above it not at all. The rows and columns past ``T`` (the
+    kernel masks them) are not counted: ``T <= m`` gives ``T^2``, a long sequence about ``T^2 / 2``."""
+    rows, cols = tile
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"length must be a non-negative integer, got {length!r}")
+    pairs = 0
+    for start in range(0, length, rows):
+        end = min(start + rows, length)
+        keys = min(-(-(start + rows) // cols) * cols, length)
+        pairs += (end - start) * keys
+    return pairs
+
+
+def check_convention(attention: str) -> str:
+    """``attention`` if it is one of :data:`ATTENTION_MACS`, else ``ValueError`` naming the option."""
+    if attention not in ATTENTION_MACS:
+        raise ValueError(f"attention_macs must be one of {ATTENTION_MACS}, got {attention!r}")
+    return attention
 
 
 @dataclass
@@ -86,31 +129,38 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
 # --------------------------------------------------------------------------------------------------
 # One attention layer
 # --------------------------------------------------------------------------------------------------
-def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: int) -> tuple[int, int]:
+def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: int,
+                   causal: bool = False) -> tuple[int, int]:
     """``(full, paper)`` MACs of one attention layer with ``tgt_len`` queries over ``src_len`` keys
-    (``src_len == tgt_len`` for self-attention), batch 1, inference (no router noise)."""
+    (``src_len == tgt_len`` for self-attention), batch 1, inference (no router noise). ``causal``: the ``full``
+    count's score and weights x values products cover the pairs a causal flash kernel computes
+    (:func:`causal_pairs`, self-attention only) instead of all ``T S``; the ``paper`` count is unchanged."""
     d, t, s = d_model, tgt_len, src_len
+    if causal and t != s:
+        raise ValueError(f"causal attention is self-attention: tgt_len {t} and src_len {s} must be equal")
+    pairs = causal_pairs(t) if causal else t * s  # (query, key) pairs of the score and weights x values products
     if att.kind == "mosa":
-        full = mosa_macs(att, d, t)
-        return full, full
+        full = mosa_macs(att, d, t, causal=causal)
+        return full, mosa_macs(att, d, t)
     if att.kind == "moa":
         # kv_heads G: every expert is G heads of d_h (one per K/V head), i.e. eq. 10-12 with d_h -> G d_h
         k, e, dh = att.top_k, att.num_experts, att.head_dim * (att.kv_heads or 1)
         full = (t * d * e            # router logits x W_g (eq. 7)
                 + k * t * d * dh     # expert query projections (eq. 10), k per token
                 + 2 * s * d * dh     # shared K and V projections, once
-                + 2 * k * t * s * dh  # scores and weights x values of k heads
+                + 2 * k * pairs * dh  # scores and weights x values of k heads
                 + k * t * dh * d)    # expert output projections (eq. 12)
         paper = k * t * s * dh + 2 * (k + 1) * t * dh * d  # eq. 18
         return full, paper
     if att.kind == "switchhead":
         h, e, k, dh = att.num_heads, att.num_experts, att.top_k, att.resolved_head_dim(d)
         products = h * (t * d * dh + s * d * dh + k * s * d * dh + k * t * dh * d + 2 * t * s * dh)
+        computed = products - h * 2 * (t * s - pairs) * dh  # the attention products over the computed pairs
         selectors = t * d * h * e + (s * d * h * e if e > 1 else 0)  # sigmoid(x W_sel), output and value side
         # The SwitchHead authors' count (get_attention_flops): + the weighted sums of the k expert outputs
         # (value side over S, output side over T) + the two selectors as E d_m per token and side.
         paper = products + h * k * dh * (s + t) + e * d * (s + t)
-        return products + selectors, paper
+        return computed + selectors, paper
     h = att.num_heads
     dv = att.resolved_head_dim(d)
     dk = att.resolved_key_dim(d)
@@ -120,11 +170,11 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     # or with sparse MoH the shared heads and the top_k selected ones (per group with route_per_group; keys
     # and values stay dense).
     active = groups * (att.num_shared_heads + att.top_k) if att.kind == "moh" and att.moh_impl == "sparse" else h
-    full = t * d * active * dk + s * d * kv * (dk + dv) + active * t * s * (dk + dv) + t * active * dv * d
+    full = t * d * active * dk + s * d * kv * (dk + dv) + active * pairs * (dk + dv) + t * active * dv * d
     paper = t * s * h * dk + 2 * t * d * h * dk + 2 * t * d * h * dv  # eq. 19 (= T^2 d_m + 4 T d_m^2)
     full += t * d * _output_gates(att, h, dv)  # Gated Attention's gate projection, every head (QK-norm: element-wise)
     if att.kind == "talking_heads":
-        full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h * t * s
+        full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h * pairs
     if att.kind == "moh":
         full += t * d * _moh_router_width(att, h, groups)
     return full, paper
@@ -153,14 +203,17 @@ def mosa_tokens(att: AttentionConfig, length: int) -> int:
     return min(max(k, 2), length)
 
 
-def mosa_macs(att: AttentionConfig, d_model: int, length: int) -> int:
+def mosa_macs(att: AttentionConfig, d_model: int, length: int, causal: bool = False) -> int:
     """MACs of one MoSA layer over ``length`` tokens: ``H_s (T d_m + 4 k d_m d_h + 2 k^2 d_h)`` for the
     sparse heads (router; the chosen tokens' Q, K, V and output projections; scores and weights x values
-    among the ``k`` chosen) plus ``H_d (4 T d_m d_h + 2 T^2 d_h)`` for the dense heads."""
+    among the ``k`` chosen) plus ``H_d (4 T d_m d_h + 2 T^2 d_h)`` for the dense heads. ``causal``: ``k^2``
+    and ``T^2`` become :func:`causal_pairs` of ``k`` and ``T`` (a sparse head attends causally among the
+    tokens it chose)."""
     d, t = d_model, length
     dh, k = att.resolved_head_dim(d), mosa_tokens(att, length)
-    sparse = att.num_sparse_heads * (t * d + 4 * k * d * dh + 2 * k * k * dh)
-    dense = (att.num_dense_heads or 0) * (4 * t * d * dh + 2 * t * t * dh)
+    k_pairs, t_pairs = (causal_pairs(k), causal_pairs(t)) if causal else (k * k, t * t)
+    sparse = att.num_sparse_heads * (t * d + 4 * k * d * dh + 2 * k_pairs * dh)
+    dense = (att.num_dense_heads or 0) * (4 * t * d * dh + 2 * t_pairs * dh)
     return sparse + dense
 
 
@@ -240,8 +293,10 @@ def resolve_lengths(config: ModelConfig, src_len: int | None = None, tgt_len: in
 
 
 def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int | None = None,
-                  batch_size: int = 1) -> Count:
-    """MACs of one forward pass, per component (see the module docstring for ``full`` vs ``paper``).
+                  batch_size: int = 1, attention: str = "full") -> Count:
+    """MACs of one forward pass, per component (see the module docstring for ``full`` vs ``paper``, and for the
+    ``attention`` conventions of :data:`ATTENTION_MACS`: ``"causal"`` counts the decoder's self-attention as a
+    causal flash kernel computes it).
 
     ``src_len`` is the encoder's input length (translation, masked LM), ``tgt_len`` the decoder's
     (translation, causal LM); defaults are Appendix E's (10 and 10 for translation, 128 for the LMs).
@@ -249,6 +304,7 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
     by :func:`attention_macs`; FFN by :func:`ffn_macs` (SwiGLU: gate, up and down projections).
     """
     src, tgt = resolve_lengths(config, src_len, tgt_len)
+    causal = check_convention(attention) == "causal"
     d, v = config.d_model, config.vocab_size
     full: dict[str, int] = {"embeddings": 0}
     paper: dict[str, int] = {"embeddings": 0}
@@ -263,7 +319,7 @@ def analytic_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int 
         add("encoder.ffn", config.encoder_layers * ffn_macs(config, src))
     if config.decoder_layers:
         n = config.decoder_layers
-        a_full, a_paper = attention_macs(config.decoder_self_attention, d, tgt, tgt)
+        a_full, a_paper = attention_macs(config.decoder_self_attention, d, tgt, tgt, causal=causal)
         add("decoder.self_attention", n * a_full, n * a_paper)
         if config.cross_attention is not None:
             c_full, c_paper = attention_macs(config.cross_attention, d, tgt, src)

@@ -33,12 +33,26 @@ Studies that want a GPU (``headmix study --list`` says how long a row takes on o
   32000, blocks of 1024 tokens, 1536 steps of 32768 tokens (50.3M tokens per run); rows MHA, MoA (``k = 12``
   of 48), MoH (12 heads, 4 shared, top 4), SwitchHead (6 heads, top 2 of 4). Its corpus is the larger Debian
   documentation corpus (``DEBIAN_DOCS``, built by ``headmix data ...``; ``--data`` gives another file).
+- ``lm-en-gpu-contenders``: ``lm-en-contenders``' rows at GPU scale, in runs that fit a short loan of one H100: a
+  Llama-3-style decoder of d_model 512, 8 layers, GQA 8 query heads of 64 on 2 K/V heads (rotary base 500000),
+  blocks of 1024 tokens, 400 steps of 16 x 1024 tokens (6.6M tokens per run), lr 1.5e-3 (as ``lm-en-gpu``, not
+  tuned), bf16 on CUDA, 3 seeds; rows GQA, Gated, GQE, GQE with a random router (``router="random"``: the
+  control of GQE's learned one), MoA with 2 K/V heads (top 4 of 8) and MoSA (2 dense heads of 64 and sparse heads
+  of 64 keeping 1/8 of the tokens, their number solved). Rows are matched on the ``causal`` MAC count (what a
+  causal flash kernel computes on the GPU; the report shows the ``full`` ratio beside it). Its data is the token
+  pack committed in ``studies/lm-en-gpu-contenders/pack/`` (:data:`GPU_CONTENDERS_PACK`: ``en-docs.jsonl.gz``
+  split, tokenised with its 16000-token BPE and checksummed, 18.9 MB), so the GPU machine reads no corpus and
+  trains no tokenizer. Sized from the one H100 throughput headmix has measured for a model of this family:
+  ``lm-en-gpu``'s MHA, 326k tokens/s on 2026-11-23 (``../shared/gpu-2026-11-23/study/``), scaled by MACs per
+  token to this baseline, and the slowest measured routed row's ratio (0.44); how long a run really takes on an
+  H100 is still to be measured (``headmix study --list`` prints the estimate).
 """
 
 from __future__ import annotations
 
 import os
 
+from ..models import analytic_macs
 from ..models.presets import llama_model, mha
 from .spec import RowSpec, StudySpec
 
@@ -183,9 +197,79 @@ def lm_en_gpu_large() -> StudySpec:
                                f"`headmix data build debian-docs --out data/debian-docs` (docs/data.md)")
 
 
+#: ``lm-en-gpu-contenders``' token pack (relative to the folder the study runs in, the repository's root), built by
+#: ``headmix data pack --data ../shared/data/en-docs.jsonl.gz --vocab-size 16000 --out studies/lm-en-gpu-contenders/pack``,
+#: and its checksum (:func:`headmix.data.pack.pack_checksum`: the sha256 of its files' sha256s; a rebuild by the
+#: same command has the same).
+GPU_CONTENDERS_PACK = "studies/lm-en-gpu-contenders/pack"
+GPU_CONTENDERS_PACK_SHA256 = "16a832b3a2403da1c31567b2e3deb14ef85ce4a3b636e3754bd7dcc0c9c99402"
+#: The slowest routed row's training speed relative to the dense baseline that headmix has measured on an H100
+#: (``H100_LM_EN_GPU_RATIOS``: MoA E=48, 0.44): what ``lm-en-gpu-contenders``' runs are sized by.
+SLOWEST_MEASURED_RATIO = min(H100_LM_EN_GPU_RATIOS.values())
+
+
+def _has_random_router() -> bool:
+    """Whether this headmix has the random-routing control (``router="random"``) for MoH."""
+    from ..models import AttentionConfig
+
+    try:
+        AttentionConfig(kind="moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=1,
+                        router="random")
+    except ValueError:
+        return False
+    return True
+
+
+def gpu_contenders_spec(*, d_model: int = 512, layers: int = 8, block: int = 1024, batch_blocks: int = 16,
+                        steps: int = 400, head_dim: int = 64, vocab_size: int = 16000, seeds: tuple = (1, 2, 3),
+                        pack: str = GPU_CONTENDERS_PACK, pack_sha256: str = GPU_CONTENDERS_PACK_SHA256,
+                        name: str = "lm-en-gpu-contenders", **training) -> StudySpec:
+    """``lm-en-gpu-contenders`` (the module docstring) with its sizes as arguments: the built-in takes the
+    defaults; a test runs the same rows on a tiny model and pack."""
+    from ..models import AttentionConfig
+    from ..models.presets import LLAMA3_ROTARY_BASE
+
+    gqa = {"num_heads": 8, "kv_heads": 2}
+    gqe = {"kind": "moh", **gqa, "route_per_group": True, "num_shared_heads": 1, "top_k": 1, "moh_impl": "sparse"}
+    prefer = {"head_dim": head_dim}
+    rows = [RowSpec("GQA"),
+            RowSpec("Gated", {"kind": "mha", **gqa, "output_gate": "headwise"}, ["head_dim"], prefer),
+            RowSpec("GQE", gqe, ["head_dim"], prefer),
+            RowSpec("GQE random", {**gqe, "router": "random"}, ["head_dim"], prefer),
+            RowSpec("MoA kv2", {"kind": "moa", "num_experts": 8, "top_k": 4, "kv_heads": 2}, ["head_dim"], prefer),
+            RowSpec("MoSA", {"kind": "mosa", "num_dense_heads": 2, "head_dim": head_dim, "sparsity": 8},
+                    ["num_sparse_heads"])]
+    if not _has_random_router():  # a headmix without the random-routing control leaves its row out
+        rows = [r for r in rows if r.attention.get("router") != "random"]
+    attention = AttentionConfig(kind="mha", **gqa, rotary_base=LLAMA3_ROTARY_BASE)
+    baseline = llama_model(attention, vocab_size, d_model=d_model, layers=layers, max_positions=block).to_dict()
+    return StudySpec(name=name, task="lm", baseline=baseline, rows=rows, seeds=list(seeds), max_steps=steps,
+                     pack=pack, pack_sha256=pack_sha256, attention_macs="causal", drop_checkpoints=True,
+                     training={**_GPU_TRAINING, "max_len": block, "max_tokens": batch_blocks * block, "lr": 1.5e-3,
+                               "warmup_steps": 50, "eval_every": 50, "log_every": 25, "save_every": steps,
+                               **training},
+                     data_note=f"the pack is committed in {GPU_CONTENDERS_PACK}; rebuild it with `headmix data pack "
+                               f"--data ../shared/data/en-docs.jsonl.gz --vocab-size 16000 --out {GPU_CONTENDERS_PACK}`")
+
+
+def lm_en_gpu_contenders() -> StudySpec:
+    spec = gpu_contenders_spec()
+    tokens = spec.max_steps * spec.training["max_tokens"]
+    ours = analytic_macs(spec.baseline_config(), tgt_len=1024).total / 1024
+    measured = analytic_macs(lm_en_gpu().baseline_config(), tgt_len=512).total / 512
+    baseline_tps = H100_LM_EN_GPU_TOKENS_PER_SECOND * measured / ours
+    fastest, slowest = tokens / baseline_tps, tokens / (baseline_tps * SLOWEST_MEASURED_RATIO)
+    spec.gpu = (f"an ESTIMATE, to be measured: a run ({tokens / 1e6:.1f}M tokens) trains for about {fastest:.0f} s "
+                f"(GQA) to {slowest:.0f} s (a row at {SLOWEST_MEASURED_RATIO}x its speed) on one H100, from the "
+                f"measured {H100_LM_EN_GPU_TOKENS_PER_SECOND // 1000}k tokens/s of lm-en-gpu's MHA scaled by MACs "
+                f"per token ({measured / 1e6:.1f}M -> {ours / 1e6:.1f}M: {baseline_tps / 1000:.0f}k tokens/s) and the "
+                f"slowest measured routed row's ratio; plus start-up, validation and the timing phase")
+    return spec
+
+
 BUILTIN = {"lm-en": lm_en, "translation-en-de": translation_en_de, "lm-en-llama": lm_en_llama,
            "lm-en-contenders": lm_en_contenders, "lm-en-contenders-long": lm_en_contenders_long,
-           "lm-en-gpu": lm_en_gpu, "lm-en-gpu-large": lm_en_gpu_large}
+           "lm-en-gpu": lm_en_gpu, "lm-en-gpu-large": lm_en_gpu_large, "lm-en-gpu-contenders": lm_en_gpu_contenders}
 
 
 def get_study(name: str) -> StudySpec:

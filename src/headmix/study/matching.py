@@ -2,7 +2,9 @@
 
 A study compares attention variants at equal compute: every row's attention must cost the baseline's
 MACs within a tolerance (2% by default), counted by :func:`headmix.models.analytic_macs` (the ``full``
-count of ``headmix macs``). Only the attention layers differ between the rows of a study, so the rows are
+count of ``headmix macs``), with attention's products counted by the study's convention (``attention_macs``:
+``"full"``, every (query, key) pair, the default; or ``"causal"``, as a causal flash kernel computes them,
+:data:`headmix.models.counting.ATTENTION_MACS`). Only the attention layers differ between the rows of a study, so the rows are
 matched on the attention layers' MACs, which is stricter than matching whole models (the FFN and the
 output projection, equal in every row, would hide a gap in attention).
 
@@ -61,13 +63,13 @@ MOH_COUNTS = ("computed", "dense")
 
 
 def attention_macs_of(config: ModelConfig, src_len: int | None, tgt_len: int | None,
-                      moh_count: str = "computed") -> int:
+                      moh_count: str = "computed", attention: str = "full") -> int:
     """MACs of all attention layers of ``config`` (the components named ``*attention``); ``moh_count``: see
-    :data:`MOH_COUNTS`."""
+    :data:`MOH_COUNTS`; ``attention``: the convention of :data:`headmix.models.counting.ATTENTION_MACS`."""
     if moh_count == "dense":
         config = config.replace(**{role: dataclasses.replace(getattr(config, role), moh_impl=None)
                                    for role in config.attention_roles() if getattr(config, role).kind == "moh"})
-    count = analytic_macs(config, src_len, tgt_len)
+    count = analytic_macs(config, src_len, tgt_len, attention=attention)
     return sum(v for name, v in count.full.items() if name.endswith("attention"))
 
 
@@ -117,10 +119,12 @@ class Match:
 
 def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterable[str], *,
                     prefer: dict[str, Any] | None = None, tolerance: float = 0.02,
-                    src_len: int | None = None, tgt_len: int | None = None, moh_count: str = "computed") -> Match:
+                    src_len: int | None = None, tgt_len: int | None = None, moh_count: str = "computed",
+                    attention: str = "full") -> Match:
     """The attention config with the fields ``fixed`` and the ``solve`` fields chosen so that the model
     (``baseline`` with this attention in every role) costs the baseline's attention MACs within
-    ``tolerance`` (sparse MoH counted per ``moh_count``, :data:`MOH_COUNTS`); options ``fixed`` leaves out are
+    ``tolerance`` (sparse MoH counted per ``moh_count``, :data:`MOH_COUNTS`; attention's products per the
+    convention ``attention``, :data:`headmix.models.counting.ATTENTION_MACS`); options ``fixed`` leaves out are
     the baseline's (:data:`INHERITED`). ``ValueError``
     naming the variant's fields when no candidate is within it."""
     solve = tuple(solve)
@@ -132,7 +136,7 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
     prefer = prefer or {}
-    target = attention_macs_of(baseline, src_len, tgt_len)
+    target = attention_macs_of(baseline, src_len, tgt_len, attention=attention)
     best: tuple[tuple, Match] | None = None
     closest: Match | None = None
     inherited = {**inherited_options(baseline), **conventions_for(fixed.get("kind", "mha"), baseline)}
@@ -143,7 +147,7 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
             model = with_attention(baseline, att)
         except (ValueError, TypeError):
             continue
-        match = Match(att, attention_macs_of(model, src_len, tgt_len, moh_count), target)
+        match = Match(att, attention_macs_of(model, src_len, tgt_len, moh_count, attention), target)
         gap = abs(match.ratio - 1)
         if closest is None or gap < abs(closest.ratio - 1):
             closest = match

@@ -25,7 +25,10 @@ from typing import Any
 
 from ..storage.files import atomic_output, atomic_write
 from ..training.machine import describe_machine
-from .runner import (PlannedRow, RunResult, finished_results, interpolate, slug, study_complete, study_lock)
+from ..models.counting import ATTENTION_MACS, FLASH_TILE
+from .matching import attention_macs_of
+from .runner import (PlannedRow, RunResult, finished_results, interpolate, macs_lengths, slug, study_complete,
+                     study_lock)
 from .spec import StudySpec
 from .stats import paired_difference, summarize
 from .timing import equal_time_steps, read_at, read_timing
@@ -202,13 +205,35 @@ def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResul
         entry["equal_time_interleaved"] = interleaved[row.name]
         entry["machines"] = ran_on.get(row.name, [])
         rows.append(entry)
+    for entry, ratio in zip(rows, other_convention_ratios(spec, planned)):
+        entry["attention_macs_ratio_other"] = ratio
     recorded = {m for ms in ran_on.values() for m in ms}
     return {"name": spec.name, "task": spec.task, "baseline": baseline, "baseline_preset": spec.baseline_name,
             "max_steps": spec.max_steps, "seeds": spec.seeds, "tolerance": spec.tolerance,
-            "moh_count": spec.moh_count,
+            "moh_count": spec.moh_count, "attention_macs": spec.attention_macs,
+            "attention_macs_other": other_convention(spec.attention_macs),
             "metrics": metric_names, "rows": rows, "machines_differ": len(recorded) > 1,
             "curves": {r.name: _curves(results, r.name) for r in planned},
             "curve_times": {r.name: _curves(results, r.name, times=True) for r in planned}}
+
+
+def other_convention(attention: str) -> str:
+    """The MACs convention a study did not match on (:data:`headmix.models.counting.ATTENTION_MACS`)."""
+    return next(c for c in ATTENTION_MACS if c != attention)
+
+
+def other_convention_ratios(spec: StudySpec, planned: list[PlannedRow]) -> list[float]:
+    """Each row's attention MACs over the baseline's under the convention the study did not match on: how far
+    the rows matched on one count are apart on the other."""
+    src_len, tgt_len = macs_lengths(spec, planned[0].config)
+    other = other_convention(spec.attention_macs)
+    macs = [attention_macs_of(row.config, src_len, tgt_len, spec.moh_count, other) for row in planned]
+    return [m / macs[0] for m in macs]
+
+
+_CONVENTION_TEXT = {"full": "every query-key pair, the MoA and SwitchHead papers' count",
+                    "causal": f"causal self-attention as a flash kernel computes it, in "
+                              f"{FLASH_TILE[0]} x {FLASH_TILE[1]} tiles"}
 
 
 def _curves(results: list[RunResult], row: str, *, times: bool = False) -> dict[str, dict[str, float]]:
@@ -278,25 +303,30 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
     validation NLL."""
     main = "bleu" if "bleu" in table["metrics"] else "valid_nll"
     compared = [main] + (["valid_nll"] if main != "valid_nll" and "valid_nll" in table["metrics"] else [])
+    matched = table.get("attention_macs", "full")
+    other = other_convention(matched)
     lines = [f"### {table['name']}: {table['task']}, {table['max_steps']} steps, seeds {table['seeds']}",
              "",
              "#### Equal MACs: which method is better per unit of compute",
              "",
              f"Baseline: **{table['baseline']}** (`{table['baseline_preset']}`); every row's attention MACs within "
-             f"{table['tolerance']:.0%} of its, every run the same steps. Mean ± standard deviation over seeds; Δ is "
+             f"{table['tolerance']:.0%} of its, counted `{matched}` ({_CONVENTION_TEXT[matched]}); beside it the ratio "
+             f"counted `{other}` ({_CONVENTION_TEXT[other]}). Every run the same steps. "
+             f"Mean ± standard deviation over seeds; Δ is "
              f"the row minus the baseline, paired by seed, with its 95% Student-t interval."
              + (f" {machine}" if machine else "")
              + (f" Sparse MoH rows are counted by their {'dense count (as if every head ran)' if table.get('moh_count') == 'dense' else 'computed MACs (the heads they run)'}."
                 if any(r["attention"].get("moh_impl") == "sparse" for r in table["rows"]) else ""),
              ""]
     verdicts = ["verdict"] if len(compared) == 1 else [f"verdict ({m})" for m in compared]
-    cols = ["row", "attention", "attn MACs", "params", "seeds"] + [m for m in table["metrics"]] + \
+    cols = ["row", "attention", "attn MACs", f"ratio, {other} count", "params", "seeds"] + [m for m in table["metrics"]] + \
         [c for m, v in zip(compared, verdicts) for c in (f"Δ {m} [95% CI]", v)] + ["tokens/s"]
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
     for row in table["rows"]:
         cells = [row["name"], _attention_text(row["attention"]), f"{row['attention_macs'] / 1e6:.2f}M "
-                 f"({row['attention_macs_ratio']:.3f}x)", f"{row['parameters'] / 1e6:.2f}M", str(len(row["seeds"]))]
+                 f"({row['attention_macs_ratio']:.3f}x)", _ratio_text(row.get("attention_macs_ratio_other")),
+                 f"{row['parameters'] / 1e6:.2f}M", str(len(row["seeds"]))]
         cells += [_fmt(row["metrics"].get(m), 2 if m in ("bleu", "chrf", "valid_ppl") else 3) for m in table["metrics"]]
         for m in compared:
             cells += _difference_cells(row, m, table["baseline"])
@@ -355,8 +385,20 @@ def interleaved_markdown(table: dict[str, Any]) -> list[str]:
             t = e["timing"]
             measured.append(f"{row['name']}: {describe_machine(t.get('machine') or {})}, {t.get('device')}, bf16 "
                             f"{t.get('bf16')}, compile {t.get('compile')}, {t.get('measured_at')}")
+    devices = sorted({_timing_device(r["equal_time_interleaved"]["timing"]) for r in rows[1:]
+                      if (r.get("equal_time_interleaved") or {}).get("timing")})
+    warning = ["", f"**Warning: the rows were timed on different devices ({', '.join(devices)}): their ratios do not "
+                   f"belong in one table.**"] if len(devices) > 1 else []
     return lines + ["", "Step times measured (" + ((rows[1].get("equal_time_interleaved") or {}).get("timing") or
-                                                   {}).get("method", "interleaved") + "): " + "; ".join(measured) + "."]
+                                                   {}).get("method", "interleaved") + "): " + "; ".join(measured) + "."]\
+        + warning
+
+
+def _timing_device(timing: dict[str, Any]) -> str:
+    """The device a row was timed on: ``cpu``, or ``cuda`` with the GPU's name when recorded."""
+    kind = str(timing.get("device")).split(":")[0]
+    name = (timing.get("machine") or {}).get("device_name")
+    return f"{kind} {name}" if kind != "cpu" and name else kind
 
 
 def equal_time_markdown(table: dict[str, Any]) -> list[str]:
@@ -401,6 +443,10 @@ def machines_markdown(table: dict[str, Any]) -> list[str]:
         lines += ["", "**Warning: the runs did not all train on the same machine (or the machine was not recorded "
                       "for some): tokens/s and the equal-time comparison mix machines.**"]
     return lines
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio:.3f}x"
 
 
 def _difference_cells(row: dict[str, Any], metric: str, baseline: str) -> list[str]:

@@ -4,7 +4,8 @@ split, tokenizer, batch order and schedule; a rerun continues where the study st
 A study folder::
 
     study.json                  the spec as given, and the matched attention of every row
-    shared/tokenizer/           the one tokenizer of every run (trained on the shared train split)
+    shared/tokenizer/           the one tokenizer of every run (trained on the shared train split); a study on a
+                                token pack (``pack``) has no shared/: the pack holds the split and tokenizer
     configs/ROW.json            each row's model config (the baseline's, with the row's attention)
     runs/ROW/seed-N/            a headmix training run folder (locked while in use, resumable)
     runs/ROW/seed-N/study_eval.json   translation: BLEU/chrF of that run on the test split
@@ -74,7 +75,7 @@ def plan(spec: StudySpec) -> list[PlannedRow]:
     """Each row's model config, sized to the baseline's attention MACs (see :mod:`headmix.study.matching`)."""
     baseline = spec.baseline_config()
     src_len, tgt_len = macs_lengths(spec, baseline)
-    target = attention_macs_of(baseline, src_len, tgt_len)
+    target = attention_macs_of(baseline, src_len, tgt_len, attention=spec.attention_macs)
     rows = []
     for row in spec.rows:
         if not row.attention:
@@ -83,7 +84,7 @@ def plan(spec: StudySpec) -> list[PlannedRow]:
             try:
                 match: Match = match_attention(baseline, row.attention, row.solve, prefer=row.prefer,
                                                tolerance=spec.tolerance, src_len=src_len, tgt_len=tgt_len,
-                                               moh_count=spec.moh_count)
+                                               moh_count=spec.moh_count, attention=spec.attention_macs)
             except ValueError as err:
                 raise ValueError(f"row {row.name!r}: {err}") from None
             config = with_attention(baseline, match.attention)
@@ -92,11 +93,12 @@ def plan(spec: StudySpec) -> list[PlannedRow]:
                 config = with_attention(baseline, AttentionConfig(**row.attention))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"row {row.name!r}: {err}") from None
-        att_macs = attention_macs_of(config, src_len, tgt_len, spec.moh_count)
+        att_macs = attention_macs_of(config, src_len, tgt_len, spec.moh_count, spec.attention_macs)
         if abs(att_macs / target - 1) > spec.tolerance:
             raise ValueError(f"row {row.name!r}: its attention costs {att_macs / target:.3f}x the baseline's MACs, "
                              f"outside the tolerance {spec.tolerance:.0%}; name fields to solve for")
-        rows.append(PlannedRow(row.name, config, att_macs, analytic_macs(config, src_len, tgt_len).total,
+        rows.append(PlannedRow(row.name, config, att_macs,
+                               analytic_macs(config, src_len, tgt_len, attention=spec.attention_macs).total,
                                analytic_parameters(config).total, att_macs / target))
     return rows
 
@@ -161,27 +163,36 @@ def claim(out: Path, name: str) -> Iterator[bool]:
 
 def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False,
               log: Callable[[str], None] = print, stop: Callable[[], str | None] | None = None,
-              on_result: Callable[[list[RunResult]], None] | None = None) -> list[RunResult]:
+              on_result: Callable[[list[RunResult]], None] | None = None,
+              max_runs: int | None = None) -> list[RunResult]:
     """Time every row against the baseline (:mod:`headmix.study.timing`, once per row), train every (row, seed)
     run not yet finished, evaluate it, and return the results of all finished runs. Several processes may run
     this on one folder at once (workers): each takes the next row to time or run to train that no other holds
     (:func:`claim`) and skips the held ones. ``on_result`` is called after each of this worker's runs and after
     its last step with the finished results so far (the CLI rewrites the report there). ``stop`` is polled
     between runs and by the training loop (the ``headmix`` command's signal handler and time budget); a stopped
-    study returns early, and the same call later continues it."""
+    study returns early, and the same call later continues it. ``max_runs``: train at most this many runs to
+    their end, then return before starting another (a command that must end between runs: a run cut short
+    leaves a checkpoint to resume from, which a machine that keeps nothing would lose)."""
+    if max_runs is not None and (isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1):
+        raise ValueError(f"max_runs must be a positive integer, got {max_runs!r}")
     from ..training import TrainConfig, train
     from .timing import measure_row, read_timing, write_timing
 
     out = Path(out)
     planned = plan(spec)
-    out.mkdir(parents=True, exist_ok=True)
     missing = [p for p in spec.data if not Path(p).is_file()]
     if missing:
         raise FileNotFoundError(f"study {spec.name}: data file not found: {missing[0]} (give the corpus with "
                                 f"--data FILE{'; ' + spec.data_note if spec.data_note else ''})")
+    if spec.pack:
+        check_pack(spec)  # every file of the pack against its checksums, before the folder is touched
+    check_timing_devices(spec, planned, out)
+    out.mkdir(parents=True, exist_ok=True)
     with study_lock(out):
         _write_plan(spec, planned, out)
-        tokenizer = prepare_shared_tokenizer(spec, out, log)
+        if not spec.pack:
+            prepare_shared_tokenizer(spec, out, log)
 
     def stopped() -> bool:
         return stop is not None and stop() is not None
@@ -202,11 +213,15 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
             log(f"study {spec.name}: timing {row.name!r} against {planned[0].name!r} (interleaved)")
             write_timing(out, slug(row.name), measure_row(spec, out, configs[planned[0].name], configs[row.name],
                                                           row.name))
+    trained = 0  # runs this call has trained to their end
     for seed in spec.seeds:
         for row in planned:
             if stopped():
                 return finished()
             folder = out / "runs" / slug(row.name) / f"seed-{seed}"
+            if max_runs is not None and trained >= max_runs and not (folder / "summary.json").is_file():
+                log(f"study {spec.name}: {trained} run(s) trained, the most this command takes (max_runs)")
+                return finished()
             summary_path = folder / "summary.json"
             with claim(out, f"run-{slug(row.name)}-seed-{seed}") as mine:
                 if not mine:
@@ -214,13 +229,13 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                     continue
                 if not summary_path.is_file():  # checked under the claim: a run finished meanwhile is not rerun
                     log(f"study {spec.name}: training {row.name!r} seed {seed}")
-                    cfg = TrainConfig(task=spec.task, preset=str(configs[row.name]), out=str(folder),
-                                      data=list(spec.data), seed=seed, split_seed=spec.split_seed,
-                                      tokenizer=str(tokenizer), shared_data=str(tokenizer.parent),
-                                      max_steps=spec.max_steps, progress=progress, **spec.training)
+                    cfg = TrainConfig(task=spec.task, preset=str(configs[row.name]), out=str(folder), seed=seed,
+                                      split_seed=spec.split_seed, max_steps=spec.max_steps, progress=progress,
+                                      **data_options(spec, out), **spec.training)
                     train(cfg, stop=stop)
                     if not summary_path.is_file():  # stopped before the end: the run resumes next time
                         return finished()
+                    trained += 1
                 if spec.drop_checkpoints:
                     drop_checkpoints(folder, log)
                 read_result(spec, row.name, seed, out, log)  # evaluates (BLEU) under the claim, once
@@ -314,6 +329,45 @@ def drop_checkpoints(folder: Path, log: Callable[[str], None]) -> list[Path]:
     if dropped:
         log(f"study: removed {len(dropped)} checkpoint(s) of the finished run {folder}")
     return dropped
+
+
+def check_pack(spec: StudySpec):
+    """The study's token pack, every file checked against its manifest and the pack's checksum against the study's
+    ``pack_sha256`` (:func:`headmix.data.pack.load_pack`); the error names the study."""
+    from ..data.pack import load_pack
+
+    try:
+        return load_pack(spec.pack, spec.pack_sha256 or None)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"study {spec.name}: {err}{'; ' + spec.data_note if spec.data_note else ''}") from None
+    except ValueError as err:
+        raise ValueError(f"study {spec.name}: {err}") from None
+
+
+def data_options(spec: StudySpec, out: Path) -> dict[str, Any]:
+    """The TrainConfig options that give a study's run its data: the token pack, or the corpus with the splits
+    and tokenizer prepared once in ``OUT/shared/``."""
+    if spec.pack:
+        return {"pack": os.path.abspath(spec.pack)}
+    shared = Path(out) / "shared"
+    return {"data": list(spec.data), "tokenizer": str(shared / "tokenizer"), "shared_data": str(shared)}
+
+
+def check_timing_devices(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
+    """``ValueError`` when a row's timing record was measured on another kind of device (``cpu``, ``cuda``) than
+    the one this study now runs on: side-by-side timings of different devices are never mixed in one equal-time
+    table (remove ``OUT/timing/*.json`` to time the rows again here)."""
+    from ..training.config import pick_device
+    from .timing import read_timing
+
+    here = pick_device(spec.training.get("device", "auto")).type
+    for row in planned[1:]:
+        record = read_timing(out, slug(row.name))
+        there = str((record or {}).get("device", here)).split(":")[0]
+        if there != here:
+            raise ValueError(f"study {spec.name}: {row.name!r} was timed on {there} ({out / 'timing'}), this command "
+                             f"runs on {here}: timings of different devices are not mixed; run on {there}, or remove "
+                             f"{out / 'timing'} to time every row on {here}")
 
 
 def prepare_shared_tokenizer(spec: StudySpec, out: Path, log: Callable[[str], None]) -> Path:
@@ -444,7 +498,8 @@ def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
 
 #: Spec fields that do not define a study: adding seeds extends it; where it runs, whether it compiles and
 #: whether it keeps checkpoints do not change what it measures (the report states each run's machine).
-NOT_DEFINING = ("seeds", "drop_checkpoints", "data_note", "gpu", "timing_rounds", "timing_steps", "timing_warmup")
+NOT_DEFINING = ("seeds", "drop_checkpoints", "data_note", "gpu", "timing_rounds", "timing_steps", "timing_warmup",
+                "pack")
 NOT_DEFINING_TRAINING = ("device", "compile", "progress")
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models import ModelConfig, get_config
+from ..models.counting import check_convention
 from .matching import MOH_COUNTS, SOLVABLE
 
 #: TrainConfig options a spec may not set: the study sets them itself for every run.
@@ -80,6 +81,12 @@ class StudySpec:
     max_steps: int = 500
     #: corpus files (TrainConfig.data); [] = the task's embedded corpus
     data: list[str] = field(default_factory=list)
+    #: causal LM: a token pack folder (``headmix data pack``) instead of ``data``: its split, tokenizer and token
+    #: ids, checked against its checksums before any work; where it lives does not define the study
+    pack: str = ""
+    #: the pack's checksum (``headmix data pack`` prints it): the pack the study was designed for (another is
+    #: refused)
+    pack_sha256: str = ""
     #: seed of the train/valid/test split and of the shared tokenizer, the same for every run
     split_seed: int = 1
     #: the attention MACs of every row within this fraction of the baseline's
@@ -87,6 +94,10 @@ class StudySpec:
     #: sparse MoH rows (moh_impl = "sparse") sized by what they compute ("computed") or by the dense count
     #: ("dense": the same head sizes as a dense MoH row); the report says which
     moh_count: str = "computed"
+    #: how attention's score and weights x values products are counted when the rows are matched: "full" (every
+    #: query-key pair, the MoA and SwitchHead papers' convention) or "causal" (the decoder's self-attention as a
+    #: causal flash kernel computes it, in 128 x 128 tiles); the report shows the ratio under the other beside it
+    attention_macs: str = "full"
     #: sequence lengths at which MACs are counted (default: the model's block length for LMs, the
     #: paper's Appendix E lengths for translation)
     macs_src_len: int | None = None
@@ -135,6 +146,14 @@ class StudySpec:
             raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
         if not 0 < self.tolerance < 1:
             raise ValueError(f"tolerance must be in (0, 1), got {self.tolerance!r}")
+        check_convention(self.attention_macs)
+        if self.pack and (self.data or self.task != "lm"):
+            raise ValueError(f"pack {self.pack!r}: a token pack is a causal LM's whole data: give either data or "
+                             f"pack (task lm), got task {self.task!r} and data {self.data!r}")
+        if self.pack_sha256 and (not self.pack or len(self.pack_sha256) != 64
+                                 or set(self.pack_sha256) - set("0123456789abcdef")):
+            raise ValueError(f"pack_sha256 must be the pack's checksum (64 hex digits), with pack set, got "
+                             f"{self.pack_sha256!r}")
         if self.moh_count not in MOH_COUNTS:
             raise ValueError(f"moh_count must be one of {MOH_COUNTS}, got {self.moh_count!r}")
         if not isinstance(self.drop_checkpoints, bool):
@@ -186,6 +205,8 @@ class StudySpec:
         if base_dir is not None:
             base = Path(base_dir)
             data["data"] = [str(base / p) for p in data.get("data", [])]
+            if data.get("pack"):
+                data["pack"] = str(base / data["pack"])
             if str(data.get("baseline", "")).endswith(".json"):
                 data["baseline"] = str(base / data["baseline"])
         try:

@@ -150,17 +150,22 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
     from ..training.config import pick_device
     from ..training.machine import machine_record
     from ..training.setup import (autocast_for, cached_dataset, compile_model, forever, model_config,
-                                  optimizer_and_schedule)
+                                  optimizer_and_schedule, read_pack)
+    from .runner import data_options
 
     shared = Path(out) / "shared"
-    cfg = TrainConfig(task=spec.task, preset=str(baseline_config), out=str(shared), data=list(spec.data),
-                      seed=spec.split_seed, split_seed=spec.split_seed, tokenizer=str(shared / "tokenizer"),
-                      shared_data=str(shared), max_steps=spec.max_steps, progress=False, **spec.training)
+    cfg = TrainConfig(task=spec.task, preset=str(baseline_config), out=str(shared), seed=spec.split_seed,
+                      split_seed=spec.split_seed, max_steps=spec.max_steps, progress=False,
+                      **data_options(spec, out), **spec.training)
     task = cfg.task_spec
     device = pick_device(cfg.device)
-    tok = Tokenizer.load(shared / "tokenizer")
-    items = task.read_items(task.split_path(shared / "data", "train"))
-    dataset = cached_dataset(cfg, "train", items, tok, shared / "tokenizer" / "tokenizer.json")
+    if cfg.pack is not None:  # the pack's train stream and tokenizer
+        streams, tok = read_pack(cfg)
+        dataset = cached_dataset(cfg, "train", streams["train"], tok, None)
+    else:
+        tok = Tokenizer.load(shared / "tokenizer")
+        items = task.read_items(task.split_path(shared / "data", "train"))
+        dataset = cached_dataset(cfg, "train", items, tok, shared / "tokenizer" / "tokenizer.json")
     batches = forever(task.loader(dataset, tok, max_tokens=cfg.max_tokens, train=True, seed=spec.split_seed))
     autocast = autocast_for(cfg, device)
 

@@ -29,7 +29,7 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple
 
 #: Fields that define a run: resuming with another value is refused (headmix.runs.RunMismatchError).
 IDENTITY = ("task", "preset", "data", "src_lang", "tgt_lang", "tokenizer", "vocab_size", "valid_size",
-            "test_size", "max_len", "seed", "split_seed", "init_from", "init_options")
+            "test_size", "max_len", "seed", "split_seed", "init_from", "init_options", "pack")
 
 
 @dataclass
@@ -53,6 +53,8 @@ class TrainConfig:
     shared_data: str | None = option(None, "read the splits (and cached token ids) of this folder, prepared once "
                                            "for several runs (a study's shared/), instead of splitting the corpus "
                                            "into the run folder; it must come from the same data and split")
+    pack: str | None = option(None, "causal LM: train on this token pack (headmix data pack): its split, tokenizer "
+                                    "and token ids, checked against its checksums; no corpus is read", metavar="DIR")
     vocab_size: int | None = option(None, "size of the BPE vocabulary trained on the train split (default: the "
                                           "vocab_size of a JSON --preset, else 8000)")
     valid_size: float = option(0.02, "held-out fraction for validation, in [0, 1)")
@@ -165,6 +167,12 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.pack is not None:
+            given = [name for name in ("data", "tokenizer", "shared_data") if getattr(self, name) not in (None, [])]
+            if self.task != "lm" or given:
+                raise ValueError(f"pack {self.pack}: a token pack is a causal LM's whole data (task lm, no "
+                                 f"{', '.join(given) or 'data, tokenizer or shared_data'} beside it), got task "
+                                 f"{self.task!r}" + (f" and {', '.join(given)}" if given else ""))
         if self.tokenizer is None and self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (5 special tokens + 256 bytes + 1 merge), "
                              f"got {self.vocab_size}")
@@ -217,6 +225,9 @@ class TrainConfig:
                                     f"train_config.json)")
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise FileNotFoundError(f"tokenizer not found: {self.tokenizer}")
+        if self.pack is not None and not (Path(self.pack) / "manifest.json").is_file():
+            raise FileNotFoundError(f"pack {self.pack} is not a token pack (no manifest.json): build one with "
+                                    f"`headmix data pack`")
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise ValueError(f"out {self.out} is a file, expected a run folder")
         if self.preset is not None:

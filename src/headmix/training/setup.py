@@ -27,6 +27,8 @@ def prepare_data(cfg: TrainConfig, run, log: Callable[[str], None]) -> tuple[dic
     from ..runs import atomic_output
 
     task = cfg.task_spec
+    if cfg.pack is not None:
+        return read_pack(cfg, run)
     files = {s: task.split_path(run.data_dir, s) for s in SPLITS}
     if all(f.is_file() for f in files.values()) and (run.tokenizer_dir / "tokenizer.json").is_file():
         # a resumed run reads its own splits (also one that stored them before it shared a study's)
@@ -106,6 +108,19 @@ def read_shared_splits(cfg: TrainConfig, run, log: Callable[[str], None]) -> tup
     return {s: task.read_items(f) for s, f in files.items()}, tok
 
 
+def read_pack(cfg: TrainConfig, run=None) -> tuple[dict[str, Any], Tokenizer]:
+    """The token streams and tokenizer of the run's token pack (:func:`headmix.data.pack.load_pack`: every file
+    checked against the pack's checksums first); the run folder gets a copy of the tokenizer, so that it stays
+    loadable on its own."""
+    from ..data.pack import load_pack
+
+    pack = load_pack(cfg.pack)
+    tok = Tokenizer.load(pack.tokenizer_dir)
+    if run is not None and not (run.tokenizer_dir / "tokenizer.json").is_file():
+        run.save_tokenizer(tok)
+    return {s: pack.stream(s) for s in SPLITS}, tok
+
+
 def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, tokenizer_file: Path):
     """``task.dataset(items, tok, max_len)``, tokenised once per shared folder: with ``cfg.shared_data`` the
     dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, the tokenizer's checksum and the
@@ -117,6 +132,10 @@ def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, to
     from ..runs.run import content_sha256
 
     task = cfg.task_spec
+    if cfg.pack is not None:  # a token pack's stream (read_pack), cut into the run's blocks
+        from ..data import CausalLMBlockDataset
+
+        return CausalLMBlockDataset(items, cfg.max_len)
     if cfg.shared_data is None:
         return task.dataset(items, tok, cfg.max_len)
     digest = content_sha256(tokenizer_file)[:16]
