@@ -95,15 +95,6 @@ def test_every_stored_model_config_of_the_studies_still_loads_and_round_trips():
 
 # --------------------------------------------------------------------------- a failed first run
 
-@pytest.fixture(scope="module")
-def docs_file(tmp_path_factory) -> Path:
-    from headmix.data import load_embedded_documents, write_jsonl_documents
-
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
-    write_jsonl_documents(load_embedded_documents(sources="kjv-bible")[:40], path)
-    return path
-
-
 def lm_args(out: Path, data: Path, *extra: str) -> list[str]:
     return ["train", "lm", "--preset", "tiny-mha", "--out", str(out), "--data", str(data), "--vocab-size", "300",
             "--max-steps", "1", "--max-tokens", "256", "--max-len", "32", "--no-progress", *extra]
