@@ -242,6 +242,7 @@ def test_a_study_with_controls_and_causal_mosa_reports_them(tmp_path, docs_file)
     assert len(results) == 10
     mosa = [r for r in results if r.row == "MoSA"]
     assert all(r.evaluation["valid_nll_topk"] == pytest.approx(r.summary["valid"]["nll"], rel=1e-4) for r in mosa)
+    assert all(r.evaluation["valid_nll_threshold"] != r.evaluation["valid_nll_topk"] for r in mosa)  # another rule
     from headmix.study.report import write_report
 
     table = write_report(spec, plan(spec), results, out)
