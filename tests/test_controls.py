@@ -296,3 +296,10 @@ def test_averaged_checkpoints_keep_the_random_routers_seed(tmp_path):
         paths.append(tmp_path / str(i))
     averaged = average_checkpoints(paths)
     assert averaged["router.seed"].item() == 2 ** 62 - 1 and averaged["router.calls"].item() == 2
+
+
+def test_the_report_names_the_random_routing_control():
+    from headmix.study.report import _attention_text
+
+    assert _attention_text({"kind": "moa", "num_experts": 8, "top_k": 4, "head_dim": 16, "kv_heads": 2,
+                            "router": "random"}) == "MoA 4K8E16D, 2 K/V heads, random routing"

@@ -426,12 +426,14 @@ def _delta_text(diff: dict[str, Any]) -> str:
 
 def _attention_text(att: dict[str, Any]) -> str:
     """The row's attention in a few words: its kind and sizes, then grouped K/V heads, per-group routing (GQE),
-    QK-norm and an output gate where set."""
+    the random-routing control, QK-norm and an output gate where set."""
     extras = []
     if att.get("kv_heads") and att["kv_heads"] != att.get("num_heads"):
         extras.append(f"{att['kv_heads']} K/V heads")
     if att.get("route_per_group"):
         extras.append("routed per group")
+    if att.get("router") == "random":
+        extras.append("random routing")
     if att.get("qk_norm"):
         extras.append("QK-norm")
     if att.get("output_gate"):
