@@ -190,6 +190,8 @@ def test_layer_errors_name_the_argument():
         moa(router_seed=-1)
     with pytest.raises(ValueError, match=r"^renormalize applies to learned routers"):
         moa(renormalize="none")
+    with pytest.raises(ValueError, match=r"^expert_dropout applies to the learned selectors"):
+        switchhead(expert_dropout=0.1)
 
 
 def test_config_builds_random_layers_and_keeps_the_stored_form():

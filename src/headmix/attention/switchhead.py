@@ -138,6 +138,9 @@ class SwitchHeadAttention(AttentionLayer):
         self.output_experts = nn.Parameter(torch.empty(h * e, dh, embed_dim))
         self.random_routing = check_random_router(router, ("sigmoid", "random"))
         learned = not self.random_routing
+        if self.random_routing and expert_dropout:
+            raise ValueError(f"expert_dropout applies to the learned selectors; router='random' chooses without "
+                             f"them, got expert_dropout={expert_dropout}")
         self.value_selector = nn.Linear(embed_dim, h * e, bias=False) if e > 1 and learned else None
         self.output_selector = nn.Linear(embed_dim, h * e, bias=False) if learned else None
         self.random_router = RandomRouter(e, top_k, h, router_seed) if self.random_routing else None
