@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from headmix.data import load_embedded_translation, write_tsv_pairs
+from headmix.data import load_embedded_documents, load_embedded_translation, write_jsonl_documents, write_tsv_pairs
 
 # The tests use tiny models, which gain nothing from intra-op threads; on a busy 2-core machine (and
 # with one pytest-xdist worker per core) the thread pools' spinning makes them several times slower.
@@ -17,4 +17,13 @@ def pairs_file(tmp_path_factory) -> Path:
     """600 pairs of the embedded En-De corpus as a TSV file: the training and command-line tests' data."""
     path = tmp_path_factory.mktemp("data") / "pairs.tsv"
     write_tsv_pairs(load_embedded_translation()[:600], path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def docs_file(tmp_path_factory) -> Path:
+    """40 documents of the embedded English corpus (the KJV Bible) as a JSONL file: the language-model tests'
+    data (a test module may define its own ``docs_file``)."""
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    write_jsonl_documents(load_embedded_documents(sources="kjv-bible")[:40], path)
     return path

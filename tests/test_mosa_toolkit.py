@@ -12,7 +12,6 @@ import torch
 
 from headmix import MixtureOfSparseAttention
 from headmix.analysis import position_load
-from headmix.data import load_embedded_documents, write_jsonl_documents
 from headmix.models import AttentionConfig, analytic_macs, analytic_parameters, build_model, count_parameters, get_config
 from headmix.models.counting import mosa_macs
 from headmix.study import StudySpec, match_attention, plan, run_study
@@ -171,13 +170,6 @@ def test_model_generation_with_the_cache_gives_the_full_forward_tokens_under_the
         nxt = model(full).logits[:, -1].argmax(-1, keepdim=True)
         full = torch.cat([full, nxt], dim=1)
     assert torch.equal(torch.cat(tokens, dim=1), full[:, 5:])
-
-
-@pytest.fixture(scope="module")
-def docs_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
-    write_jsonl_documents(load_embedded_documents(sources="kjv-bible")[:40], path)
-    return path
 
 
 def test_a_mosa_study_row_trains_on_the_embedded_corpus(tmp_path, docs_file):

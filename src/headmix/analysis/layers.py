@@ -119,7 +119,7 @@ def routed_layers(model: nn.Module) -> list[RoutedLayer]:
                                  f"count MoH's routed heads after its shared ones and do not analyse it yet")
             out.append(RoutedLayer(len(out), name, "moh", m.num_routed_heads, m.top_k, m.num_shared_heads, m))
         elif isinstance(m, SwitchHeadAttention):
-            for side in SWITCHHEAD_SIDES if m.value_selector is not None else SWITCHHEAD_SIDES[1:]:
+            for side in SWITCHHEAD_SIDES if m.num_experts > 1 else SWITCHHEAD_SIDES[1:]:
                 out.append(RoutedLayer(len(out), name + side, "switchhead", m.num_heads * m.num_experts, m.top_k,
                                        0, m, m.num_heads))
     return out

@@ -449,6 +449,14 @@ def _broadcast_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
 
 
+def query_offset(cache: KVCache | None) -> int | Tensor:
+    """The position of a call's first query (what :meth:`AttentionLayer._keys_values` returns as ``past_len``):
+    0 without a cache or with a static one, else the positions the cache holds."""
+    if cache is None or cache.static:
+        return 0
+    return cache.position if cache.position is not None else cache.length
+
+
 def zero_loss(ref: Tensor) -> Tensor:
     return ref.new_zeros((), dtype=torch.float32 if ref.dtype in (torch.float16, torch.bfloat16) else ref.dtype)
 

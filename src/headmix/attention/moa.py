@@ -6,9 +6,10 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
-from ..routing import TopKRouter, routing_losses
+from ..routing import ROUTERS, TopKRouter, routing_losses
+from ..routing.random import RandomRouter, check_random_router, uniform_routing
 from ..routing.losses import check_fractions
-from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, check_positive, scaled_dot_product
+from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, check_positive, scaled_dot_product, zero_loss
 from .mha import resolve_bias, split_heads
 from .padding import check_flag, real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding, make_rotary
@@ -21,6 +22,10 @@ class MixtureOfAttentionHeads(AttentionLayer):
       ``w_{i,t} = p_{i,t} / Detach(sum_{j in G} p_{j,t})`` by default; ``renormalize="live"`` keeps the
       gradient of the denominator, ``"none"`` uses ``p`` unnormalised (the authors' released code), and
       ``router="noisy_topk"`` is the noisy top-k gate of eq. 2-3. See :class:`headmix.routing.TopKRouter`.
+    - ``router="random"``, the random-routing control (:mod:`headmix.routing.random`): ``G(q_t)`` is ``k``
+      experts drawn uniformly at random per token (``router_seed``, or a seed drawn at construction), every
+      weight ``w_{i,t} = 1/k`` (eq. 9 at equal router scores); no router parameters and no auxiliary loss
+      (``aux_loss`` is zero, ``losses`` empty).
     - Experts (eq. 10-12): expert ``i`` owns ``W_q^i`` (``embed_dim x head_dim``, ``query_experts[i]``)
       and ``W_o^i`` (``head_dim x embed_dim``, ``output_experts[i]``); ``W_k`` and ``W_v``
       (``embed_dim x head_dim``) are shared, so keys and values are computed once, as one
@@ -63,7 +68,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
                  load_balance_weight: float = 0.01, z_loss_weight: float = 0.001, expert_impl: str = "auto",
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
                  kv_heads: int = 1, kv_bias: bool | None = None, out_bias: bool | None = None,
-                 load_balance_fractions: str = "normalized", zero_padded_queries: bool = False):
+                 load_balance_fractions: str = "normalized", zero_padded_queries: bool = False,
+                 router_seed: int | None = None):
         super().__init__(embed_dim)
         check_experts(num_experts, top_k)
         check_positive("head_dim", head_dim)
@@ -82,7 +88,14 @@ class MixtureOfAttentionHeads(AttentionLayer):
         check_fractions(load_balance_fractions)
         self.load_balance_fractions = load_balance_fractions
         self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
-        self.router = TopKRouter(embed_dim, num_experts, top_k, router=router, renormalize=renormalize)
+        self.random_routing = check_random_router(router, ROUTERS + ("random",))
+        if self.random_routing:
+            if renormalize != "detached":
+                raise ValueError(f"renormalize applies to learned routers; router='random' weights every expert 1/k, "
+                                 f"got renormalize={renormalize!r}")
+            self.router = RandomRouter(num_experts, top_k, router_seed=router_seed)
+        else:
+            self.router = TopKRouter(embed_dim, num_experts, top_k, router=router, renormalize=renormalize)
         self.query_experts = nn.Parameter(torch.empty(num_experts, embed_dim, kv_heads * head_dim))
         self.output_experts = nn.Parameter(torch.empty(num_experts, kv_heads * head_dim, embed_dim))
         kv_bias, out_bias = resolve_bias("kv_bias", kv_bias, bias), resolve_bias("out_bias", out_bias, bias)
@@ -121,8 +134,12 @@ class MixtureOfAttentionHeads(AttentionLayer):
         k_shared, v_shared, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
 
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
-        routing = self.router(query, token_mask)
         n, k = batch * tgt, self.top_k
+        if self.random_routing:
+            routing = uniform_routing(self.router.choose(batch, tgt, past_len).view(n, k), self.num_experts, 1.0 / k,
+                                      token_mask, (batch, tgt), query.dtype)
+        else:
+            routing = self.router(query, token_mask)
         info = expert_routing(routing.expert_index, self.num_experts, check_range=False)  # top-k: in range
 
         # The grouped kernels are custom autograd functions that autocast does not see: cast by hand.
@@ -146,6 +163,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
             y = y + self.out_bias.to(y.dtype)  # keeps y in the autocast dtype, as a Linear's output would be
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
+        if self.random_routing:
+            return AttentionOutput(y, zero_loss(query), new_cache, routing)
         aux, parts = routing_losses(routing, self.load_balance_weight, self.z_loss_weight, self.load_balance_fractions)
         return AttentionOutput(y, aux, new_cache, routing, parts)
 

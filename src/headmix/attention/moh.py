@@ -9,8 +9,9 @@ from torch import Tensor, nn
 from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
 from ..routing import Routing, load_balancing_loss
 from ..routing.losses import check_fractions
+from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
-from .base import AttentionOutput, KVCache, attention_bias, scaled_dot_product, zero_loss
+from .base import AttentionOutput, KVCache, attention_bias, query_offset, scaled_dot_product, zero_loss
 from .mha import MultiHeadAttention, merge_heads, split_heads
 from .moa import autocast_dtype
 from .moh_sparse import routed_heads_attention
@@ -101,6 +102,12 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     load-balancing loss the mean of the groups' losses. A token thus computes ``G (S + k)`` query heads.
     With ``kv_heads=1`` it is the global layer above, parameter for parameter. ``routing.expert_index``
     numbers the routed heads group by group (routed head ``r`` is in group ``r // (H/G - S)``).
+
+    ``router="random"`` is the random-routing control (:mod:`headmix.routing.random`): each token's ``top_k``
+    routed heads (per group with ``route_per_group``) drawn uniformly at random (``router_seed``, or a seed drawn
+    at construction), the weights ``head_weighting`` gives at equal router scores (``W_r = W_s = W_h = 0``:
+    with the default ``"renormalized"`` every active head, shared or routed, weighs 1), no router parameters and
+    no auxiliary loss (``aux_loss`` zero, ``losses`` empty).
     """
 
     repr_sizes = ("embed_dim", "num_heads", "num_shared_heads", "top_k", "head_dim", "key_dim")
@@ -112,7 +119,8 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                  head_weighting: str = "renormalized", load_balance_fractions: str = "normalized",
                  zero_padded_queries: bool = False, impl: str = "auto", expert_impl: str = "auto",
                  kv_heads: int | None = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
-                 output_gate: str | None = None, route_per_group: bool = False):
+                 output_gate: str | None = None, route_per_group: bool = False, router: str = "softmax",
+                 router_seed: int | None = None):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, bias=bias, dropout=dropout,
                          q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
                          rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries,
@@ -156,8 +164,11 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         self.num_routed_per_group = routed_per_group
         self.load_balance_weight = load_balance_weight
         self.head_weighting, self.load_balance_fractions = head_weighting, load_balance_fractions
-        self.routed_gate = self.shared_gate = self.group_gate = None
-        if routed:
+        self.routed_gate = self.shared_gate = self.group_gate = self.random_router = None
+        self.random_routing = check_random_router(router, ("softmax", "random"))
+        if routed and self.random_routing:
+            self.random_router = RandomRouter(routed_per_group, top_k, self.route_groups, router_seed)
+        elif routed:
             self.routed_gate = nn.Linear(embed_dim, routed, bias=False)
             nn.init.normal_(self.routed_gate.weight, std=embed_dim ** -0.5 * 0.1)
             if num_shared_heads:
@@ -166,13 +177,14 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                 nn.init.zeros_(self.shared_gate.weight)
                 nn.init.zeros_(self.group_gate.weight)
 
-    def head_weights(self, x: Tensor, token_mask: Tensor | None) -> tuple[Tensor | None, Routing | None]:
+    def head_weights(self, x: Tensor, token_mask: Tensor | None,
+                     offset: int | Tensor = 0) -> tuple[Tensor | None, Routing | None]:
         """Per-token head weights ``g`` ``(batch, time, num_heads)`` and the routing of the routed heads
         (``expert_index`` counts routed heads from 0, ``gates`` are the selected routed heads' ``g``), or
         ``(None, None)`` when every head is shared."""
-        if self.routed_gate is None:
+        if not self.num_routed_heads:
             return None, None
-        shared, routing = self._weights(x, token_mask)
+        shared, routing = self._weights(x, token_mask, offset)
         with torch.autocast(device_type=x.device.type, enabled=False):
             g_routed = routing.probs.new_zeros(routing.probs.shape).scatter(1, routing.expert_index, routing.gates.to(
                 routing.probs.dtype))
@@ -184,20 +196,25 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                                g_routed.view(n, groups, self.num_routed_per_group)], dim=2)
         return g.to(x.dtype).view(*x.shape[:2], self.num_heads), routing
 
-    def _weights(self, x: Tensor, token_mask: Tensor | None) -> tuple[Tensor | None, Routing]:
+    def _weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0) -> tuple[Tensor | None, Routing]:
         """The shared heads' weights ``(N, num_shared_heads)`` (None without shared heads) and the routing,
         whose ``gates`` ``(N, top_k)`` are the selected routed heads' weights (eq. 5-6, or the authors' code's
         form, per ``head_weighting``); with ``route_per_group`` each group's (eq. 5-6 within the group), the
-        shared weights ``(N, G S)`` and the gates ``(N, G top_k)`` group by group."""
+        shared weights ``(N, G S)`` and the gates ``(N, G top_k)`` group by group. ``router="random"``: the routed
+        heads drawn at random (the tokens at positions ``offset ..``) and every score equal (zero logits)."""
         batch, time, dim = x.shape
         flat32 = x.reshape(batch * time, dim).to(router_dtype(x))
         n, route_groups = batch * time, self.route_groups
         shared = None
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(flat32, self.routed_gate.weight.to(flat32.dtype))
+            logits = _scores(flat32, self.routed_gate, self.num_routed_heads)
             # (N, groups, routed per group): one group without route_per_group; GQE routes inside each group
             probs = logits.view(n, route_groups, self.num_routed_per_group).softmax(-1)
-            top_p, index = probs.topk(self.top_k, dim=-1)
+            if self.random_router is not None:
+                index = self.random_router.choose(batch, time, offset)
+                top_p = probs.gather(-1, index)
+            else:
+                top_p, index = probs.topk(self.top_k, dim=-1)
             if self.head_weighting == "renormalized":
                 denominator = top_p.sum(-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
                 routed = top_p / denominator * self.top_k
@@ -205,9 +222,9 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                 routed = top_p * self.num_routed_per_group
             else:
                 routed = top_p
-            if self.shared_gate is not None:
-                groups = F.linear(flat32, self.group_gate.weight.to(flat32.dtype)).view(n, route_groups, 2).softmax(-1)
-                shared = F.linear(flat32, self.shared_gate.weight.to(flat32.dtype)).view(
+            if self.num_shared_heads:
+                groups = _scores(flat32, self.group_gate, 2 * route_groups).view(n, route_groups, 2).softmax(-1)
+                shared = _scores(flat32, self.shared_gate, route_groups * self.num_shared_heads).view(
                     n, route_groups, self.num_shared_heads).softmax(-1)
                 if self.head_weighting != "paper":
                     groups, shared = 2.0 * groups, shared * self.num_shared_heads
@@ -234,7 +251,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
         impl = (choose_moh_impl(query.device, self.top_k, self.num_routed_per_group, query.shape[1])
                 if self.impl == "auto" else self.impl)  # top_k of each router group's routed heads
-        if impl == "sparse" and self.routed_gate is not None:
+        if impl == "sparse" and self.num_routed_heads:
             return self._forward_sparse(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                         is_causal=is_causal, use_cache=use_cache, cache=cache,
                                         query_padding_mask=query_padding_mask)
@@ -243,7 +260,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             use_cache=use_cache, cache=cache)
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
-        g, routing = self.head_weights(query, token_mask)
+        g, routing = self.head_weights(query, token_mask, query_offset(cache))
         o = self._gate_heads(o, query)
         if g is not None:
             o = o * g.transpose(1, 2).unsqueeze(-1)
@@ -256,7 +273,9 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
 
     def _output(self, y: Tensor, cache: KVCache | None, routing: Routing) -> AttentionOutput:
         """The layer's output with its auxiliary loss: the load-balancing loss (MoA eq. 13-15) over the routed
-        heads, weighted by ``load_balance_weight``."""
+        heads, weighted by ``load_balance_weight``; none (zero) with ``router="random"``."""
+        if self.random_routing:
+            return AttentionOutput(y, zero_loss(y), cache, routing)
         lb = self._load_balance(routing)
         return AttentionOutput(y, self.load_balance_weight * lb, cache, routing, {"load_balance": lb})
 
@@ -282,7 +301,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         batch, tgt, dim = query.shape
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
-        shared_w, routing = self._weights(query, token_mask)
+        shared_w, routing = self._weights(query, token_mask, past_len)
         bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=k.dtype, device=k.device)
@@ -364,6 +383,14 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
         return self._output(y, new_cache, routing)
+
+
+def _scores(x: Tensor, gate: nn.Linear | None, width: int) -> Tensor:
+    """The router logits ``x W`` of one of MoH's gates, or zeros ``(N, width)`` (equal scores) without it
+    (``router="random"``)."""
+    if gate is None:
+        return x.new_zeros(x.shape[0], width)
+    return F.linear(x, gate.weight.to(x.dtype))
 
 
 def _heads(mask: Tensor | None, heads: list[int]) -> Tensor | None:

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..routing.random import EVAL_SALT, reference_random_choice
 from .base import is_self_attention
 from .moa import MixtureOfAttentionHeads
 from .mha import MultiHeadAttention
@@ -162,8 +163,30 @@ def reference_output_gates(layer: MultiHeadAttention, query: Tensor) -> Tensor:
     return (1.0 / (1.0 + torch.exp(-z))).view(*query.shape[:2], layer.num_heads, -1)
 
 
+def reference_random_selection(router, batch: int, time: int, stream: int = 0, salt: int = EVAL_SALT) -> Tensor:
+    """The random-routing control's choice (:class:`~headmix.routing.random.RandomRouter`, an evaluation call by
+    default) as ``(batch, time, groups, num_experts)`` 0/1, from the plain-integer
+    :func:`~headmix.routing.random.reference_random_choice` of every token and group."""
+    chosen = torch.zeros(batch, time, router.groups, router.num_experts, dtype=torch.float64)
+    for b in range(batch):
+        for t in range(time):
+            for g in range(router.groups):
+                for e in reference_random_choice(int(router.seed), salt, stream, b, t, g, router.num_experts,
+                                                 router.top_k):
+                    chosen[b, t, g, e] = 1.0
+    return chosen
+
+
 def reference_moa_routing(layer: MixtureOfAttentionHeads, query: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Router of eq. 7-9 (and eq. 3 without noise): ``(logits, p, selected index, weights w)``."""
+    """Router of eq. 7-9 (and eq. 3 without noise): ``(logits, p, selected index, weights w)``. The random
+    control: logits 0 (``p = 1/E``), the randomly chosen experts, ``w`` eq. 9 at those equal scores (``1/k``)."""
+    if layer.random_routing:
+        logits = query.new_zeros(*query.shape[:2], layer.num_experts, dtype=torch.float64)
+        p = torch.softmax(logits, dim=-1)
+        chosen = reference_random_selection(layer.router, *query.shape[:2])[:, :, 0]
+        index = chosen.topk(layer.top_k, dim=-1).indices                    # the chosen experts (all 1)
+        top_p = p.gather(-1, index)
+        return logits, p, index, top_p / top_p.sum(-1, keepdim=True)
     logits = query.double() @ layer.router.gate.weight.double().T          # x W_g
     p = torch.softmax(logits, dim=-1)                                       # eq. 7
     top_p, index = p.topk(layer.top_k, dim=-1)                              # eq. 8
@@ -230,17 +253,28 @@ def reference_moh_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
 
     ``route_per_group`` (GQE): the same, group by group: group ``j`` (heads ``j H/G .. (j+1) H/G - 1``, its
     first ``S`` shared) has its own rows of ``W_r`` and ``W_s``, its own pair of ``W_h``, its own softmaxes and
-    top-k, with ``S``, ``k`` and ``R`` counted in the group."""
+    top-k, with ``S``, ``k`` and ``R`` counted in the group.
+
+    The random control (``router="random"``): every router logit 0, the routed heads selected at random
+    (:func:`reference_random_selection`)."""
     x = x.double()
     groups = layer.kv_heads if layer.route_per_group else 1
     shared_per = layer.num_shared_heads
     routed_per = layer.num_heads // groups - shared_per
+    random = layer.random_routing
+    chosen = reference_random_selection(layer.random_router, *x.shape[:2]) if random else None
+
+    def scores(gate, rows: slice) -> Tensor:  # x W (one group's rows), or 0 for the random control
+        width = rows.stop - rows.start
+        return x.new_zeros(*x.shape[:2], width) if random else x @ gate.weight.double()[rows].T
+
     out = []
     for j in range(groups):
-        w_r = layer.routed_gate.weight.double()[j * routed_per:(j + 1) * routed_per]
-        p = torch.softmax(x @ w_r.T, -1)
-        top_p, index = p.topk(layer.top_k, dim=-1)
-        selected = torch.zeros_like(p).scatter(-1, index, 1.0)
+        p = torch.softmax(scores(layer.routed_gate, slice(j * routed_per, (j + 1) * routed_per)), -1)
+        if random:
+            selected = chosen[:, :, j]
+        else:
+            selected = torch.zeros_like(p).scatter(-1, p.topk(layer.top_k, dim=-1).indices, 1.0)
         mode = layer.head_weighting
         if mode == "paper":
             routed = p * selected
@@ -248,11 +282,11 @@ def reference_moh_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
             routed = layer.top_k * p * selected / (p * selected).sum(-1, keepdim=True)
         else:
             routed = routed_per * p * selected
-        if layer.shared_gate is None:
+        if not shared_per:
             out.append(routed)
             continue
-        a = torch.softmax(x @ layer.group_gate.weight.double()[2 * j:2 * j + 2].T, -1)
-        s = torch.softmax(x @ layer.shared_gate.weight.double()[j * shared_per:(j + 1) * shared_per].T, -1)
+        a = torch.softmax(scores(layer.group_gate, slice(2 * j, 2 * j + 2)), -1)
+        s = torch.softmax(scores(layer.shared_gate, slice(j * shared_per, (j + 1) * shared_per)), -1)
         if mode != "paper":
             a, s = 2 * a, shared_per * s
         out.append(torch.cat([a[..., :1] * s, a[..., 1:] * routed], -1))
@@ -269,7 +303,7 @@ def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | N
     h, d, dk = layer.num_heads, layer.head_dim, layer.key_dim
     allowed, added = reference_mask(query.shape[0], h, query.shape[1], key.shape[1], **masks)  # per head
     x = query.double()
-    if layer.routed_gate is None:
+    if not layer.num_routed_heads:
         g = torch.ones(*query.shape[:2], h, dtype=torch.float64)
     else:
         g = reference_moh_weights(layer, x)
@@ -298,11 +332,16 @@ def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | N
     return y
 
 
-def reference_switchhead_selection(layer: SwitchHeadAttention, x: Tensor, selector: torch.nn.Linear) -> tuple[Tensor, Tensor]:
+def reference_switchhead_selection(layer: SwitchHeadAttention, x: Tensor, selector: torch.nn.Linear | None,
+                                   stream: int = 1) -> tuple[Tensor, Tensor]:
     """SwitchHead's selection for every head: ``(s, w)`` of shape ``(batch, time, heads, experts)``, the
     sigmoids ``s = sigmoid(x W_sel)`` and the weights ``w`` (``s`` on the ``top_k`` largest, 0 elsewhere;
-    no softmax, no renormalisation)."""
+    no softmax, no renormalisation). The random control: ``s = sigmoid(0) = 1/2`` on the experts chosen at
+    random (:func:`reference_random_selection`; ``stream`` 0 for the value side, 1 for the output side)."""
     b, t, _ = x.shape
+    if layer.random_routing:
+        chosen = reference_random_selection(layer.random_router, b, t, stream).to(x.dtype)
+        return torch.full_like(chosen, 0.5), 0.5 * chosen
     s = torch.sigmoid(x @ selector.weight.T).view(b, t, layer.num_heads, layer.num_experts)
     chosen = torch.zeros_like(s, dtype=torch.bool).scatter(-1, s.detach().double().topk(layer.top_k, dim=-1).indices, True)
     return s, s * chosen
@@ -318,8 +357,8 @@ def reference_switchhead(layer: SwitchHeadAttention, query: Tensor, key: Tensor 
     key, value = _inputs(query, key, value)
     n_h, n_e, d = layer.num_heads, layer.num_experts, layer.head_dim
     allowed, added = reference_mask(query.shape[0], 1, query.shape[1], key.shape[1], **masks)
-    if layer.value_selector is not None:
-        _, w_v = reference_switchhead_selection(layer, key, layer.value_selector)
+    if layer.num_experts > 1:
+        _, w_v = reference_switchhead_selection(layer, key, layer.value_selector, stream=0)
     else:
         w_v = torch.ones(*key.shape[:2], n_h, 1, dtype=query.dtype)
     _, w_o = reference_switchhead_selection(layer, query, layer.output_selector)

@@ -12,8 +12,10 @@ from torch import Tensor, nn
 
 from ..kernels import IMPLS, expert_map, expert_map_weighted, expert_reduce, expert_routing
 from ..routing import Routing
+from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
-from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, scaled_dot_product, zero_loss
+from .base import (AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, query_offset, scaled_dot_product,
+                   zero_loss)
 from .mha import resolve_head_dims, split_heads
 from .moa import autocast_dtype
 from .padding import check_flag, real_token_mask, zero_padded_queries
@@ -87,6 +89,12 @@ class SwitchHeadAttention(AttentionLayer):
     tensor is cross-attention and is not rotated (the authors rotate every call);
     ``zero_padded_queries=True`` returns zeros at padded queries.
 
+    ``router="random"`` is the random-routing control (:mod:`headmix.routing.random`): each side's ``top_k``
+    experts of every head drawn uniformly at random per token (``router_seed``, or a seed drawn at construction;
+    the value and output sides independently), every selected expert weighted ``sigmoid(0) = 1/2``, what the
+    selectors give at equal (zero) scores; there are no selectors. The weight keeps the learned layer's scale:
+    its selectors start with scores around 0, and both sides sum ``top_k`` weighted experts.
+
     The cache holds the keys (after rotation) and the values after the expert mixing, ``(batch, num_heads, S,
     head_dim)``.
     ``routing`` is a :class:`SwitchHeadRouting`.
@@ -103,7 +111,8 @@ class SwitchHeadAttention(AttentionLayer):
     def __init__(self, embed_dim: int, num_heads: int, num_experts: int, top_k: int, head_dim: int | None = None, *,
                  bias: bool = False, dropout: float = 0.0, expert_dropout: float = 0.0, init_scale: float = 1.0,
                  expert_impl: str = "auto", rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0,
-                 rotary_fraction: float = 1.0, zero_padded_queries: bool = False, dropout_on: str = "attention"):
+                 rotary_fraction: float = 1.0, zero_padded_queries: bool = False, dropout_on: str = "attention",
+                 router: str = "sigmoid", router_seed: int | None = None):
         super().__init__(embed_dim)
         self.head_dim, _ = resolve_head_dims(embed_dim, num_heads, head_dim, None)
         check_experts(num_experts, top_k)
@@ -127,8 +136,14 @@ class SwitchHeadAttention(AttentionLayer):
         # W_v^{h,e} and W_o^{h,e} stacked head-major: row h * E + e.
         self.value_experts = nn.Parameter(torch.empty(h * e, embed_dim, dh))
         self.output_experts = nn.Parameter(torch.empty(h * e, dh, embed_dim))
-        self.value_selector = nn.Linear(embed_dim, h * e, bias=False) if e > 1 else None
-        self.output_selector = nn.Linear(embed_dim, h * e, bias=False)
+        self.random_routing = check_random_router(router, ("sigmoid", "random"))
+        learned = not self.random_routing
+        if self.random_routing and expert_dropout:
+            raise ValueError(f"expert_dropout applies to the learned selectors; router='random' chooses without "
+                             f"them, got expert_dropout={expert_dropout}")
+        self.value_selector = nn.Linear(embed_dim, h * e, bias=False) if e > 1 and learned else None
+        self.output_selector = nn.Linear(embed_dim, h * e, bias=False) if learned else None
+        self.random_router = RandomRouter(e, top_k, h, router_seed) if self.random_routing else None
         self.out_bias = nn.Parameter(torch.zeros(embed_dim)) if bias else None
         self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, dh)
         self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
@@ -151,39 +166,49 @@ class SwitchHeadAttention(AttentionLayer):
                 _renormalise_rows(sel.weight)
 
     # ---------------------------------------------------------------------------------- selection
-    def select(self, x: Tensor, selector: nn.Linear, token_mask: Tensor | None) -> Routing:
+    def select(self, x: Tensor, selector: nn.Linear | None, token_mask: Tensor | None, offset: int | Tensor = 0,
+               stream: int = 0) -> Routing:
         """Top-k of ``sigmoid(x W_sel)`` per head over ``x`` ``(batch, time, embed_dim)``, as a
         :class:`~headmix.routing.Routing` in the ``h * E + e`` expert space (see
-        :class:`SwitchHeadRouting`). Runs in (at least) float32, also under autocast."""
+        :class:`SwitchHeadRouting`). Runs in (at least) float32, also under autocast. ``router="random"``
+        (``selector`` None): ``top_k`` experts per head drawn at random for the tokens at positions ``offset ..``
+        (``stream`` 0 for the value side, 1 for the output side), every score 0."""
         batch, time, dim = x.shape
         n, h, e, k = batch * time, self.num_heads, self.num_experts, self.top_k
         flat = x.reshape(n, dim).to(router_dtype(x))
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(flat, selector.weight.to(flat.dtype))
+            if selector is None:
+                logits = flat.new_zeros(n, h * e)
+            else:
+                logits = F.linear(flat, selector.weight.to(flat.dtype))
             s = logits.sigmoid().view(n, h, e)
             with torch.no_grad():
                 pick = s
                 if self.training and self.expert_dropout > 0:
                     pick = s.masked_fill(torch.rand_like(s) < self.expert_dropout, float("-inf"))
-                index = pick.topk(k, dim=-1).indices                               # (N, H, k)
+                if selector is None:
+                    index = self.random_router.choose(batch, time, offset, stream)
+                else:
+                    index = pick.topk(k, dim=-1).indices                               # (N, H, k)
             gates = s.gather(-1, index)                                             # selected sigmoids
             index = index + torch.arange(0, h * e, e, device=x.device)[:, None]     # expert h * E + e
         mask = None if token_mask is None else token_mask.reshape(n)
         return Routing(logits, s.view(n, h * e), index.view(n, h * k), gates.view(n, h * k), mask, (batch, time))
 
-    def _project_kv_routed(self, key: Tensor, value: Tensor, token_mask: Tensor | None) -> tuple[Tensor, Tensor, Routing | None]:
+    def _project_kv_routed(self, key: Tensor, value: Tensor, token_mask: Tensor | None,
+                           offset: int | Tensor = 0) -> tuple[Tensor, Tensor, Routing | None]:
         """Keys ``(batch, H, S, head_dim)``, the mixed values ``v^h`` of the same shape and the value-side
         routing (``None`` with one expert per head)."""
         batch, src, dim = value.shape
         n, h, dh = batch * src, self.num_heads, self.head_dim
         k = split_heads(self.k_proj(key), h)
         compute = autocast_dtype(value) or value.dtype
-        if self.value_selector is None:
+        if self.num_experts == 1:
             routing = None
             index = torch.arange(h, device=value.device).expand(n, h)
             gates = None
         else:
-            routing = self.select(key, self.value_selector, token_mask)
+            routing = self.select(key, self.value_selector, token_mask, offset, stream=0)
             index, gates = routing.expert_index, routing.gates
         info = expert_routing(index, h * self.num_experts, check_range=False)  # top-k: in range
         # v^h_t = sum_{e in topk} s_{t,e}^h x_t W_v^{h,e} for every head: (N, H, head_dim).
@@ -215,10 +240,11 @@ class SwitchHeadAttention(AttentionLayer):
         batch, tgt, dim = query.shape
         h, k = self.num_heads, self.top_k
         value_routing: list[Routing | None] = [None]
+        offset = query_offset(cache)
 
         def project(key_src: Tensor, value_src: Tensor) -> tuple[Tensor, Tensor]:
             keys, values, value_routing[0] = self._project_kv_routed(
-                key_src, value_src, _new_key_mask(key_padding_mask, key_src.shape[:2]))
+                key_src, value_src, _new_key_mask(key_padding_mask, key_src.shape[:2]), offset)
             return keys, values
 
         keys, values, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache, project=project)
@@ -233,7 +259,7 @@ class SwitchHeadAttention(AttentionLayer):
         o = scaled_dot_product(q, keys, values, bias, empty, attention_dropout, causal=causal)
 
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
-        routing = self.select(query, self.output_selector, token_mask)
+        routing = self.select(query, self.output_selector, token_mask, offset, stream=1)
         info = expert_routing(routing.expert_index, h * self.num_experts, check_range=False)  # top-k: in range
         compute = autocast_dtype(query) or query.dtype
         n = batch * tgt

@@ -58,7 +58,7 @@ _KIND_FIELDS = {
     "sparsity": ("mosa",),
     "tokens_per_head": ("mosa",),
     "include_first": ("mosa",),
-    "router": ("moa",),
+    "router": ("moa", "moh", "switchhead"),
     "renormalize": ("moa",),
     "load_balance_weight": ("moa", "moh"),
     "z_loss_weight": ("moa",),
@@ -84,13 +84,27 @@ _KIND_DEFAULTS = {
 }
 
 
+#: Fields whose :data:`_KIND_DEFAULTS` value is filled in for these kinds only (the others keep ``None``, their
+#: layer's own router): ``router="softmax"`` is MoA's default; MoH and SwitchHead take ``router`` only to set
+#: the random-routing control.
+_DEFAULT_KINDS = {"router": ("moa",)}
+
+#: The ``router`` values of each kind: its learned router (``None`` = the layer's own) or ``"random"``.
+ROUTER_CHOICES = {"moa": ("softmax", "noisy_topk", "random"), "moh": ("softmax", "random"),
+                  "switchhead": ("sigmoid", "random")}
+
+
+def _takes_default(field: str, kind: str) -> bool:
+    return kind in _DEFAULT_KINDS.get(field, _KIND_FIELDS[field])
+
+
 def without_foreign_defaults(data: dict[str, Any]) -> dict[str, Any]:
     """A stored attention config dict without the defaults that files of older versions stored for every kind
     (e.g. ``router="softmax"`` for kind ``"mha"``, now unset there): what :meth:`AttentionConfig.from_dict`
     reads."""
     kind = data.get("kind", "mha")
     return {k: v for k, v in data.items()
-            if not (k in _KIND_DEFAULTS and kind not in _KIND_FIELDS[k] and _same_value(v, _KIND_DEFAULTS[k]))}
+            if not (k in _KIND_DEFAULTS and not _takes_default(k, kind) and _same_value(v, _KIND_DEFAULTS[k]))}
 
 
 def field_applies(field: str, kind: str) -> bool:
@@ -129,6 +143,10 @@ class AttentionConfig:
       head_dim=D``. ``router``, ``renormalize`` (eq. 9), ``load_balance_weight`` (alpha, eq. 17),
       ``z_loss_weight`` (beta) and ``expert_impl`` (the grouped-projection kernel) apply to it;
       ``kv_heads`` (default 1, the paper's single shared K/V head) gives JetMoE's grouped K/V heads.
+    - ``router="random"`` (MoA, MoH, SwitchHead; MoH and SwitchHead leave ``router`` unset for their learned
+      router): the random-routing control, the same number of experts or heads per token chosen uniformly at
+      random, with the weights the layer gives at equal router scores, no router parameters and no auxiliary
+      loss (:mod:`headmix.routing.random`).
     - ``"moh"``: Mixture-of-Head attention: ``num_heads`` heads, ``num_shared_heads`` always on, ``top_k``
       of the others routed per token.
     - ``"talking_heads"``: ``num_heads`` heads mixed by learned ``h x h`` maps before (``pre_softmax``)
@@ -174,7 +192,7 @@ class AttentionConfig:
     K/V group, with ``num_shared_heads`` and ``top_k`` counted per group (arXiv 2606.20945).
     A field that the chosen ``kind`` does not use must stay unset (``None``): setting it is a ``ValueError``
     naming it (the table ``_KIND_FIELDS`` says which kinds use which field). Unset fields the kind uses take
-    their defaults on construction (``_KIND_DEFAULTS``: ``router="softmax"``, ``renormalize="detached"``,
+    their defaults on construction (``_KIND_DEFAULTS``: ``router="softmax"`` (MoA), ``renormalize="detached"``,
     ``load_balance_weight=0.01``, ``z_loss_weight=0.001``, ``pre_softmax=post_softmax=True``,
     ``expert_impl="auto"``, ``load_balance_fractions="normalized"``).
     """
@@ -229,7 +247,7 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         self._check_kind_fields("attention")
         for fname, default in _KIND_DEFAULTS.items():
-            if getattr(self, fname) is None and self.kind in _KIND_FIELDS[fname]:
+            if getattr(self, fname) is None and _takes_default(fname, self.kind):
                 setattr(self, fname, default)
         self.validate()
 
@@ -256,6 +274,8 @@ class AttentionConfig:
             if self.top_k > self.num_experts:
                 raise ValueError(f"{name}.top_k K={self.top_k} exceeds num_experts E={self.num_experts}")
             _choice(f"{name}.expert_impl", self.expert_impl, EXPERT_IMPLS)
+        if self.router is not None and self.kind in ROUTER_CHOICES:
+            _choice(f"{name}.router", self.router, ROUTER_CHOICES[self.kind])
         if self.kind == "mosa":
             self._validate_mosa(embed_dim, name)
         elif self.kind != "moa":
@@ -404,14 +424,15 @@ class AttentionConfig:
                 embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,
                 load_balance_weight=self.load_balance_weight, head_weighting=self.head_weighting or "renormalized",
                 impl=self.moh_impl or "auto", expert_impl=self.expert_impl,
-                route_per_group=bool(self.route_per_group), **common)
+                route_per_group=bool(self.route_per_group), router=self.router or "softmax", **common)
         if self.kind == "switchhead":
             return attention.SwitchHeadAttention(
                 embed_dim, self.num_heads, self.num_experts, self.top_k, self.head_dim, bias=self.bias,
                 dropout=self.dropout, expert_dropout=self.expert_dropout or 0.0,
                 init_scale=1.0 if self.init_scale is None else self.init_scale, expert_impl=self.expert_impl,
                 rotary=self.rotary, rotary_base=self.rotary_base, rotary_fraction=self.rotary_fraction,
-                zero_padded_queries=self.zero_padded_queries, dropout_on=self.dropout_on or "attention")
+                zero_padded_queries=self.zero_padded_queries, dropout_on=self.dropout_on or "attention",
+                router=self.router or "sigmoid")
         return attention.TalkingHeadsAttention(
             embed_dim, self.num_heads, self.pre_softmax, self.post_softmax, head_dim=self.head_dim,
             key_dim=self.key_dim, **common)

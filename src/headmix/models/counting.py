@@ -145,7 +145,7 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     if att.kind == "moa":
         # kv_heads G: every expert is G heads of d_h (one per K/V head), i.e. eq. 10-12 with d_h -> G d_h
         k, e, dh = att.top_k, att.num_experts, att.head_dim * (att.kv_heads or 1)
-        full = (t * d * e            # router logits x W_g (eq. 7)
+        full = (t * d * e * _learned(att)  # router logits x W_g (eq. 7); none for the random control
                 + k * t * d * dh     # expert query projections (eq. 10), k per token
                 + 2 * s * d * dh     # shared K and V projections, once
                 + 2 * k * pairs * dh  # scores and weights x values of k heads
@@ -156,7 +156,8 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
         h, e, k, dh = att.num_heads, att.num_experts, att.top_k, att.resolved_head_dim(d)
         products = h * (t * d * dh + s * d * dh + k * s * d * dh + k * t * dh * d + 2 * t * s * dh)
         computed = products - h * 2 * (t * s - pairs) * dh  # the attention products over the computed pairs
-        selectors = t * d * h * e + (s * d * h * e if e > 1 else 0)  # sigmoid(x W_sel), output and value side
+        # sigmoid(x W_sel), output and value side (none for the random control)
+        selectors = (t * d * h * e + (s * d * h * e if e > 1 else 0)) * _learned(att)
         # The SwitchHead authors' count (get_attention_flops): + the weighted sums of the k expert outputs
         # (value side over S, output side over T) + the two selectors as E d_m per token and side.
         paper = products + h * k * dh * (s + t) + e * d * (s + t)
@@ -176,8 +177,14 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     if att.kind == "talking_heads":
         full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h * pairs
     if att.kind == "moh":
-        full += t * d * _moh_router_width(att, h, groups)
+        full += t * d * _moh_router_width(att, h, groups) * _learned(att)
     return full, paper
+
+
+def _learned(att: AttentionConfig) -> int:
+    """1 for a layer with a learned router, 0 for the random-routing control (``router="random"``: no router
+    projection to compute or store)."""
+    return int(att.router != "random")
 
 
 def _route_groups(att: AttentionConfig) -> int:
@@ -227,14 +234,14 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
     if att.kind == "moa":
         e, dh = att.num_experts, att.head_dim * (att.kv_heads or 1)
         paper = (2 * e + 2) * dh * d
-        router = d * e * (2 if att.router == "noisy_topk" else 1)
+        router = d * e * (2 if att.router == "noisy_topk" else 1) * _learned(att)
         _, kv_bias, out_bias = att.resolved_biases()
         bias = 2 * dh * kv_bias + d * out_bias
         return paper + router + bias, paper
     if att.kind == "switchhead":
         h, e, dh = att.num_heads, att.num_experts, att.resolved_head_dim(d)
         paper = 2 * h * (e + 1) * dh * d
-        selectors = d * h * e * (2 if e > 1 else 1)
+        selectors = d * h * e * (2 if e > 1 else 1) * _learned(att)
         return paper + selectors + ((2 * h * dh + d) if att.bias else 0), paper
     h = att.num_heads
     dv = att.resolved_head_dim(d)
@@ -250,7 +257,7 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
     if att.kind == "talking_heads":
         full += (int(att.pre_softmax) + int(att.post_softmax)) * h * h
     if att.kind == "moh":
-        full += d * _moh_router_width(att, h, _route_groups(att))
+        full += d * _moh_router_width(att, h, _route_groups(att)) * _learned(att)
     return full, paper
 
 

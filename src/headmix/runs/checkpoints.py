@@ -287,8 +287,9 @@ def checkpoints_to_average(root: str | os.PathLike, n: int, warn: Warn, *, up_to
 
 def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
     """The element-wise mean of the weights of several checkpoints (the MoA paper evaluates the average
-    of the last 10), accumulated in float64. Returns a state dict with the tied weights stored once, as
-    in the files."""
+    of the last 10), accumulated in float64. Integer tensors are not weights (the random-routing control's seed
+    and call counter): they are the last checkpoint's. Returns a state dict with the tied weights stored once,
+    as in the files."""
     from safetensors.torch import load_file
 
     if not paths:
@@ -302,7 +303,8 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
         for name, w in weights.items():
             dtypes[name] = w.dtype
             total[name] = total[name] + w.double() if name in total else w.double()
-    return {name: (w / len(paths)).to(dtypes[name]) for name, w in total.items()}
+    return {name: weights[name] if not dtypes[name].is_floating_point else (w / len(paths)).to(dtypes[name])
+            for name, w in total.items()}
 
 
 def rng_state() -> dict[str, Any]:

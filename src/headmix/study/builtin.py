@@ -15,7 +15,9 @@
   (``llama3-mini-gqa``: 8 query heads of 16 on 2 K/V heads); this year's contenders at its attention MACs:
   headwise-gated GQA (Gated Attention), GQE (MoH routed inside each K/V group: 1 shared + top 1 of 3, sparse),
   MoA with 2 K/V heads (top 4 of 8), MoSA (2 dense heads and sparse heads of 16 keeping 1/8 of the tokens,
-  their number solved) and SwitchHead.
+  their number solved) and SwitchHead; and the controls: GQE and MoA kv2 with random routing
+  (``router="random"``), GQE's static twin (grouped-query attention with GQE's 2 active query heads per K/V
+  head, no router) and MoSA evaluated with the causal threshold rule as well as top-k.
 - ``lm-en-contenders-long``: the baseline and the two best rows of ``lm-en-contenders`` (Gated, GQE) once more
   with four times the training tokens (1600 steps, three seeds), to show the trend with training length.
 
@@ -106,9 +108,25 @@ def _contender_rows() -> list[RowSpec]:
                     {"head_dim": 32})]
 
 
+def _control_rows() -> list[RowSpec]:
+    """``lm-en-contenders``' controls: GQE and MoA kv2 with random routing, GQE's static twin (grouped-query
+    attention with GQE's active query heads per K/V head: 1 shared + top 1 = 2 of each group's 4, i.e. 4 query
+    heads on 2 K/V heads, no router; its head size solved to the same MACs) and MoSA evaluated with causal
+    selection too (the MoSA row's model again, same seeds: the finished MoSA runs kept no weights)."""
+    rows = {row.name: row for row in _contender_rows()}
+    gqe, moa, mosa = rows["GQE"], rows["MoA kv2"], rows["MoSA"]
+    return [RowSpec("GQE random", {**gqe.attention, "router": "random"}, gqe.solve, gqe.prefer, control_of="GQE"),
+            RowSpec("MoA kv2 random", {**moa.attention, "router": "random"}, moa.solve, moa.prefer,
+                    control_of="MoA kv2"),
+            RowSpec("GQE static", {"kind": "mha", "num_heads": 4, "kv_heads": 2}, ["head_dim"], _CONTENDERS_PREFER,
+                    control_of="GQE"),
+            RowSpec("MoSA causal", dict(mosa.attention), mosa.solve, mosa.prefer, causal_eval=True)]
+
+
 def lm_en_contenders() -> StudySpec:
-    return StudySpec(name="lm-en-contenders", task="lm", baseline="llama3-mini-gqa", rows=_contender_rows(),
-                     seeds=[1, 2, 3], max_steps=400, training=dict(_LM_TRAINING))
+    return StudySpec(name="lm-en-contenders", task="lm", baseline="llama3-mini-gqa",
+                     rows=_contender_rows() + _control_rows(), seeds=[1, 2, 3], max_steps=400,
+                     training=dict(_LM_TRAINING))
 
 
 #: the rows of ``lm-en-contenders-long``: the baseline and the two rows best at equal MACs after 400 steps

@@ -208,7 +208,12 @@ def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResul
     for entry, ratio in zip(rows, other_convention_ratios(spec, planned)):
         entry["attention_macs_ratio_other"] = ratio
     recorded = {m for ms in ran_on.values() for m in ms}
-    return {"name": spec.name, "task": spec.task, "baseline": baseline, "baseline_preset": spec.baseline_name,
+    extra: dict[str, Any] = {}
+    if any(r.control_of is not None for r in spec.rows):
+        extra["controls"] = controls(spec, rows, results, timings or {})
+    if any(r.causal_eval for r in spec.rows):
+        extra["causal_selection"] = causal_selection(spec, results)
+    return {**extra, "name": spec.name, "task": spec.task, "baseline": baseline, "baseline_preset": spec.baseline_name,
             "max_steps": spec.max_steps, "seeds": spec.seeds, "tolerance": spec.tolerance,
             "moh_count": spec.moh_count, "attention_macs": spec.attention_macs,
             "attention_macs_other": other_convention(spec.attention_macs),
@@ -334,7 +339,7 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
         cells.append(f"{tps['mean']:,.0f}" if tps else "–")
         lines.append("| " + " | ".join(cells) + " |")
     along = along_training_markdown(table)
-    lines += [""] + (along + [""] if along else []) + interleaved_markdown(table) + [""] + equal_time_markdown(table) \
+    lines += [""] + (along + [""] if along else []) + controls_markdown(table) + interleaved_markdown(table) + [""] + equal_time_markdown(table) \
         + [""] + machines_markdown(table)
     return "\n".join(lines) + "\n"
 
@@ -467,12 +472,14 @@ def _delta_text(diff: dict[str, Any]) -> str:
 
 def _attention_text(att: dict[str, Any]) -> str:
     """The row's attention in a few words: its kind and sizes, then grouped K/V heads, per-group routing (GQE),
-    QK-norm and an output gate where set."""
+    the random-routing control, QK-norm and an output gate where set."""
     extras = []
     if att.get("kv_heads") and att["kv_heads"] != att.get("num_heads"):
         extras.append(f"{att['kv_heads']} K/V heads")
     if att.get("route_per_group"):
         extras.append("routed per group")
+    if att.get("router") == "random":
+        extras.append("random routing")
     if att.get("qk_norm"):
         extras.append("QK-norm")
     if att.get("output_gate"):
@@ -627,3 +634,116 @@ def update_report(spec: StudySpec, planned: list[PlannedRow], out: str | os.Path
         if table["complete"]:
             log(f"study {spec.name}: the complete report is written ({out / 'results.md'})")
         return table
+
+
+def controls(spec: StudySpec, table_rows: list[dict[str, Any]], results: list[RunResult],
+             timings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each control row (``control_of``) against the row it controls: the controlled row minus the control,
+    paired by seed, at equal MACs (the final validation NLL) and at equal time (both validation curves read by
+    step at the time the faster of the two needs for the study's steps, the step-time ratio being the ratio of
+    their two ratios against the baseline, each timed side by side with it)."""
+    metrics = {r["name"]: r for r in table_rows}
+    out = []
+    for control in (r for r in spec.rows if r.control_of is not None):
+        routed = control.control_of
+        entry: dict[str, Any] = {"row": routed, "control": control.name, "equal_macs": None, "ratio": None,
+                                 "ratio_range": None, "equal_time": None}
+        out.append(entry)
+        nll = {name: {r.seed: run_metrics(r)["valid_nll"] for r in results if r.row == name}
+               for name in (routed, control.name)}
+        if not nll[routed] or not set(nll[routed]) & set(nll[control.name]):
+            continue
+        diff = paired_difference(nll[routed], nll[control.name])
+        entry["equal_macs"] = {**diff.to_dict(), "verdict": diff.verdict(True, f"{control.name}")}
+        ratio = _ratio_between(routed, control.name, metrics, timings)
+        if ratio is None:
+            continue
+        entry["ratio"], entry["ratio_range"] = ratio
+        runs = {name: {r.seed: r for r in results if r.row == name and r.curve} for name in (routed, control.name)}
+        values, base = {}, {}
+        for seed in sorted(set(runs[routed]) & set(runs[control.name])):
+            _, _, v_row, v_control = _read_pair(entry["ratio"], runs[routed][seed], runs[control.name][seed])
+            if v_row is None or v_control is None:
+                break
+            values[seed], base[seed] = v_row, v_control
+        else:
+            if values:
+                diff = paired_difference(values, base)
+                entry["equal_time"] = {**diff.to_dict(), "verdict": diff.verdict(True, f"{control.name}")}
+    return out
+
+
+def _ratio_between(row: str, other: str, rows: dict[str, dict[str, Any]],
+                   timings: dict[str, dict[str, Any]]) -> tuple[float, list[float] | None] | None:
+    """The step-time ratio of ``row`` to ``other`` from their side-by-side timings against the baseline (the
+    baseline's own is 1), and its range from the ends of the two intervals (``None`` without them)."""
+    def timed(name: str) -> tuple[float, float | None, float | None] | None:
+        if name == next(iter(rows)):
+            return 1.0, 1.0, 1.0
+        record = timings.get(name)
+        return None if record is None else (record["ratio"], record.get("low"), record.get("high"))
+
+    a, b = timed(row), timed(other)
+    if a is None or b is None:
+        return None
+    spread = None if None in (a[1], a[2], b[1], b[2]) else [a[1] / b[2], a[2] / b[1]]
+    return a[0] / b[0], spread
+
+
+def causal_selection(spec: StudySpec, results: list[RunResult]) -> list[dict[str, Any]]:
+    """Each ``causal_eval`` row's validation NLL with top-k selection and with the causal threshold rule (the
+    runs' ``study_eval.json``), and the gap (threshold minus top-k) paired by seed."""
+    out = []
+    for row in (r for r in spec.rows if r.causal_eval):
+        runs = [r for r in results if r.row == row.name and "valid_nll_threshold" in r.evaluation]
+        topk = {r.seed: r.evaluation["valid_nll_topk"] for r in runs}
+        causal = {r.seed: r.evaluation["valid_nll_threshold"] for r in runs}
+        entry: dict[str, Any] = {"row": row.name, "seeds": sorted(topk), "topk": None, "threshold": None, "gap": None}
+        if runs:
+            entry["topk"] = summarize([topk[s] for s in sorted(topk)]).to_dict()
+            entry["threshold"] = summarize([causal[s] for s in sorted(causal)]).to_dict()
+            entry["gap"] = paired_difference(causal, topk).to_dict()
+        out.append(entry)
+    return out
+
+
+def controls_markdown(table: dict[str, Any]) -> list[str]:
+    """The controls table (learned vs random routing, routed vs static) and the MoSA causal-selection table,
+    when the study has such rows."""
+    lines = []
+    if table.get("controls"):
+        lines += ["#### Controls: is the routing learned, is the router worth its cost?", "",
+                  "Each routed row against its control: its random-routing twin (the same layer, its experts or "
+                  "heads chosen uniformly at random per token, no router) or the dense model with the same active "
+                  "compute and no router. Δ is the routed row minus the control, paired by seed, with its 95% "
+                  "Student-t interval (negative: the routed row is better). At equal MACs: the final validation "
+                  "NLL. At equal time: both validation curves read by step at the time the faster of the two "
+                  "needs for the study's steps; the step-time ratio of the two is the ratio of their side-by-side "
+                  "ratios against the baseline (in brackets: from the ends of those two intervals).", "",
+                  "| row | control | Δ valid NLL at equal MACs [95% CI] | verdict | step time, row / control | "
+                  "Δ at equal time [95% CI] | verdict |", "|---|---|---|---|---|---|---|"]
+        for c in table["controls"]:
+            macs, timed = c.get("equal_macs"), c.get("equal_time")
+            ratio = "–" if c.get("ratio") is None else f"{c['ratio']:.2f}" + (
+                f" [{c['ratio_range'][0]:.2f}, {c['ratio_range'][1]:.2f}]" if c.get("ratio_range") else "")
+            lines.append(f"| {c['row']} | {c['control']} | " + " | ".join(
+                ["–", "–"] if macs is None else [_delta_text(macs), macs["verdict"]]) + f" | {ratio} | " + " | ".join(
+                ["–", "–"] if timed is None else [_delta_text(timed), timed["verdict"]]) + " |")
+        lines.append("")
+    if table.get("causal_selection"):
+        lines += ["#### MoSA: causal selection at evaluation", "",
+                  "MoSA trains and is evaluated (as in its paper) with each sparse head's top-k over the whole "
+                  "sequence, which looks at later tokens; generation needs a causal rule. Each run's final model "
+                  "is scored on the validation split both ways, on the same batches: top-k, and the causal "
+                  "threshold rule headmix generates with (a token is chosen when its router score reaches the "
+                  "head's threshold, calibrated on the top-k routings of the first training batches). The gap is "
+                  "causal minus top-k, paired by seed, with its 95% Student-t interval (positive: top-k's "
+                  "look-ahead was worth that much).", "",
+                  "| row | seeds | valid NLL, top-k | valid NLL, causal threshold | gap [95% CI] |",
+                  "|---|---|---|---|---|"]
+        for c in table["causal_selection"]:
+            gap = c.get("gap")
+            lines.append(f"| {c['row']} | {len(c['seeds'])} | {_fmt(c.get('topk'))} | {_fmt(c.get('threshold'))} | "
+                         f"{'–' if gap is None else _delta_text(gap)} |")
+        lines.append("")
+    return lines

@@ -8,7 +8,8 @@ A study folder::
                                 token pack (``pack``) has no shared/: the pack holds the split and tokenizer
     configs/ROW.json            each row's model config (the baseline's, with the row's attention)
     runs/ROW/seed-N/            a headmix training run folder (locked while in use, resumable)
-    runs/ROW/seed-N/study_eval.json   translation: BLEU/chrF of that run on the test split
+    runs/ROW/seed-N/study_eval.json   translation: BLEU/chrF of that run on the test split; a MoSA row with
+                                ``causal_eval``: its validation NLL with top-k and with causal selection
     timing/ROW.json             the row's step time against the baseline's, measured side by side
                                 (:mod:`headmix.study.timing`), read by the equal-time table
     claims/NAME.lock            held (flock) by the worker timing a row or training a run
@@ -287,7 +288,8 @@ def read_result(spec: StudySpec, row: str, seed: int, out: Path, log: Callable[[
     worker that trained it) gives ``None``."""
     folder = out / "runs" / slug(row) / f"seed-{seed}"
     summary = json.loads((folder / "summary.json").read_text())
-    evaluation = _evaluate(spec, folder, log, run=evaluate)
+    causal = any(r.name == row and r.causal_eval for r in spec.rows)
+    evaluation = _evaluate(spec, folder, log, run=evaluate, causal=causal)
     if evaluation is None:
         return None
     return RunResult(row, seed, str(folder.relative_to(out)), summary, evaluation,
@@ -383,20 +385,29 @@ def prepare_shared_tokenizer(spec: StudySpec, out: Path, log: Callable[[str], No
     return prepare_shared_data(cfg, log)
 
 
-def _evaluate(spec: StudySpec, folder: Path, log: Callable[[str], None], *, run: bool = True) -> dict[str, Any] | None:
+def _evaluate(spec: StudySpec, folder: Path, log: Callable[[str], None], *, run: bool = True,
+              causal: bool = False) -> dict[str, Any] | None:
     """For tasks that score generated text (translation: BLEU/chrF), the run's final model on the first
-    ``bleu_sentences`` test items, stored in ``study_eval.json`` so a rerun does not translate again (``None``
-    when it is not stored yet and ``run`` is false). The language models' metric is the validation loss already
-    in the summary."""
+    ``bleu_sentences`` test items; for a MoSA row with ``causal_eval`` (``causal``), its validation NLL with
+    top-k and with causal selection (:func:`headmix.study.causal.causal_selection_eval`). Stored in
+    ``study_eval.json`` so a rerun does not evaluate again (``None`` when it is not stored yet and ``run`` is
+    false). Otherwise the language models' metric is the validation loss already in the summary."""
     from ..tasks import evaluate_run, get_task
 
-    if not get_task(spec.task).scores_generations:
+    if not get_task(spec.task).scores_generations and not causal:
         return {}
     path = folder / "study_eval.json"
     if path.is_file():
         return json.loads(path.read_text())
     if not run:
         return None
+    if causal:
+        from .causal import causal_selection_eval
+
+        log(f"study {spec.name}: top-k and causal selection of {folder}")
+        result = causal_selection_eval(folder)
+        atomic_write(path, json.dumps(result, indent=2) + "\n")
+        return result
     log(f"study {spec.name}: BLEU of {folder}")
     scores = evaluate_run(folder, split="test", beam_size=spec.bleu_beam, limit=spec.bleu_sentences)
     result = {k: scores[k] for k in ("bleu", "chrf", "sentences", "bleu_signature")}
@@ -453,10 +464,24 @@ def check_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> dict[st
     path = out / "study.json"
     if path.is_file():
         stored = _with_new_defaults(json.loads(path.read_text()))
-        if stored.get("rows") != record["rows"] or _comparable(stored.get("spec", {})) != _comparable(record["spec"]):
+        if not _extends(stored, record):
             raise ValueError(f"{out} holds another study ({path}): use another --out, or the same spec "
-                             f"(only seeds may be added)")
+                             f"(only seeds and rows may be added)")
     return record
+
+
+def _extends(stored: dict[str, Any], record: dict[str, Any]) -> bool:
+    """Whether the study ``record`` is the ``stored`` one with seeds or rows added: every stored row (its spec and
+    its matched attention) is in ``record`` unchanged, and the rest of the spec is the same."""
+    def by_name(rows: list[Any]) -> dict[str, Any]:
+        return {r.get("name"): r for r in rows if isinstance(r, dict)}
+
+    old_spec, new_spec = stored.get("spec", {}), record["spec"]
+    old_rows, new_rows = by_name(old_spec.get("rows", [])), by_name(new_spec.get("rows", []))
+    old_plan, new_plan = by_name(stored.get("rows", [])), by_name(record["rows"])
+    same_rows = all(new_rows.get(n) == r for n, r in old_rows.items()) and all(
+        new_plan.get(n) == r for n, r in old_plan.items()) and len(old_plan) == len(stored.get("rows", []))
+    return same_rows and _comparable({**old_spec, "rows": None}) == _comparable({**new_spec, "rows": None})
 
 
 def _defaults(cls) -> dict[str, Any]:
@@ -478,9 +503,13 @@ def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
         kept = without_foreign_defaults(stored_attention)
         return {**_defaults(AttentionConfig), **kept, **{k: None for k in stored_attention.keys() - kept.keys()}}
 
+    from .spec import RowSpec
+
     rows = [{**r, "attention": attention(r.get("attention", {}))} if isinstance(r, dict) else r
             for r in stored.get("rows", [])]
-    return {**stored, "rows": rows, "spec": {**_defaults(StudySpec), **stored.get("spec", {})}}
+    spec = {**_defaults(StudySpec), **stored.get("spec", {})}
+    spec["rows"] = [{**_defaults(RowSpec), **r} if isinstance(r, dict) else r for r in spec.get("rows", [])]
+    return {**stored, "rows": rows, "spec": spec}
 
 
 def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:

@@ -20,6 +20,12 @@ A spec file::
     attention = { kind = "moa", num_experts = 16, top_k = 4 }
     solve = ["head_dim"]              # sized to the baseline's attention MACs within the tolerance
     prefer = { head_dim = 32 }
+    [[rows]]
+    name = "MoA E=16 random"          # a control: the same row with random routing
+    attention = { kind = "moa", num_experts = 16, top_k = 4, router = "random" }
+    solve = ["head_dim"]
+    prefer = { head_dim = 32 }
+    control_of = "MoA E=16"           # the report compares the two, paired by seed
 
 Relative paths in a spec file are relative to the file.
 """
@@ -52,6 +58,12 @@ class RowSpec:
     solve: list[str] = field(default_factory=list)
     #: preferred values of the solved fields (the closest feasible one wins)
     prefer: dict[str, Any] = field(default_factory=dict)
+    #: the name of the (routed) row this row is a control of: its random-routing twin, or the dense model with
+    #: the same active compute; the report shows that row minus this one, paired by seed
+    control_of: str | None = None
+    #: MoSA rows: also evaluate each run's final model with the causal threshold rule (beside the top-k over
+    #: the whole sequence it trains with); the report shows the gap, paired by seed
+    causal_eval: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -61,6 +73,13 @@ class RowSpec:
                 raise ValueError(f"rows[{self.name!r}].solve must name fields of {SOLVABLE}, got {f!r}")
         if self.solve and not self.attention:
             raise ValueError(f"rows[{self.name!r}].solve needs rows[{self.name!r}].attention (at least its kind)")
+        if self.control_of is not None and (not isinstance(self.control_of, str) or self.control_of == self.name):
+            raise ValueError(f"rows[{self.name!r}].control_of must name another row, got {self.control_of!r}")
+        if not isinstance(self.causal_eval, bool):
+            raise ValueError(f"rows[{self.name!r}].causal_eval must be true or false, got {self.causal_eval!r}")
+        if self.causal_eval and self.attention.get("kind") != "mosa":
+            raise ValueError(f"rows[{self.name!r}].causal_eval applies to MoSA rows (attention kind 'mosa'), got "
+                             f"kind {self.attention.get('kind')!r}")
 
 
 @dataclass
@@ -139,6 +158,8 @@ class StudySpec:
             raise ValueError(f"rows must have distinct names, got {names}")
         for row in self.rows:
             row.validate()
+            if row.control_of is not None and row.control_of not in names:
+                raise ValueError(f"rows[{row.name!r}].control_of must name a row of the study, got {row.control_of!r}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or any(
                 isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
             raise ValueError(f"seeds must be distinct non-negative integers, got {self.seeds!r}")

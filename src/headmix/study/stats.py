@@ -105,13 +105,14 @@ class PairedDifference:
             return None
         return self.low > 0 or self.high < 0
 
-    def verdict(self, lower_is_better: bool) -> str:
+    def verdict(self, lower_is_better: bool, than: str = "the baseline") -> str:
+        """What the interval shows: better or worse than ``than`` (the row subtracted), or no difference."""
         if self.significant is None:
             return "too few seeds for an interval"
         if not self.significant:
             return "no significant difference"
         better = (self.mean < 0) == lower_is_better
-        return "better than the baseline" if better else "worse than the baseline"
+        return f"better than {than}" if better else f"worse than {than}"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "significant": self.significant}
