@@ -35,6 +35,7 @@ from ..models import AttentionConfig, ModelConfig, analytic_macs, analytic_param
 from ..storage.files import atomic_write
 from .matching import Match, attention_macs_of, match_attention, with_attention
 from .spec import StudySpec
+from .stats import interpolate
 
 
 @dataclass
@@ -375,22 +376,6 @@ def validation_times(folder: Path) -> dict[int, float]:
             continue
         result[r["step"]] = r["time"] if "time" in r else interpolate(steps, times, r["step"], clamp=True)
     return result
-
-
-def interpolate(xs: list[float], ys: list[float], x: float, *, clamp: bool = False) -> float | None:
-    """``y`` at ``x`` on the polyline through ``(xs, ys)`` (``xs`` increasing); outside ``[xs[0], xs[-1]]``:
-    the end value with ``clamp``, else ``None``."""
-    if not xs:
-        return None
-    if x < xs[0] or x > xs[-1]:
-        if not clamp:
-            return None
-        return ys[0] if x < xs[0] else ys[-1]
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return ys[0]
 
 
 def check_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> dict[str, Any]:

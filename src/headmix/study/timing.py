@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..storage.files import atomic_write
+from .stats import interpolate
 
 #: The timing phase's defaults (a spec may change them: ``timing_rounds``, ``timing_steps``, ``timing_warmup``).
 #: 10 rounds give the median an order-statistic interval of 97.9% coverage from the 2nd to the 9th smallest
@@ -225,8 +226,6 @@ def write_timing(out: Path, row_slug: str, record: dict[str, Any]) -> Path:
 def read_at(curve: dict[int, float], step: float) -> float | None:
     """The validation NLL at ``step`` on a run's curve (periodic validations), interpolated linearly;
     ``None`` outside the validated steps (never extrapolated)."""
-    from .runner import interpolate
-
     steps = sorted(curve)
     return interpolate(steps, [curve[s] for s in steps], step)
 

@@ -9,7 +9,7 @@ The comparison is the paper's: the same data, tokenizer, batches, schedule and n
 (``steps``, not seconds, so a seed gives the same numbers on any machine of the same software), at equal
 attention MACs. On the CPU the baseline is ``mini-mha`` (4 heads of 32) and the MoA model chooses ``k = 4``
 of 16 experts per token; on a GPU the baseline is ``transformer-base`` (8 heads of 64) and MoA chooses
-``k = 8`` of 16. Each MoA head size is solved by :func:`headmix.study.match_attention` so that its attention
+``k = 8`` of 16. Each MoA head size is solved by :func:`headmix.models.matching.match_attention` so that its attention
 costs the baseline's MACs within 2% (the ``lm-en`` / ``translation-en-de`` studies' MoA rows, see
 ``docs/study.md``). Both are evaluated on the same test sentences with beam search and sacrebleu; a
 paired bootstrap over those sentences (sacrebleu's ``PairedTest``) says whether the two BLEU scores can
@@ -33,6 +33,7 @@ import torch
 
 from ..tasks import evaluate_run
 from ..models import analytic_macs, get_config
+from ..models.matching import match_attention, with_attention
 from ..storage.files import atomic_write
 from .config import TrainConfig, pick_device
 from .metrics import read_metrics
@@ -100,8 +101,6 @@ def demo_size(device: str = "auto") -> tuple[DemoSize, Any]:
 def demo_models(tolerance: float = 0.02, size: DemoSize = CPU_DEMO) -> dict[str, Any]:
     """The demo's two model configs (translation): ``mha`` = the size's baseline preset and ``moa`` with the
     size's MoA attention sized to the baseline's attention MACs (default: the CPU demo's pair)."""
-    from ..study.matching import match_attention, with_attention
-
     base = get_config(size.baseline, task="translation")
     match = match_attention(base, size.moa, ["head_dim"], prefer={"head_dim": size.prefer_head_dim},
                             tolerance=tolerance)
