@@ -232,9 +232,11 @@ def test_cli_plan_and_list(capsys, tmp_path):
     assert "sized for the CPU" in listed["lm-en"] and "wants a GPU" in listed["lm-en-gpu"]
     assert "2 (MHA) to 4 (MoA E=48) minutes" in listed["lm-en-gpu"]  # 11.5M tokens x 3 at 326k/s and 0.44x
     assert "ESTIMATE" in listed["lm-en-gpu-large"]
-    assert main(["study", "lm-en", "--plan"]) == 0
+    assert main(["study", "lm-en", "--plan", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["name"] == "MHA" and all(abs(r["attention_macs_ratio"] - 1) <= 0.02 for r in rows)
+    assert main(["study", "lm-en", "--json"]) == 2
+    assert "--json goes with --plan" in capsys.readouterr().err
     assert main(["study", "nope"]) == 2
     assert "unknown study" in capsys.readouterr().err
     # --device, --bf16, --compile, --data and --drop-checkpoints reach the spec the runs are made from
@@ -251,6 +253,30 @@ def test_cli_plan_and_list(capsys, tmp_path):
     assert main(["study", "lm-en", "--out", str(tmp_path / "s"), "--device", "gpu"]) == 2
     assert "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_plan_prints_a_table_of_the_matched_rows(capsys):
+    """``--plan``: a header (the baseline, the tolerance, the lengths MACs are counted at), then one line per row
+    with its attention, attention MACs, their ratio to the baseline's, the model's MACs and parameters and the
+    solved fields with the values found; not the JSON of every field."""
+    from headmix.cli.main import main
+
+    assert main(["study", "lm-en", "--plan"]) == 0
+    head, columns, *lines = capsys.readouterr().out.splitlines()
+    assert head.startswith("study lm-en: lm, baseline mini-mha;") and "within 2%" in head and "128 target" in head
+    assert columns.split() == ["row", "attention", "attention", "MACs", "vs", "baseline", "MACs", "parameters",
+                               "solved"]
+    planned = plan(get_study("lm-en"))
+    assert len(lines) == len(planned)
+    for line, row in zip(lines, planned):
+        att = row.config.decoder_self_attention
+        solved = "–" if row.name == "MHA" else f"head_dim={att.head_dim}"
+        assert line.startswith(row.name + " ") and line.endswith(solved), line
+        assert f" {row.attention_macs:,} " in line and f" {row.macs_ratio:.3f}x " in line
+        assert f" {row.macs:,} " in line and f" {row.parameters:,} " in line
+    assert "MoA 4K16E41D" in lines[3] and lines[3].endswith("head_dim=41")
+    assert main(["study", "translation-en-de", "--plan"]) == 0
+    assert "counted at 10 source + 10 target tokens" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_demo_pair_is_matched_and_the_paired_bleu_test_is_sacrebleus():

@@ -2,7 +2,8 @@
 
     headmix study lm-en --out runs/study-lm                 # a built-in study (see --list)
     headmix study my_study.toml --out runs/mine             # your own spec (TOML or JSON)
-    headmix study lm-en --out runs/s --plan                 # the matched rows (MACs, parameters) only
+    headmix study lm-en --plan                              # the matched rows (MACs, parameters) only
+    headmix study lm-en --plan --json                       # the same, every field, as JSON
     headmix study lm-en --out runs/s --seeds 1 2            # fewer (or more) seeds
     headmix study lm-en-gpu --out runs/g --device cuda      # on a GPU (--bf16, --compile pass through too)
     headmix study lm-en --out studies/lm-en --report        # rewrite the report from the finished runs
@@ -54,7 +55,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--time-reserve", type=float, default=60.0, metavar="SECONDS",
                    help="with --time-budget: stop starting new steps this long before the budget ends, for what "
                         "cannot be cut (a run's final validation and summary, the report; default 60)")
-    p.add_argument("--plan", action="store_true", help="print the matched rows and exit without training")
+    p.add_argument("--plan", action="store_true", help="print the matched rows (a table) and exit without training")
+    p.add_argument("--json", action="store_true", help="with --plan: print the matched rows as JSON (every field)")
     p.add_argument("--report", action="store_true", help="rewrite the report from the finished runs in --out, "
                                                         "training nothing")
     p.add_argument("--list", action="store_true", help="list the built-in studies")
@@ -76,6 +78,31 @@ def apply_overrides(spec, args) -> None:
             spec.training[name] = value
     if args.drop_checkpoints is not None:
         spec.drop_checkpoints = args.drop_checkpoints
+
+
+def format_plan(spec, planned) -> str:
+    """The matched rows of ``spec`` as a table: each row's attention, its attention MACs against the baseline's,
+    the model's MACs and parameters, and the fields solved for it with the values found."""
+    from ..models.counting import resolve_lengths
+    from ..study.report import _attention_text
+    from ..study.runner import macs_lengths
+
+    baseline = spec.baseline_config()
+    src, tgt = resolve_lengths(baseline, *macs_lengths(spec, baseline))
+    lengths = " + ".join(f"{v} {n}" for n, v in (("source", src), ("target", tgt)) if v is not None)
+    solve = {row.name: row.solve for row in spec.rows}
+    table = [("row", "attention", "attention MACs", "vs baseline", "MACs", "parameters", "solved")]
+    for row in planned:
+        attention = row.to_dict()["attention"]
+        solved = ", ".join(f"{f}={attention[f]}" for f in solve.get(row.name, [])) or "–"
+        table.append((row.name, _attention_text(attention), f"{row.attention_macs:,}", f"{row.macs_ratio:.3f}x",
+                      f"{row.macs:,}", f"{row.parameters:,}", solved))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    right = {2, 3, 4, 5}
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in table]
+    return "\n".join([f"study {spec.name}: {spec.task}, baseline {spec.baseline_name}; every row's attention MACs "
+                      f"within {spec.tolerance:.0%} of the baseline's, counted at {lengths} tokens"] + lines)
 
 
 def list_studies() -> None:
@@ -105,9 +132,11 @@ def run(args) -> int:
     spec = get_study(args.study)
     apply_overrides(spec, args)
     spec.validate()
+    if args.json and not args.plan:
+        raise ValueError("--json goes with --plan (the matched rows as JSON)")
     planned = plan(spec)
     if args.plan:
-        print(json.dumps([r.to_dict() for r in planned], indent=2))
+        print(json.dumps([r.to_dict() for r in planned], indent=2) if args.json else format_plan(spec, planned))
         return 0
     if not args.out:
         raise ValueError("--out is required to run a study (the study folder)")
