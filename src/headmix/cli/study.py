@@ -34,6 +34,19 @@ from pathlib import Path
 from .main import device_name_option
 
 
+def _kept_checkpoints(text: str) -> int | None:
+    """``--keep-checkpoints``: an integer >= 0, or ``all`` (``None``)."""
+    if text == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 or 'all', got {text!r}")
+    return value
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("study", help="compare attention variants at equal MACs over several seeds",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,8 +60,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--bf16", choices=("auto", "on", "off"), default=None, help="bf16 autocast of every run")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile every run's model")
+    p.add_argument("--keep-checkpoints", type=_kept_checkpoints, default=argparse.SUPPRESS, metavar="N|all",
+                   help="checkpoints each run keeps once it has finished: its newest N (the spec's keep_checkpoints, "
+                        "default 1), or all")
     p.add_argument("--drop-checkpoints", action=argparse.BooleanOptionalAction, default=None,
-                   help="remove each run's checkpoints once it has finished (its final model and summary stay)")
+                   help="remove each run's checkpoints once it has finished (its final model and summary stay; "
+                        "--keep-checkpoints 0)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="stop cleanly (checkpoint saved) so that this command ends within SECONDS of starting its "
                         "work; the same command continues the study (exit status 75 when stopped by the budget)")
@@ -76,8 +93,13 @@ def apply_overrides(spec, args) -> None:
         value = getattr(args, name)
         if value is not None:
             spec.training[name] = value
+    keep_given = "keep_checkpoints" in vars(args)  # absent unless given ("all" is None)
+    if args.drop_checkpoints and keep_given:
+        raise ValueError("give --drop-checkpoints or --keep-checkpoints, not both")
     if args.drop_checkpoints is not None:
         spec.drop_checkpoints = args.drop_checkpoints
+    if keep_given:  # what the command line asks overrides the spec's drop_checkpoints
+        spec.keep_checkpoints, spec.drop_checkpoints = args.keep_checkpoints, False
 
 
 def format_plan(spec, planned) -> str:

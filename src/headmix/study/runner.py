@@ -222,8 +222,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                     train(cfg, stop=stop)
                     if not summary_path.is_file():  # stopped before the end: the run resumes next time
                         return finished()
-                if spec.drop_checkpoints:
-                    drop_checkpoints(folder, log)
+                if spec.finished_checkpoints is not None:
+                    drop_checkpoints(folder, log, keep=spec.finished_checkpoints)
                 read_result(spec, row.name, seed, out, log)  # evaluates (BLEU) under the claim, once
             if on_result is not None:
                 on_result(finished_results(spec, out, log, evaluate=False))
@@ -294,26 +294,43 @@ def finished_results(spec: StudySpec, out: str | os.PathLike, log: Callable[[str
     return [r for r in results if r is not None]
 
 
-def drop_checkpoints(folder: Path, log: Callable[[str], None]) -> list[Path]:
-    """Remove the checkpoints of the finished run ``folder`` (its final model, summary and metrics stay), for a
-    study that keeps only what it reports (``drop_checkpoints = true``). Only a run that finished (its summary
-    and final model exist) and only the checkpoint folders the run wrote itself are removed, under the run's
-    lock; anything else in the folder is left alone."""
-    import shutil
-
+def drop_checkpoints(folder: Path, log: Callable[[str], None], *, keep: int = 0) -> list[Path]:
+    """Remove the checkpoints of the finished run ``folder`` but its newest ``keep`` intact ones (its final model,
+    summary and metrics stay), for a study that keeps what it reports (``keep_checkpoints``, 1 by default; 0 with
+    ``drop_checkpoints = true``). Only a run that finished (its summary and final model exist) and only the
+    checkpoint folders the run wrote itself are removed, under the run's lock; a damaged checkpoint does not
+    count as kept, and one newer than the kept ones is left alone (the run would fall back past it anyway), so
+    the newest good checkpoint is never removed while ``keep`` > 0; anything else in the folder stays."""
     from ..runs import FINAL_FILES, Run
+    from ..runs.checkpoints import verify_checkpoint
+    from ..storage.errors import CheckpointDamagedError
+    from ..storage.files import remove_path
 
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
     run = Run(folder)
     if not run.summary_path.is_file() or not all((folder / f).is_file() for f in FINAL_FILES):
         return []
     with run:
-        dropped = run.checkpoints()
+        found = run.checkpoints()
+        kept: list[Path] = []
+        for path in reversed(found):  # newest first: the newest `keep` that verify
+            if len(kept) == keep:
+                break
+            try:
+                verify_checkpoint(path)
+            except CheckpointDamagedError:
+                continue
+            kept.append(path)
+        # the ones older than the oldest kept (none when no checkpoint verifies)
+        dropped = found if keep == 0 else found[:found.index(kept[-1])] if kept else []
         for path in dropped:
-            shutil.rmtree(path)
+            remove_path(path)
         if run.checkpoints_dir.is_dir() and not any(run.checkpoints_dir.iterdir()):
             run.checkpoints_dir.rmdir()
     if dropped:
-        log(f"study: removed {len(dropped)} checkpoint(s) of the finished run {folder}")
+        log(f"study: removed {len(dropped)} checkpoint(s) of the finished run {folder}"
+            + (f", kept the newest {len(kept)}" if kept else ""))
     return dropped
 
 
@@ -429,7 +446,7 @@ def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
 
 #: Spec fields that do not define a study: adding seeds extends it; where it runs, whether it compiles and
 #: whether it keeps checkpoints do not change what it measures (the report states each run's machine).
-NOT_DEFINING = ("seeds", "drop_checkpoints", "data_note", "gpu", "timing_rounds", "timing_steps", "timing_warmup")
+NOT_DEFINING = ("seeds", "drop_checkpoints", "keep_checkpoints", "data_note", "gpu", "timing_rounds", "timing_steps", "timing_warmup")
 NOT_DEFINING_TRAINING = ("device", "compile", "progress")
 
 
