@@ -12,6 +12,8 @@ A study folder::
                                 (:mod:`headmix.study.timing`), read by the equal-time table
     claims/NAME.lock            held (flock) by the worker timing a row or training a run
     .study.lock                 held while the shared data are prepared or the report is written
+    .machine.lock, .machine.gate   held alone by a worker timing a row, shared by the workers training
+                                (:func:`machine_turn`): no two workers time at once, none trains while one times
     results.json, results.md, *.png   written by :func:`headmix.study.report.write_report`
 
 A finished run (its ``summary.json`` exists) is read, not retrained; an unfinished one resumes from its
@@ -160,6 +162,45 @@ def claim(out: Path, name: str) -> Iterator[bool]:
         lock.release()
 
 
+#: The study's machine lock (exclusive while a worker times a row, shared while workers train and evaluate) and
+#: the gate taken before it, so that trainers arriving after a waiting timer do not overtake it.
+MACHINE_LOCK, MACHINE_GATE = ".machine.lock", ".machine.gate"
+
+
+@contextlib.contextmanager
+def machine_turn(out: Path, *, exclusive: bool, stop: Callable[[], str | None] | None = None,
+                 waiting: Callable[[], None] | None = None, poll: float = 0.5) -> Iterator[bool]:
+    """The study's share of the machine: a worker timing a row holds it alone (``exclusive``), workers training or
+    evaluating share it. So no two workers of one study time at once and none trains while another times (other
+    processes on the machine are not excluded: a timing records the load average). Waits its turn, calling
+    ``waiting`` once when it has to and polling ``stop`` (yields ``False`` when stopped first). Every worker takes
+    the gate, briefly, before the lock, so a timer waiting for the trainers to finish is not overtaken by new ones."""
+    from ..runs.lock import RunLock
+    from ..storage.errors import RunLockedError
+
+    gate, lock = RunLock(out, MACHINE_GATE), RunLock(out, MACHINE_LOCK, shared=not exclusive)
+    told = False
+    try:
+        for held in (gate, lock):
+            while True:
+                try:
+                    held.acquire()
+                    break
+                except RunLockedError:
+                    if stop is not None and stop() is not None:
+                        yield False
+                        return
+                    if waiting is not None and not told:
+                        waiting()
+                        told = True
+                    time.sleep(poll)
+        gate.release()  # the gate only orders arrivals: the next may wait for the lock now
+        yield True
+    finally:
+        gate.release()
+        lock.release()
+
+
 def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False,
               log: Callable[[str], None] = print, stop: Callable[[], str | None] | None = None,
               on_result: Callable[[list[RunResult]], None] | None = None) -> list[RunResult]:
@@ -200,19 +241,27 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
         with claim(out, f"timing-{slug(row.name)}") as mine:
             if not mine or read_timing(out, slug(row.name)) is not None:
                 continue
-            log(f"study {spec.name}: timing {row.name!r} against {planned[0].name!r} (interleaved)")
-            write_timing(out, slug(row.name), measure_row(spec, out, configs[planned[0].name], configs[row.name],
-                                                          row.name))
+            with machine_turn(out, exclusive=True, stop=stop, waiting=lambda: log(
+                    f"study {spec.name}: waiting for the other workers of the study to finish training or "
+                    f"timing before timing {row.name!r}")) as turn:
+                if not turn:
+                    return finished()
+                log(f"study {spec.name}: timing {row.name!r} against {planned[0].name!r} (interleaved)")
+                record = measure_row(spec, out, configs[planned[0].name], configs[row.name], row.name)
+                write_timing(out, slug(row.name), {**record, "study_workers_excluded": True})
     for seed in spec.seeds:
         for row in planned:
             if stopped():
                 return finished()
             folder = out / "runs" / slug(row.name) / f"seed-{seed}"
             summary_path = folder / "summary.json"
-            with claim(out, f"run-{slug(row.name)}-seed-{seed}") as mine:
+            with claim(out, f"run-{slug(row.name)}-seed-{seed}") as mine, contextlib.ExitStack() as machine:
                 if not mine:
                     log(f"study {spec.name}: {row.name!r} seed {seed} is taken by another worker")
                     continue
+                if not machine.enter_context(machine_turn(out, exclusive=False, stop=stop, waiting=lambda: log(
+                        f"study {spec.name}: waiting for another worker to finish timing"))):
+                    return finished()
                 if not summary_path.is_file():  # checked under the claim: a run finished meanwhile is not rerun
                     log(f"study {spec.name}: training {row.name!r} seed {seed}")
                     cfg = TrainConfig(task=spec.task, preset=str(configs[row.name]), out=str(folder),
