@@ -101,8 +101,12 @@ def test_gpu_sized_demo_runs_tiny_on_cpu(tmp_path, capsys):
     corpus = tmp_path / "corpus.tsv"
     with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
         corpus.write_text("".join(next(f) for _ in range(300)), encoding="utf-8")
-    report = run_demo(tmp_path / "demo", device="cpu", size=tiny_gpu_size(corpus), progress=False)
-    printed = capsys.readouterr().out
+    report = run_demo(tmp_path / "demo", device="cpu", size=tiny_gpu_size(corpus), progress=True)
+    captured = capsys.readouterr()
+    printed = captured.out
+    # its output captured (not a terminal): each model's progress as a line a log can read
+    assert captured.err.count("[headmix] train: step 2/2 (100%), loss ") == 2
+    assert "[headmix] evaluating moa on 3 test sentences (beam 1)" in printed
     assert report["setup"]["size"] == "gpu" and report["setup"]["device"] == "cpu" and report["setup"]["bf16"] == "on"
     for name in ("moa", "mha"):
         assert report[name]["steps"] == 2

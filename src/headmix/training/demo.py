@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..tasks import evaluate_run
+from ..tasks import evaluate_run, get_task
 from ..models import analytic_macs, get_config
 from ..models.matching import match_attention, with_attention
 from ..storage.files import atomic_write
@@ -137,6 +137,7 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int | None = None, 
                    data=list(size.data), vocab_size=size.vocab_size)
     tokenizer = prepare_shared_data(TrainConfig(out=str(out / "shared"), **options), _log)
     hypotheses: dict[str, list[str]] = {}
+    task = get_task("translation")
     _log(f"demo size {size.name} ({size.description}) on {report['setup']['device']}")
     for name, config in demo_models(size=size).items():
         config_path = out / f"{name}_config.json"
@@ -151,6 +152,8 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int | None = None, 
         if "valid" not in summary:  # stopped before the end
             return {"stopped_by": summary["stopped_by"]}
         t0 = time.time()
+        tests = task.read_items(task.split_path(out / name / "data", "test"))
+        _log(f"evaluating {name} on {min(eval_sentences, len(tests))} test sentences (beam {beam_size})")
         hyp_path = out / name / "test_hypotheses.txt"
         scores = evaluate_run(out / name, split="test", beam_size=beam_size, limit=eval_sentences, output=hyp_path,
                               device=str(resolved))
@@ -166,10 +169,7 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int | None = None, 
             "expert_load": summary["valid"].get("expert_load", {}),
         }
     report["bleu_signature"] = scores["bleu_signature"]
-    from ..tasks import get_task
-
-    task = get_task("translation")
-    references = [p.tgt for p in task.read_items(task.split_path(out / "mha" / "data", "test"))[:eval_sentences]]
+    references = [p.tgt for p in tests[:eval_sentences]]  # the same split for both runs
     report["comparison"] = paired_bleu(hypotheses["moa"], hypotheses["mha"], references)
     report["study"] = STUDY_DOC
     report["total_seconds"] = time.time() - start
