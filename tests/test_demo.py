@@ -110,6 +110,7 @@ def test_gpu_sized_demo_runs_tiny_on_cpu(tmp_path, capsys):
     assert report["setup"]["size"] == "gpu" and report["setup"]["device"] == "cpu" and report["setup"]["bf16"] == "on"
     for name in ("moa", "mha"):
         assert report[name]["steps"] == 2
+        assert [type(v) for v in report[name]["load_average"]] == [float, float]  # at the start and end of training
         assert len(report[name]["examples"]) <= 3
         hypotheses = (tmp_path / "demo" / name / "test_hypotheses.txt").read_text(encoding="utf-8").splitlines()
         assert len(hypotheses) == 3
@@ -117,6 +118,7 @@ def test_gpu_sized_demo_runs_tiny_on_cpu(tmp_path, capsys):
     assert 0 < report["total_seconds"]
     assert f"configuration gpu ({GPU_DEMO.description}) on cpu, " in printed
     assert f"{report['total_seconds'] / 60:.1f} minutes in all" in printed
+    assert "load average (start, end)" in printed and "validation perplexity (lower is better): MoA " in printed
     assert (tmp_path / "demo" / "report.json").exists()
 
 
