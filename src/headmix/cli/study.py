@@ -9,6 +9,7 @@
     headmix study lm-en --out studies/lm-en --report        # rewrite the report from the finished runs
     headmix study lm-en-gpu --out runs/g --device cuda:1    # one of several workers on one folder
     headmix study lm-en --out runs/s --time-budget 540      # stop cleanly within 9 minutes (exit 75), rerun
+    headmix study lm-en --out runs/s --keep-checkpoints all # keep every checkpoint of finished runs (default 1)
 
 Every row is sized to the baseline's attention MACs within 2% (``headmix macs`` counting) and trained for
 the same number of steps on the same split, tokenizer, batch order and schedule, once per seed. Each
@@ -19,8 +20,8 @@ seed with a 95% interval ("no significant difference" when it contains zero), an
 comparison (each row's step time measured against the baseline's side by side, once per row, and both
 validation curves read at equal time; the older wall-clock reading as a secondary table). The corpus is
 read, split and tokenised once per study, into OUT/shared/. Several processes may run the same command on one
-folder (one per GPU, or a job array): each takes the next run no other holds, and the last to finish writes
-the report.
+folder (one per GPU, or a job array): each takes the next run no other holds, a row is timed while no other
+worker of the study trains or times, and the last to finish writes the report.
 """
 
 from __future__ import annotations
