@@ -101,11 +101,16 @@ def test_gpu_sized_demo_runs_tiny_on_cpu(tmp_path, capsys):
     corpus = tmp_path / "corpus.tsv"
     with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
         corpus.write_text("".join(next(f) for _ in range(300)), encoding="utf-8")
-    report = run_demo(tmp_path / "demo", device="cpu", size=tiny_gpu_size(corpus), progress=False)
-    printed = capsys.readouterr().out
+    report = run_demo(tmp_path / "demo", device="cpu", size=tiny_gpu_size(corpus), progress=True)
+    captured = capsys.readouterr()
+    printed = captured.out
+    # its output captured (not a terminal): each model's progress as a line a log can read
+    assert captured.err.count("[headmix] train: step 2/2 (100%), loss ") == 2
+    assert "[headmix] evaluating moa on 3 test sentences (beam 1)" in printed
     assert report["setup"]["size"] == "gpu" and report["setup"]["device"] == "cpu" and report["setup"]["bf16"] == "on"
     for name in ("moa", "mha"):
         assert report[name]["steps"] == 2
+        assert [type(v) for v in report[name]["load_average"]] == [float, float]  # at the start and end of training
         assert len(report[name]["examples"]) <= 3
         hypotheses = (tmp_path / "demo" / name / "test_hypotheses.txt").read_text(encoding="utf-8").splitlines()
         assert len(hypotheses) == 3
@@ -113,6 +118,7 @@ def test_gpu_sized_demo_runs_tiny_on_cpu(tmp_path, capsys):
     assert 0 < report["total_seconds"]
     assert f"configuration gpu ({GPU_DEMO.description}) on cpu, " in printed
     assert f"{report['total_seconds'] / 60:.1f} minutes in all" in printed
+    assert "load average (start, end)" in printed and "validation perplexity (lower is better): MoA " in printed
     assert (tmp_path / "demo" / "report.json").exists()
 
 

@@ -592,7 +592,7 @@ def test_version_and_help_speak_to_a_user(capsys):
     assert "`headmix COMMAND --help` describes a command" in text and "generate" in text
     assert main(["train", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "--no-progress do not show a progress bar" in text and "do not:" not in text
+    assert "--no-progress do not show progress: a bar on a terminal" in text and "do not:" not in text
 
 
 class FakeBar:
@@ -723,3 +723,64 @@ def test_translate_points_a_language_model_to_generate(lm_run, capsys):
     assert main(["translate", str(lm_run)]) == 2
     assert f"headmix translate needs a translation run (for a language model: headmix generate {lm_run}" in \
         capsys.readouterr().err
+
+
+def test_progress_off_a_terminal_is_a_line_at_a_steady_interval():
+    """Off a terminal (a log file, a cluster job's log) training prints one line every ``interval`` seconds and
+    one at the end: step of total, loss, tokens/s, elapsed and the time remaining, from this process's steps."""
+    import io
+
+    from headmix.training.progress import Progress
+
+    now = [0.0]
+    log = io.StringIO()  # not a terminal
+    progress = Progress(10, stream=log, interval=30, clock=lambda: now[0])
+    for step in range(1, 11):  # 10 s and 100 tokens a step
+        now[0] += 10
+        progress.update(step, 6.0 - step / 10, 100)
+    progress.close()
+    assert log.getvalue().splitlines() == [
+        "[headmix] train: step 3/10 (30%), loss 5.700, 10 tokens/s, elapsed 0:00:30, remaining ~0:01:10",
+        "[headmix] train: step 6/10 (60%), loss 5.400, 10 tokens/s, elapsed 0:01:00, remaining ~0:00:40",
+        "[headmix] train: step 9/10 (90%), loss 5.100, 10 tokens/s, elapsed 0:01:30, remaining ~0:00:10",
+        "[headmix] train: step 10/10 (100%), loss 5.000, 10 tokens/s, elapsed 0:01:40, remaining ~0:00:00"]
+    # a resumed run (from step 4) estimates from its own steps; a run bounded by time has no total
+    now[0], log = 0.0, io.StringIO()
+    resumed = Progress(10, 4, stream=log, interval=30, clock=lambda: now[0])
+    now[0] = 40.0
+    resumed.update(5, 4.0, 2000)
+    assert log.getvalue() == ("[headmix] train: step 5/10 (50%), loss 4.000, 50 tokens/s, elapsed 0:00:40, "
+                              "remaining ~0:03:20\n")
+    resumed.close()  # nothing new since the last line
+    assert log.getvalue().count("\n") == 1
+    now[0], log = 0.0, io.StringIO()
+    timed = Progress(None, stream=log, interval=30, clock=lambda: now[0])
+    now[0] = 3725.0
+    timed.update(7, 3.0, 0)
+    assert log.getvalue() == "[headmix] train: step 7, loss 3.000, 0 tokens/s, elapsed 1:02:05\n"
+    with pytest.raises(ValueError, match="interval must be a positive number"):
+        Progress(10, interval=0)
+
+
+def test_progress_on_a_terminal_is_the_bar_and_a_training_run_logs_its_progress(tmp_path, docs_file, capsys):
+    import io
+
+    from headmix.cli.main import main
+    from headmix.training.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    bar = Progress(4, stream=screen, interval=1e-9)
+    bar.update(1, 2.5, 10)
+    bar.close()
+    assert "[headmix]" not in screen.getvalue() and "1/4" in screen.getvalue() and "loss=2.500" in screen.getvalue()
+    # `headmix train` with its output captured (not a terminal): the last line of progress, no bar
+    args = [a for a in lm_args(tmp_path / "run", docs_file, "--max-steps", "2") if a != "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "[headmix] train: step 2/2 (100%), loss " in err and "remaining ~0:00:00" in err and "step/s" not in err
+    assert main(lm_args(tmp_path / "quiet", docs_file)) == 0  # --no-progress: none
+    assert "[headmix] train: step" not in capsys.readouterr().err

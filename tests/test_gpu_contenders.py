@@ -14,7 +14,7 @@ import pytest
 
 from headmix.cli.main import main
 from headmix.data import load_embedded_documents, write_jsonl_documents
-from headmix.data.pack import load_pack, pack_checksum
+from headmix.tasks.pack import load_pack, pack_checksum
 from headmix.study import builtin, get_study, plan
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -143,7 +143,7 @@ def test_torch_compile_traces_custom_ops():
 
 def test_env_restored():
     assert grouped_triton.kernels_interpreted()
-    # defining the kernels must not leave TRITON_INTERPRET changed for the rest of the session
+    # defining the kernels must not leave TRITON_INTERPRET changed for the rest of the test run
     assert os.environ.get("TRITON_INTERPRET") == _ENV_BEFORE
 
 

@@ -232,9 +232,11 @@ def test_cli_plan_and_list(capsys, tmp_path):
     assert "sized for the CPU" in listed["lm-en"] and "wants a GPU" in listed["lm-en-gpu"]
     assert "2 (MHA) to 4 (MoA E=48) minutes" in listed["lm-en-gpu"]  # 11.5M tokens x 3 at 326k/s and 0.44x
     assert "ESTIMATE" in listed["lm-en-gpu-large"]
-    assert main(["study", "lm-en", "--plan"]) == 0
+    assert main(["study", "lm-en", "--plan", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["name"] == "MHA" and all(abs(r["attention_macs_ratio"] - 1) <= 0.02 for r in rows)
+    assert main(["study", "lm-en", "--json"]) == 2
+    assert "--json goes with --plan" in capsys.readouterr().err
     assert main(["study", "nope"]) == 2
     assert "unknown study" in capsys.readouterr().err
     # --device, --bf16, --compile, --data and --drop-checkpoints reach the spec the runs are made from
@@ -251,6 +253,30 @@ def test_cli_plan_and_list(capsys, tmp_path):
     assert main(["study", "lm-en", "--out", str(tmp_path / "s"), "--device", "gpu"]) == 2
     assert "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_plan_prints_a_table_of_the_matched_rows(capsys):
+    """``--plan``: a header (the baseline, the tolerance, the lengths MACs are counted at), then one line per row
+    with its attention, attention MACs, their ratio to the baseline's, the model's MACs and parameters and the
+    solved fields with the values found; not the JSON of every field."""
+    from headmix.cli.main import main
+
+    assert main(["study", "lm-en", "--plan"]) == 0
+    head, columns, *lines = capsys.readouterr().out.splitlines()
+    assert head.startswith("study lm-en: lm, baseline mini-mha;") and "within 2%" in head and "128 target" in head
+    assert columns.split() == ["row", "attention", "attention", "MACs", "vs", "baseline", "MACs", "parameters",
+                               "solved"]
+    planned = plan(get_study("lm-en"))
+    assert len(lines) == len(planned)
+    for line, row in zip(lines, planned):
+        att = row.config.decoder_self_attention
+        solved = "–" if row.name == "MHA" else f"head_dim={att.head_dim}"
+        assert line.startswith(row.name + " ") and line.endswith(solved), line
+        assert f" {row.attention_macs:,} " in line and f" {row.macs_ratio:.3f}x " in line
+        assert f" {row.macs:,} " in line and f" {row.parameters:,} " in line
+    assert "MoA 4K16E41D" in lines[3] and lines[3].endswith("head_dim=41")
+    assert main(["study", "translation-en-de", "--plan"]) == 0
+    assert "counted at 10 source + 10 target tokens" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_demo_pair_is_matched_and_the_paired_bleu_test_is_sacrebleus():
@@ -523,7 +549,7 @@ def test_drop_checkpoints_keeps_what_it_did_not_write(tmp_path, docs_file):
 
     from headmix.study.runner import drop_checkpoints
 
-    spec = _spec(docs_file, seeds=[1], rows=[RowSpec("MHA")])
+    spec = _spec(docs_file, seeds=[1], rows=[RowSpec("MHA")], keep_checkpoints=None)
     out = tmp_path / "study"
     results = run_study(spec, out, log=lambda m: None)
     folder = out / results[0].folder
@@ -536,9 +562,72 @@ def test_drop_checkpoints_keeps_what_it_did_not_write(tmp_path, docs_file):
     assert sorted(p.name for p in (unfinished / "checkpoints").iterdir()) == kept
     (folder / "checkpoints" / "mine.txt").write_text("a user's file")
     assert len(list((folder / "checkpoints").iterdir())) > 1
-    assert drop_checkpoints(folder, lambda m: None)
+    assert drop_checkpoints(folder, lambda m: None)  # keep=0: every checkpoint the run wrote
     assert [p.name for p in (folder / "checkpoints").iterdir()] == ["mine.txt"]
     assert (folder / "model.safetensors").is_file() and (folder / "summary.json").is_file()
+
+
+def test_a_finished_run_keeps_its_newest_good_checkpoint_only(tmp_path, docs_file, capsys):
+    """By default (``keep_checkpoints = 1``) a finished run keeps its newest checkpoint; a damaged checkpoint
+    does not count as the kept one (the newest intact one is kept, the run resumes from it, the damaged one is
+    left alone); with no intact checkpoint nothing is removed; ``--keep-checkpoints`` overrides the spec."""
+    import shutil
+
+    from headmix.cli.main import build_parser
+    from headmix.cli.study import apply_overrides
+    from headmix.models import ModelConfig, build_model
+    from headmix.runs import Run
+    from headmix.study.runner import drop_checkpoints
+
+    training = {**_spec(docs_file).training, "keep_checkpoints": 3}
+    spec = _spec(docs_file, seeds=[1], rows=[RowSpec("MHA")], max_steps=6, training=training)
+    assert spec.keep_checkpoints == 1 and spec.finished_checkpoints == 1
+    out = tmp_path / "study"
+    folder = out / run_study(spec, out, log=lambda m: None)[0].folder
+    assert [p.name for p in (folder / "checkpoints").iterdir()] == ["step_00000006"]
+
+    kept_all = tmp_path / "all"
+    run_study(_spec(docs_file, seeds=[1], rows=[RowSpec("MHA")], max_steps=6, training=training,
+                    keep_checkpoints=None), kept_all, log=lambda m: None)
+    every = kept_all / "runs/MHA/seed-1"
+    names = ["step_00000002", "step_00000004", "step_00000006"]
+    assert sorted(p.name for p in (every / "checkpoints").iterdir()) == names
+    # the newest damaged (truncated weights): the one before it is kept, the oldest removed
+    damaged = tmp_path / "damaged"
+    shutil.copytree(every, damaged)
+    weights = damaged / "checkpoints" / names[2] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert [p.name for p in drop_checkpoints(damaged, lambda m: None, keep=1)] == names[:1]
+    assert sorted(p.name for p in (damaged / "checkpoints").iterdir()) == names[1:]
+    model = build_model(ModelConfig.load_json(damaged / "config.json"))
+    path, _, info = Run(damaged).latest_intact_checkpoint(model)
+    assert path.name == names[1] and info["step"] == 4
+    # no checkpoint intact: none removed
+    for name in names[1:2]:
+        (damaged / "checkpoints" / name / "state.json").write_text("")
+    assert drop_checkpoints(damaged, lambda m: None, keep=1) == []
+    assert sorted(p.name for p in (damaged / "checkpoints").iterdir()) == names[1:]
+    # keep 2 of the intact three
+    assert [p.name for p in drop_checkpoints(every, lambda m: None, keep=2)] == names[:1]
+    with pytest.raises(ValueError, match="keep must be an integer >= 0"):
+        drop_checkpoints(every, lambda m: None, keep=-1)
+
+    # the command line: N or all, overriding the spec's drop_checkpoints; one-line errors
+    parse = build_parser().parse_args
+    for given, expected in ((["--keep-checkpoints", "3"], 3), (["--keep-checkpoints", "all"], None),
+                            (["--no-drop-checkpoints"], 1), ([], 1)):
+        spec = get_study("lm-en-gpu")
+        assert spec.drop_checkpoints is True
+        apply_overrides(spec, parse(["study", "lm-en-gpu", *given]))
+        assert spec.finished_checkpoints == (0 if not given else expected), given
+    spec = get_study("lm-en")
+    with pytest.raises(ValueError, match="give --drop-checkpoints or --keep-checkpoints, not both"):
+        apply_overrides(spec, parse(["study", "lm-en", "--drop-checkpoints", "--keep-checkpoints", "1"]))
+    with pytest.raises(SystemExit):
+        parse(["study", "lm-en", "--keep-checkpoints", "-1"])
+    assert "--keep-checkpoints: must be an integer >= 0 or 'all', got '-1'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="keep_checkpoints must be an integer >= 0 or null"):
+        _spec(docs_file, keep_checkpoints=-1)
 
 
 @pytest.mark.gpu

@@ -82,6 +82,7 @@ def test_two_workers_run_every_run_once_and_write_one_report(spec_file, single_w
     record = json.loads((out / "timing" / "MoA.json").read_text())
     assert len(record["rounds"]) == 6 and record["machine"]["device_type"] == "cpu"
     assert set(record["software"]) == {"headmix", "torch", "python"}
+    assert record["study_workers_excluded"] is True  # timed holding the study's machine lock alone
     assert _comparable(out) == _comparable(single_worker)
     # a worker started on the finished study trains nothing and leaves the complete report as it is
     from headmix.cli.main import main
@@ -170,3 +171,120 @@ def test_a_study_in_commands_of_a_time_budget_ends_as_an_uncut_one(spec_file, si
     assert codes[-1] == 0 and len(codes) >= 3 and set(codes[:-1]) == {75}
     assert interrupted  # a run was cut by the budget (its checkpoint) and resumed by the next command
     assert _comparable(out) == _comparable(single_worker)
+
+
+def test_no_two_workers_time_at_once_and_none_trains_while_one_times(tmp_path):
+    """The study's machine lock (threads stand for workers: each takes its own ``flock``): trainers share it,
+    a timer waits for them and holds it alone, a second timer waits for the first, and a trainer that arrives
+    while a timer waits does not overtake it."""
+    import threading
+    import time
+
+    from headmix.study.runner import machine_turn
+
+    events: list[tuple[str, str]] = []
+    noted = threading.Condition()
+    release = threading.Event()
+
+    def note(name: str, what: str) -> None:
+        with noted:
+            events.append((name, what))
+            noted.notify_all()
+
+    def until(name: str, what: str) -> None:
+        with noted:
+            assert noted.wait_for(lambda: (name, what) in events, timeout=30), (name, what, events)
+
+    def worker(name: str, exclusive: bool) -> None:
+        with machine_turn(tmp_path, exclusive=exclusive, poll=0.01, waiting=lambda: note(name, "waits")) as turn:
+            assert turn
+            note(name, "in")
+            if name in ("train-1", "train-2"):
+                release.wait(30)
+            else:
+                time.sleep(0.05)
+            note(name, "out")
+
+    threads = {}
+    for name, exclusive in (("train-1", False), ("train-2", False), ("time-1", True), ("time-2", True),
+                            ("train-3", False)):
+        threads[name] = threading.Thread(target=worker, args=(name, exclusive))
+        threads[name].start()
+        until(name, "in" if name == "train-2" or name == "train-1" else "waits")
+    assert ("train-1", "out") not in events  # two trainers share the machine
+    release.set()
+    for thread in threads.values():
+        thread.join(30)
+    assert all((name, "out") in events for name in threads), events
+    order = [f"{n} {w}" for n, w in events if w != "waits"]
+    for timer in ("time-1", "time-2"):  # nothing else in the machine while a timer is in
+        inside = order[order.index(f"{timer} in") + 1:order.index(f"{timer} out")]
+        assert inside == [], (timer, order)
+    assert order.index("time-1 in") < order.index("train-3 in")  # the waiting timer is not overtaken
+
+    # a worker stopped while it waits for its turn gets no turn (in a thread: a wait that ignored the stop would
+    # never end)
+    turns = []
+
+    def stopped_timer() -> None:
+        with machine_turn(tmp_path, exclusive=True, stop=lambda: "signal 15", poll=0.01) as turn:
+            turns.append(turn)
+
+    with machine_turn(tmp_path, exclusive=False):
+        waiter = threading.Thread(target=stopped_timer, daemon=True)
+        waiter.start()
+        waiter.join(10)
+    assert turns == [False]
+
+
+def test_a_row_is_timed_with_the_study_to_itself_and_the_report_says_so(spec_file, tmp_path):
+    """A worker that finds another training waits before timing (stopped while it waits, it times nothing);
+    the timing record says the study's other workers were excluded and gives the load average; the report
+    states each row's conditions, and a record written before the lock (no such field) still loads and is
+    marked as taken under unknown load."""
+    from headmix.study import get_study, run_study
+    from headmix.study.report import interleaved_markdown, timing_conditions
+    from headmix.study.runner import machine_turn
+    from headmix.study.timing import read_timing, timing_path
+
+    spec = get_study(str(spec_file))
+    spec.seeds = [1]
+    out = tmp_path / "study"
+    out.mkdir()
+    messages: list[str] = []
+    polls = []
+
+    def stop_after_three():
+        polls.append(1)
+        return "signal 15" if len(polls) > 3 else None
+
+    with machine_turn(out, exclusive=False):  # another worker training
+        run_study(spec, out, log=messages.append, stop=stop_after_three)
+    assert any("waiting for the other workers of the study to finish training or timing before timing 'MoA'" in m
+               for m in messages)
+    assert not timing_path(out, "MoA").exists() and not (out / "runs").exists()
+
+    # alone: timed (and stopped before training, once the record is there)
+    run_study(spec, out, log=messages.append, stop=lambda: "done" if timing_path(out, "MoA").exists() else None)
+    record = read_timing(out, "MoA")
+    assert record["study_workers_excluded"] is True
+    assert len(record["load_average"]) == 2 and all(isinstance(v, float) for v in record["load_average"])
+    assert timing_conditions(record) == (f"no other worker of the study training or timing, load average "
+                                         f"{record['load_average'][0]:.2f} before and "
+                                         f"{record['load_average'][1]:.2f} after")
+    old = {k: v for k, v in record.items() if k not in ("study_workers_excluded", "load_average")}
+    timing_path(out, "MoA").write_text(json.dumps(old))
+    assert read_timing(out, "MoA") == old
+    assert timing_conditions(old) == ("other workers of the study not excluded (not recorded: one may have been "
+                                      "training or timing)")
+    row = {"ratio": 1.1, "low": 1.0, "high": 1.2, "row_step": {}, "baseline_step": {}, "summary": None,
+           "vs_baseline": None, "delta_at_interval_ends": None}
+    lines = interleaved_markdown({"baseline": "MHA", "rows": [
+        {"name": "MHA", "equal_time_interleaved": {**row, "ratio": 1.0}},
+        {"name": "MoA", "equal_time_interleaved": {**row, "timing": record}},
+        {"name": "Old", "equal_time_interleaved": {**row, "timing": old}}]})
+    assert lines[-1].startswith("Step times measured (interleaved in one process")
+    assert f"compile False, {record['measured_at']}, no other worker of the study training or timing, " \
+           f"load average" in lines[-1]
+    assert lines[-1].endswith(f"{record['measured_at']}, other workers of the study not excluded (not recorded: one "
+                              f"may have been training or timing).")

@@ -375,21 +375,56 @@ def test_metrics_log_on_a_full_disk_is_a_one_line_run_error(tmp_path, monkeypatc
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
 
 
-def test_demo_printout_names_the_winner_only_for_these_sentences_and_points_to_the_study():
+def _demo_report(moa_bleu: float, moa_ppl: float, p: float, distinguishable: bool, **moa) -> dict:
+    side = {"model": "MoA 4K16E48D", "bleu": moa_bleu, "chrf": 20.0, "valid_ppl": moa_ppl, "attention_macs": 1,
+            "macs": 2, "parameters": 3, "steps": 450, "train_seconds": 60.0, **moa}
+    return {"moa": side, "mha": dict(side, model="MHA 4 heads of 32", bleu=1.14, valid_ppl=123.54),
+            "setup": {"steps": 450, "cpu_count": 2}, "study": "docs/study.md",
+            "comparison": {"system_interval": [1.5, 2.5], "bleu_difference": moa_bleu - 1.14, "p_value": p,
+                           "distinguishable": distinguishable, "sentences": 400}}
+
+
+def test_demo_verdict_states_bleu_and_perplexity_and_what_one_seed_concludes():
+    """BLEU (with its paired bootstrap) and validation perplexity in one sentence, then one sentence on what can
+    and cannot be concluded: BLEU better but perplexity worse, both better, BLEU not significant."""
     from headmix.training.demo import format_comparison
 
-    side = {"model": "MoA 4K16E48D", "bleu": 2.0, "chrf": 20.0, "valid_ppl": 100.0, "attention_macs": 1,
-            "macs": 2, "parameters": 3, "steps": 450, "train_seconds": 60.0}
-    report = {"moa": side, "mha": dict(side, model="MHA 4 heads of 32", bleu=1.0), "setup": {"steps": 450},
-              "study": "docs/study.md",
-              "comparison": {"system_interval": [1.5, 2.5], "bleu_difference": 1.0, "p_value": 0.001,
-                             "distinguishable": True, "sentences": 400}}
-    text = format_comparison(report)
-    assert "on these sentences this MoA model beats this MHA model by 1.00 BLEU (paired bootstrap p = 0.001)" in text
-    assert "not training noise" in text and "docs/study.md" in text
-    report["comparison"].update(bleu_difference=-0.2, p_value=0.4, distinguishable=False)
-    text = format_comparison(report)
-    assert "the two cannot be told apart: BLEU difference -0.20, paired bootstrap p = 0.400 over 400 sentences" in text
+    measured = ("BLEU: MoA 2.22, MHA 1.14, difference +1.08 (paired bootstrap p = 0.001 over 400 sentences; MoA's "
+                "95% interval [1.50, 2.50]); validation perplexity (lower is better): MoA 129.68, MHA 123.54.")
+    later = "the comparison over seeds, with intervals, is in docs/study.md (headmix study --list)."
+    mixed = format_comparison(_demo_report(2.22, 129.68, 0.001, True)).splitlines()
+    assert mixed[-2:] == [measured, "This MoA model is ahead on BLEU (a real difference on these sentences) but not "
+                          "on validation perplexity, so this run does not rank the two attentions, and one seed and 450 "
+                          "steps could not; " + later]
+    both = format_comparison(_demo_report(2.22, 110.0, 0.001, True)).splitlines()
+    assert both[-2] == measured.replace("MoA 129.68", "MoA 110.00")
+    assert both[-1] == ("Both favour this MoA model, a real difference between these two trained models on these "
+                        "sentences, but one seed and 450 steps cannot say whether the attention or the training noise "
+                        "of the seed made it; " + later)
+    worse = format_comparison(_demo_report(0.5, 130.0, 0.002, True)).splitlines()
+    assert worse[-1].startswith("Both favour this MHA model, a real difference")
+    neither = format_comparison(_demo_report(1.0, 129.68, 0.4, False)).splitlines()
+    assert neither[-2].startswith("BLEU: MoA 1.00, MHA 1.14, difference -0.14 (paired bootstrap p = 0.400 over 400")
+    assert neither[-1] == ("BLEU cannot tell the two apart at this budget and one seed's perplexity gap ranks "
+                           "nothing: this run shows that both models learn, not which attention is better; " + later)
+    assert not any("beats" in line or "under load" in line for line in mixed + both + neither)
+
+
+def test_demo_train_seconds_get_a_caveat_under_load():
+    """The load average at the start and end of each model's training is printed; above the machine's CPUs the
+    train seconds are said not to compare the models' speed."""
+    from headmix.training.demo import format_comparison
+
+    calm = _demo_report(2.22, 129.68, 0.001, True, load_average=[0.8, 1.9])
+    text = format_comparison(calm)
+    assert "load average (start, end) 0.80, 1.90 0.80, 1.90" in " ".join(text.split()) and "under load" not in text
+    loaded = _demo_report(2.22, 129.68, 0.001, True, load_average=[3.1, 4.2])
+    assert ("Train seconds measured under load (load average up to 4.20 on 2 CPUs: other processes competed with "
+            "the training), so they do not compare the two models' speed; headmix bench does.") in \
+        format_comparison(loaded).splitlines()
+    loaded["mha"]["load_average"] = [None, None]  # not available on this system: no caveat from it
+    loaded["moa"]["load_average"] = [None, 1.0]
+    assert "under load" not in format_comparison(loaded)
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ tables (:mod:`headmix.bench.gpu_layers`, :mod:`headmix.bench.quick`) and of the 
 Each row is an :class:`~headmix.models.AttentionConfig` for model width ``d_model`` and sequence length ``seq``
 with heads of 64 at d_model 512 (8 heads), scaled with the width (``d_model / 64`` heads of 64 numbers; at
 tiny widths heads of ``d_model / 8``). MoSA's sparse heads are solved so that its attention costs MHA's MACs at
-``seq`` tokens (:func:`headmix.bench.mosa.matched_sparse_heads`).
+``seq`` tokens (:func:`headmix.models.matching.matched_sparse_heads`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _talking_heads(d_model: int, seq: int) -> AttentionConfig:
 
 
 def _mosa(d_model: int, seq: int) -> AttentionConfig:
-    from .mosa import matched_sparse_heads
+    from ..models.matching import matched_sparse_heads
 
     heads, size = _heads(d_model)
     sparsity = min(8, max(1, seq // 2))

@@ -28,28 +28,10 @@ import time
 import torch
 
 from ..attention import MixtureOfSparseAttention, MultiHeadAttention
-from ..models import AttentionConfig
-from ..models.counting import attention_macs, mosa_macs
+from ..models.matching import matched_sparse_heads
 from ..training.config import pick_device
 from .attention import _device_name, format_rows, peak_memory
 from .timing import add_clock_arguments, bench_dtype, clock_setup, interleaved_timings
-
-
-def matched_sparse_heads(embed_dim: int, heads: int, length: int, *, head_dim: int, sparsity: float,
-                         dense_heads: int) -> tuple[int, float]:
-    """The number of sparse heads whose MoSA attention MACs are closest to MHA's at ``length`` tokens, and the
-    ratio of the two."""
-    mha = attention_macs(AttentionConfig(kind="mha", num_heads=heads, bias=False), embed_dim, length, length)[0]
-    best = None
-    for n in range(1, 4097):
-        att = AttentionConfig(kind="mosa", num_sparse_heads=n, num_dense_heads=dense_heads, head_dim=head_dim,
-                              sparsity=sparsity, bias=False)
-        ratio = mosa_macs(att, embed_dim, length) / mha
-        if best is None or abs(ratio - 1) < abs(best[1] - 1):
-            best = (n, ratio)
-        if ratio > 1:
-            break
-    return best
 
 
 def bench_mosa(seq_lens: list[int], *, embed_dim: int, heads: int, head_dim: int, sparsity: float, dense_heads: int,

@@ -7,7 +7,7 @@
 Writes train/valid/test/all ``.jsonl.gz`` and ``manifest.json`` (see :mod:`headmix.data.debian_docs`).
 
 ``headmix data pack --data FILE --vocab-size N --out DIR``: a token pack of a causal-LM corpus (split, tokenizer
-and token ids, checksummed: :mod:`headmix.data.pack`) that a study or run trains on without the corpus::
+and token ids, checksummed: :mod:`headmix.tasks.pack`) that a study or run trains on without the corpus::
 
     headmix data pack --data ../shared/data/en-docs.jsonl.gz --vocab-size 16000 \
         --out studies/lm-en-gpu-contenders/pack
@@ -52,7 +52,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def pack(args) -> int:
     import shlex
 
-    from ..data.pack import build_pack
+    from ..tasks.pack import build_pack
 
     command = "headmix data pack " + " ".join(shlex.quote(a) for a in (
         "--data", args.data, "--vocab-size", str(args.vocab_size), "--split-seed", str(args.split_seed),

@@ -2,13 +2,15 @@
 
     headmix study lm-en --out runs/study-lm                 # a built-in study (see --list)
     headmix study my_study.toml --out runs/mine             # your own spec (TOML or JSON)
-    headmix study lm-en --out runs/s --plan                 # the matched rows (MACs, parameters) only
+    headmix study lm-en --plan                              # the matched rows (MACs, parameters) only
+    headmix study lm-en --plan --json                       # the same, every field, as JSON
     headmix study lm-en --out runs/s --seeds 1 2            # fewer (or more) seeds
     headmix study lm-en-gpu --out runs/g --device cuda      # on a GPU (--bf16, --compile pass through too)
     headmix study lm-en --out studies/lm-en --report        # rewrite the report from the finished runs
     headmix study lm-en-gpu --out runs/g --device cuda:1    # one of several workers on one folder
     headmix study lm-en --out runs/s --time-budget 540      # stop cleanly within 9 minutes (exit 75), rerun
     headmix study lm-en-gpu-contenders --out studies/lm-en-gpu-contenders --max-runs 3   # 3 runs, then exit 75
+    headmix study lm-en --out runs/s --keep-checkpoints all # keep every checkpoint of finished runs (default 1)
 
 Every row is sized to the baseline's attention MACs within 2% (``headmix macs`` counting) and trained for
 the same number of steps on the same split, tokenizer, batch order and schedule, once per seed. Each
@@ -19,8 +21,8 @@ seed with a 95% interval ("no significant difference" when it contains zero), an
 comparison (each row's step time measured against the baseline's side by side, once per row, and both
 validation curves read at equal time; the older wall-clock reading as a secondary table). The corpus is
 read, split and tokenised once per study, into OUT/shared/. Several processes may run the same command on one
-folder (one per GPU, or a job array): each takes the next run no other holds, and the last to finish writes
-the report.
+folder (one per GPU, or a job array): each takes the next run no other holds, a row is timed while no other
+worker of the study trains or times, and the last to finish writes the report.
 """
 
 from __future__ import annotations
@@ -32,6 +34,19 @@ import sys
 from pathlib import Path
 
 from .main import device_name_option
+
+
+def _kept_checkpoints(text: str) -> int | None:
+    """``--keep-checkpoints``: an integer >= 0, or ``all`` (``None``)."""
+    if text == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 or 'all', got {text!r}")
+    return value
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -47,8 +62,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--bf16", choices=("auto", "on", "off"), default=None, help="bf16 autocast of every run")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile every run's model")
+    p.add_argument("--keep-checkpoints", type=_kept_checkpoints, default=argparse.SUPPRESS, metavar="N|all",
+                   help="checkpoints each run keeps once it has finished: its newest N (the spec's keep_checkpoints, "
+                        "default 1), or all")
     p.add_argument("--drop-checkpoints", action=argparse.BooleanOptionalAction, default=None,
-                   help="remove each run's checkpoints once it has finished (its final model and summary stay)")
+                   help="remove each run's checkpoints once it has finished (its final model and summary stay; "
+                        "--keep-checkpoints 0)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="stop cleanly (checkpoint saved) so that this command ends within SECONDS of starting its "
                         "work; the same command continues the study (exit status 75 when stopped by the budget)")
@@ -58,7 +77,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-runs", type=int, default=None, metavar="N",
                    help="train at most N runs to their end, then stop before starting another (exit status 75 while "
                         "runs remain): a command that must end between runs, e.g. on a machine that keeps nothing")
-    p.add_argument("--plan", action="store_true", help="print the matched rows and exit without training")
+    p.add_argument("--plan", action="store_true", help="print the matched rows (a table) and exit without training")
+    p.add_argument("--json", action="store_true", help="with --plan: print the matched rows as JSON (every field)")
     p.add_argument("--report", action="store_true", help="rewrite the report from the finished runs in --out, "
                                                         "training nothing")
     p.add_argument("--list", action="store_true", help="list the built-in studies")
@@ -78,8 +98,38 @@ def apply_overrides(spec, args) -> None:
         value = getattr(args, name)
         if value is not None:
             spec.training[name] = value
+    keep_given = "keep_checkpoints" in vars(args)  # absent unless given ("all" is None)
+    if args.drop_checkpoints and keep_given:
+        raise ValueError("give --drop-checkpoints or --keep-checkpoints, not both")
     if args.drop_checkpoints is not None:
         spec.drop_checkpoints = args.drop_checkpoints
+    if keep_given:  # what the command line asks overrides the spec's drop_checkpoints
+        spec.keep_checkpoints, spec.drop_checkpoints = args.keep_checkpoints, False
+
+
+def format_plan(spec, planned) -> str:
+    """The matched rows of ``spec`` as a table: each row's attention, its attention MACs against the baseline's,
+    the model's MACs and parameters, and the fields solved for it with the values found."""
+    from ..models.counting import resolve_lengths
+    from ..study.report import _attention_text
+    from ..study.runner import macs_lengths
+
+    baseline = spec.baseline_config()
+    src, tgt = resolve_lengths(baseline, *macs_lengths(spec, baseline))
+    lengths = " + ".join(f"{v} {n}" for n, v in (("source", src), ("target", tgt)) if v is not None)
+    solve = {row.name: row.solve for row in spec.rows}
+    table = [("row", "attention", "attention MACs", "vs baseline", "MACs", "parameters", "solved")]
+    for row in planned:
+        attention = row.to_dict()["attention"]
+        solved = ", ".join(f"{f}={attention[f]}" for f in solve.get(row.name, [])) or "–"
+        table.append((row.name, _attention_text(attention), f"{row.attention_macs:,}", f"{row.macs_ratio:.3f}x",
+                      f"{row.macs:,}", f"{row.parameters:,}", solved))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    right = {2, 3, 4, 5}
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in table]
+    return "\n".join([f"study {spec.name}: {spec.task}, baseline {spec.baseline_name}; every row's attention MACs "
+                      f"within {spec.tolerance:.0%} of the baseline's, counted at {lengths} tokens"] + lines)
 
 
 def list_studies() -> None:
@@ -109,9 +159,11 @@ def run(args) -> int:
     spec = get_study(args.study)
     apply_overrides(spec, args)
     spec.validate()
+    if args.json and not args.plan:
+        raise ValueError("--json goes with --plan (the matched rows as JSON)")
     planned = plan(spec)
     if args.plan:
-        print(json.dumps([r.to_dict() for r in planned], indent=2))
+        print(json.dumps([r.to_dict() for r in planned], indent=2) if args.json else format_plan(spec, planned))
         return 0
     if not args.out:
         raise ValueError("--out is required to run a study (the study folder)")

@@ -229,7 +229,7 @@ def switchhead(num_heads: int, num_experts: int, top_k: int, head_dim: int, drop
 
 #: MoSA presets (arXiv 2505.00315) as ``(num_sparse_heads, num_dense_heads, head_dim, sparsity)``: one dense
 #: head and many sparse heads of the MHA preset's head size, each keeping 1/8 of the tokens; the number of
-#: sparse heads solved (``headmix.study.matching``) so the attention MACs equal llama-{tiny,mini}-mha's at
+#: sparse heads solved (``headmix.models.matching``) so the attention MACs equal llama-{tiny,mini}-mha's at
 #: 128 tokens (the count's default LM length): 0.992x and 1.000x. They rotate the whole head like every
 #: llama-* preset (the MoSA authors rotate half: ``rotary_fraction=0.5``).
 TINY_MOSA = (38, 1, 16, 8)

@@ -172,9 +172,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module) -> tuple[dict[str
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # not tensors and plain values: an older version's, or crafted
         raise RunError(f"checkpoint {path}: {STATE_FILE} holds more than tensors and plain values, so it is not "
-                       f"opened (unpickling it could run code); checkpoints are data only since issue 30's safe run "
-                       f"folders: a run from an older headmix resumes with the version that wrote it, or starts over "
-                       f"once its checkpoints/ folder is removed") from None
+                       f"opened (unpickling it could run code); this headmix writes checkpoints of data only: a run "
+                       f"from an older headmix resumes with the version that wrote it, or starts over once its "
+                       f"checkpoints/ folder is removed") from None
     except Exception as e:
         raise _damaged(path, f"{STATE_FILE} cannot be read ({_short(e)})") from e
     try:  # the header and the file's length (a truncated file fails here)

@@ -33,12 +33,15 @@ def _holder(path: Path) -> str:
 
 class RunLock:
     """An exclusive lock of one run folder (``acquire`` / ``release``): non-blocking, or with ``wait`` blocking
-    until the holder lets go. ``file_name`` locks another file of the folder (a study's claims and report)."""
+    until the holder lets go. ``file_name`` locks another file of the folder (a study's claims and report);
+    ``shared``: a lock several holders share, which excludes an exclusive one (a study's machine lock)."""
 
-    def __init__(self, folder: str | os.PathLike, file_name: str = LOCK_FILE, *, wait: bool = False):
+    def __init__(self, folder: str | os.PathLike, file_name: str = LOCK_FILE, *, wait: bool = False,
+                 shared: bool = False):
         self.folder = Path(folder)
         self.path = self.folder / file_name
         self.wait = wait
+        self.shared = shared
         self._fd: int | None = None
 
     @property
@@ -54,7 +57,8 @@ class RunLock:
         except OSError as e:
             raise (write_error(self.path, e) or RunError(f"cannot open {self.path}: {e}")) from e
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mode = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
+            fcntl.flock(fd, mode if self.wait else mode | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
@@ -62,6 +66,8 @@ class RunLock:
                                      f"finish or stop it, or choose another folder") from None
             raise RunError(f"cannot lock {self.path}: {e.strerror}") from e
         self._fd = fd
+        if self.shared:  # several holders: none names itself
+            return
         since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since}) + "\n"
         try:  # who holds it: for the message of the next process; the lock itself is the flock

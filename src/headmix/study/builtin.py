@@ -217,7 +217,7 @@ def lm_en_gpu_large() -> StudySpec:
 
 #: ``lm-en-gpu-contenders``' token pack (relative to the folder the study runs in, the repository's root), built by
 #: ``headmix data pack --data ../shared/data/en-docs.jsonl.gz --vocab-size 16000 --out studies/lm-en-gpu-contenders/pack``,
-#: and its checksum (:func:`headmix.data.pack.pack_checksum`: the sha256 of its files' sha256s; a rebuild by the
+#: and its checksum (:func:`headmix.tasks.pack.pack_checksum`: the sha256 of its files' sha256s; a rebuild by the
 #: same command has the same).
 GPU_CONTENDERS_PACK = "studies/lm-en-gpu-contenders/pack"
 GPU_CONTENDERS_PACK_SHA256 = "16a832b3a2403da1c31567b2e3deb14ef85ce4a3b636e3754bd7dcc0c9c99402"

@@ -68,7 +68,7 @@ def _switchhead(**kw) -> AttentionConfig:
 
 
 def _mosa() -> AttentionConfig:
-    from ..bench.mosa import matched_sparse_heads
+    from ..models.matching import matched_sparse_heads
 
     sparse, _ = matched_sparse_heads(D_MODEL, HEADS, TOKENS, head_dim=HEAD_DIM, sparsity=8, dense_heads=2)
     return AttentionConfig(kind="mosa", num_sparse_heads=sparse, num_dense_heads=2, head_dim=HEAD_DIM, sparsity=8,

@@ -136,7 +136,8 @@ def equal_time_interleaved(planned: list[PlannedRow], results: list[RunResult],
             record = timings[row.name]
             entry.update(ratio=record["ratio"], low=record.get("low"), high=record.get("high"),
                          timing={k: record.get(k) for k in ("device", "bf16", "compile", "machine", "software",
-                                                            "measured_at", "method", "batch_tokens")})
+                                                            "measured_at", "method", "batch_tokens",
+                                                            "study_workers_excluded", "load_average")})
         else:
             continue
         runs = {r.seed: r for r in results if r.row == row.name and r.curve and r.seed in base_runs}
@@ -389,7 +390,8 @@ def interleaved_markdown(table: dict[str, Any]) -> list[str]:
         if e.get("timing"):
             t = e["timing"]
             measured.append(f"{row['name']}: {describe_machine(t.get('machine') or {})}, {t.get('device')}, bf16 "
-                            f"{t.get('bf16')}, compile {t.get('compile')}, {t.get('measured_at')}")
+                            f"{t.get('bf16')}, compile {t.get('compile')}, {t.get('measured_at')}, "
+                            f"{timing_conditions(t)}")
     devices = sorted({_timing_device(r["equal_time_interleaved"]["timing"]) for r in rows[1:]
                       if (r.get("equal_time_interleaved") or {}).get("timing")})
     warning = ["", f"**Warning: the rows were timed on different devices ({', '.join(devices)}): their ratios do not "
@@ -404,6 +406,18 @@ def _timing_device(timing: dict[str, Any]) -> str:
     kind = str(timing.get("device")).split(":")[0]
     name = (timing.get("machine") or {}).get("device_name")
     return f"{kind} {name}" if kind != "cpu" and name else kind
+
+
+def timing_conditions(timing: dict[str, Any]) -> str:
+    """Under which load a row was timed: alone among the study's workers (the study's machine lock) or not
+    recorded (records written before it: another worker of the study may have been training or timing), and the
+    machine's load average before and after where recorded."""
+    alone = ("no other worker of the study training or timing" if timing.get("study_workers_excluded") else
+             "other workers of the study not excluded (not recorded: one may have been training or timing)")
+    load = timing.get("load_average") or []
+    if len(load) == 2 and None not in load:
+        alone += f", load average {load[0]:.2f} before and {load[1]:.2f} after"
+    return alone
 
 
 def equal_time_markdown(table: dict[str, Any]) -> list[str]:

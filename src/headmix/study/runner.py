@@ -14,6 +14,8 @@ A study folder::
                                 (:mod:`headmix.study.timing`), read by the equal-time table
     claims/NAME.lock            held (flock) by the worker timing a row or training a run
     .study.lock                 held while the shared data are prepared or the report is written
+    .machine.lock, .machine.gate   held alone by a worker timing a row, shared by the workers training
+                                (:func:`machine_turn`): no two workers time at once, none trains while one times
     results.json, results.md, *.png   written by :func:`headmix.study.report.write_report`
 
 A finished run (its ``summary.json`` exists) is read, not retrained; an unfinished one resumes from its
@@ -36,7 +38,8 @@ from typing import Any, Callable, Iterator
 from ..models import AttentionConfig, ModelConfig, analytic_macs, analytic_parameters
 from ..storage.files import atomic_write
 from .matching import Match, attention_macs_of, match_attention, with_attention
-from .spec import StudySpec
+from .spec import StudySpec, data_options
+from .stats import interpolate
 
 
 @dataclass
@@ -162,6 +165,45 @@ def claim(out: Path, name: str) -> Iterator[bool]:
         lock.release()
 
 
+#: The study's machine lock (exclusive while a worker times a row, shared while workers train and evaluate) and
+#: the gate taken before it, so that trainers arriving after a waiting timer do not overtake it.
+MACHINE_LOCK, MACHINE_GATE = ".machine.lock", ".machine.gate"
+
+
+@contextlib.contextmanager
+def machine_turn(out: Path, *, exclusive: bool, stop: Callable[[], str | None] | None = None,
+                 waiting: Callable[[], None] | None = None, poll: float = 0.5) -> Iterator[bool]:
+    """The study's share of the machine: a worker timing a row holds it alone (``exclusive``), workers training or
+    evaluating share it. So no two workers of one study time at once and none trains while another times (other
+    processes on the machine are not excluded: a timing records the load average). Waits its turn, calling
+    ``waiting`` once when it has to and polling ``stop`` (yields ``False`` when stopped first). Every worker takes
+    the gate, briefly, before the lock, so a timer waiting for the trainers to finish is not overtaken by new ones."""
+    from ..runs.lock import RunLock
+    from ..storage.errors import RunLockedError
+
+    gate, lock = RunLock(out, MACHINE_GATE), RunLock(out, MACHINE_LOCK, shared=not exclusive)
+    told = False
+    try:
+        for held in (gate, lock):
+            while True:
+                try:
+                    held.acquire()
+                    break
+                except RunLockedError:
+                    if stop is not None and stop() is not None:
+                        yield False
+                        return
+                    if waiting is not None and not told:
+                        waiting()
+                        told = True
+                    time.sleep(poll)
+        gate.release()  # the gate only orders arrivals: the next may wait for the lock now
+        yield True
+    finally:
+        gate.release()
+        lock.release()
+
+
 def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False,
               log: Callable[[str], None] = print, stop: Callable[[], str | None] | None = None,
               on_result: Callable[[list[RunResult]], None] | None = None,
@@ -211,9 +253,14 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
         with claim(out, f"timing-{slug(row.name)}") as mine:
             if not mine or read_timing(out, slug(row.name)) is not None:
                 continue
-            log(f"study {spec.name}: timing {row.name!r} against {planned[0].name!r} (interleaved)")
-            write_timing(out, slug(row.name), measure_row(spec, out, configs[planned[0].name], configs[row.name],
-                                                          row.name))
+            with machine_turn(out, exclusive=True, stop=stop, waiting=lambda: log(
+                    f"study {spec.name}: waiting for the other workers of the study to finish training or "
+                    f"timing before timing {row.name!r}")) as turn:
+                if not turn:
+                    return finished()
+                log(f"study {spec.name}: timing {row.name!r} against {planned[0].name!r} (interleaved)")
+                record = measure_row(spec, out, configs[planned[0].name], configs[row.name], row.name)
+                write_timing(out, slug(row.name), {**record, "study_workers_excluded": True})
     trained = 0  # runs this call has trained to their end
     for seed in spec.seeds:
         for row in planned:
@@ -224,10 +271,13 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                 log(f"study {spec.name}: {trained} run(s) trained, the most this command takes (max_runs)")
                 return finished()
             summary_path = folder / "summary.json"
-            with claim(out, f"run-{slug(row.name)}-seed-{seed}") as mine:
+            with claim(out, f"run-{slug(row.name)}-seed-{seed}") as mine, contextlib.ExitStack() as machine:
                 if not mine:
                     log(f"study {spec.name}: {row.name!r} seed {seed} is taken by another worker")
                     continue
+                if not machine.enter_context(machine_turn(out, exclusive=False, stop=stop, waiting=lambda: log(
+                        f"study {spec.name}: waiting for another worker to finish timing"))):
+                    return finished()
                 if not summary_path.is_file():  # checked under the claim: a run finished meanwhile is not rerun
                     log(f"study {spec.name}: training {row.name!r} seed {seed}")
                     cfg = TrainConfig(task=spec.task, preset=str(configs[row.name]), out=str(folder), seed=seed,
@@ -237,8 +287,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                     if not summary_path.is_file():  # stopped before the end: the run resumes next time
                         return finished()
                     trained += 1
-                if spec.drop_checkpoints:
-                    drop_checkpoints(folder, log)
+                if spec.finished_checkpoints is not None:
+                    drop_checkpoints(folder, log, keep=spec.finished_checkpoints)
                 read_result(spec, row.name, seed, out, log)  # evaluates (BLEU) under the claim, once
             if on_result is not None:
                 on_result(finished_results(spec, out, log, evaluate=False))
@@ -310,33 +360,50 @@ def finished_results(spec: StudySpec, out: str | os.PathLike, log: Callable[[str
     return [r for r in results if r is not None]
 
 
-def drop_checkpoints(folder: Path, log: Callable[[str], None]) -> list[Path]:
-    """Remove the checkpoints of the finished run ``folder`` (its final model, summary and metrics stay), for a
-    study that keeps only what it reports (``drop_checkpoints = true``). Only a run that finished (its summary
-    and final model exist) and only the checkpoint folders the run wrote itself are removed, under the run's
-    lock; anything else in the folder is left alone."""
-    import shutil
-
+def drop_checkpoints(folder: Path, log: Callable[[str], None], *, keep: int = 0) -> list[Path]:
+    """Remove the checkpoints of the finished run ``folder`` but its newest ``keep`` intact ones (its final model,
+    summary and metrics stay), for a study that keeps what it reports (``keep_checkpoints``, 1 by default; 0 with
+    ``drop_checkpoints = true``). Only a run that finished (its summary and final model exist) and only the
+    checkpoint folders the run wrote itself are removed, under the run's lock; a damaged checkpoint does not
+    count as kept, and one newer than the kept ones is left alone (the run would fall back past it anyway), so
+    the newest good checkpoint is never removed while ``keep`` > 0; anything else in the folder stays."""
     from ..runs import FINAL_FILES, Run
+    from ..runs.checkpoints import verify_checkpoint
+    from ..storage.errors import CheckpointDamagedError
+    from ..storage.files import remove_path
 
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
     run = Run(folder)
     if not run.summary_path.is_file() or not all((folder / f).is_file() for f in FINAL_FILES):
         return []
     with run:
-        dropped = run.checkpoints()
+        found = run.checkpoints()
+        kept: list[Path] = []
+        for path in reversed(found):  # newest first: the newest `keep` that verify
+            if len(kept) == keep:
+                break
+            try:
+                verify_checkpoint(path)
+            except CheckpointDamagedError:
+                continue
+            kept.append(path)
+        # the ones older than the oldest kept (none when no checkpoint verifies)
+        dropped = found if keep == 0 else found[:found.index(kept[-1])] if kept else []
         for path in dropped:
-            shutil.rmtree(path)
+            remove_path(path)
         if run.checkpoints_dir.is_dir() and not any(run.checkpoints_dir.iterdir()):
             run.checkpoints_dir.rmdir()
     if dropped:
-        log(f"study: removed {len(dropped)} checkpoint(s) of the finished run {folder}")
+        log(f"study: removed {len(dropped)} checkpoint(s) of the finished run {folder}"
+            + (f", kept the newest {len(kept)}" if kept else ""))
     return dropped
 
 
 def check_pack(spec: StudySpec):
     """The study's token pack, every file checked against its manifest and the pack's checksum against the study's
-    ``pack_sha256`` (:func:`headmix.data.pack.load_pack`); the error names the study."""
-    from ..data.pack import load_pack
+    ``pack_sha256`` (:func:`headmix.tasks.pack.load_pack`); the error names the study."""
+    from ..tasks.pack import load_pack
 
     try:
         return load_pack(spec.pack, spec.pack_sha256 or None)
@@ -344,15 +411,6 @@ def check_pack(spec: StudySpec):
         raise FileNotFoundError(f"study {spec.name}: {err}{'; ' + spec.data_note if spec.data_note else ''}") from None
     except ValueError as err:
         raise ValueError(f"study {spec.name}: {err}") from None
-
-
-def data_options(spec: StudySpec, out: Path) -> dict[str, Any]:
-    """The TrainConfig options that give a study's run its data: the token pack, or the corpus with the splits
-    and tokenizer prepared once in ``OUT/shared/``."""
-    if spec.pack:
-        return {"pack": os.path.abspath(spec.pack)}
-    shared = Path(out) / "shared"
-    return {"data": list(spec.data), "tokenizer": str(shared / "tokenizer"), "shared_data": str(shared)}
 
 
 def check_timing_devices(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
@@ -442,22 +500,6 @@ def validation_times(folder: Path) -> dict[int, float]:
     return result
 
 
-def interpolate(xs: list[float], ys: list[float], x: float, *, clamp: bool = False) -> float | None:
-    """``y`` at ``x`` on the polyline through ``(xs, ys)`` (``xs`` increasing); outside ``[xs[0], xs[-1]]``:
-    the end value with ``clamp``, else ``None``."""
-    if not xs:
-        return None
-    if x < xs[0] or x > xs[-1]:
-        if not clamp:
-            return None
-        return ys[0] if x < xs[0] else ys[-1]
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return ys[0]
-
-
 def check_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> dict[str, Any]:
     """``study.json``'s record of ``spec``; ``ValueError`` when ``out`` holds another study."""
     record = {"spec": spec.to_dict(), "rows": [r.to_dict() for r in planned]}
@@ -527,8 +569,8 @@ def _write_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:
 
 #: Spec fields that do not define a study: adding seeds extends it; where it runs, whether it compiles and
 #: whether it keeps checkpoints do not change what it measures (the report states each run's machine).
-NOT_DEFINING = ("seeds", "drop_checkpoints", "data_note", "gpu", "timing_rounds", "timing_steps", "timing_warmup",
-                "pack")
+NOT_DEFINING = ("seeds", "drop_checkpoints", "keep_checkpoints", "data_note", "gpu", "timing_rounds", "timing_steps",
+                "timing_warmup", "pack")
 NOT_DEFINING_TRAINING = ("device", "compile", "progress")
 
 

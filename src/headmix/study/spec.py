@@ -126,8 +126,11 @@ class StudySpec:
     bleu_beam: int = 1
     #: other TrainConfig options, the same for every run (``device``, ``bf16`` and ``compile`` included)
     training: dict[str, Any] = field(default_factory=dict)
-    #: remove each run's checkpoints once it has finished (its final model, metrics and summary stay): a
-    #: study that only needs the summaries keeps its folder small
+    #: checkpoints each run keeps once it has finished: its newest ``keep_checkpoints`` intact ones (1: enough to
+    #: train it further; 0: none, its final model, metrics and summary stay; ``None``: all its training kept).
+    #: While a run trains it keeps what its averaging needs (``training.keep_checkpoints``, ``average_last``)
+    keep_checkpoints: int | None = 1
+    #: true: keep no checkpoint of a finished run (``keep_checkpoints = 0``, the older spelling)
     drop_checkpoints: bool = False
     #: where the corpus comes from, for the message when a data file is missing (``headmix data ...``)
     data_note: str = ""
@@ -179,6 +182,9 @@ class StudySpec:
             raise ValueError(f"moh_count must be one of {MOH_COUNTS}, got {self.moh_count!r}")
         if not isinstance(self.drop_checkpoints, bool):
             raise ValueError(f"drop_checkpoints must be true or false, got {self.drop_checkpoints!r}")
+        if self.keep_checkpoints is not None and (isinstance(self.keep_checkpoints, bool) or not isinstance(
+                self.keep_checkpoints, int) or self.keep_checkpoints < 0):
+            raise ValueError(f"keep_checkpoints must be an integer >= 0 or null (all), got {self.keep_checkpoints!r}")
         for name, least in (("timing_rounds", 6), ("timing_steps", 1), ("timing_warmup", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -186,6 +192,12 @@ class StudySpec:
         owned = sorted(set(self.training) & set(STUDY_OWNED + ("max_steps", "split_seed")))
         if owned:
             raise ValueError(f"training must not set {owned}: the study sets them for every run")
+
+    @property
+    def finished_checkpoints(self) -> int | None:
+        """How many checkpoints a finished run keeps (``None``: all): ``keep_checkpoints``, 0 with
+        ``drop_checkpoints``."""
+        return 0 if self.drop_checkpoints else self.keep_checkpoints
 
     def baseline_config(self) -> ModelConfig:
         """The baseline's model config (a preset, a JSON file, or the inline config)."""
@@ -263,3 +275,12 @@ class StudySpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def data_options(spec: StudySpec, out: Path) -> dict[str, Any]:
+    """The TrainConfig options that give a study's run its data: the token pack, or the corpus with the splits
+    and tokenizer prepared once in ``OUT/shared/``."""
+    if spec.pack:
+        return {"pack": os.path.abspath(spec.pack)}
+    shared = Path(out) / "shared"
+    return {"data": list(spec.data), "tokenizer": str(shared / "tokenizer"), "shared_data": str(shared)}

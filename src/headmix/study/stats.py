@@ -1,5 +1,6 @@
 """The statistics of a study: mean and standard deviation over seeds, and the difference of a row from the
-baseline paired by seed with a Student-t 95% interval.
+baseline paired by seed with a Student-t 95% interval; and a curve read between its points (:func:`interpolate`,
+for the validation curves and the training clock).
 
 Everything is plain Python (``math`` only): the Student-t quantile is found by bisection on its CDF,
 which is integrated numerically from the density, so no SciPy is needed. The tests hold it to published
@@ -130,3 +131,19 @@ def paired_difference(row: dict[int, float], baseline: dict[int, float], confide
         return PairedDifference(m, None, n, None, None, seeds)
     half = t_quantile((1 + confidence) / 2, n - 1) * sd / math.sqrt(n)
     return PairedDifference(m, sd, n, m - half, m + half, seeds)
+
+
+def interpolate(xs: list[float], ys: list[float], x: float, *, clamp: bool = False) -> float | None:
+    """``y`` at ``x`` on the polyline through ``(xs, ys)`` (``xs`` increasing); outside ``[xs[0], xs[-1]]``:
+    the end value with ``clamp``, else ``None``."""
+    if not xs:
+        return None
+    if x < xs[0] or x > xs[-1]:
+        if not clamp:
+            return None
+        return ys[0] if x < xs[0] else ys[-1]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[0]

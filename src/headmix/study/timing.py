@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..storage.files import atomic_write
+from .stats import interpolate
 
 #: The timing phase's defaults (a spec may change them: ``timing_rounds``, ``timing_steps``, ``timing_warmup``).
 #: 10 rounds give the median an order-statistic interval of 97.9% coverage from the 2nd to the 9th smallest
@@ -141,18 +142,22 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
                 clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Time ``row_config``'s training step against ``baseline_config``'s (both model config files of the study
     ``out``) as the module docstring says, on the study's shared train split, device, precision and compile
-    setting; returns the record :func:`write_timing` stores."""
+    setting; returns the record :func:`write_timing` stores, with the machine's 1-minute load average before and
+    after (``load_average``). The study's runner times holding its machine lock alone
+    (:func:`headmix.study.runner.machine_turn`) and adds ``study_workers_excluded``; records written before it
+    lack the field, and the report says their conditions were not recorded."""
     import torch
 
     from ..data import Tokenizer
     from ..models import build_model
     from ..training import TrainConfig
     from ..training.config import pick_device
-    from ..training.machine import machine_record
+    from ..training.machine import load_average, machine_record
     from ..training.setup import (autocast_for, cached_dataset, compile_model, forever, model_config,
                                   optimizer_and_schedule, read_pack)
-    from .runner import data_options
+    from .spec import data_options
 
+    load_before = load_average()
     shared = Path(out) / "shared"
     cfg = TrainConfig(task=spec.task, preset=str(baseline_config), out=str(shared), seed=spec.split_seed,
                       split_seed=spec.split_seed, max_steps=spec.max_steps, progress=False,
@@ -215,6 +220,7 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
             "warmup_steps": spec.timing_warmup, "batch_tokens": cfg.max_tokens, "grad_accum": cfg.grad_accum,
             "device": str(device), "bf16": cfg.bf16, "compile": cfg.compile, "machine": machine_record(device),
             "software": software_record(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average": [load_before, load_average()],
             "method": f"interleaved in one process: {spec.timing_warmup} warm-up steps of each model, then "
                       f"{spec.timing_rounds} rounds of {spec.timing_steps} steps of each on the same batches, the "
                       f"order alternating by round; median of the rounds' ratios, order-statistic interval"}
@@ -230,8 +236,6 @@ def write_timing(out: Path, row_slug: str, record: dict[str, Any]) -> Path:
 def read_at(curve: dict[int, float], step: float) -> float | None:
     """The validation NLL at ``step`` on a run's curve (periodic validations), interpolated linearly;
     ``None`` outside the validated steps (never extrapolated)."""
-    from .runner import interpolate
-
     steps = sorted(curve)
     return interpolate(steps, [curve[s] for s in steps], step)
 

@@ -87,7 +87,7 @@ class TrainConfig:
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     compile: bool = option(False, "torch.compile the model for training (the compile time is reported once and "
                                   "left out of tokens/s)")
-    progress: bool = option(True, "show a progress bar")
+    progress: bool = option(True, "show progress: a bar on a terminal, a line every 30 seconds off one")
     init_from: str | None = option(None, "start from these weights (and their model): a finished headmix run "
                                          "folder (its tokenizer too, unless --tokenizer), or a local Hugging Face "
                                          "folder converted by headmix.interop.from_pretrained", metavar="RUN_DIR|HF_FOLDER")

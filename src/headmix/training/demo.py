@@ -9,7 +9,7 @@ The comparison is the paper's: the same data, tokenizer, batches, schedule and n
 (``steps``, not seconds, so a seed gives the same numbers on any machine of the same software), at equal
 attention MACs. On the CPU the baseline is ``mini-mha`` (4 heads of 32) and the MoA model chooses ``k = 4``
 of 16 experts per token; on a GPU the baseline is ``transformer-base`` (8 heads of 64) and MoA chooses
-``k = 8`` of 16. Each MoA head size is solved by :func:`headmix.study.match_attention` so that its attention
+``k = 8`` of 16. Each MoA head size is solved by :func:`headmix.models.matching.match_attention` so that its attention
 costs the baseline's MACs within 2% (the ``lm-en`` / ``translation-en-de`` studies' MoA rows, see
 ``docs/study.md``). Both are evaluated on the same test sentences with beam search and sacrebleu; a
 paired bootstrap over those sentences (sacrebleu's ``PairedTest``) says whether the two BLEU scores can
@@ -31,10 +31,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..tasks import evaluate_run
+from ..tasks import evaluate_run, get_task
 from ..models import analytic_macs, get_config
+from ..models.matching import match_attention, with_attention
 from ..storage.files import atomic_write
 from .config import TrainConfig, pick_device
+from .machine import load_average
 from .metrics import read_metrics
 from .setup import prepare_shared_data
 from .trainer import train
@@ -100,8 +102,6 @@ def demo_size(device: str = "auto") -> tuple[DemoSize, Any]:
 def demo_models(tolerance: float = 0.02, size: DemoSize = CPU_DEMO) -> dict[str, Any]:
     """The demo's two model configs (translation): ``mha`` = the size's baseline preset and ``moa`` with the
     size's MoA attention sized to the baseline's attention MACs (default: the CPU demo's pair)."""
-    from ..study.matching import match_attention, with_attention
-
     base = get_config(size.baseline, task="translation")
     match = match_attention(base, size.moa, ["head_dim"], prefer={"head_dim": size.prefer_head_dim},
                             tolerance=tolerance)
@@ -132,12 +132,13 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int | None = None, 
         "corpus": "LibreOffice help En-De (embedded, MPL-2.0)", "steps": steps, "eval_sentences": eval_sentences,
         "beam_size": beam_size, "seed": seed, "machine": f"{os.cpu_count()} CPU threads" + _torch_threads(),
         "size": size.name, "configuration": size.description, "device": describe_device(resolved),
-        "max_tokens": size.max_tokens, "bf16": size.bf16,
+        "max_tokens": size.max_tokens, "bf16": size.bf16, "cpu_count": os.cpu_count(),
     }}
     options = dict(task="translation", seed=seed, split_seed=seed, max_tokens=size.max_tokens, max_len=128,
                    data=list(size.data), vocab_size=size.vocab_size)
     tokenizer = prepare_shared_data(TrainConfig(out=str(out / "shared"), **options), _log)
     hypotheses: dict[str, list[str]] = {}
+    task = get_task("translation")
     _log(f"demo size {size.name} ({size.description}) on {report['setup']['device']}")
     for name, config in demo_models(size=size).items():
         config_path = out / f"{name}_config.json"
@@ -148,10 +149,14 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int | None = None, 
                           save_every=size.save_every, keep_checkpoints=size.average_last,
                           average_last=size.average_last, progress=progress, device=str(resolved),
                           bf16=size.bf16, compile=compile, **options)
+        load_before = load_average()
         summary = train(cfg, stop=stop)
         if "valid" not in summary:  # stopped before the end
             return {"stopped_by": summary["stopped_by"]}
+        load_after = load_average()
         t0 = time.time()
+        tests = task.read_items(task.split_path(out / name / "data", "test"))
+        _log(f"evaluating {name} on {min(eval_sentences, len(tests))} test sentences (beam {beam_size})")
         hyp_path = out / name / "test_hypotheses.txt"
         scores = evaluate_run(out / name, split="test", beam_size=beam_size, limit=eval_sentences, output=hyp_path,
                               device=str(resolved))
@@ -162,15 +167,13 @@ def run_demo(out: str | os.PathLike = "runs/demo", *, steps: int | None = None, 
             "valid_loss": summary["valid"]["loss"], "valid_ppl": summary["valid"]["ppl"], "macs": macs.total,
             "attention_macs": sum(v for k, v in macs.full.items() if k.endswith("attention")),
             "macs_paper_formula": macs.paper_total, "parameters": summary["parameters"],
-            "train_seconds": summary["train_seconds"], "steps": summary["steps"], "train_tokens": summary["tokens"],
+            "train_seconds": summary["train_seconds"], "load_average": [load_before, load_after],
+            "steps": summary["steps"], "train_tokens": summary["tokens"],
             "eval_seconds": time.time() - t0, "examples": scores["examples"],
             "expert_load": summary["valid"].get("expert_load", {}),
         }
     report["bleu_signature"] = scores["bleu_signature"]
-    from ..tasks import get_task
-
-    task = get_task("translation")
-    references = [p.tgt for p in task.read_items(task.split_path(out / "mha" / "data", "test"))[:eval_sentences]]
+    references = [p.tgt for p in tests[:eval_sentences]]  # the same split for both runs
     report["comparison"] = paired_bleu(hypotheses["moa"], hypotheses["mha"], references)
     report["study"] = STUDY_DOC
     report["total_seconds"] = time.time() - start
@@ -229,30 +232,67 @@ def _torch_threads() -> str:
 
 
 def format_comparison(report: dict[str, Any]) -> str:
+    """The demo's printout: the configuration, the two models side by side, then :func:`verdict`."""
     rows = [("", "MoA", "MHA")]
     for key, label, fmt in (("model", "attention", "{}"), ("bleu", "BLEU", "{:.2f}"), ("chrf", "chrF", "{:.2f}"),
                             ("valid_ppl", "valid ppl", "{:.2f}"), ("attention_macs", "attention MACs (10+10 tokens)", "{:,}"),
                             ("macs", "MACs (10+10 tokens)", "{:,}"), ("parameters", "parameters", "{:,}"),
                             ("steps", "steps", "{}"), ("train_seconds", "train seconds", "{:.0f}")):
         rows.append((label, fmt.format(report["moa"][key]), fmt.format(report["mha"][key])))
+    if all(report[n].get("load_average") for n in ("moa", "mha")):
+        rows.append(("load average (start, end)", *(", ".join("?" if v is None else f"{v:.2f}" for v in
+                                                               report[n]["load_average"]) for n in ("moa", "mha"))))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    c = report["comparison"]
-    low, high = c["system_interval"]
-    verdict = (f"on these sentences this MoA model {'beats' if c['bleu_difference'] > 0 else 'trails'} this MHA "
-               f"model by {abs(c['bleu_difference']):.2f} BLEU (paired bootstrap p = {c['p_value']:.3f})"
-               if c["distinguishable"] else
-               f"at this budget the two cannot be told apart: BLEU difference {c['bleu_difference']:+.2f}, "
-               f"paired bootstrap p = {c['p_value']:.3f} over {c['sentences']} sentences")
     setup = report["setup"]
     ran = (f"configuration {setup['size']} ({setup['configuration']}) on {setup['device']}, "
            f"{report['total_seconds'] / 60:.1f} minutes in all (training, evaluation and set-up)"
            if "size" in setup and "total_seconds" in report else None)
+    loaded = under_load(report)
     return "\n".join([f"headmix demo: {report['moa']['model']} vs {report['mha']['model']}, equal attention MACs"]
-                     + ([ran] if ran else []) + lines + [f"MoA BLEU 95% interval [{low:.2f}, {high:.2f}]; {verdict}.",
-                                f"The bootstrap covers the choice of test sentences, not training noise: one seed and "
-                                f"{report['setup']['steps']} steps cannot rank the two attentions. The comparison "
-                                f"over seeds, with confidence intervals, is in {report['study']} (headmix study --list)."])
+                     + ([ran] if ran else []) + lines + ([loaded] if loaded else []) + verdict(report))
+
+
+def verdict(report: dict[str, Any]) -> list[str]:
+    """What the demo measured, BLEU (with the paired bootstrap) and validation perplexity together, then one
+    sentence on what one seed can and cannot conclude: when both favour one model, that these two trained
+    models differ on these sentences, not which attention is better; when they disagree, no ranking; when BLEU
+    cannot tell them apart, that both learn."""
+    c, moa, mha = report["comparison"], report["moa"], report["mha"]
+    low, high = c["system_interval"]
+    measured = (f"BLEU: MoA {moa['bleu']:.2f}, MHA {mha['bleu']:.2f}, difference {c['bleu_difference']:+.2f} (paired "
+                f"bootstrap p = {c['p_value']:.3f} over {c['sentences']} sentences; MoA's 95% interval [{low:.2f}, "
+                f"{high:.2f}]); validation perplexity (lower is better): MoA {moa['valid_ppl']:.2f}, MHA "
+                f"{mha['valid_ppl']:.2f}.")
+    steps, study = report["setup"]["steps"], report["study"]
+    later = f"the comparison over seeds, with intervals, is in {study} (headmix study --list)"
+    bleu_winner = "MoA" if c["bleu_difference"] > 0 else "MHA"
+    ppl_winner = "MoA" if moa["valid_ppl"] < mha["valid_ppl"] else "MHA" if mha["valid_ppl"] < moa["valid_ppl"] else None
+    if not c["distinguishable"]:
+        concluded = (f"BLEU cannot tell the two apart at this budget and one seed's perplexity gap ranks nothing: "
+                     f"this run shows that both models learn, not which attention is better; {later}.")
+    elif bleu_winner == ppl_winner:
+        concluded = (f"Both favour this {bleu_winner} model, a real difference between these two trained models "
+                     f"on these sentences, but one seed and {steps} steps cannot say whether the attention or the "
+                     f"training noise of the seed made it; {later}.")
+    else:
+        concluded = (f"This {bleu_winner} model is ahead on BLEU (a real difference on these sentences) but not on "
+                     f"validation perplexity, so this run does not rank the two attentions, and one seed and "
+                     f"{steps} steps could not; {later}.")
+    return [measured, concluded]
+
+
+def under_load(report: dict[str, Any]) -> str | None:
+    """A caveat for the train seconds when a load average recorded at the start or end of a model's training
+    exceeds the machine's CPUs (more processes ready to run than CPUs: others competed with the training);
+    ``None`` otherwise or when not recorded."""
+    cpus = report["setup"].get("cpu_count")
+    loads = [v for n in ("moa", "mha") for v in report[n].get("load_average") or [] if v is not None]
+    if not cpus or not loads or max(loads) <= cpus:
+        return None
+    return (f"Train seconds measured under load (load average up to {max(loads):.2f} on {cpus} CPUs: other "
+            f"processes competed with the training), so they do not compare the two models' speed; "
+            f"headmix bench does.")
 
 
 def loss_curves_figure(metrics: dict[str, list[dict[str, Any]]]):

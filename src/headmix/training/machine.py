@@ -33,6 +33,15 @@ def machine_record(device: torch.device) -> dict[str, Any]:
             "cpu_count": os.cpu_count(), "torch": torch.__version__}
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average (processes running or waiting for a CPU), ``None`` where the system
+    does not say: recorded beside times taken on a machine others may share."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def describe_machine(record: dict[str, Any]) -> str:
     """One line for a report: ``NVIDIA H100 80GB HBM3 (cuda), 16 threads, torch 2.11.0``."""
     if not record:

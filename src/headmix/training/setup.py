@@ -109,10 +109,10 @@ def read_shared_splits(cfg: TrainConfig, run, log: Callable[[str], None]) -> tup
 
 
 def read_pack(cfg: TrainConfig, run=None) -> tuple[dict[str, Any], Tokenizer]:
-    """The token streams and tokenizer of the run's token pack (:func:`headmix.data.pack.load_pack`: every file
+    """The token streams and tokenizer of the run's token pack (:func:`headmix.tasks.pack.load_pack`: every file
     checked against the pack's checksums first); the run folder gets a copy of the tokenizer, so that it stays
     loadable on its own."""
-    from ..data.pack import load_pack
+    from ..tasks.pack import load_pack
 
     pack = load_pack(cfg.pack)
     tok = Tokenizer.load(pack.tokenizer_dir)

@@ -25,6 +25,7 @@ from .config import IDENTITY, TrainConfig, pick_device
 from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
 from .machine import machine_record
+from .progress import Progress
 from .setup import (autocast_for, cached_dataset, compile_model, compiled_graphs, forever, initial_model,
                     optimizer_and_schedule, prepare_data)
 
@@ -167,8 +168,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                 metrics.write({"split": "compile", "step": step, "compile_seconds": seconds_compiling,
                                "graphs": compiled_graphs()})
             if progress is not None:
-                progress.update(1)
-                progress.set_postfix(loss=f"{loss:.3f}")
+                progress.update(step, loss, step_tokens * d.world_size)
             # log, evaluate, save
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 metrics.write({"split": "train", "step": step, **window.record(d.world_size),
@@ -219,10 +219,9 @@ def _numbers(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "expert_load"}
 
 
-def _progress(cfg: TrainConfig, main: bool, start: int):
+def _progress(cfg: TrainConfig, main: bool, start: int) -> Progress | None:
+    """A bar on a terminal, a line every 30 seconds off one (:class:`Progress`); a run bounded by time has no
+    meaningful step total."""
     if not (cfg.progress and main):
         return None
-    from tqdm import tqdm
-    # A run bounded by time has no meaningful step total; disable=None: no bar when output is not a terminal.
-    total = None if cfg.max_time is not None else cfg.max_steps
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=None)
+    return Progress(None if cfg.max_time is not None else cfg.max_steps, start)

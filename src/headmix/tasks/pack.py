@@ -122,7 +122,7 @@ def build_pack(data: Sequence[str], out: str | os.PathLike, *, vocab_size: int, 
     from ..data import ReadReport, train_tokenizer
     from ..data.mlm import CausalLMBlockDataset
     from ..storage.files import atomic_write, temporary_name
-    from ..tasks import get_task
+    from . import get_task
 
     out = Path(out)
     if out.exists():
