@@ -234,7 +234,7 @@ def layer_table(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
                     base, baseline_step = row["ms"], step
                 row["ratio"] = row["ms"] / base if base else None
             except Exception as err:  # noqa: BLE001 - a peer that is absent or differs, or a failing row:
-                # the other rows are still measured, and main() exits with status 1
+                # the other rows are still measured, and run() exits with status 1
                 why = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
                 failed.append(spec.name)
             finally:
