@@ -19,7 +19,7 @@ from headmix.kernels.grouped_triton import (
     tuning_space,
 )
 
-#: Compiled for sm_90 from the kernels of 9d22b9f (benchmarks/hopper_aot.py): (variant, dtype, BLOCK_M, N, K, stages) ->
+#: Compiled for sm_90 from the kernels of 9d22b9f (headmix bench hopper-aot): (variant, dtype, BLOCK_M, N, K, stages) ->
 #: shared bytes. The float32 pipelines, the rowdot epilogue (larger than the pipeline), bfloat16 (below the bound).
 COMPILED = {
     ("mm", "float32", 64, 64, 32, 3): 49152,

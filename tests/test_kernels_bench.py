@@ -91,11 +91,12 @@ def test_expert_growth_divides_by_the_fewest_experts_row_of_the_same_sequence():
 
 
 def test_gpu_layer_table_runs_at_tiny_sizes_on_cpu(capsys):
-    """The GPU check's layer table (``python -m headmix.bench.gpu_layers``) and grouped-projection table: every row
-    printed, measured or with why it was left out, against baselines measured in the same run."""
+    """The GPU check's layer table (``headmix bench layers``, which the check runs as ``python -m
+    headmix.bench.gpu_layers``) and grouped-projection table: every row printed, measured or with why it was left
+    out, against baselines measured in the same run."""
     from headmix.bench import gpu_layers
 
-    assert gpu_layers.main(["--tiny", "--device", "cpu", "--no-triton"]) == 0
+    assert main(["bench", "layers", "--tiny", "--device", "cpu", "--no-triton"]) == 0
     out = capsys.readouterr().out
     rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
     for spec in gpu_layers.LAYERS:

@@ -41,7 +41,7 @@ from ..models import build_model, get_config
 from ..models.generation import greedy_decode
 from ..training.config import pick_device
 from .attention import format_rows
-from .timing import add_clock_arguments, clock_setup, interleaved_timings, sync
+from .timing import add_clock_arguments, check_positive, clock_setup, interleaved_timings, sync
 
 DECODE_MODES = ("eager", "static", "graphs")
 
@@ -191,9 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("prompt", "steps", "repeats"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    check_positive(args, "prompt", "steps", "repeats")
     clock, setup = clock_setup(args)
     if args.presets:
         device = pick_device(args.device)

@@ -1,9 +1,11 @@
 """The GPU layer table of issue 19: one attention layer, forward + backward, every variant against torch MHA.
 
-Run (on a machine with a CUDA GPU, from the project root, no install)::
+Run (on a machine with a CUDA GPU)::
 
-    PYTHONPATH=src python3 benchmarks/gpu_layers.py                # batch 16 x 2048, d_model 512, bf16
-    PYTHONPATH=src python3 benchmarks/gpu_layers.py --tiny --device cpu   # the code path, at tiny sizes
+    headmix bench layers                            # batch 16 x 2048, d_model 512, bf16
+    headmix bench layers --tiny --device cpu        # the code path, at tiny sizes
+
+(``python -m headmix.bench.gpu_layers`` takes the same options: the GPU check runs it so, from ``src/``.)
 
 Prints, as ratios measured in the same run: per layer, wall ms (``triton.testing.do_bench``, CUDA events,
 median; on CPU the median of :func:`~headmix.bench.timing.interleaved_timings`), GPU-busy ms (the sum of the
@@ -32,9 +34,10 @@ import torch
 from torch import nn
 
 from ..kernels import expert_map, expert_reduce, expert_routing
+from ..training.config import pick_device
 from .attention import peak_memory
 from .kinds import KINDS, Kind, describe
-from .timing import interleaved_timings, machine_load
+from .timing import check_positive, interleaved_timings, machine_load, standalone_args
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,7 @@ def layer_table(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
                     base, baseline_step = row["ms"], step
                 row["ratio"] = row["ms"] / base if base else None
             except Exception as err:  # noqa: BLE001 - a peer that is absent or differs, or a failing row:
-                # the other rows are still measured, and main() exits with status 1
+                # the other rows are still measured, and run() exits with status 1
                 why = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
                 failed.append(spec.name)
             finally:
@@ -305,8 +308,7 @@ def grouped_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:
     return lines
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--batch", type=int, default=16)
@@ -321,21 +323,28 @@ def parse_args(argv=None):
                    "(under the CPU interpreter a tiny MoA step takes seconds)")
     p.add_argument("--skip-layers", action="store_true")
     p.add_argument("--skip-grouped", action="store_true")
-    args = p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """``--tiny`` applied, the sizes checked (``ValueError`` naming the option)."""
     if args.tiny:
         args.batch, args.time, args.d_model, args.tokens, args.repeats = 1, 16, 64, 64, 1
-    for name in ("batch", "time", "d_model", "tokens", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return args
+    check_positive(args, "batch", "time", "d_model", "tokens", "repeats")
+    pick_device(args.device)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return standalone_args(__doc__.split("\n\n")[0], add_arguments, check_args, argv)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but CUDA is not available", file=sys.stderr)
-        return 2
+    """``python -m headmix.bench.gpu_layers [options]``: ``headmix bench layers`` (a bad option exits 2)."""
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    device = pick_device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     authors = os.path.abspath(os.path.join(args.peers, "switchhead"))  # the repository's root: switchhead/ inside
     if os.path.isdir(authors) and authors not in sys.path:

@@ -12,7 +12,8 @@ autotune space (:func:`headmix.kernels.grouped_triton.tuning_space`, before any 
 
 which catches what ``TRITON_INTERPRET=1`` cannot (out-of-resource, no tensor cores, spills).
 
-    python benchmarks/hopper_aot.py [--dtypes bfloat16 float32] [--jobs 2] [--json out.json]
+    headmix bench hopper-aot [--dtypes bfloat16 float32] [--jobs 2] [--json out.json]
+    python -m headmix.bench.hopper_aot [the same options]
 """
 
 from __future__ import annotations
@@ -188,13 +189,32 @@ def table(rows: list[Compiled]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")
     p.add_argument("--json", help="also write the rows as JSON to this file")
-    args = p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    from .timing import check_positive
+
+    check_positive(args, "jobs")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise ValueError("compiling the kernels needs Triton: pip install 'headmix[triton]'") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m headmix.bench.hopper_aot [options]``: ``headmix bench hopper-aot`` (a bad option exits 2)."""
+    from .timing import standalone_args
+
+    return run(standalone_args(__doc__.split("\n\n")[0], add_arguments, check_args, argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
     jobs = jobs_for(args.dtypes, args.variants)
     start = time.perf_counter()
     rows = compile_all(jobs, args.jobs)

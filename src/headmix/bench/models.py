@@ -34,7 +34,7 @@ from ..models import analytic_macs, build_model, get_config
 from ..models.config import ModelConfig
 from ..training.config import pick_device
 from .attention import format_rows
-from .timing import add_clock_arguments, clock_setup, interleaved_timings, sync
+from .timing import add_clock_arguments, check_positive, clock_setup, interleaved_timings, sync
 
 SIZES = ("tiny", "mini", "small", "demo")
 
@@ -200,15 +200,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_clock_arguments(p)
 
 
-def _check_positive(args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-
-
 def run_lm(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
-    _check_positive(args, "lm_batch", "lm_len", "repeats")
+    check_positive(args, "lm_batch", "lm_len", "repeats")
     clock, setup = clock_setup(args)
     print(f"# headmix bench models --presets: {device}, {'bf16 autocast' if device.type == 'cuda' else 'float32'}, "
           f"torch {torch.__version__}, {setup}; causal-LM training steps (forward, loss, backward, AdamW), batch "
@@ -222,7 +216,7 @@ def run_lm(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.presets:
         return run_lm(args)
-    _check_positive(args, "batch", "src_len", "tgt_len", "repeats")
+    check_positive(args, "batch", "src_len", "tgt_len", "repeats")
     clock, setup = clock_setup(args)
     print(f"# headmix bench models: cpu, float32, torch {torch.__version__}, {setup}; translation training steps "
           f"(forward, backward, clip, AdamW), batch {args.batch} pairs of up to {args.src_len} / {args.tgt_len} "

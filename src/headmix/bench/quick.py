@@ -1,7 +1,9 @@
 """The GPU check's whole-model tables: a Llama-style training step and greedy decoding for every attention kind.
 
-    python -m headmix.bench.quick models [--tiny] [--device cuda]   # training steps against the MHA model
-    python -m headmix.bench.quick decode [--tiny] [--device cuda]   # greedy decoding tokens/s, batch 1 and 8
+    headmix bench quick models [--tiny] [--device cuda]   # training steps against the MHA model
+    headmix bench quick decode [--tiny] [--device cuda]   # greedy decoding tokens/s, batch 1 and 8
+
+(``python -m headmix.bench.quick models|decode`` takes the same options: the GPU check runs it so.)
 
 The models are :func:`headmix.models.presets.llama_model` decoders (RMSNorm, SwiGLU, rotary, no biases) of
 ``--d-model`` (512) and ``--layers`` (4), vocabulary 8000, with each attention kind of
@@ -30,7 +32,7 @@ from ..training.config import pick_device
 from .gpu_layers import _time_ms
 from .kinds import KINDS, describe, without_triton
 from .models import lm_batch, lm_training_step
-from .timing import sync
+from .timing import check_positive, standalone_args, sync
 
 VOCAB = 8000
 
@@ -165,8 +167,7 @@ def _drift(fn: Callable[[], None] | None, first_ms: float | None, device: torch.
     print(f"\nMHA {label + ' ' if label else ''}re-timed after the other rows: {again:.2f} ms{note}\n", flush=True)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("table", choices=("models", "decode"))
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
     p.add_argument("--d-model", type=int, default=512)
@@ -178,25 +179,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=64, help="decode: new tokens")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="d_model 64, 2 layers, a few tokens (the plumbing, on CPU)")
-    args = p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """``--tiny`` applied, the sizes and the device checked (``ValueError`` naming the option)."""
     if args.tiny:
         args.d_model, args.layers, args.batch, args.len, args.batches = 64, 2, 1, 16, [1, 2]
         args.prompt, args.steps, args.repeats = 4, 3, 1
-    for name in ("d_model", "layers", "batch", "len", "prompt", "steps", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if min(args.batches) < 1:
-        p.error(f"--batches must be >= 1, got {args.batches}")
-    return args
+    check_positive(args, "d_model", "layers", "batch", "len", "prompt", "steps", "repeats", "batches")
+    pick_device(args.device)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return standalone_args(__doc__.split("\n\n")[0], add_arguments, check_args, argv)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        device = pick_device(args.device)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    """``python -m headmix.bench.quick models|decode [options]``: ``headmix bench quick`` (a bad option exits 2)."""
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    device = pick_device(args.device)
     if device.type == "cuda":
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     rows = model_steps(args, device) if args.table == "models" else decode_rows(args, device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -57,6 +58,28 @@ def add_clock_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                    help="wall: elapsed time; cpu: this process's CPU time (use with --threads 1 on a busy machine)")
+
+
+def check_positive(args, *names: str) -> None:
+    """A benchmark's integer options ``names`` (``argparse`` destinations; a list checks each element) are >= 1,
+    or a ``ValueError`` naming the option as it is typed."""
+    for name in names:
+        value = getattr(args, name)
+        if min(value if isinstance(value, list) else [value]) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def standalone_args(description: str, add_arguments: Callable, check: Callable, argv) -> argparse.Namespace:
+    """The options of a ``headmix bench`` command parsed for its ``python -m headmix.bench.MODULE`` form: the same
+    ``add_arguments`` and ``check`` (which raises ``ValueError``), a bad option reported as a usage error."""
+    p = argparse.ArgumentParser(description=description)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        check(args)
+    except ValueError as err:
+        p.error(str(err))
+    return args
 
 
 def clock_setup(args) -> tuple[Callable[[], float], str]:

@@ -1,4 +1,4 @@
-"""``headmix bench attention | models | decode``: timing tables (see :mod:`headmix.bench`)."""
+"""``headmix bench NAME``: the benchmarks, each a module of :mod:`headmix.bench` with ``add_arguments`` and ``run``."""
 
 from __future__ import annotations
 
@@ -6,17 +6,25 @@ import argparse
 
 
 def _modules():
-    from ..bench import attention, decode, gqa, models, mosa
+    from ..bench import (attention, decode, expert_gemm_shapes, gpu_layers, gqa, grouped_matmul, hopper_aot,
+                         kv_cache_bytes, models, moh_projections, mosa, quick)
 
     return {"attention": (attention, "MoA and SwitchHead vs torch MHA: time, memory, decoding"),
             "models": (models, "whole-model training steps: MoA vs the MHA model of equal MACs"),
             "decode": (decode, "decoding tokens/s against the memory-bandwidth bound of the expert weights"),
             "gqa": (gqa, "grouped-query MHA vs torch SDPA enable_gqa, GQE vs grouped MHA, gates and QK-norm"),
-            "mosa": (mosa, "Mixture of Sparse Attention vs MHA of equal attention MACs: time, memory, KV cache")}
+            "mosa": (mosa, "Mixture of Sparse Attention vs MHA of equal attention MACs: time, memory, KV cache"),
+            "layers": (gpu_layers, "the GPU layer table: every attention kind, fwd+bwd, vs torch SDPA MHA"),
+            "quick": (quick, "the GPU check's model tables: a Llama training step or greedy decoding per kind"),
+            "grouped": (grouped_matmul, "MoA's expert map + reduce per expert_impl vs two dense Linear"),
+            "gemm-shapes": (expert_gemm_shapes, "the per-expert GEMMs of the sorted CPU kernels vs one dense GEMM"),
+            "moh-projections": (moh_projections, "MoH's query and output projections: dense vs grouped"),
+            "kv-cache": (kv_cache_bytes, "KV-cache bytes per token: MoA kv_heads=G vs MHA and HF GQA"),
+            "hopper-aot": (hopper_aot, "the Triton kernels compiled for an H100 without a GPU: shared memory, spills")}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks against torch.nn.MultiheadAttention")
+    p = sub.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
     what = p.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in _modules().items():
         module.add_arguments(what.add_parser(name, help=help_text, description=module.__doc__,

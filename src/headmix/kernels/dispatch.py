@@ -39,7 +39,7 @@ __all__ = ["IMPLS", "choose_impl", "expert_map", "expert_map_weighted", "expert_
 
 IMPLS = ("auto", "reference", "dense", "sorted", "gather", "bag", "triton", "grouped_mm")
 
-# CPU ``auto`` thresholds, measured with ``benchmarks/grouped_matmul.py --sweep`` on a
+# CPU ``auto`` thresholds, measured with ``headmix bench grouped --sweep`` on a
 # 2-core CPU (float32, d_model 512, d_head 64, map + reduce, min of 5-15 runs):
 #
 # * dense vs sorted, N = 4096 tokens, fwd+bwd ms:
@@ -71,7 +71,7 @@ DENSE_SMALL_MAX_EXPERTS_PER_K = 8
 #: batch 1, E 64: sorted 1087, gather 1156, dense 3497.
 DECODE_MIN_EXPERTS_PER_K = 2
 
-#: ``bag`` up to this many slots (``N*k``) in decoding. ``python benchmarks/grouped_matmul.py --sweep
+#: ``bag`` up to this many slots (``N*k``) in decoding. ``headmix bench grouped --sweep
 #: --sweep-tokens 1 8 32 64 128 --sweep-k 8 --sweep-experts-per-k 1 4 8`` (embed 512, k 8, map + reduce
 #: without gradient, 2 threads, min of 5, idle, 2026-11-22), ms, bag / sorted: E 64: 8 slots 0.30 / 0.60,
 #: 64 slots 0.93 / 2.32, 256 slots 1.73 / 3.68, 512 slots 2.33 / 3.76, 1024 slots 3.76 / 4.45; E 32: 512

@@ -163,7 +163,7 @@ def shared_bytes_bound(rows: int, cols: int, inner: int, num_stages: int, elemen
     """Shared memory of a (rows x inner) @ (inner x cols) tile product, at most: ``num_stages`` buffers of both
     input tiles, or the float32 output tile's layout conversion in the epilogue, whichever is larger.
     ``grouped_mm_kernel``: rows BLOCK_M, cols BLOCK_N, inner BLOCK_K; ``grouped_wgrad_kernel``: rows BLOCK_K,
-    cols BLOCK_N, inner BLOCK_M. Compiled for sm_90 (``benchmarks/hopper_aot.py``, all 224 configurations of
+    cols BLOCK_N, inner BLOCK_M. Compiled for sm_90 (``headmix bench hopper-aot``, all 224 configurations of
     the space in bfloat16 and float32) it never underestimates and is exact for float32's pipelines."""
     return max(num_stages * (rows * inner + inner * cols) * element_size, rows * cols * 4)
 

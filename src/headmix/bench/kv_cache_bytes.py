@@ -1,4 +1,4 @@
-"""KV-cache bytes per token: MoA with ``kv_heads=G`` against MHA and grouped-query attention (GQA) with the
+"""``headmix bench kv-cache``: KV-cache bytes per token: MoA with ``kv_heads=G`` against MHA and grouped-query attention (GQA) with the
 same number of query heads per token.  A measurement of memory, not of time.
 
 Each layer decodes a prompt with its cache and the bytes held are read back (``KVCache.nbytes`` for the
@@ -6,7 +6,8 @@ headmix layers; for GQA, Hugging Face ``LlamaAttention`` with ``num_key_value_he
 ``DynamicCache``), divided by the number of cached tokens.  MoA with ``top_k = k`` experts of ``G`` query heads
 has ``k G`` query heads per token, like MHA / GQA with ``H = k G`` heads.
 
-Usage: ``python benchmarks/kv_cache_bytes.py [--embed-dim 1024 --head-dim 64 --top-k 4 --kv-heads 1 2 4]``.
+Usage: ``headmix bench kv-cache [--embed-dim 1024 --head-dim 64 --top-k 4 --kv-heads 1 2 4]`` (the GQA rows need
+``transformers``: ``pip install 'headmix[hf]'``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import argparse
 
 import torch
 
-from headmix import MixtureOfAttentionHeads, MultiHeadAttention
+from ..attention import MixtureOfAttentionHeads, MultiHeadAttention
+from .timing import check_positive
 
 
 def gqa_bytes_per_token(embed_dim: int, heads: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> float:
@@ -34,8 +36,7 @@ def gqa_bytes_per_token(embed_dim: int, heads: int, kv_heads: int, head_dim: int
     return (keys.numel() * keys.element_size() + values.numel() * values.element_size()) / tokens
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-dim", type=int, default=1024)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--top-k", type=int, default=4)
@@ -43,7 +44,16 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    check_positive(args, "embed_dim", "head_dim", "top_k", "experts", "kv_heads", "tokens")
+    if args.top_k > args.experts:
+        raise ValueError(f"--top-k must be at most --experts ({args.experts}), got {args.top_k}")
+    try:
+        import transformers  # noqa: F401  (the GQA rows)
+    except ImportError:
+        raise ValueError("the GQA rows need Hugging Face transformers: pip install 'headmix[hf]'") from None
     dtype = getattr(torch, args.dtype)
     d, dh, k, n = args.embed_dim, args.head_dim, args.top_k, args.tokens
     x = torch.randn(1, n, d, dtype=dtype)
@@ -64,7 +74,4 @@ def main() -> None:
                      gqa_bytes_per_token(d, heads, g, dh, n, dtype)))
         for name, q_heads, kv, nbytes in rows:
             print(f"{name:<44}{q_heads:>12}{kv:>10}{nbytes:>13.0f}{nbytes / mha_bytes:>8.3f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,4 +1,4 @@
-"""How fast are the GEMMs the ``sorted`` CPU kernels run, against one dense GEMM of the same FLOPs?
+"""``headmix bench gemm-shapes``: how fast are the GEMMs the ``sorted`` CPU kernels run, against one dense GEMM of the same FLOPs?
 
 ``sorted`` (``headmix.kernels.grouped_cpu``) runs, per expert, six GEMMs for map + reduce, forward and
 backward: with ``R = N k / E`` rows per expert, ``d = d_model``, ``h = head_dim``
@@ -18,8 +18,8 @@ reduce wgrad   ``(h x R) @ (R x d)``             ``(g o)^T grad_y``
 expert reads its own rows (``E`` distinct blocks, as after the kernels' gathers), so the data is not
 cache-hot from one expert to the next. This isolates the GEMM cost from the gathers and scatters::
 
-    python benchmarks/expert_gemm_shapes.py                      # N 4096, d 512, h 64, k 8, E 64
-    python benchmarks/expert_gemm_shapes.py --tokens 2688 --d-model 128 --head-dim 48 --top-k 4 --experts 16
+    headmix bench gemm-shapes                      # N 4096, d 512, h 64, k 8, E 64
+    headmix bench gemm-shapes --tokens 2688 --d-model 128 --head-dim 48 --top-k 4 --experts 16
 
 One thread, CPU time of this process (robust on a shared machine), median of ``--repeats`` interleaved
 runs (``headmix.bench.timing.interleaved_timings``).
@@ -32,18 +32,23 @@ import time
 
 import torch
 
-from headmix.bench.timing import interleaved_timings
+from .timing import check_positive, interleaved_timings
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    check_positive(args, "tokens", "d_model", "head_dim", "top_k", "experts", "repeats")
+    if args.tokens * args.top_k < args.experts:
+        raise ValueError(f"--tokens x --top-k must be >= --experts (a row per expert), got {args.tokens} x "
+                         f"{args.top_k} < {args.experts}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     n, d, h, k, e = args.tokens, args.d_model, args.head_dim, args.top_k, args.experts
@@ -85,7 +90,4 @@ def main() -> None:
         total_e, total_d = total_e + te, total_d + td
         print(f"| {name} | {1e3 * te:.1f} | {1e3 * td:.1f} | {te / td:.2f} |")
     print(f"| all six | {1e3 * total_e:.1f} | {1e3 * total_d:.1f} | {total_e / total_d:.2f} |")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,11 +1,11 @@
-"""Benchmark the MoA expert map + reduce (eq. 10, 12 + 6) against a dense baseline.
+"""``headmix bench grouped``: the MoA expert map + reduce (eq. 10, 12 + 6) against a dense baseline.
 
 Usage::
 
-    python benchmarks/grouped_matmul.py            # CPU table (+ CUDA table if available)
-    python benchmarks/grouped_matmul.py --no-cpu --tokens 32768   # CUDA table only
-    python benchmarks/grouped_matmul.py --sweep    # CPU: best impl over (N, E, k), for the "auto" rule
-    python benchmarks/grouped_matmul.py --repeats 9 --tokens 4096
+    headmix bench grouped            # CPU table (+ CUDA table if available)
+    headmix bench grouped --no-cpu --tokens 32768   # CUDA table only
+    headmix bench grouped --sweep    # CPU: best impl over (N, E, k), for the "auto" rule
+    headmix bench grouped --repeats 9 --tokens 4096
 
 Workload (per call): ``q = expert_map(x, W_q, routing)`` (N, k, d_head), then
 ``y = expert_reduce(q, W_o, gates, routing)`` (N, d_model), i.e. the MoA query
@@ -26,8 +26,8 @@ import statistics
 
 import torch
 
-from headmix.bench.timing import interleaved_timings
-from headmix.kernels import expert_map, expert_reduce, expert_routing
+from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
+from .timing import check_positive, interleaved_timings
 
 
 def _route(n: int, k: int, e: int, device, generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,14 +152,13 @@ def cuda_table(args, device: str = "cuda") -> None:
                   f"{t_both[name] * 1e3:11.3f} {t_both[base] / t_both[name]:6.2f}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=16 * 256)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--d-head", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
-    p.add_argument("--impls", nargs="+", default=["dense", "sorted", "gather"])
+    p.add_argument("--impls", nargs="+", choices=IMPLS, metavar="IMPL", default=["dense", "sorted", "gather"])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--stat", choices=["median", "min"], default="median",
                    help="per-variant statistic of the table (min is robust on a shared machine)")
@@ -168,20 +167,22 @@ def main() -> None:
     p.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 512, 4096])
     p.add_argument("--sweep-k", type=int, nargs="+", default=[2, 8])
     p.add_argument("--sweep-experts-per-k", type=float, nargs="+", default=[1, 1.5, 2, 4])
-    p.add_argument("--sweep-impls", nargs="+", default=["dense", "sorted", "gather", "bag"])
+    p.add_argument("--sweep-impls", nargs="+", choices=IMPLS, metavar="IMPL", default=["dense", "sorted", "gather", "bag"])
     p.add_argument("--bag-max-slots", type=int, default=2048, help="skip bag above this N*k in the sweep")
     p.add_argument("--no-cuda", action="store_true")
     p.add_argument("--no-cpu", action="store_true", help="skip the CPU table")
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    check_positive(args, "tokens", "d_model", "d_head", "top_k", "experts", "repeats", "sweep_tokens", "sweep_k")
+    if min(args.experts) < args.top_k:
+        raise ValueError(f"--experts must be >= --top-k ({args.top_k}), got {args.experts}")
     torch.manual_seed(0)
     if args.sweep:
         cpu_sweep(args)
-        return
+        return 0
     if not args.no_cpu:
         cpu_table(args)
     if torch.cuda.is_available() and not args.no_cuda:
         cuda_table(args)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

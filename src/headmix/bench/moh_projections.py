@@ -1,4 +1,4 @@
-"""Would MoH gain from computing only the selected heads' projections?  A measurement, not a feature.
+"""``headmix bench moh-projections``: would MoH gain from computing only the selected heads' projections?  A measurement, not a feature.
 
 MoH (Jin et al. 2024) weights each routed head per token and zeroes the unselected ones.  Its attention
 over all heads is dense either way (skipping (token, head) pairs needs a variable-length attention
@@ -11,7 +11,7 @@ the query and output projections both ways, forward and backward, interleaved, m
 * grouped: the shared heads through ``Linear``, the routed heads through ``expert_map`` /
   ``expert_reduce`` for the ``top_k`` selected heads only.
 
-Usage: ``python benchmarks/moh_projections.py [--tokens 4096 --heads 8 --shared 2 --top-k 3]``.
+Usage: ``headmix bench moh-projections [--tokens 4096 --heads 8 --shared 2 --top-k 3]``.
 """
 
 from __future__ import annotations
@@ -20,20 +20,29 @@ import argparse
 
 import torch
 
-from headmix.bench.timing import interleaved_timings
-from headmix.kernels import expert_map, expert_reduce, expert_routing
+from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
+from .timing import check_positive, interleaved_timings
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--embed-dim", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--shared", type=int, default=2)
     p.add_argument("--top-k", type=int, default=3, help="routed heads active per token")
-    p.add_argument("--impl", default="auto", help="expert_map / expert_reduce implementation")
+    p.add_argument("--impl", default="auto", choices=IMPLS, metavar="IMPL", help="expert_map / expert_reduce implementation")
     p.add_argument("--repeats", type=int, default=15)
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    check_positive(args, "tokens", "embed_dim", "heads", "top_k", "repeats")
+    if not 0 <= args.shared < args.heads:
+        raise ValueError(f"--shared must be >= 0 and below --heads ({args.heads}), got {args.shared}")
+    if args.top_k > args.heads - args.shared:
+        raise ValueError(f"--top-k must be at most the routed heads (--heads - --shared = "
+                         f"{args.heads - args.shared}), got {args.top_k}")
+    if args.embed_dim % args.heads:
+        raise ValueError(f"--heads must divide --embed-dim ({args.embed_dim}), got {args.heads}")
     torch.manual_seed(0)
     n, d, h, s, k = args.tokens, args.embed_dim, args.heads, args.shared, args.top_k
     dh, r = d // h, h - s
@@ -66,7 +75,4 @@ def main() -> None:
     print("| projections | ms | vs dense |\n|---|---|---|")
     for name, seconds in times.items():
         print(f"| {name} | {seconds * 1e3:.1f} | {seconds / base:.2f} |")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
