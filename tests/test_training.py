@@ -420,7 +420,7 @@ def test_demo_train_seconds_get_a_caveat_under_load():
     assert "load average (start, end) 0.80, 1.90 0.80, 1.90" in " ".join(text.split()) and "under load" not in text
     loaded = _demo_report(2.22, 129.68, 0.001, True, load_average=[3.1, 4.2])
     assert ("Train seconds measured under load (load average up to 4.20 on 2 CPUs: other processes competed with "
-            "the training), so they do not compare the two models' speed; headmix bench does.") in \
+            "the training), so they do not compare the two models' speed; `headmix bench models` times them side by side.") in \
         format_comparison(loaded).splitlines()
     loaded["mha"]["load_average"] = [None, None]  # not available on this system: no caveat from it
     loaded["moa"]["load_average"] = [None, 1.0]

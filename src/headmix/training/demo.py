@@ -292,7 +292,7 @@ def under_load(report: dict[str, Any]) -> str | None:
         return None
     return (f"Train seconds measured under load (load average up to {max(loads):.2f} on {cpus} CPUs: other "
             f"processes competed with the training), so they do not compare the two models' speed; "
-            f"headmix bench does.")
+            f"`headmix bench models` times them side by side.")
 
 
 def loss_curves_figure(metrics: dict[str, list[dict[str, Any]]]):
