@@ -226,18 +226,6 @@ GPU_CONTENDERS_PACK_SHA256 = "16a832b3a2403da1c31567b2e3deb14ef85ce4a3b636e3754b
 SLOWEST_MEASURED_RATIO = min(H100_LM_EN_GPU_RATIOS.values())
 
 
-def _has_random_router() -> bool:
-    """Whether this headmix has the random-routing control (``router="random"``) for MoH."""
-    from ..models import AttentionConfig
-
-    try:
-        AttentionConfig(kind="moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=1,
-                        router="random")
-    except ValueError:
-        return False
-    return True
-
-
 def gpu_contenders_spec(*, d_model: int = 512, layers: int = 8, block: int = 1024, batch_blocks: int = 16,
                         steps: int = 400, head_dim: int = 64, vocab_size: int = 16000, seeds: tuple = (1, 2, 3),
                         pack: str = GPU_CONTENDERS_PACK, pack_sha256: str = GPU_CONTENDERS_PACK_SHA256,
@@ -253,12 +241,10 @@ def gpu_contenders_spec(*, d_model: int = 512, layers: int = 8, block: int = 102
     rows = [RowSpec("GQA"),
             RowSpec("Gated", {"kind": "mha", **gqa, "output_gate": "headwise"}, ["head_dim"], prefer),
             RowSpec("GQE", gqe, ["head_dim"], prefer),
-            RowSpec("GQE random", {**gqe, "router": "random"}, ["head_dim"], prefer),
+            RowSpec("GQE random", {**gqe, "router": "random"}, ["head_dim"], prefer, control_of="GQE"),
             RowSpec("MoA kv2", {"kind": "moa", "num_experts": 8, "top_k": 4, "kv_heads": 2}, ["head_dim"], prefer),
             RowSpec("MoSA", {"kind": "mosa", "num_dense_heads": 2, "head_dim": head_dim, "sparsity": 8},
                     ["num_sparse_heads"])]
-    if not _has_random_router():  # a headmix without the random-routing control leaves its row out
-        rows = [r for r in rows if r.attention.get("router") != "random"]
     attention = AttentionConfig(kind="mha", **gqa, rotary_base=LLAMA3_ROTARY_BASE)
     baseline = llama_model(attention, vocab_size, d_model=d_model, layers=layers, max_positions=block).to_dict()
     return StudySpec(name=name, task="lm", baseline=baseline, rows=rows, seeds=list(seeds), max_steps=steps,
