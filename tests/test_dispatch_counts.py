@@ -110,7 +110,7 @@ def test_recorder_sees_host_syncs():
 # SwitchHead at 58 (2.4x; before, 106: 4.4x): the second bound keeps what was gained.
 MAX_RATIO_ALL = {"moa": 2.0, "switchhead": 2.5}
 # Issue 31 fused the losses' arithmetic and wrote their backward into the logits by hand (routing/losses.py,
-# _FusedRouterLosses): MoA 62 against 24 (2.58x; the target of 2.0x is not reached, see docs/performance.md).
+# _FusedRouterLosses): MoA 62 against 24 (2.58x; the target of 2.0x is not reached, docs/performance.md, "Kernel counts").
 MAX_RATIO_LAUNCHING = {"moa": 2.6, "switchhead": 2.5}
 
 

@@ -17,7 +17,7 @@ grouped projections (MoA eq. 10 + 12: map + reduce, N tokens, k 8) for each ``ex
 Layers come from :data:`LAYERS` (one table). Peers: Hugging Face ``JetMoeAttention`` (from ``transformers``,
 when it is importable) and the SwitchHead authors' layer with their ``cvmm`` Triton kernels (CUDA only), when
 their repository is in ``.peers/switchhead`` (its ``switchhead/`` package inside; ``--peers DIR``;
-docs/performance.md says how to fetch it). Peers
+docs/performance.md gives the clone command). Peers
 are loaded from there for the benchmark only, never into the package.
 """
 

@@ -15,7 +15,7 @@ number of gathers and scatters per call is ``~N*k / chunk_rows`` whatever
 ``E`` is, and only the GEMMs (one per expert and product) scale with ``E``:
 the cost no longer grows with the number of experts at fixed ``N*k``.
 
-Two further choices, both measured on the 2-core CPU (docs/performance.md):
+Two further choices, both measured on the 2-core CPU (CHANGELOG.md, 2026-11-21):
 
 * sums over a token's slots use ``scatter_add_`` with a row index expanded
   over the columns, which runs in parallel over the columns; ``index_add_``
