@@ -699,7 +699,7 @@ def python_snippets(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/models.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/layers.md", "docs/models.md"])
 def test_the_python_snippets_of_the_docs_run(doc, tmp_path, monkeypatch):
     """Each doc's snippets in order, in one namespace (a reader runs them top to bottom); the checkpoint folder
     docs/models.md names is a tiny Qwen3 built from a config."""
