@@ -173,6 +173,28 @@ def test_llama_to_moh_with_every_head_active_keeps_the_logits():
     assert len(out.routing) == 2  # routed, ready for continue-tuning
 
 
+def test_llama_without_pad_token_masks_no_token_by_value(tmp_path):
+    """A Llama config with ``pad_token_id=None`` (Llama 3, Qwen): the converted model has no padding token, so
+    token 0, an ordinary token there, is attended to: equal logits with id 0 in the input, equal greedy
+    decoding; a given ``pad_id`` or the source's own ``pad_token_id`` is kept."""
+    hf = hf_llama(pad_token_id=None)
+    ours = causal_lm_from_llama(hf).eval()
+    assert ours.config.pad_id is None
+    x = tokens(2, 9)
+    x[:, 2] = 0
+    x[1, 5] = 0
+    assert_same_logits(ours, hf, x, tol=1e-5)
+    mine = greedy_decode(ours, x[:, :4], max_len=6).tokens
+    theirs = hf.generate(x[:, :4], max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=2)[:, 4:]
+    assert torch.equal(mine, theirs)
+    assert causal_lm_from_llama(hf, pad_id=7).config.pad_id == 7
+    assert causal_lm_from_llama(hf_llama(pad_token_id=5)).config.pad_id == 5
+    hf.save_pretrained(tmp_path)
+    assert load_llama(tmp_path).config.pad_id is None
+    with pytest.raises(ValueError, match="pad_id must be a token id for task 'translation'"):
+        ours.config.replace(task="translation", encoder_layers=1)
+
+
 def test_llama_conversion_errors():
     with pytest.raises(ValueError, match="rope_type 'llama3'"):
         causal_lm_from_llama(hf_llama(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

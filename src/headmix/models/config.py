@@ -495,7 +495,7 @@ class ModelConfig:
     scale_embeddings: bool = True
     embedding_norm: bool = False
     share_embeddings: bool = True
-    pad_id: int = 0
+    pad_id: int | None = 0
     bos_id: int = 1
     eos_id: int = 2
     label_smoothing: float = 0.1
@@ -593,8 +593,13 @@ class ModelConfig:
         for name in ("scale_embeddings", "embedding_norm", "share_embeddings", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.pad_id is None and self.task != "lm":
+            raise ValueError(f"pad_id must be a token id for task {self.task!r} (None, no padding token, is for "
+                             f"task 'lm' only), got None")
         for name in ("pad_id", "bos_id", "eos_id"):
             v = getattr(self, name)
+            if v is None and name == "pad_id":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size:
                 raise ValueError(f"{name} must be a token id in [0, vocab_size={self.vocab_size}), got {v!r}")
 

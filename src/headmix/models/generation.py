@@ -35,7 +35,8 @@ from .transformer import CausalLanguageModel, DecoderState, EncoderDecoderModel,
 @dataclass
 class GenerationOutput:
     """``tokens`` ``(B, L)``: the generated tokens (for a causal LM, the continuation without the
-    prompt), ending with ``eos`` unless ``max_len`` was reached, padded with ``pad_id``; ``scores`` ``(B,)``:
+    prompt), ending with ``eos`` unless ``max_len`` was reached, padded with ``pad_id`` (``eos_id`` where the
+    model has no ``pad_id``); ``scores`` ``(B,)``:
     the summed log-probabilities (greedy) or the length-normalised beam score of the returned hypothesis."""
 
     tokens: Tensor
@@ -61,7 +62,7 @@ class _Prefix:
         elif isinstance(model, CausalLanguageModel):
             if src.shape[1] == 0:
                 raise ValueError("the prompt must hold at least one token (e.g. bos)")
-            if bool(src.eq(cfg.pad_id).any()):
+            if cfg.pad_id is not None and bool(src.eq(cfg.pad_id).any()):
                 raise ValueError(f"prompts must not contain padding (pad_id={cfg.pad_id}): decode prompts of "
                                  "different lengths separately")
             self.encoder_out = None
@@ -95,7 +96,8 @@ class _Prefix:
             out = decoder(self.tokens, memory, mask)
         logits = self.model.compute_logits(out.hidden[:, -1:])
         log_probs = logits[:, 0].float().log_softmax(-1)
-        log_probs[:, self.model.config.pad_id] = float("-inf")  # never generate padding (as fairseq)
+        if self.model.config.pad_id is not None:
+            log_probs[:, self.model.config.pad_id] = float("-inf")  # never generate padding (as fairseq)
         return log_probs
 
     def reorder(self, index: Tensor) -> None:
@@ -156,6 +158,11 @@ def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cach
                            static_step)
 
 
+def filler(config) -> int:
+    """The token that fills a finished row: ``pad_id``, or ``eos_id`` for a model without a padding token."""
+    return config.eos_id if config.pad_id is None else config.pad_id
+
+
 def _token_by_token(model: PreTrainedModel, src: Tensor, max_len: int, pick: Callable[[Tensor], Tensor],
                     use_cache: bool, static_cache: bool = False, static_step: Callable | None = None) -> GenerationOutput:
     """One token per step, ``pick(log_probs)`` ``(B, vocab) -> (B,)``, for at most ``max_len`` steps: padding
@@ -171,7 +178,7 @@ def _token_by_token(model: PreTrainedModel, src: Tensor, max_len: int, pick: Cal
             log_probs = prefix.next_log_probs()
             token = pick(log_probs)
             scores += log_probs.gather(1, token[:, None])[:, 0].masked_fill(finished, 0.0)
-            token = token.masked_fill(finished, cfg.pad_id)
+            token = token.masked_fill(finished, filler(cfg))
             finished |= token.eq(cfg.eos_id)
             out.append(token)
             prefix.append(token)
@@ -235,7 +242,7 @@ def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: in
                         finished[b].append((float(scores[b, j]) / max_len ** length_penalty, generated[b * k + j]))
         best = [max(hyps, key=lambda h: h[0]) for hyps in finished]
         length = max(len(seq) for _, seq in best)
-        tokens = torch.full((batch, length), cfg.pad_id, dtype=torch.long, device=device)
+        tokens = torch.full((batch, length), filler(cfg), dtype=torch.long, device=device)
         for b, (_, seq) in enumerate(best):
             tokens[b, :len(seq)] = seq
         return GenerationOutput(tokens, torch.tensor([s for s, _ in best], device=device))

@@ -384,11 +384,12 @@ def untied_output_projection(config: ModelConfig) -> nn.Linear | None:
 
 
 def token_embedding(config: ModelConfig) -> nn.Embedding:
-    """fairseq's initialisation: ``N(0, d_model^-0.5)``, padding row zero."""
+    """fairseq's initialisation: ``N(0, d_model^-0.5)``, padding row zero (no padding row with ``pad_id=None``)."""
     emb = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
     nn.init.normal_(emb.weight, std=config.d_model ** -0.5)
-    with torch.no_grad():
-        emb.weight[config.pad_id].zero_()
+    if config.pad_id is not None:
+        with torch.no_grad():
+            emb.weight[config.pad_id].zero_()
     return emb
 
 
@@ -439,7 +440,7 @@ class TransformerDecoder(nn.Module):
         queries (Hugging Face's ``attention_mask``, inverted). ``positions`` ``(B, T)``: each token's position in
         the absolute position embeddings (default ``past + t``; rotary positions always come from the cache)."""
         past = 0 if state is None else state.length
-        padding_mask = tokens.eq(self.config.pad_id) if state is None else None
+        padding_mask = padding_of(tokens, self.config.pad_id) if state is None else None
         if key_padding_mask is not None:
             if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (tokens.shape[0], past + tokens.shape[1]):
                 raise ValueError(f"key_padding_mask must be a bool tensor of shape (batch, past + time) = "
@@ -470,12 +471,19 @@ class TransformerDecoder(nn.Module):
 # --------------------------------------------------------------------------------------------------
 # Loss
 # --------------------------------------------------------------------------------------------------
-def token_loss(logits: Tensor, target: Tensor, pad_id: int, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
+def padding_of(tokens: Tensor, pad_id: int | None) -> Tensor | None:
+    """True where ``tokens`` is the padding token ``pad_id``; ``None`` (nothing is padding) without one."""
+    return None if pad_id is None else tokens.eq(pad_id)
+
+
+def token_loss(logits: Tensor, target: Tensor, pad_id: int | None, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
     """Label-smoothed cross-entropy averaged over target tokens; ``target`` positions equal to ``pad_id``
     or ``-100`` are ignored. Smoothing spreads ``label_smoothing`` uniformly over the vocabulary
     (``torch.nn.functional.cross_entropy``'s definition). Returns ``(loss, nll_loss, num_tokens)``;
-    ``nll_loss`` is detached."""
-    target = target.masked_fill(target.eq(pad_id), -100).reshape(-1)
+    ``nll_loss`` is detached. ``pad_id=None``: only ``-100`` is ignored."""
+    if pad_id is not None:
+        target = target.masked_fill(target.eq(pad_id), -100)
+    target = target.reshape(-1)
     flat = logits.reshape(-1, logits.shape[-1]).float()
     num_tokens = target.ne(-100).sum()
     denom = num_tokens.clamp(min=1).to(flat.dtype)
