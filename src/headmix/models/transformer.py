@@ -104,10 +104,12 @@ class DecoderOutput:
 class ModelOutput:
     """What a model's ``forward`` returns.
 
-    ``logits`` ``(B, T, vocab)``; ``loss`` the label-smoothed cross-entropy averaged over the target
+    ``logits`` ``(B, T, vocab)``; ``lm_loss`` the label-smoothed cross-entropy averaged over the target
     tokens (padding and ``-100`` labels ignored), ``None`` without targets; ``nll_loss`` the same
     without smoothing (detached; ``exp`` of it is the perplexity); ``aux_loss`` the sum of all attention
-    layers' weighted auxiliary losses; ``total_loss = loss + aux_loss`` (what to backpropagate);
+    layers' weighted auxiliary losses; ``total_loss = lm_loss + aux_loss`` (what to backpropagate);
+    ``loss``: for a :class:`CausalLanguageModel` ``total_loss`` (as in ``transformers``: the loss is what
+    is optimised, its parts beside it), for the translation and masked LMs ``lm_loss``;
     ``num_tokens`` the number of target tokens; ``routing`` ``(layer name, Routing)`` for every routed
     layer call; ``state`` the decoding state when ``use_cache=True``.
     """
@@ -120,6 +122,7 @@ class ModelOutput:
     num_tokens: Tensor | None
     routing: list[tuple[str, Routing]] = field(default_factory=list)
     state: DecoderState | None = None
+    lm_loss: Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -553,11 +556,15 @@ class PreTrainedModel(nn.Module):
         return F.linear(hidden, self._output_weight())
 
     def _finish(self, logits: Tensor, target: Tensor | None, aux: Tensor, routing: list,
-                state: DecoderState | None = None) -> ModelOutput:
+                state: DecoderState | None = None, scored: Tensor | None = None) -> ModelOutput:
+        """The output; ``target`` scored against ``scored`` (default: ``logits``)."""
         if target is None:
             return ModelOutput(logits, None, None, aux, None, None, routing, state)
-        loss, nll, n = token_loss(logits, target, self.config.pad_id, self.config.label_smoothing)
-        return ModelOutput(logits, loss, nll, aux, loss + aux, n, routing, state)
+        lm_loss, nll, n = token_loss(logits if scored is None else scored, target, self.config.pad_id,
+                                     self.config.label_smoothing)
+        total = lm_loss + aux
+        return ModelOutput(logits, total if self.task == "lm" else lm_loss, nll, aux, total, n, routing, state,
+                           lm_loss)
 
 
 class EncoderDecoderModel(PreTrainedModel):
@@ -635,11 +642,16 @@ class MaskedLanguageModel(PreTrainedModel):
 
 
 class CausalLanguageModel(PreTrainedModel):
-    """Decoder-only language model: ``model(input_ids, labels=None)``.
+    """Decoder-only language model: ``model(input_ids, labels=None)``, with ``transformers``' convention.
 
-    ``labels`` are already shifted, like translation's ``tgt_out``: ``labels[:, t]`` is the token that
-    follows ``input_ids[:, t]`` (for a block ``x``: ``input_ids = x[:, :-1]``, ``labels = x[:, 1:]``).
-    For incremental decoding pass ``use_cache=True`` and the returned ``state`` back with the new tokens only.
+    ``labels`` are the inputs themselves (``labels=input_ids``; ``-100`` and ``pad_id`` ignored): the model
+    shifts them, scoring ``logits[:, t]`` against ``labels[:, t + 1]``. ``out.loss`` is what is optimised:
+    ``lm_loss + aux_loss`` (the cross-entropy plus the routing losses), both returned beside it. Labels
+    shifted already (headmix's earlier convention: ``labels = x[:, 1:]`` for ``input_ids = x[:, :-1]``)
+    are refused in one line. ``targets`` instead are aligned with the logits (``targets[:, t]`` follows
+    ``input_ids[:, t]``, as translation's ``tgt_out``): packed training blocks, whose last target lies past
+    the inputs, use them. For incremental decoding pass ``use_cache=True`` and the returned ``state`` back
+    with the new tokens only.
     """
 
     task = "lm"
@@ -652,11 +664,35 @@ class CausalLanguageModel(PreTrainedModel):
     def _output_weight(self) -> Tensor:
         return self.decoder.embed.tokens.weight if self.output_proj is None else self.output_proj.weight
 
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None, *, state: DecoderState | None = None,
-                use_cache: bool = False) -> ModelOutput:
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, *, targets: Tensor | None = None,
+                state: DecoderState | None = None, use_cache: bool = False) -> ModelOutput:
+        if labels is not None:
+            if targets is not None:
+                raise ValueError("pass labels (the inputs; the model shifts them) or targets (aligned with the "
+                                 "logits), not both")
+            check_labels(input_ids, labels)
         dec = self.decoder(input_ids, state=state, use_cache=use_cache)
         logits = self.compute_logits(dec.hidden)
-        return self._finish(logits, labels, dec.aux_loss, dec.routing, dec.state)
+        if labels is not None:
+            return self._finish(logits, labels[:, 1:], dec.aux_loss, dec.routing, dec.state, scored=logits[:, :-1])
+        return self._finish(logits, targets, dec.aux_loss, dec.routing, dec.state)
+
+
+def check_labels(input_ids: Tensor, labels: Tensor) -> None:
+    """A one-line ``ValueError`` unless ``labels`` are a causal LM's labels in ``transformers``' convention: the
+    shape of ``input_ids``, and not the inputs shifted by one (the old convention, which would now train the
+    model to predict the token two ahead)."""
+    if not isinstance(labels, Tensor) or tuple(labels.shape) != tuple(input_ids.shape):
+        raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)} (labels are the inputs; "
+                         f"the model shifts them), got {tuple(labels.shape) if isinstance(labels, Tensor) else labels!r}")
+    if labels.shape[1] < 2:
+        return
+    ignored = labels.eq(-100)
+    unshifted = (labels.eq(input_ids) | ignored).all()
+    shifted = (labels[:, :-1].eq(input_ids[:, 1:]) | ignored[:, :-1]).all() & ~ignored[:, :-1].all()
+    if bool(shifted & ~unshifted):
+        raise ValueError("labels are input_ids shifted by one: labels are now the inputs themselves, as in transformers "
+                         "(the model shifts them): pass labels=input_ids (or targets= for targets aligned with the logits)")
 
 
 MODEL_CLASSES = {"translation": EncoderDecoderModel, "mlm": MaskedLanguageModel, "lm": CausalLanguageModel}

@@ -143,7 +143,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                     with autocast():
                         out = forward(**task.model_inputs(batch, device))
                     (out.total_loss / cfg.grad_accum).backward()
-                step_loss += out.loss.detach()
+                step_loss += out.lm_loss.detach()
                 step_tokens += int(out.num_tokens)
                 window.add_batch(out, cfg.grad_accum)
             # clip, step
