@@ -242,13 +242,44 @@ def test_loss_is_the_shifted_cross_entropy_plus_the_routing_losses():
     labels = ids.clone()
     labels[0, 3] = -100
     out = hf(ids, labels=labels)
-    own = model(ids[:, :-1], labels=labels[:, 1:])
-    torch.testing.assert_close(out.lm_loss, own.loss, rtol=1e-6, atol=0)
+    own = model(ids, labels=labels)  # one convention: headmix's own model shifts as well
+    torch.testing.assert_close(out.lm_loss, own.lm_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.loss, own.loss, rtol=1e-6, atol=0)
     assert torch.equal(out.aux_loss, model(ids).aux_loss) and float(out.aux_loss.detach()) > 0
     assert torch.equal(out.loss, out.lm_loss + out.aux_loss)
     assert out.cache is None  # no cache with labels
     routed = hf(ids, output_routing=True).routing
     assert [name for name, _ in routed] == [name for name, _ in model(ids).routing]
+
+
+@pytest.mark.parametrize("preset,tied", [("llama-tiny-moa", False), ("llama-tiny-moa", True)])
+def test_resize_token_embeddings_keeps_the_old_ids_and_a_consistent_model(preset, tied, tmp_path):
+    """``resize_token_embeddings`` as ``transformers`` defines it: the logits of the old ids unchanged, the new
+    vocabulary size everywhere (embedding, untied head, both configs), the model saved and reloaded the same;
+    a size that would drop a special token is refused without changing anything."""
+    model = HeadmixForCausalLM.from_headmix(headmix_lm(preset, share_embeddings=tied)).eval()
+    ids = prompt(2, 7)
+    with torch.no_grad():
+        before = model(ids).logits
+    model.resize_token_embeddings(VOCAB + 5, pad_to_multiple_of=8)
+    size = 56
+    with torch.no_grad():
+        after = model(ids).logits
+    assert after.shape == (2, 7, size)
+    torch.testing.assert_close(after[..., :VOCAB], before, rtol=0, atol=0)
+    assert model.config.vocab_size == model.model.config.vocab_size == size
+    assert model.get_input_embeddings().weight.shape[0] == size
+    assert (model.get_output_embeddings() is None) == tied
+    if not tied:
+        assert model.get_output_embeddings().weight.shape[0] == size
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, after)
+    with pytest.raises(ValueError, match=r"new_num_tokens=2: eos_id must be a token id in \[0, vocab_size=2\)"):
+        model.resize_token_embeddings(2)
+    with pytest.raises(ValueError, match="new_num_tokens must be a positive integer"):
+        model.resize_token_embeddings(0)
+    assert model.config.vocab_size == size and model.get_input_embeddings().weight.shape[0] == size
 
 
 def test_trainer_lowers_the_loss_with_the_aux_loss_included(tmp_path):

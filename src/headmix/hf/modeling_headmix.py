@@ -217,6 +217,50 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         """The untied output projection; ``None`` with ``share_embeddings`` (the embedding is the projection)."""
         return self.model.output_proj
 
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        if self.model.output_proj is None:
+            raise ValueError("set_output_embeddings: this model ties its output projection to the input embedding "
+                             "(share_embeddings=True): set the input embedding instead")
+        self.model.output_proj = value
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """``PreTrainedModel.resize_token_embeddings`` for a headmix model: the embedding, the output projection
+        (when untied; a tied one follows the embedding) and both configs (``vocab_size``) change together, after
+        every check, so a refused call changes nothing. The rows of the kept ids are unchanged; new rows are
+        initialised as ``transformers`` does (``mean_resizing``)."""
+        old = self.get_input_embeddings()
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return old
+        size = old.num_embeddings if new_num_tokens is None else new_num_tokens
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
+        if pad_to_multiple_of is not None:
+            if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of <= 0:
+                raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+            size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+        try:
+            config = self.model.config.replace(vocab_size=size)
+        except ValueError as err:
+            raise ValueError(f"new_num_tokens={size}: {err}") from None
+        # transformers' helper rebinds the weight of the module it is given: give it a stand-in
+        stand_in = nn.Embedding(old.num_embeddings, old.embedding_dim, _weight=old.weight.detach(), _freeze=True)
+        resized = self._get_resized_embeddings(stand_in, size, mean_resizing=mean_resizing)
+        embedding = nn.Embedding(size, old.embedding_dim, padding_idx=config.pad_id, _weight=resized.weight.detach(),
+                                 device=old.weight.device, dtype=old.weight.dtype)
+        embedding.requires_grad_(old.weight.requires_grad)
+        head = self.model.output_proj
+        if head is not None:
+            head = self._get_resized_lm_head(head, size, mean_resizing=mean_resizing)
+            head.requires_grad_(self.model.output_proj.weight.requires_grad)
+        self.set_input_embeddings(embedding)
+        if head is not None:
+            self.set_output_embeddings(head)
+        self.model.config = self.model.decoder.config = config
+        self.config.headmix = config.to_dict()
+        self.vocab_size = size
+        return embedding
+
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> None:
         """``generate``'s cache: a :class:`HeadmixCache` (a user's own must be one), none with ``use_cache=False``."""
         cache = model_kwargs.get("cache")

@@ -552,7 +552,11 @@ class PreTrainedModel(nn.Module):
         return model
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """The output projection ``hidden W^T``: ``T d_model V`` MACs."""
+        """The output projection ``hidden W^T``: ``T d_model V`` MACs. An untied projection is called as the
+        module ``output_proj`` (so a wrapper of it, such as a PEFT LoRA adapter, takes part); a tied one is
+        the embedding's weight."""
+        if self.output_proj is not None:
+            return self.output_proj(hidden)
         return F.linear(hidden, self._output_weight())
 
     def _finish(self, logits: Tensor, target: Tensor | None, aux: Tensor, routing: list,
