@@ -337,6 +337,27 @@ def test_run_folder_to_hf_folder_and_back_without_loss(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- imports, remote code
+def test_the_cache_goes_by_either_name_and_old_transformers_is_refused_at_import():
+    """``past_key_values`` (the cache's name before transformers 5.24) and ``cache`` are the same argument, and
+    the output holds the cache as ``cache`` on every supported version; a transformers older than 5.17 is
+    refused when ``headmix.hf`` is imported, in one line naming both versions."""
+    hf = HeadmixForCausalLM.from_headmix(headmix_lm("llama-tiny-moa")).eval()
+    ids = prompt(2, 6)
+    with torch.no_grad():
+        whole = hf(ids).logits
+        for name in ("cache", "past_key_values"):
+            first = hf(ids[:, :4], use_cache=True)
+            assert isinstance(first.cache, HeadmixCache) and first.cache.get_seq_length() == 4
+            rest = hf(ids[:, 4:], attention_mask=torch.ones(2, 6, dtype=torch.long), **{name: first.cache})
+            torch.testing.assert_close(rest.logits, whole[:, 4:], rtol=1e-5, atol=1e-5)
+    code = "import transformers; transformers.__version__ = '5.16.2'; import headmix.hf"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == ("ImportError: headmix.hf needs transformers >=5.17,<6 (installed: "
+                                                    "5.16.2): pip install 'headmix[hf]'")
+
+
 def test_import_headmix_does_not_import_transformers_and_headmix_hf_registers():
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     script = ("import sys, headmix\nassert 'transformers' not in sys.modules\nimport headmix.hf, transformers\n"

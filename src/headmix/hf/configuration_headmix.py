@@ -48,7 +48,7 @@ class HeadmixConfig(PretrainedConfig):
     ``pad_id``, ``bos_id``, ``eos_id`` (the model itself always treats ``pad_id`` as its padding row)."""
 
     model_type = "headmix"
-    keys_to_ignore_at_inference = ["cache", "lm_loss", "aux_loss", "routing"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values", "lm_loss", "aux_loss", "routing"]
 
     def __init__(self, headmix: dict[str, Any] | ModelConfig | None = None, use_cache: bool = True, **kwargs: Any):
         model_config = causal_lm_config(headmix)

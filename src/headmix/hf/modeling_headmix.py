@@ -43,6 +43,11 @@ from headmix.models.transformer import CausalLanguageModel, DecoderState, Embedd
 
 from .configuration_headmix import HeadmixConfig
 
+#: The name ``transformers`` gives the cache (``forward``'s and ``generate``'s argument, the output's field):
+#: ``cache`` in the newest releases, ``past_key_values`` before (5.17 to 5.23). headmix accepts both names
+#: as arguments and returns the cache under the installed version's name (and as ``cache``).
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 class HeadmixCache(Cache):
     """The decoding state of a headmix causal LM inside ``transformers``: ``state`` is headmix's
@@ -144,6 +149,12 @@ class HeadmixCausalLMOutput(CausalLMOutputWithPast):
     lm_loss: Tensor | None = None
     aux_loss: Tensor | None = None
     routing: list | None = None
+
+    if CACHE_NAME != "cache":
+        @property
+        def cache(self) -> HeadmixCache | None:
+            """The cache (``past_key_values`` in this ``transformers`` version)."""
+            return self.past_key_values
 
 
 class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
@@ -263,7 +274,7 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> None:
         """``generate``'s cache: a :class:`HeadmixCache` (a user's own must be one), none with ``use_cache=False``."""
-        cache = model_kwargs.get("cache")
+        cache = model_kwargs.get(CACHE_NAME)
         if cache is not None:
             check_cache(cache)
             cache._is_user_defined = True
@@ -273,7 +284,7 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(f"cache_implementation must be None or 'dynamic' for headmix models (their own cache), "
                              f"got {generation_config.cache_implementation!r}")
-        model_kwargs["cache"] = HeadmixCache(self.config.num_hidden_layers)
+        model_kwargs[CACHE_NAME] = HeadmixCache(self.config.num_hidden_layers)
 
     def forward(
         self,
@@ -289,6 +300,7 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         output_routing: bool = False,
+        past_key_values: HeadmixCache | None = None,
         **kwargs: Any,
     ) -> HeadmixCausalLMOutput:
         """Logits of ``input_ids`` ``(batch, time)`` (module docstring for the masks, positions, loss, cache).
@@ -301,6 +313,9 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("input_ids is required (inputs_embeds is not supported: headmix embeds token ids itself)")
         if output_attentions or output_hidden_states:
             raise ValueError("output_attentions and output_hidden_states are not supported by headmix models")
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the cache as cache or as past_key_values (its name before transformers 5.24), not both")
+        cache = past_key_values if cache is None else cache
         if use_cache is None:
             use_cache = self.config.use_cache and labels is None
         state = None
@@ -331,7 +346,7 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             lm_loss = next_token_loss(logits, labels, self.model.config.label_smoothing)
             loss = lm_loss + decoder_out.aux_loss
-        return HeadmixCausalLMOutput(loss=loss, logits=logits, cache=cache if use_cache else None, lm_loss=lm_loss,
+        return HeadmixCausalLMOutput(loss=loss, logits=logits, **{CACHE_NAME: cache if use_cache else None}, lm_loss=lm_loss,
                                      aux_loss=decoder_out.aux_loss,
                                      routing=decoder_out.routing if output_routing else None)
 
