@@ -336,6 +336,47 @@ def test_run_folder_to_hf_folder_and_back_without_loss(tmp_path, capsys):
     assert "choose a new folder" in capsys.readouterr().err
 
 
+def tiny_run(folder: Path, preset: str = "llama-tiny-moa", **changes) -> Path:
+    """A folder as `headmix train lm` leaves it (model, config, tokenizer), with a byte-level BPE of headmix's own
+    trained on a few sentences and a fresh model of that vocabulary."""
+    from headmix.data import train_tokenizer
+
+    texts = ["In the beginning was the word, and the word was with God.", "The quick brown fox jumps over the dog.",
+             "A tiny model continues a tiny prompt, token by token."] * 4
+    tok = train_tokenizer(texts, vocab_size=300, min_frequency=1)
+    torch.manual_seed(0)
+    config = get_config(preset, task="lm", vocab_size=tok.vocab_size).replace(
+        pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id, **changes)
+    build_model(config).save_pretrained(folder)
+    tok.save(folder / "tokenizer")
+    return folder
+
+
+def test_exported_tokenizer_adds_bos_so_pipeline_and_generate_continue_as_headmix_generate(tmp_path, capsys):
+    """The exported tokenizer puts bos first, as headmix trains and generates: ``pipeline("text-generation")``
+    and ``model.generate(**tokenizer(text))`` on the exported folder continue each prompt exactly as
+    ``headmix generate`` does on the run."""
+    run = tiny_run(tmp_path / "run")
+    prompts = ["In the beginning", "The quick brown fox jumps"]
+    assert cli_main(["generate", str(run), "--max-new-tokens", "12", "--jsonl",
+                     *[a for p in prompts for a in ("--prompt", p)]]) == 0
+    expected = [json.loads(line)["continuation"] for line in capsys.readouterr().out.splitlines()]
+    assert cli_main(["export-hf", str(run), str(tmp_path / "hf")]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    from headmix.data import Tokenizer
+    own = Tokenizer.load(run / "tokenizer" / "tokenizer.json")
+    assert model.generation_config.suppress_tokens == [own.pad_id]  # headmix never generates padding either
+    generator = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    for text, continuation in zip(prompts, expected):
+        ids = tokenizer(text, return_tensors="pt")
+        assert ids["input_ids"][0].tolist() == own.encode(text, add_bos=True)
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+        assert tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True) == continuation
+        piped = generator(text, max_new_tokens=12, do_sample=False, return_full_text=False)
+        assert piped[0]["generated_text"] == continuation
+
+
 # ----------------------------------------------------------------------------- imports, remote code
 def test_the_cache_goes_by_either_name_and_old_transformers_is_refused_at_import():
     """``past_key_values`` (the cache's name before transformers 5.24) and ``cache`` are the same argument, and

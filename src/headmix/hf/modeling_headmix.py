@@ -199,6 +199,8 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         weight = next(model.parameters())
         wrapped = cls(HeadmixConfig(headmix=model.config), headmix_model=model)
         wrapped.config.dtype = weight.dtype
+        if model.config.pad_id is not None:  # headmix's decoding never generates padding: nor does generate()
+            wrapped.generation_config.suppress_tokens = [model.config.pad_id]
         return wrapped
 
     def to_headmix(self) -> CausalLanguageModel:
