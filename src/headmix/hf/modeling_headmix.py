@@ -39,6 +39,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from headmix.models.generation import threshold_selection
 from headmix.models.transformer import CausalLanguageModel, DecoderState, Embeddings, build_model, sinusoidal_table
 
 from .configuration_headmix import HeadmixConfig
@@ -273,6 +274,15 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         self.config.headmix = config.to_dict()
         self.vocab_size = size
         return embedding
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``GenerationMixin.generate``, with every MoSA layer under the causal threshold rule (calibrated
+        thresholds needed: ``headmix calibrate RUN``); an empty prompt is refused in one line."""
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: generate needs a prompt of at least one token (e.g. bos)")
+        with threshold_selection(self.model):
+            return super().generate(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> None:
         """``generate``'s cache: a :class:`HeadmixCache` (a user's own must be one), none with ``use_cache=False``."""

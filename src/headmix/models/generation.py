@@ -22,6 +22,8 @@ are those of the growing cache.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +32,64 @@ from torch import Tensor
 
 from ..attention.base import check_positive
 from .transformer import CausalLanguageModel, DecoderState, EncoderDecoderModel, PreTrainedModel
+
+
+# ------------------------------------------------------------------------------------ MoSA thresholds
+
+def mosa_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's :class:`~headmix.attention.MixtureOfSparseAttention` layers by name (``{}`` without)."""
+    from ..attention.mosa import MixtureOfSparseAttention
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, MixtureOfSparseAttention)}
+
+
+def calibrate_mosa(model: CausalLanguageModel, batches: Iterable[Tensor]) -> dict[str, list[float]]:
+    """Set the ``score_threshold`` of every MoSA layer of a causal LM from its top-k routings of ``batches``
+    (``(batch, time)`` token ids, e.g. training blocks; padding by ``pad_id``), as
+    :meth:`~headmix.attention.MixtureOfSparseAttention.calibrate_thresholds` defines them; the thresholds are
+    buffers, saved with the model. Returns them by layer. Generation (:func:`greedy_decode`, ``headmix
+    generate``, Hugging Face ``generate``) needs them: it runs MoSA under the causal threshold rule."""
+    if not isinstance(model, CausalLanguageModel):
+        raise ValueError(f"model must be a causal language model (task 'lm'), got {type(model).__name__}")
+    layers = mosa_layers(model)
+    if not layers:
+        raise ValueError("the model has no MoSA layer (attention kind 'mosa'): nothing to calibrate")
+    routings: dict[str, list] = {name: [] for name in layers}
+    selections = {name: layer.selection for name, layer in layers.items()}
+    with _eval_mode(model):
+        try:
+            for layer in layers.values():
+                layer.selection = "topk"
+            for ids in batches:
+                for name, routing in model.decoder(ids).routing:
+                    if name in routings:
+                        routings[name].append(routing)
+        finally:
+            for name, layer in layers.items():
+                layer.selection = selections[name]
+    if not any(routings.values()):
+        raise ValueError("batches is empty: calibrating MoSA thresholds needs at least one batch of token ids")
+    return {name: layer.calibrate_thresholds(routings[name]).tolist() for name, layer in layers.items()}
+
+
+@contextlib.contextmanager
+def threshold_selection(model: torch.nn.Module) -> Iterator[None]:
+    """Run the model's MoSA layers under the causal threshold rule (what generation needs: expert choice
+    top-k looks at later tokens), restoring each layer's ``selection`` afterwards; a one-line error when
+    the thresholds were never calibrated. Nothing happens for a model without MoSA layers."""
+    layers = mosa_layers(model)
+    if any(bool(torch.isnan(layer.score_threshold).any()) for layer in layers.values()):
+        raise ValueError("the model's MoSA layers have no calibrated thresholds, which generation needs: run "
+                         "`headmix calibrate RUN` (runs trained before thresholds were stored), or call "
+                         "headmix.models.calibrate_mosa(model, batches)")
+    selections = {name: layer.selection for name, layer in layers.items()}
+    try:
+        for layer in layers.values():
+            layer.selection = "threshold"
+        yield
+    finally:
+        for name, layer in layers.items():
+            layer.selection = selections[name]
 
 
 @dataclass
@@ -168,7 +228,7 @@ def _token_by_token(model: PreTrainedModel, src: Tensor, max_len: int, pick: Cal
     """One token per step, ``pick(log_probs)`` ``(B, vocab) -> (B,)``, for at most ``max_len`` steps: padding
     after a row's ``eos`` (scored 0), stopping once every row has ended."""
     cfg = model.config
-    with _eval_mode(model):
+    with _eval_mode(model), threshold_selection(model):
         prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
         batch = src.shape[0]
         finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
@@ -199,7 +259,7 @@ def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: in
     cfg = model.config
     eos, k = cfg.eos_id, beam_size
     device = src.device
-    with _eval_mode(model):
+    with _eval_mode(model), threshold_selection(model):
         prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
         batch = src.shape[0]
         prefix.reorder(torch.arange(batch, device=device).repeat_interleave(k))
