@@ -398,10 +398,11 @@ def test_generate_text_feeds_the_model_bos_then_the_prompt(monkeypatch):
     (dict(max_new_tokens=70), r"max_new_tokens \(70\) \+ the longest prompt \(3 tokens\) exceed the model's "
                               r"max_positions \(64\)"),
 ])
-def test_generate_text_refuses_bad_options_in_one_line(options, message):
+@pytest.mark.parametrize("positions", ["learned", "rotary"])  # a rotary model has its max_positions too
+def test_generate_text_refuses_bad_options_in_one_line(options, message, positions):
     from headmix.models import generate_text
 
-    model = tiny_lm(positions="learned")
+    model = tiny_lm(positions=positions)
     with pytest.raises(ValueError, match=message):
         generate_text(model, CharTokenizer(), ["ab"], **options)
 

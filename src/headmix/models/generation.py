@@ -381,11 +381,10 @@ def generate_text(model: CausalLanguageModel, tokenizer, prompts: list[str] | st
     device = torch.device(device)
     encoded = [tokenizer.encode(p, add_bos=True) for p in prompts]
     cfg = model.config
-    if cfg.positions != "rotary":
-        longest = max((len(e) for e in encoded), default=0)
-        if longest + max_new_tokens > cfg.max_positions:
-            raise ValueError(f"max_new_tokens ({max_new_tokens}) + the longest prompt ({longest} tokens) exceed the "
-                             f"model's max_positions ({cfg.max_positions}): ask for fewer tokens or a shorter prompt")
+    longest = max((len(e) for e in encoded), default=0)  # every kind of positions has its max_positions
+    if longest + max_new_tokens > cfg.max_positions:
+        raise ValueError(f"max_new_tokens ({max_new_tokens}) + the longest prompt ({longest} tokens) exceed the "
+                         f"model's max_positions ({cfg.max_positions}): ask for fewer tokens or a shorter prompt")
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(encoded):
