@@ -377,6 +377,58 @@ def test_exported_tokenizer_adds_bos_so_pipeline_and_generate_continue_as_headmi
         assert piped[0]["generated_text"] == continuation
 
 
+def test_boundary_errors_are_one_line_naming_the_argument_or_file(tmp_path):
+    """An empty prompt, token ids outside the vocabulary, hf_to_headmix on a run folder, load_pretrained on a
+    Llama folder, a config.json without its headmix field: each a one-line ValueError saying what was expected."""
+    from headmix.models import load_pretrained
+
+    model = headmix_lm("llama-tiny-mha")
+    hf = HeadmixForCausalLM.from_headmix(model).eval()
+    with pytest.raises(ValueError, match=r"^input_ids is empty: generate needs a prompt of at least one token"):
+        hf.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^input_ids must be token ids in \[0, vocab_size=50\), got ids from 3 to 50$"):
+        hf(torch.tensor([[3, 50]]))
+    model.save_pretrained(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"run\b.* is a headmix run \(or save_pretrained\) folder, not a Hugging Face "
+                                         r"one: load it with headmix.models.load_pretrained"):
+        hf_to_headmix(tmp_path / "run")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"llama holds a Hugging Face 'llama' model, not a headmix one: convert it "
+                                         r"with headmix.interop.from_pretrained"):
+        load_pretrained(tmp_path / "llama")
+    hf.save_pretrained(tmp_path / "hf")
+    assert torch.equal(load_pretrained(tmp_path / "hf")(prompt(1, 5)).logits, model(prompt(1, 5)).logits)
+    data = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del data["headmix"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(data))
+    for load in (transformers.AutoModelForCausalLM.from_pretrained, load_pretrained):
+        with pytest.raises(ValueError, match=r"config.json has no 'headmix' field \(the headmix model config"):
+            load(tmp_path / "hf")
+
+
+def test_saved_configs_record_the_headmix_version_and_a_newer_one_is_refused(tmp_path):
+    """``config.json`` (headmix's own, and a Hugging Face folder's) records the headmix that wrote it; a folder
+    from a newer headmix is refused in one line naming both versions, before its unknown fields are read."""
+    from headmix.models import load_pretrained
+
+    model = headmix_lm("llama-tiny-mha")
+    model.save_pretrained(tmp_path / "own")
+    HeadmixForCausalLM.from_headmix(model).save_pretrained(tmp_path / "hf")
+    newer = "99.0.0"
+    for folder, loaders in ((tmp_path / "own", [load_pretrained]),
+                            (tmp_path / "hf", [load_pretrained, transformers.AutoModelForCausalLM.from_pretrained])):
+        data = json.loads((folder / "config.json").read_text())
+        assert data["headmix_version"] == headmix.__version__
+        data.update(headmix_version=newer, a_field_of_the_future=1)
+        (folder / "config.json").write_text(json.dumps(data))
+        for load in loaders:
+            with pytest.raises(ValueError, match=rf"config.json was written by headmix {newer}, newer than this "
+                                                 rf"headmix {headmix.__version__}: upgrade headmix"):
+                load(folder)
+
+
 # ----------------------------------------------------------------------------- imports, remote code
 def test_the_cache_goes_by_either_name_and_old_transformers_is_refused_at_import():
     """``past_key_values`` (the cache's name before transformers 5.24) and ``cache`` are the same argument, and

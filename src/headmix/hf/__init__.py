@@ -15,23 +15,13 @@ in docs/hf.md), so the registration happens here, once, on request.
 from __future__ import annotations
 
 from ..interop._hf import require_transformers
+from ..models.config import version_tuple
 
 #: The oldest transformers headmix.hf is tested with (``cache`` is ``past_key_values`` up to 5.23: both work).
 OLDEST_TRANSFORMERS = (5, 17)
 
 _transformers = require_transformers()
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """``(major, minor)`` of a version string (``"5.17.0"``, ``"5.25.0.dev0"``)."""
-    parts = []
-    for part in version.split(".")[:2]:
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-if not OLDEST_TRANSFORMERS <= _release(_transformers.__version__) < (6, 0):
+if not OLDEST_TRANSFORMERS <= version_tuple(_transformers.__version__)[:2] < (6, 0):
     raise ImportError(f"headmix.hf needs transformers >=5.17,<6 (installed: {_transformers.__version__}): "
                       f"pip install 'headmix[hf]'")
 

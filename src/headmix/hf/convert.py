@@ -43,7 +43,14 @@ def run_to_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
 
 def hf_to_headmix(folder: str | os.PathLike) -> CausalLanguageModel:
     """The headmix causal LM of a Hugging Face folder written by :func:`run_to_hf` or
-    ``HeadmixForCausalLM.save_pretrained`` (a ``ValueError`` names a missing tensor)."""
+    ``HeadmixForCausalLM.save_pretrained`` (a ``ValueError`` names a missing tensor; a headmix run folder, whose
+    ``config.json`` is headmix's own, is refused in one line naming its loader)."""
+    from headmix.models.transformer import CONFIG_NAME, read_folder_config
+
+    if not read_folder_config(Path(folder))[1]:
+        raise ValueError(f"{folder} is a headmix run (or save_pretrained) folder, not a Hugging Face one: load it with "
+                         f"headmix.models.load_pretrained, or write a Hugging Face folder with run_to_hf "
+                         f"(headmix export-hf); its {CONFIG_NAME} has no model_type")
     return HeadmixForCausalLM.from_pretrained(str(folder)).to_headmix()
 
 

@@ -336,6 +336,12 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
             state = cache.state
         elif use_cache:
             cache = HeadmixCache(self.config.num_hidden_layers)
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+            raise ValueError(f"input_ids must be a (batch, time) tensor of token ids, got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.config.vocab_size:
+            raise ValueError(f"input_ids must be token ids in [0, vocab_size={self.config.vocab_size}), got ids from "
+                             f"{int(input_ids.min())} to {int(input_ids.max())}")
         batch, time = input_ids.shape
         past = 0 if state is None else int(state.length)
         if attention_mask is None:

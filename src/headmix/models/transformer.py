@@ -31,7 +31,7 @@ from ..attention.moa import autocast_dtype
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import Routing, TopKRouter, load_balancing_loss
 from ..storage.files import atomic_output
-from .config import ModelConfig
+from .config import VERSION_FIELD, ModelConfig, check_written_by
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -712,21 +712,62 @@ def build_model(config: ModelConfig, device: str | torch.device | None = None) -
         return MODEL_CLASSES[config.task](config)
 
 
+#: The prefix of the headmix model's tensors in a Hugging Face folder (``HeadmixForCausalLM.model``).
+HF_PREFIX = "model."
+
+
+def read_folder_config(directory: Path) -> tuple[ModelConfig, bool]:
+    """The headmix :class:`ModelConfig` of a folder headmix wrote, and whether it is a Hugging Face folder (an
+    ``export-hf`` folder, ``HeadmixForCausalLM.save_pretrained``, a ``Trainer`` checkpoint: ``model_type``
+    ``"headmix"``, the headmix config in its ``headmix`` field), read as JSON: no code from the folder runs.
+    One-line errors name the file and what was expected."""
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (expected a folder headmix wrote: a run, save_pretrained, "
+                                f"export-hf or a Trainer checkpoint)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or "model_type" not in data:
+        return ModelConfig.load_json(path), False
+    if data["model_type"] != "headmix":
+        raise ValueError(f"{directory} holds a Hugging Face {data['model_type']!r} model, not a headmix one: convert "
+                         f"it with headmix.interop.from_pretrained (headmix train --init-from converts it too)")
+    check_written_by(data.get(VERSION_FIELD), str(path))
+    if not isinstance(data.get("headmix"), dict):
+        raise ValueError(f"{path} has no 'headmix' field (the headmix model config, which every folder headmix "
+                         f"writes holds): not a headmix folder, or a damaged one")
+    return ModelConfig.from_dict(data["headmix"], str(path)), True
+
+
 def load_pretrained(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PreTrainedModel:
-    """Load a model written by ``save_pretrained``: the right class for its task, ties restored."""
+    """Load a model headmix wrote: ``save_pretrained`` (a run's final model), or a Hugging Face folder of a
+    headmix model (``export-hf``, ``HeadmixForCausalLM.save_pretrained``, a ``Trainer`` checkpoint), read as
+    JSON and safetensors without ``transformers`` or any code of the folder: the right class for its task, ties
+    restored."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory / name} not found (expected a save_pretrained folder)")
-    config = ModelConfig.load_json(directory / CONFIG_NAME)
+    config, hugging_face = read_folder_config(directory)
+    if not (directory / WEIGHTS_NAME).is_file():
+        sharded = (directory / (WEIGHTS_NAME + ".index.json")).is_file()
+        raise FileNotFoundError(f"{directory / WEIGHTS_NAME} not found" + (
+            " (the weights are sharded: save the model with a larger max_shard_size)" if sharded
+            else " (expected a save_pretrained folder)"))
     tensors = load_file(directory / WEIGHTS_NAME, device=str(device))
+    if hugging_face:
+        tensors = {k[len(HF_PREFIX):] if k.startswith(HF_PREFIX) else k: v for k, v in tensors.items()}
     with safe_open(directory / WEIGHTS_NAME, framework="pt") as f:
         tied = json.loads((f.metadata() or {}).get("headmix_tied", "{}"))
     for alias, source in tied.items():
         tensors[alias] = tensors[source]
     model = build_model(config, device)
+    expected = set(model.state_dict())
+    for names, what in ((sorted(expected - set(tensors)), "misses"), (sorted(set(tensors) - expected), "holds unknown")):
+        if names:
+            raise ValueError(f"{directory / WEIGHTS_NAME} {what} {len(names)} tensor(s) of the model its "
+                             f"{CONFIG_NAME} describes, first {names[0]!r}")
     model.load_state_dict(tensors, strict=True)
     return model
