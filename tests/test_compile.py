@@ -296,3 +296,14 @@ def test_layer_training_step_has_no_host_sync(variant):
         (out.output.square().mean() + out.aux_loss).backward()
     assert len(ops.names) > 50  # the mode saw the step
     assert [n for n in ops.names if n in HOST_SYNC_OPS] == []
+
+
+def test_compiled_causal_lm_refuses_shifted_labels_too():
+    """Under ``torch.compile(fullgraph=True)`` the check of the label convention is an assertion the graph keeps
+    (no host read): labels shifted already still fail, the inputs as labels pass."""
+    model = tiny_model("llama-tiny-mha", "lm")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = tokens(2, 9)
+    compiled(x, labels=x)
+    with pytest.raises(RuntimeError, match="labels are input_ids shifted by one"):
+        compiled(x[:, :-1], labels=x[:, 1:])

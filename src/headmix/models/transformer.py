@@ -694,9 +694,12 @@ def check_labels(input_ids: Tensor, labels: Tensor) -> None:
     ignored = labels.eq(-100)
     unshifted = (labels.eq(input_ids) | ignored).all()
     shifted = (labels[:, :-1].eq(input_ids[:, 1:]) | ignored[:, :-1]).all() & ~ignored[:, :-1].all()
-    if bool(shifted & ~unshifted):
-        raise ValueError("labels are input_ids shifted by one: labels are now the inputs themselves, as in transformers "
-                         "(the model shifts them): pass labels=input_ids (or targets= for targets aligned with the logits)")
+    message = ("labels are input_ids shifted by one: labels are now the inputs themselves, as in transformers (the "
+               "model shifts them): pass labels=input_ids (or targets= for targets aligned with the logits)")
+    if torch.compiler.is_compiling():  # no host read in a compiled graph: an assertion the graph keeps
+        torch._assert_async(~(shifted & ~unshifted), message)
+    elif bool(shifted & ~unshifted):
+        raise ValueError(message)
 
 
 MODEL_CLASSES = {"translation": EncoderDecoderModel, "mlm": MaskedLanguageModel, "lm": CausalLanguageModel}
