@@ -176,7 +176,7 @@ def test_llama_to_moh_with_every_head_active_keeps_the_logits():
 def test_llama_without_pad_token_masks_no_token_by_value(tmp_path):
     """A Llama config with ``pad_token_id=None`` (Llama 3, Qwen): the converted model has no padding token, so
     token 0, an ordinary token there, is attended to: equal logits with id 0 in the input, equal greedy
-    decoding; a given ``pad_id`` or the source's own ``pad_token_id`` is kept."""
+    decoding; a given ``pad_id``, the source's own ``pad_token_id`` or its folder's tokenizer's is kept."""
     hf = hf_llama(pad_token_id=None)
     ours = causal_lm_from_llama(hf).eval()
     assert ours.config.pad_id is None
@@ -191,6 +191,13 @@ def test_llama_without_pad_token_masks_no_token_by_value(tmp_path):
     assert causal_lm_from_llama(hf_llama(pad_token_id=5)).config.pad_id == 5
     hf.save_pretrained(tmp_path)
     assert load_llama(tmp_path).config.pad_id is None
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {f"w{i}": i for i in range(V)}  # the folder's tokenizer names a padding token: it is taken
+    transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w3")),
+                                         pad_token="w9").save_pretrained(tmp_path)
+    assert load_llama(tmp_path).config.pad_id == 9
     with pytest.raises(ValueError, match="pad_id must be a token id for task 'translation'"):
         ours.config.replace(task="translation", encoder_layers=1)
 
