@@ -427,6 +427,14 @@ def test_saved_configs_record_the_headmix_version_and_a_newer_one_is_refused(tmp
             with pytest.raises(ValueError, match=rf"config.json was written by headmix {newer}, newer than this "
                                                  rf"headmix {headmix.__version__}: upgrade headmix"):
                 load(folder)
+    from headmix.runs import RunError, load_run
+
+    tiny_run(tmp_path / "run")  # a run folder: the same one line, not "damaged" with a rebuild hint
+    data = json.loads((tmp_path / "run" / "config.json").read_text())
+    (tmp_path / "run" / "config.json").write_text(json.dumps({**data, "headmix_version": newer}))
+    with pytest.raises(RunError, match=rf"^\S+config.json was written by headmix {newer}, newer than this headmix "
+                                       rf"{headmix.__version__}: upgrade headmix \(pip install -U headmix\) to read it$"):
+        load_run(tmp_path / "run")
 
 
 # ----------------------------------------------------------------------------- imports, remote code

@@ -255,6 +255,8 @@ def test_a_trained_mosa_lm_generates_through_headmix_generate_and_hf_generate(tm
     out = model.generate(**ids, max_new_tokens=8, do_sample=False)
     assert tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True) == continuation
     assert all(layer.selection == "topk" for layer in model.modules() if isinstance(layer, MixtureOfSparseAttention))
+    with torch.no_grad():  # a plain forward scores under expert choice, as in training: no cache by default
+        assert model(**ids).cache is None and model(**ids, labels=ids["input_ids"]).loss is not None
 
     fresh = build_model(get_config("llama-tiny-mosa", task="lm"))
     with pytest.raises(ValueError, match=r"^the model's MoSA layers have no calibrated thresholds.*headmix calibrate RUN"):

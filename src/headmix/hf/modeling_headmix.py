@@ -39,7 +39,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from headmix.models.generation import threshold_selection
+from headmix.models.generation import mosa_layers, threshold_selection
 from headmix.models.transformer import CausalLanguageModel, DecoderState, Embeddings, build_model, sinusoidal_table
 
 from .configuration_headmix import HeadmixConfig
@@ -328,8 +328,9 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and past_key_values is not None and cache is not past_key_values:
             raise ValueError("pass the cache as cache or as past_key_values (its name before transformers 5.24), not both")
         cache = past_key_values if cache is None else cache
-        if use_cache is None:
-            use_cache = self.config.use_cache and labels is None
+        if use_cache is None:  # MoSA under expert choice (training, scoring) has no cache: generate() switches it
+            use_cache = self.config.use_cache and labels is None and all(
+                layer.selection == "threshold" for layer in mosa_layers(self.model).values())
         state = None
         if cache is not None:
             check_cache(cache)

@@ -667,6 +667,10 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts + [0] * (3 - len(parts)))
 
 
+class NewerVersionError(ValueError):
+    """A file written by a newer headmix than the one reading it (not a damaged file: upgrading reads it)."""
+
+
 def check_written_by(version: Any, source: str) -> None:
     """A one-line ``ValueError`` when ``source`` was written by a headmix newer than this one (``version``; None:
     a file of a version that recorded none, older)."""
@@ -677,7 +681,7 @@ def check_written_by(version: Any, source: str) -> None:
     if not isinstance(version, str):
         raise ValueError(f"{source}: {VERSION_FIELD} must be a version string, got {version!r}")
     if version_tuple(version) > version_tuple(__version__):
-        raise ValueError(f"{source} was written by headmix {version}, newer than this headmix {__version__}: "
+        raise NewerVersionError(f"{source} was written by headmix {version}, newer than this headmix {__version__}: "
                          f"upgrade headmix (pip install -U headmix) to read it")
 
 
