@@ -331,3 +331,14 @@ def test_every_attention_kind_compiles_fullgraph_forward_and_backward(kind):
         else:
             tol = {} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-4}
             torch.testing.assert_close(a, b, **tol)
+
+
+def test_compiled_causal_lm_refuses_shifted_labels_too():
+    """Under ``torch.compile(fullgraph=True)`` the check of the label convention is an assertion the graph keeps
+    (no host read): labels shifted already still fail, the inputs as labels pass."""
+    model = tiny_model("llama-tiny-mha", "lm")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = tokens(2, 9)
+    compiled(x, labels=x)
+    with pytest.raises(RuntimeError, match="labels are input_ids shifted by one"):
+        compiled(x[:, :-1], labels=x[:, 1:])

@@ -390,10 +390,11 @@ def test_generate_text_feeds_the_model_bos_then_the_prompt(monkeypatch):
     (dict(max_new_tokens=70), r"max_new_tokens \(70\) \+ the longest prompt \(3 tokens\) exceed the model's "
                               r"max_positions \(64\)"),
 ])
-def test_generate_text_refuses_bad_options_in_one_line(options, message):
+@pytest.mark.parametrize("positions", ["learned", "rotary"])  # a rotary model has its max_positions too
+def test_generate_text_refuses_bad_options_in_one_line(options, message, positions):
     from headmix.models import generate_text
 
-    model = tiny_lm(positions="learned")
+    model = tiny_lm(positions=positions)
     with pytest.raises(ValueError, match=message):
         generate_text(model, CharTokenizer(), ["ab"], **options)
 
@@ -515,7 +516,59 @@ def test_init_from_a_folder_without_a_model_says_so(docs_file, tmp_path, capsys)
     args = lm_args(tmp_path / "x", docs_file, "--init-from", str(tmp_path))
     args.remove("--preset"), args.remove("tiny-mha")
     assert main(args) == 2
-    assert f"init_from {tmp_path}: no config.json; expected a finished headmix run folder" in capsys.readouterr().err
+    assert f"init_from {tmp_path}: no config.json; expected a folder headmix wrote (a finished run" in \
+        capsys.readouterr().err
+
+
+def test_init_from_an_export_or_a_trainer_checkpoint_reads_it_without_a_prompt(lm_run, docs_file, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """``--init-from`` an ``export-hf`` folder and a Hugging Face ``Trainer`` checkpoint of the exported model start
+    from their weights (read as JSON and safetensors: no remote code, no prompt; standard input is closed), with
+    the export's own tokenizer; a checkpoint saved without its tokenizer is refused in one line asking for
+    ``--tokenizer``, and runs with it."""
+    import io
+
+    import torch
+    import transformers
+
+    from headmix.cli.main import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # a prompt would fail here
+    exported = tmp_path / "hf"
+    assert main(["export-hf", str(lm_run), str(exported)]) == 0
+    out = tmp_path / "from-export"
+    args = lm_args(out, docs_file, "--init-from", str(exported), "--lr", "1e-9", "--warmup-steps", "0")
+    args.remove("--preset"), args.remove("tiny-mha")
+    assert main(args) == 0
+    before = final_weights(lm_run)
+    for name, tensor in final_weights(out).items():
+        torch.testing.assert_close(tensor, before[name], atol=1e-6, rtol=0)
+    assert json.loads((out / "summary.json").read_text())["init_from"]["kind"] == "headmix folder"
+
+    import headmix.hf  # noqa: F401
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    ids = torch.full((4, 16), 40)
+    trainer = transformers.Trainer(model=model, train_dataset=[{"input_ids": ids[0], "labels": ids[0]}] * 4,
+                                   args=transformers.TrainingArguments(
+                                       output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4,
+                                       max_steps=1, learning_rate=1e-3, report_to=[], save_steps=1, use_cpu=True,
+                                       disable_tqdm=True))
+    trainer.train()
+    checkpoint = tmp_path / "trainer" / "checkpoint-1"
+    args = lm_args(tmp_path / "x", docs_file, "--init-from", str(checkpoint))
+    args.remove("--preset"), args.remove("tiny-mha")
+    capsys.readouterr()
+    assert main(args) == 2
+    assert f"--init-from {checkpoint} has no tokenizer" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    out = tmp_path / "from-checkpoint"
+    args = lm_args(out, docs_file, "--init-from", str(checkpoint), "--tokenizer", str(lm_run / "tokenizer"),
+                   "--lr", "1e-9", "--warmup-steps", "0")
+    args.remove("--preset"), args.remove("tiny-mha")
+    assert main(args) == 0
+    trained = {k: v for k, v in model.state_dict().items()}
+    for name, tensor in final_weights(out).items():
+        torch.testing.assert_close(tensor, trained["model." + name], atol=1e-6, rtol=0)
 
 
 # --------------------------------------------------------------------------- the layers
@@ -699,10 +752,12 @@ def python_snippets(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/layers.md", "docs/models.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/layers.md", "docs/models.md", "docs/hf.md"])
 def test_the_python_snippets_of_the_docs_run(doc, tmp_path, monkeypatch):
     """Each doc's snippets in order, in one namespace (a reader runs them top to bottom); the checkpoint folder
     docs/models.md names is a tiny Qwen3 built from a config."""
+    if doc == "docs/hf.md":
+        pytest.importorskip("transformers")
     snippets = python_snippets(ROOT / doc)
     assert snippets
     monkeypatch.chdir(tmp_path)

@@ -242,13 +242,44 @@ def test_loss_is_the_shifted_cross_entropy_plus_the_routing_losses():
     labels = ids.clone()
     labels[0, 3] = -100
     out = hf(ids, labels=labels)
-    own = model(ids[:, :-1], labels=labels[:, 1:])
-    torch.testing.assert_close(out.lm_loss, own.loss, rtol=1e-6, atol=0)
+    own = model(ids, labels=labels)  # one convention: headmix's own model shifts as well
+    torch.testing.assert_close(out.lm_loss, own.lm_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.loss, own.loss, rtol=1e-6, atol=0)
     assert torch.equal(out.aux_loss, model(ids).aux_loss) and float(out.aux_loss.detach()) > 0
     assert torch.equal(out.loss, out.lm_loss + out.aux_loss)
     assert out.cache is None  # no cache with labels
     routed = hf(ids, output_routing=True).routing
     assert [name for name, _ in routed] == [name for name, _ in model(ids).routing]
+
+
+@pytest.mark.parametrize("preset,tied", [("llama-tiny-moa", False), ("llama-tiny-moa", True)])
+def test_resize_token_embeddings_keeps_the_old_ids_and_a_consistent_model(preset, tied, tmp_path):
+    """``resize_token_embeddings`` as ``transformers`` defines it: the logits of the old ids unchanged, the new
+    vocabulary size everywhere (embedding, untied head, both configs), the model saved and reloaded the same;
+    a size that would drop a special token is refused without changing anything."""
+    model = HeadmixForCausalLM.from_headmix(headmix_lm(preset, share_embeddings=tied)).eval()
+    ids = prompt(2, 7)
+    with torch.no_grad():
+        before = model(ids).logits
+    model.resize_token_embeddings(VOCAB + 5, pad_to_multiple_of=8)
+    size = 56
+    with torch.no_grad():
+        after = model(ids).logits
+    assert after.shape == (2, 7, size)
+    torch.testing.assert_close(after[..., :VOCAB], before, rtol=0, atol=0)
+    assert model.config.vocab_size == model.model.config.vocab_size == size
+    assert model.get_input_embeddings().weight.shape[0] == size
+    assert (model.get_output_embeddings() is None) == tied
+    if not tied:
+        assert model.get_output_embeddings().weight.shape[0] == size
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, after)
+    with pytest.raises(ValueError, match=r"new_num_tokens=2: eos_id must be a token id in \[0, vocab_size=2\)"):
+        model.resize_token_embeddings(2)
+    with pytest.raises(ValueError, match="new_num_tokens must be a positive integer"):
+        model.resize_token_embeddings(0)
+    assert model.config.vocab_size == size and model.get_input_embeddings().weight.shape[0] == size
 
 
 def test_trainer_lowers_the_loss_with_the_aux_loss_included(tmp_path):
@@ -305,7 +336,129 @@ def test_run_folder_to_hf_folder_and_back_without_loss(tmp_path, capsys):
     assert "choose a new folder" in capsys.readouterr().err
 
 
+def tiny_run(folder: Path, preset: str = "llama-tiny-moa", **changes) -> Path:
+    """A folder as `headmix train lm` leaves it (model, config, tokenizer), with a byte-level BPE of headmix's own
+    trained on a few sentences and a fresh model of that vocabulary."""
+    from headmix.data import train_tokenizer
+
+    texts = ["In the beginning was the word, and the word was with God.", "The quick brown fox jumps over the dog.",
+             "A tiny model continues a tiny prompt, token by token."] * 4
+    tok = train_tokenizer(texts, vocab_size=300, min_frequency=1)
+    torch.manual_seed(0)
+    config = get_config(preset, task="lm", vocab_size=tok.vocab_size).replace(
+        pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id, **changes)
+    build_model(config).save_pretrained(folder)
+    tok.save(folder / "tokenizer")
+    return folder
+
+
+def test_exported_tokenizer_adds_bos_so_pipeline_and_generate_continue_as_headmix_generate(tmp_path, capsys):
+    """The exported tokenizer puts bos first, as headmix trains and generates: ``pipeline("text-generation")``
+    and ``model.generate(**tokenizer(text))`` on the exported folder continue each prompt exactly as
+    ``headmix generate`` does on the run."""
+    run = tiny_run(tmp_path / "run")
+    prompts = ["In the beginning", "The quick brown fox jumps"]
+    assert cli_main(["generate", str(run), "--max-new-tokens", "12", "--jsonl",
+                     *[a for p in prompts for a in ("--prompt", p)]]) == 0
+    expected = [json.loads(line)["continuation"] for line in capsys.readouterr().out.splitlines()]
+    assert cli_main(["export-hf", str(run), str(tmp_path / "hf")]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    from headmix.data import Tokenizer
+    own = Tokenizer.load(run / "tokenizer" / "tokenizer.json")
+    assert model.generation_config.suppress_tokens == [own.pad_id]  # headmix never generates padding either
+    generator = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    for text, continuation in zip(prompts, expected):
+        ids = tokenizer(text, return_tensors="pt")
+        assert ids["input_ids"][0].tolist() == own.encode(text, add_bos=True)
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+        assert tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True) == continuation
+        piped = generator(text, max_new_tokens=12, do_sample=False, return_full_text=False)
+        assert piped[0]["generated_text"] == continuation
+
+
+def test_boundary_errors_are_one_line_naming_the_argument_or_file(tmp_path):
+    """An empty prompt, token ids outside the vocabulary, hf_to_headmix on a run folder, load_pretrained on a
+    Llama folder, a config.json without its headmix field: each a one-line ValueError saying what was expected."""
+    from headmix.models import load_pretrained
+
+    model = headmix_lm("llama-tiny-mha")
+    hf = HeadmixForCausalLM.from_headmix(model).eval()
+    with pytest.raises(ValueError, match=r"^input_ids is empty: generate needs a prompt of at least one token"):
+        hf.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^input_ids must be token ids in \[0, vocab_size=50\), got ids from 3 to 50$"):
+        hf(torch.tensor([[3, 50]]))
+    model.save_pretrained(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"run\b.* is a headmix run \(or save_pretrained\) folder, not a Hugging Face "
+                                         r"one: load it with headmix.models.load_pretrained"):
+        hf_to_headmix(tmp_path / "run")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"llama holds a Hugging Face 'llama' model, not a headmix one: convert it "
+                                         r"with headmix.interop.from_pretrained"):
+        load_pretrained(tmp_path / "llama")
+    hf.save_pretrained(tmp_path / "hf")
+    assert torch.equal(load_pretrained(tmp_path / "hf")(prompt(1, 5)).logits, model(prompt(1, 5)).logits)
+    data = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del data["headmix"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(data))
+    for load in (transformers.AutoModelForCausalLM.from_pretrained, load_pretrained):
+        with pytest.raises(ValueError, match=r"config.json has no 'headmix' field \(the headmix model config"):
+            load(tmp_path / "hf")
+
+
+def test_saved_configs_record_the_headmix_version_and_a_newer_one_is_refused(tmp_path):
+    """``config.json`` (headmix's own, and a Hugging Face folder's) records the headmix that wrote it; a folder
+    from a newer headmix is refused in one line naming both versions, before its unknown fields are read."""
+    from headmix.models import load_pretrained
+
+    model = headmix_lm("llama-tiny-mha")
+    model.save_pretrained(tmp_path / "own")
+    HeadmixForCausalLM.from_headmix(model).save_pretrained(tmp_path / "hf")
+    newer = "99.0.0"
+    for folder, loaders in ((tmp_path / "own", [load_pretrained]),
+                            (tmp_path / "hf", [load_pretrained, transformers.AutoModelForCausalLM.from_pretrained])):
+        data = json.loads((folder / "config.json").read_text())
+        assert data["headmix_version"] == headmix.__version__
+        data.update(headmix_version=newer, a_field_of_the_future=1)
+        (folder / "config.json").write_text(json.dumps(data))
+        for load in loaders:
+            with pytest.raises(ValueError, match=rf"config.json was written by headmix {newer}, newer than this "
+                                                 rf"headmix {headmix.__version__}: upgrade headmix"):
+                load(folder)
+    from headmix.runs import RunError, load_run
+
+    tiny_run(tmp_path / "run")  # a run folder: the same one line, not "damaged" with a rebuild hint
+    data = json.loads((tmp_path / "run" / "config.json").read_text())
+    (tmp_path / "run" / "config.json").write_text(json.dumps({**data, "headmix_version": newer}))
+    with pytest.raises(RunError, match=rf"^\S+config.json was written by headmix {newer}, newer than this headmix "
+                                       rf"{headmix.__version__}: upgrade headmix \(pip install -U headmix\) to read it$"):
+        load_run(tmp_path / "run")
+
+
 # ----------------------------------------------------------------------------- imports, remote code
+def test_the_cache_goes_by_either_name_and_old_transformers_is_refused_at_import():
+    """``past_key_values`` (the cache's name before transformers 5.24) and ``cache`` are the same argument, and
+    the output holds the cache as ``cache`` on every supported version; a transformers older than 5.17 is
+    refused when ``headmix.hf`` is imported, in one line naming both versions."""
+    hf = HeadmixForCausalLM.from_headmix(headmix_lm("llama-tiny-moa")).eval()
+    ids = prompt(2, 6)
+    with torch.no_grad():
+        whole = hf(ids).logits
+        for name in ("cache", "past_key_values"):
+            first = hf(ids[:, :4], use_cache=True)
+            assert isinstance(first.cache, HeadmixCache) and first.cache.get_seq_length() == 4
+            rest = hf(ids[:, 4:], attention_mask=torch.ones(2, 6, dtype=torch.long), **{name: first.cache})
+            torch.testing.assert_close(rest.logits, whole[:, 4:], rtol=1e-5, atol=1e-5)
+    code = "import transformers; transformers.__version__ = '5.16.2'; import headmix.hf"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == ("ImportError: headmix.hf needs transformers >=5.17,<6 (installed: "
+                                                    "5.16.2): pip install 'headmix[hf]'")
+
+
 def test_import_headmix_does_not_import_transformers_and_headmix_hf_registers():
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     script = ("import sys, headmix\nassert 'transformers' not in sys.modules\nimport headmix.hf, transformers\n"

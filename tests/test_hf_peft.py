@@ -55,3 +55,24 @@ def test_lora_adapts_the_attention_trains_and_merges_exactly(case):
         torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=1e-5)
     changed = [k for k in before if not torch.equal(before[k], merged.state_dict()[k])]
     assert changed and all(any(t.split(".")[-1] in k for t in modules + parameters) for k in changed)
+
+
+def test_lora_on_the_lm_head_changes_the_logits_and_merges_exactly():
+    """A LoRA adapter on ``output_proj`` (the untied LM head) takes part in the logits before merging (the head
+    is called as a module), trains, and ``merge_and_unload`` gives the same logits."""
+    torch.manual_seed(0)
+    model = HeadmixForCausalLM.from_headmix(build_model(get_config("llama-tiny-mha", task="lm", vocab_size=50))).eval()
+    assert model.get_output_embeddings() is model.model.output_proj
+    ids = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(ids).logits
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["output_proj"],
+                                                         init_lora_weights=False))
+    with torch.no_grad():
+        adapted_logits = adapted(ids).logits
+    assert (adapted_logits - base).abs().max() > 1e-2
+    adapted(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapted.parameters() if p.requires_grad)
+    merged = adapted.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=1e-5)

@@ -173,6 +173,58 @@ def test_llama_to_moh_with_every_head_active_keeps_the_logits():
     assert len(out.routing) == 2  # routed, ready for continue-tuning
 
 
+def test_llama_without_pad_token_masks_no_token_by_value(tmp_path):
+    """A Llama config with ``pad_token_id=None`` (Llama 3, Qwen): the converted model has no padding token, so
+    token 0, an ordinary token there, is attended to: equal logits with id 0 in the input, equal greedy
+    decoding; a given ``pad_id``, the source's own ``pad_token_id`` or its folder's tokenizer's is kept."""
+    hf = hf_llama(pad_token_id=None)
+    ours = causal_lm_from_llama(hf).eval()
+    assert ours.config.pad_id is None
+    x = tokens(2, 9)
+    x[:, 2] = 0
+    x[1, 5] = 0
+    assert_same_logits(ours, hf, x, tol=1e-5)
+    mine = greedy_decode(ours, x[:, :4], max_len=6).tokens
+    theirs = hf.generate(x[:, :4], max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=2)[:, 4:]
+    assert torch.equal(mine, theirs)
+    assert causal_lm_from_llama(hf, pad_id=7).config.pad_id == 7
+    assert causal_lm_from_llama(hf_llama(pad_token_id=5)).config.pad_id == 5
+    hf.save_pretrained(tmp_path)
+    assert load_llama(tmp_path).config.pad_id is None
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {f"w{i}": i for i in range(V)}  # the folder's tokenizer names a padding token: it is taken
+    transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w3")),
+                                         pad_token="w9").save_pretrained(tmp_path)
+    assert load_llama(tmp_path).config.pad_id == 9
+    with pytest.raises(ValueError, match="pad_id must be a token id for task 'translation'"):
+        ours.config.replace(task="translation", encoder_layers=1)
+
+
+def test_causal_lm_labels_follow_transformers_convention():
+    """``CausalLanguageModel(input_ids, labels=input_ids)`` shifts as ``LlamaForCausalLM`` does: the same loss
+    (``-100`` ignored) on the same weights; ``loss = lm_loss + aux_loss`` (MoH routers add one); labels
+    shifted already (the old convention) are refused in one line, ``targets`` are aligned with the logits."""
+    hf = hf_llama(pad_token_id=None)
+    x = tokens(2, 9)
+    labels = x.clone()
+    labels[1, 6:] = -100
+    for ours in (causal_lm_from_llama(hf).eval(),
+                 causal_lm_from_llama(hf, attention="moh", num_shared_heads=1, top_k=3, load_balance_weight=0.1)):
+        out = ours(x, labels=labels)
+        with torch.no_grad():
+            torch.testing.assert_close(out.lm_loss, hf(x, labels=labels).loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.loss, out.lm_loss + out.aux_loss)
+        assert torch.equal(out.loss, out.total_loss) and out.num_tokens == 8 + 5
+        torch.testing.assert_close(ours(x[:, :-1], targets=x[:, 1:]).lm_loss, ours(x, labels=x).lm_loss)
+    assert float(out.aux_loss.detach()) > 0
+    with pytest.raises(ValueError, match=r"^labels are input_ids shifted by one: labels are now the inputs themselves"):
+        ours(x[:, :-1], labels=x[:, 1:])
+    with pytest.raises(ValueError, match=r"labels must have the shape of input_ids \(2, 9\)"):
+        ours(x, labels=x[:, 1:])
+
+
 def test_llama_conversion_errors():
     with pytest.raises(ValueError, match="rope_type 'llama3'"):
         causal_lm_from_llama(hf_llama(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

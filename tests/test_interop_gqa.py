@@ -84,7 +84,8 @@ class AuthorsGatedQwen3Attention(modeling_qwen3.Qwen3Attention):
         self.o_proj = torch.nn.Linear(heads * d, config.hidden_size, bias=bias)
         self.num_heads, self.num_key_value_heads = heads, kv_heads
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, past_key_values=None, **kwargs):
+        cache = past_key_values if cache is None else cache  # the cache's name before transformers 5.24
         bsz, q_len, _ = hidden_states.size()
         query_states = self.q_proj(hidden_states)
         key_states = self.k_proj(hidden_states)
@@ -142,7 +143,9 @@ def gated_qwen3(gate: str, qkv_bias: bool = False, **kw):
 # --------------------------------------------------------------------------------------------------
 def hf_cache_bytes_per_token(hf_model, ids: torch.Tensor) -> float:
     with torch.no_grad():
-        cache = hf_model(ids, use_cache=True).cache
+        out = hf_model(ids, use_cache=True)
+    # the output's cache field: `cache` from transformers 5.24, `past_key_values` before
+    cache = out.cache if "cache" in out.__dataclass_fields__ else out.past_key_values
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)) / ids.numel()
 
 

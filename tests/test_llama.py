@@ -305,7 +305,7 @@ def test_moe_swiglu_in_a_model_routes_adds_its_loss_and_is_counted():
     assert names == ["decoder.layers.0.ffn", "decoder.layers.1.ffn"]  # MHA attention has no routing
     ffn_routing = out.routing[0][1]
     assert ffn_routing.token_mask.tolist() == (~x.eq(cfg.pad_id)).reshape(-1).tolist()
-    assert out.aux_loss > 0 and torch.equal(out.total_loss, out.loss + out.aux_loss)
+    assert out.aux_loss > 0 and torch.equal(out.total_loss, out.lm_loss + out.aux_loss)
     assert analytic_parameters(cfg).total == count_parameters(model)
     from headmix.models import analytic_macs, measure_macs
 

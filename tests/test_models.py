@@ -162,8 +162,9 @@ def test_shapes_losses_and_routing(name):
     out = mlm(ids, labels)
     assert out.logits.shape == (2, 9, V) and out.num_tokens == 2 and len(out.routing) == (2 if routed else 0)
     lm = model_for(tiny(name, "lm"))
-    out = lm(ids[:, :-1], ids[:, 1:])
-    assert out.logits.shape == (2, 8, V) and out.num_tokens == 16
+    out = lm(ids, labels=ids)
+    assert out.logits.shape == (2, 9, V) and out.num_tokens == 16
+    assert torch.equal(out.loss, out.total_loss) and torch.allclose(out.total_loss, out.lm_loss + out.aux_loss)
 
 
 def test_loss_is_label_smoothed_cross_entropy_over_target_tokens():
@@ -205,10 +206,10 @@ def test_padding_does_not_change_the_loss(name):
     lm = model_for(tiny(name, "lm", label_smoothing=0.0))
     ids, labels = tokens(2, 8, seed=5), tokens(2, 8, seed=6)
     labels[1, 5:] = -100
-    base = lm(ids, labels).loss
+    base = lm(ids, labels).lm_loss
     ids2 = ids.clone()
     ids2[1, 5:] = 7
-    torch.testing.assert_close(lm(ids2, labels).loss, base)
+    torch.testing.assert_close(lm(ids2, labels).lm_loss, base)
 
 
 @pytest.mark.parametrize("name", KINDS)

@@ -210,3 +210,49 @@ def test_bench_matches_heads_by_macs_and_runs_at_a_tiny_size():
                         device=torch.device("cpu"), dtype=torch.float32)
     assert cache["mha_bytes"] == 2 * 32 * 4
     assert cache["mosa_expected_bytes"] == pytest.approx((2 * heads * 8 * 16 / 64 + 2 * 8) * 4)
+
+
+def test_a_trained_mosa_lm_generates_through_headmix_generate_and_hf_generate(tmp_path, docs_file, capsys):
+    """Training a MoSA LM stores calibrated thresholds with the model; ``headmix calibrate RUN`` computes the same
+    ones for an existing run (under its lock, rewriting model.safetensors); ``headmix generate`` and Hugging Face
+    ``generate`` on the exported folder then continue a prompt with the same tokens. A model whose thresholds
+    were never calibrated is refused in one line naming the command."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from headmix.cli.main import main as cli_main
+    from headmix.models import greedy_decode
+    from headmix.training import TrainConfig, train
+
+    run = tmp_path / "run"
+    train(TrainConfig(task="lm", preset="llama-tiny-mosa", out=str(run), data=[str(docs_file)], vocab_size=300,
+                      max_steps=3, max_tokens=400, max_len=32, warmup_steps=1, log_every=1, eval_every=3,
+                      save_every=3, keep_checkpoints=1, average_last=1, valid_size=0.05, test_size=0.05,
+                      progress=False))
+    thresholds = {k: v for k, v in load_file(run / "model.safetensors").items() if k.endswith("score_threshold")}
+    assert len(thresholds) == 2 and all(not torch.isnan(v).any() for v in thresholds.values())
+    assert cli_main(["calibrate", str(run)]) == 0
+    again = load_file(run / "model.safetensors")
+    assert all(torch.equal(again[k], v) for k, v in thresholds.items())  # the same batches, the same thresholds
+    assert "stored in" in capsys.readouterr().out
+
+    assert cli_main(["generate", str(run), "--prompt", "In the beginning", "--max-new-tokens", "8", "--jsonl"]) == 0
+    continuation = json.loads(capsys.readouterr().out)["continuation"]
+    assert cli_main(["export-hf", str(run), str(tmp_path / "hf")]) == 0
+    import headmix.hf  # noqa: F401  (registers the Auto classes)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = tokenizer("In the beginning", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True) == continuation
+    assert all(layer.selection == "topk" for layer in model.modules() if isinstance(layer, MixtureOfSparseAttention))
+    with torch.no_grad():  # a plain forward scores under expert choice, as in training: no cache by default
+        assert model(**ids).cache is None and model(**ids, labels=ids["input_ids"]).loss is not None
+
+    fresh = build_model(get_config("llama-tiny-mosa", task="lm"))
+    with pytest.raises(ValueError, match=r"^the model's MoSA layers have no calibrated thresholds.*headmix calibrate RUN"):
+        greedy_decode(fresh, torch.tensor([[1, 5, 6]]), max_len=3)
+    with pytest.raises(ValueError, match="has no MoSA layer"):
+        from headmix.models import calibrate_mosa
+        calibrate_mosa(build_model(get_config("llama-tiny-mha", task="lm")), [torch.tensor([[1, 5, 6]])])

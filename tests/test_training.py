@@ -496,7 +496,7 @@ def test_validation_runs_without_autograd():
         def forward(self, x):
             seen.append(torch.is_grad_enabled())
             loss = self.w * x.mean()
-            return SimpleNamespace(loss=loss, nll_loss=loss, num_tokens=torch.tensor(x.numel()), routing=[])
+            return SimpleNamespace(loss=loss, lm_loss=loss, nll_loss=loss, num_tokens=torch.tensor(x.numel()), routing=[])
 
     task = SimpleNamespace(model_inputs=lambda batch, device: {"x": batch})
     result = validation_loss(Model(), [torch.full((3,), 2.0)], task, "cpu")

@@ -116,7 +116,8 @@ def bench_models(sizes: list[str], *, batch: int, src_len: int, tgt_len: int, im
 
 def lm_batch(config: ModelConfig, batch: int, length: int, device: torch.device,
              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random causal-LM block ``(input_ids, labels)`` of ``batch x length`` tokens (no padding)."""
+    """A random causal-LM block ``(input_ids, targets)`` of ``batch x length`` tokens (no padding; ``targets``
+    aligned with the logits: the model's ``targets=``)."""
     low = max(config.pad_id, config.bos_id, config.eos_id) + 1
     ids = torch.randint(low, config.vocab_size, (batch, length + 1), generator=generator).to(device)
     return ids[:, :-1], ids[:, 1:]
@@ -130,7 +131,7 @@ def lm_training_step(model: torch.nn.Module, forward, batch: tuple[torch.Tensor,
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
-            out = forward(*batch)
+            out = forward(batch[0], targets=batch[1])
         out.total_loss.backward()
         optimizer.step()
 

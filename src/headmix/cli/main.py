@@ -310,6 +310,27 @@ def _run_evaluate(args) -> int:
     return 0
 
 
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="calibrate the MoSA thresholds of a language model run (for generation)",
+                       description="Calibrate the score thresholds of every MoSA layer of a finished 'lm' run from "
+                                   "its training split and store them in its model.safetensors, so that headmix "
+                                   "generate, export-hf and Hugging Face generate() work: runs trained by this "
+                                   "headmix have them already.")
+    p.add_argument("run", help="run folder of a finished 'lm' run with MoSA attention")
+    add_device_option(p)
+
+
+def _run_calibrate(args) -> int:
+    from ..runs.calibrate import calibrate_run
+    from ..training.config import pick_device
+
+    thresholds = calibrate_run(args.run, device=pick_device(args.device))
+    for name, values in thresholds.items():
+        print(f"{name}: " + " ".join(f"{v:.4f}" for v in values))
+    print(f"stored in {args.run}/model.safetensors")
+    return 0
+
+
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="train MoA (4 of 16 experts) and an MHA baseline of equal attention MACs on the "
                                     "embedded corpus and compare")
@@ -353,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_translate(sub)
     _add_generate(sub)
     _add_evaluate(sub)
+    _add_calibrate(sub)
     for optional in ("macs", "bench", "analyze", "study", "data", "export_hf"):
         try:
             module = __import__(f"headmix.cli.{optional}", fromlist=["add_parser"])
@@ -363,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 RUNNERS = {"demo": _run_demo, "train": _run_train, "translate": _run_translate, "generate": _run_generate,
-           "evaluate": _run_evaluate}
+           "evaluate": _run_evaluate, "calibrate": _run_calibrate}
 
 
 def keep_freed_memory() -> None:

@@ -55,7 +55,7 @@ def validation_loss(model: nn.Module, loader, task, device: torch.device | str,
         with autocast():
             out = model(**task.model_inputs(batch, device))
         n = int(out.num_tokens)
-        loss += float(out.loss) * n
+        loss += float(out.lm_loss) * n
         nll += float(out.nll_loss) * n
         tokens += n
         add_expert_counts(out.routing, counts)

@@ -15,10 +15,15 @@ in docs/hf.md), so the registration happens here, once, on request.
 from __future__ import annotations
 
 from ..interop._hf import require_transformers
+from ..models.config import version_tuple
+
+#: The oldest transformers headmix.hf is tested with (``cache`` is ``past_key_values`` up to 5.23: both work).
+OLDEST_TRANSFORMERS = (5, 17)
 
 _transformers = require_transformers()
-if int(_transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(f"headmix.hf needs transformers 5 (found {_transformers.__version__}): pip install 'headmix[hf]'")
+if not OLDEST_TRANSFORMERS <= version_tuple(_transformers.__version__)[:2] < (6, 0):
+    raise ImportError(f"headmix.hf needs transformers >=5.17,<6 (installed: {_transformers.__version__}): "
+                      f"pip install 'headmix[hf]'")
 
 from .configuration_headmix import HeadmixConfig  # noqa: E402  (after the one-line install hint)
 from .convert import hf_to_headmix, run_to_hf  # noqa: E402

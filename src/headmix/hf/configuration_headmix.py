@@ -19,7 +19,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from headmix.models.config import ModelConfig
+from headmix.models.config import VERSION_FIELD, ModelConfig, check_written_by
 
 #: The ``HeadmixConfig`` attributes saved next to ``headmix`` (the rest of ``config.json`` is transformers').
 TOKEN_FIELDS = {"pad_token_id": "pad_id", "bos_token_id": "bos_id", "eos_token_id": "eos_id"}
@@ -48,16 +48,31 @@ class HeadmixConfig(PretrainedConfig):
     ``pad_id``, ``bos_id``, ``eos_id`` (the model itself always treats ``pad_id`` as its padding row)."""
 
     model_type = "headmix"
-    keys_to_ignore_at_inference = ["cache", "lm_loss", "aux_loss", "routing"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values", "lm_loss", "aux_loss", "routing"]
 
     def __init__(self, headmix: dict[str, Any] | ModelConfig | None = None, use_cache: bool = True, **kwargs: Any):
+        from headmix import __version__
+
         model_config = causal_lm_config(headmix)
         self.headmix = model_config.to_dict()
+        kwargs.pop(VERSION_FIELD, None)  # a loaded file's, checked by from_dict; saving records this headmix's
+        setattr(self, VERSION_FIELD, __version__)
         self.use_cache = use_cache
         for name, field in TOKEN_FIELDS.items():
             setattr(self, name, kwargs.pop(name, getattr(model_config, field)))
         kwargs.pop("tie_word_embeddings", None)  # headmix ties by construction (share_embeddings), never by name
         super().__init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """``PretrainedConfig.from_dict`` (how ``config.json`` is read), refusing in one line a config without
+        its ``headmix`` field (else a default model would be built and loaded with a page of mismatches) or
+        one written by a newer headmix."""
+        if not isinstance(config_dict.get("headmix"), dict):
+            raise ValueError("config.json has no 'headmix' field (the headmix model config every headmix folder "
+                             "holds): not a folder headmix wrote, or a damaged one")
+        check_written_by(config_dict.get(VERSION_FIELD), "config.json")
+        return super().from_dict(config_dict, **kwargs)
 
     def model_config(self) -> ModelConfig:
         """The headmix :class:`ModelConfig` (a new validated object each call)."""

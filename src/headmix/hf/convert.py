@@ -43,18 +43,33 @@ def run_to_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
 
 def hf_to_headmix(folder: str | os.PathLike) -> CausalLanguageModel:
     """The headmix causal LM of a Hugging Face folder written by :func:`run_to_hf` or
-    ``HeadmixForCausalLM.save_pretrained`` (a ``ValueError`` names a missing tensor)."""
+    ``HeadmixForCausalLM.save_pretrained`` (a ``ValueError`` names a missing tensor; a headmix run folder, whose
+    ``config.json`` is headmix's own, is refused in one line naming its loader)."""
+    from headmix.models.transformer import CONFIG_NAME, read_folder_config
+
+    if not read_folder_config(Path(folder))[1]:
+        raise ValueError(f"{folder} is a headmix run (or save_pretrained) folder, not a Hugging Face one: load it with "
+                         f"headmix.models.load_pretrained, or write a Hugging Face folder with run_to_hf "
+                         f"(headmix export-hf); its {CONFIG_NAME} has no model_type")
     return HeadmixForCausalLM.from_pretrained(str(folder)).to_headmix()
 
 
 def _hf_tokenizer(file: Path, config):
-    """The run's tokenizer as a ``PreTrainedTokenizerFast`` with headmix's special tokens, or ``None``."""
+    """The run's tokenizer as a ``PreTrainedTokenizerFast`` with headmix's special tokens, or ``None``. It puts
+    ``bos`` in front of every text it encodes (with ``add_special_tokens``, the default), as headmix's own
+    training and ``headmix generate`` do, so ``tokenizer(text)``, ``generate`` and ``pipeline("text-generation")``
+    feed the model what it was trained on; it decodes without cleaning up spaces (headmix does not)."""
     if not file.is_file():
         return None
     from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer.from_file(str(file))
     special = {name: tokenizer.id_to_token(getattr(config, field))
-               for name, field in (("pad_token", "pad_id"), ("bos_token", "bos_id"), ("eos_token", "eos_id"))}
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+               for name, field in (("pad_token", "pad_id"), ("bos_token", "bos_id"), ("eos_token", "eos_id"))
+               if getattr(config, field) is not None}
+    bos = special["bos_token"]
+    tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                  special_tokens=[(bos, config.bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, **special)

@@ -39,9 +39,15 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from headmix.models.generation import mosa_layers, threshold_selection
 from headmix.models.transformer import CausalLanguageModel, DecoderState, Embeddings, build_model, sinusoidal_table
 
 from .configuration_headmix import HeadmixConfig
+
+#: The name ``transformers`` gives the cache (``forward``'s and ``generate``'s argument, the output's field):
+#: ``cache`` in the newest releases, ``past_key_values`` before (5.17 to 5.23). headmix accepts both names
+#: as arguments and returns the cache under the installed version's name (and as ``cache``).
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class HeadmixCache(Cache):
@@ -145,6 +151,12 @@ class HeadmixCausalLMOutput(CausalLMOutputWithPast):
     aux_loss: Tensor | None = None
     routing: list | None = None
 
+    if CACHE_NAME != "cache":
+        @property
+        def cache(self) -> HeadmixCache | None:
+            """The cache (``past_key_values`` in this ``transformers`` version)."""
+            return self.past_key_values
+
 
 class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
     """A headmix :class:`~headmix.models.CausalLanguageModel` as a ``transformers`` causal LM (module docstring).
@@ -188,6 +200,8 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         weight = next(model.parameters())
         wrapped = cls(HeadmixConfig(headmix=model.config), headmix_model=model)
         wrapped.config.dtype = weight.dtype
+        if model.config.pad_id is not None:  # headmix's decoding never generates padding: nor does generate()
+            wrapped.generation_config.suppress_tokens = [model.config.pad_id]
         return wrapped
 
     def to_headmix(self) -> CausalLanguageModel:
@@ -217,9 +231,62 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         """The untied output projection; ``None`` with ``share_embeddings`` (the embedding is the projection)."""
         return self.model.output_proj
 
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        if self.model.output_proj is None:
+            raise ValueError("set_output_embeddings: this model ties its output projection to the input embedding "
+                             "(share_embeddings=True): set the input embedding instead")
+        self.model.output_proj = value
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """``PreTrainedModel.resize_token_embeddings`` for a headmix model: the embedding, the output projection
+        (when untied; a tied one follows the embedding) and both configs (``vocab_size``) change together, after
+        every check, so a refused call changes nothing. The rows of the kept ids are unchanged; new rows are
+        initialised as ``transformers`` does (``mean_resizing``)."""
+        old = self.get_input_embeddings()
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return old
+        size = old.num_embeddings if new_num_tokens is None else new_num_tokens
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
+        if pad_to_multiple_of is not None:
+            if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of <= 0:
+                raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+            size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+        try:
+            config = self.model.config.replace(vocab_size=size)
+        except ValueError as err:
+            raise ValueError(f"new_num_tokens={size}: {err}") from None
+        # transformers' helper rebinds the weight of the module it is given: give it a stand-in
+        stand_in = nn.Embedding(old.num_embeddings, old.embedding_dim, _weight=old.weight.detach(), _freeze=True)
+        resized = self._get_resized_embeddings(stand_in, size, mean_resizing=mean_resizing)
+        embedding = nn.Embedding(size, old.embedding_dim, padding_idx=config.pad_id, _weight=resized.weight.detach(),
+                                 device=old.weight.device, dtype=old.weight.dtype)
+        embedding.requires_grad_(old.weight.requires_grad)
+        head = self.model.output_proj
+        if head is not None:
+            head = self._get_resized_lm_head(head, size, mean_resizing=mean_resizing)
+            head.requires_grad_(self.model.output_proj.weight.requires_grad)
+        self.set_input_embeddings(embedding)
+        if head is not None:
+            self.set_output_embeddings(head)
+        self.model.config = self.model.decoder.config = config
+        self.config.headmix = config.to_dict()
+        self.vocab_size = size
+        return embedding
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``GenerationMixin.generate``, with every MoSA layer under the causal threshold rule (calibrated
+        thresholds needed: ``headmix calibrate RUN``); an empty prompt is refused in one line."""
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: generate needs a prompt of at least one token (e.g. bos)")
+        with threshold_selection(self.model):
+            return super().generate(*args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> None:
         """``generate``'s cache: a :class:`HeadmixCache` (a user's own must be one), none with ``use_cache=False``."""
-        cache = model_kwargs.get("cache")
+        cache = model_kwargs.get(CACHE_NAME)
         if cache is not None:
             check_cache(cache)
             cache._is_user_defined = True
@@ -229,7 +296,7 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(f"cache_implementation must be None or 'dynamic' for headmix models (their own cache), "
                              f"got {generation_config.cache_implementation!r}")
-        model_kwargs["cache"] = HeadmixCache(self.config.num_hidden_layers)
+        model_kwargs[CACHE_NAME] = HeadmixCache(self.config.num_hidden_layers)
 
     def forward(
         self,
@@ -245,6 +312,7 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         output_routing: bool = False,
+        past_key_values: HeadmixCache | None = None,
         **kwargs: Any,
     ) -> HeadmixCausalLMOutput:
         """Logits of ``input_ids`` ``(batch, time)`` (module docstring for the masks, positions, loss, cache).
@@ -257,14 +325,24 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("input_ids is required (inputs_embeds is not supported: headmix embeds token ids itself)")
         if output_attentions or output_hidden_states:
             raise ValueError("output_attentions and output_hidden_states are not supported by headmix models")
-        if use_cache is None:
-            use_cache = self.config.use_cache and labels is None
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the cache as cache or as past_key_values (its name before transformers 5.24), not both")
+        cache = past_key_values if cache is None else cache
+        if use_cache is None:  # MoSA under expert choice (training, scoring) has no cache: generate() switches it
+            use_cache = self.config.use_cache and labels is None and all(
+                layer.selection == "threshold" for layer in mosa_layers(self.model).values())
         state = None
         if cache is not None:
             check_cache(cache)
             state = cache.state
         elif use_cache:
             cache = HeadmixCache(self.config.num_hidden_layers)
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+            raise ValueError(f"input_ids must be a (batch, time) tensor of token ids, got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.config.vocab_size:
+            raise ValueError(f"input_ids must be token ids in [0, vocab_size={self.config.vocab_size}), got ids from "
+                             f"{int(input_ids.min())} to {int(input_ids.max())}")
         batch, time = input_ids.shape
         past = 0 if state is None else int(state.length)
         if attention_mask is None:
@@ -287,7 +365,7 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             lm_loss = next_token_loss(logits, labels, self.model.config.label_smoothing)
             loss = lm_loss + decoder_out.aux_loss
-        return HeadmixCausalLMOutput(loss=loss, logits=logits, cache=cache if use_cache else None, lm_loss=lm_loss,
+        return HeadmixCausalLMOutput(loss=loss, logits=logits, **{CACHE_NAME: cache if use_cache else None}, lm_loss=lm_loss,
                                      aux_loss=decoder_out.aux_loss,
                                      routing=decoder_out.routing if output_routing else None)
 

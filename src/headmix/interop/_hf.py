@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,19 @@ def first_id(value: Any, default: int) -> int:
     if isinstance(value, (list, tuple)):
         return int(value[0]) if value else default
     return int(value)
+
+
+def pad_id_of(hf_config: Any, pad_id: int | None, name_or_path: Any = None) -> int | None:
+    """The padding token of a converted model: ``pad_id`` where given, else the source config's
+    ``pad_token_id``, else (for a local folder ``name_or_path`` with a tokenizer) the tokenizer's; ``None``
+    where none has one: no token is then padding (masks come from an attention mask), so an ordinary token
+    such as id 0 is never masked by its value."""
+    if pad_id is not None:
+        return pad_id
+    found = getattr(hf_config, "pad_token_id", None)
+    if found is None and name_or_path is not None and Path(name_or_path, "tokenizer_config.json").is_file():
+        found = require_transformers().AutoTokenizer.from_pretrained(str(name_or_path)).pad_token_id
+    return None if found is None else first_id(found, 0)
 
 
 def copy_into(target: Tensor, source: Tensor, name: str) -> None:

@@ -24,7 +24,7 @@ conversion sets ``load_balance_weight = ffn_load_balance_weight = aux_loss_coef`
 their fractions (``load_balance_fractions = ffn_load_balance_fractions = "per_token"``). JetMoe's per-layer RMSNorms use eps ``1e-6`` whatever ``rms_norm_eps`` says (only the
 final norm uses it); headmix has one ``norm_eps``: the conversion takes ``1e-6``, so the final norm differs
 slightly when ``rms_norm_eps != 1e-6`` (and converting back needs ``norm_eps == 1e-6``). Padding as in
-:mod:`headmix.interop.llama`: headmix masks the token ``pad_id``.
+:mod:`headmix.interop.llama`: the source's pad id or none (no token masked by its value).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from ..attention import MixtureOfAttentionHeads
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
-from ._hf import copy_into, first_id, require_transformers, rope_settings
+from ._hf import copy_into, first_id, pad_id_of, require_transformers, rope_settings
 
 #: JetMoe's per-layer RMSNorm epsilon (``JetMoeRMSNorm``'s default; the decoder layers do not pass
 #: ``rms_norm_eps``).
@@ -146,7 +146,7 @@ def config_from_jetmoe(hf_config: Any, *, pad_id: int | None = None) -> ModelCon
         ffn_top_k=hf_config.num_experts_per_tok, ffn_load_balance_weight=float(hf_config.aux_loss_coef),
         ffn_load_balance_fractions="per_token", bias=True,
         scale_embeddings=False, embedding_norm=False, share_embeddings=bool(hf_config.tie_word_embeddings),
-        pad_id=first_id(hf_config.pad_token_id, 0) if pad_id is None else pad_id,
+        pad_id=pad_id_of(hf_config, pad_id),
         bos_id=first_id(hf_config.bos_token_id, 1), eos_id=first_id(hf_config.eos_token_id, 2), label_smoothing=0.0)
 
 
@@ -237,4 +237,4 @@ def load_jetmoe(name_or_path: str | os.PathLike, *, pad_id: int | None = None,
     network, or a local ``save_pretrained`` folder) and convert it with :func:`causal_lm_from_jetmoe`."""
     transformers = require_transformers()
     hf_model = transformers.JetMoeForCausalLM.from_pretrained(str(name_or_path)).to(torch_dtype)
-    return causal_lm_from_jetmoe(hf_model, pad_id=pad_id)
+    return causal_lm_from_jetmoe(hf_model, pad_id=pad_id_of(hf_model.config, pad_id, name_or_path))

@@ -19,9 +19,10 @@ instead repeats each K/V head's projection rows for the ``H / G`` query heads th
 K/V head per query head, with ``H / G`` times the K/V parameters and KV cache (for code that needs
 ``kv_heads == num_heads``).
 
-Padding: a headmix model treats the token ``pad_id`` as padding (its keys are masked); Llama has no such
-rule. ``pad_id`` defaults to the checkpoint's ``pad_token_id``; without one pass a token id that never
-occurs in real inputs (else 0 is used and token 0 is masked wherever it appears).
+Padding: a headmix model with a ``pad_id`` treats that token as padding (its keys are masked); Llama has no
+such rule. ``pad_id`` is the one given, else the checkpoint's ``pad_token_id``, else its tokenizer's (a local
+folder); where none has one the converted model has ``pad_id=None``: no token is padding, every token
+(id 0 included) is attended to, and padding comes only from an attention mask (:func:`headmix.interop._hf.pad_id_of`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import Tensor
 
 from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
-from ._hf import copy_into, first_id, require_transformers, rope_settings
+from ._hf import copy_into, first_id, pad_id_of, require_transformers, rope_settings
 from .moh import zero_moh_routers
 
 ATTENTION_TARGETS = ("mha", "moh")
@@ -89,7 +90,7 @@ def decoder_config(hf_config: Any, *, attention: str, num_shared_heads: int | No
             raise ValueError("num_shared_heads and top_k apply to attention='moh' only")
         att = AttentionConfig(kind="mha", **common)
     vocab = hf_config.vocab_size
-    pad = first_id(getattr(hf_config, "pad_token_id", None), 0) if pad_id is None else pad_id
+    pad = pad_id_of(hf_config, pad_id)
     return ModelConfig(
         task="lm", vocab_size=vocab, d_model=hf_config.hidden_size, ffn_dim=hf_config.intermediate_size,
         encoder_layers=0, decoder_layers=hf_config.num_hidden_layers, decoder_self_attention=att, norm="pre",
@@ -251,7 +252,7 @@ def load_llama(name_or_path: str | os.PathLike, *, attention: str = "mha", num_s
     transformers = require_transformers()
     hf_model = transformers.LlamaForCausalLM.from_pretrained(str(name_or_path)).to(torch_dtype)
     return causal_lm_from_llama(hf_model, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
-                                pad_id=pad_id, expand_kv=expand_kv, **attention_options)
+                                pad_id=pad_id_of(hf_model.config, pad_id, name_or_path), expand_kv=expand_kv, **attention_options)
 
 
 #: headmix parameter names -> Llama-family (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) names, in order.

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..attention import MultiHeadAttention
 from ..models import CausalLanguageModel, ModelConfig
-from ._hf import copy_into, require_transformers
+from ._hf import copy_into, pad_id_of, require_transformers
 from .llama import SourceTensors, causal_lm_from_state, decoder_config, hf_decoder_from_causal_lm
 
 #: The epsilon of the QK-norm of layers built from an :class:`AttentionConfig` (``MultiHeadAttention``'s
@@ -172,7 +172,8 @@ def load_qwen3(name_or_path: str | os.PathLike, *, attention: str = "mha", num_s
     be a local folder; its safetensors are read directly (module docstring)."""
     transformers = require_transformers()
     hf_config = transformers.AutoConfig.from_pretrained(str(name_or_path))
-    options = dict(attention=attention, num_shared_heads=num_shared_heads, top_k=top_k, pad_id=pad_id,
+    options = dict(attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
+                   pad_id=pad_id_of(hf_config, pad_id, name_or_path),
                    expand_kv=expand_kv, **attention_options)
     if output_gate_of(hf_config) is None:
         hf_model = transformers.Qwen3ForCausalLM.from_pretrained(str(name_or_path)).to(torch_dtype)

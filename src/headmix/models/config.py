@@ -516,7 +516,7 @@ class ModelConfig:
     scale_embeddings: bool = True
     embedding_norm: bool = False
     share_embeddings: bool = True
-    pad_id: int = 0
+    pad_id: int | None = 0
     bos_id: int = 1
     eos_id: int = 2
     label_smoothing: float = 0.1
@@ -614,8 +614,13 @@ class ModelConfig:
         for name in ("scale_embeddings", "embedding_norm", "share_embeddings", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.pad_id is None and self.task != "lm":
+            raise ValueError(f"pad_id must be a token id for task {self.task!r} (None, no padding token, is for "
+                             f"task 'lm' only), got None")
         for name in ("pad_id", "bos_id", "eos_id"):
             v = getattr(self, name)
+            if v is None and name == "pad_id":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size:
                 raise ValueError(f"{name} must be a token id in [0, vocab_size={self.vocab_size}), got {v!r}")
 
@@ -628,18 +633,24 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, data: dict[str, Any], source: str = "the model config") -> ModelConfig:
+        """Build from a dict (a saved ``config.json``: its ``headmix_version``, when there, must not be newer
+        than this headmix; ``source`` names the file in that error)."""
         if not isinstance(data, dict):
             raise ValueError(f"a model config must be a JSON object, got {type(data).__name__}")
-        _check_keys(cls, data, "model config")
         data = dict(data)
+        check_written_by(data.pop(VERSION_FIELD, None), source)
+        _check_keys(cls, data, "model config")
         for role in ("encoder_self_attention", "decoder_self_attention", "cross_attention"):
             if isinstance(data.get(role), dict):
                 data[role] = AttentionConfig.from_dict(data[role], role)
         return cls(**data)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+        """The config as JSON, with the version of the headmix that writes it (``headmix_version``)."""
+        from .. import __version__
+
+        return json.dumps({VERSION_FIELD: __version__, **self.to_dict()}, indent=2, sort_keys=False) + "\n"
 
     def save_json(self, path: str | os.PathLike) -> None:
         """Write the config as JSON, atomically (:func:`headmix.storage.files.atomic_write`)."""
@@ -653,7 +664,46 @@ class ModelConfig:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(data)
+        if isinstance(data, dict) and "model_type" in data:
+            raise ValueError(f"{path} is a Hugging Face config (model_type {data['model_type']!r}), not a headmix "
+                             f"model config: load the folder with headmix.models.load_pretrained (a headmix export) "
+                             f"or convert it with headmix.interop.from_pretrained")
+        return cls.from_dict(data, str(path))
+
+
+#: The field of a saved ``config.json`` (headmix's own, and a Hugging Face export's) naming the headmix that wrote it.
+VERSION_FIELD = "headmix_version"
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``(major, minor, patch)`` of a version string (``"0.2.0"``, ``"0.2.1.dev3"``: the leading digits of each)."""
+    parts = []
+    for part in str(version).split(".")[:3]:
+        digits = ""
+        for c in part:
+            if not c.isdigit():
+                break
+            digits += c
+        parts.append(int(digits or 0))
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+class NewerVersionError(ValueError):
+    """A file written by a newer headmix than the one reading it (not a damaged file: upgrading reads it)."""
+
+
+def check_written_by(version: Any, source: str) -> None:
+    """A one-line ``ValueError`` when ``source`` was written by a headmix newer than this one (``version``; None:
+    a file of a version that recorded none, older)."""
+    from .. import __version__
+
+    if version is None:
+        return
+    if not isinstance(version, str):
+        raise ValueError(f"{source}: {VERSION_FIELD} must be a version string, got {version!r}")
+    if version_tuple(version) > version_tuple(__version__):
+        raise NewerVersionError(f"{source} was written by headmix {version}, newer than this headmix {__version__}: "
+                         f"upgrade headmix (pip install -U headmix) to read it")
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -433,6 +433,8 @@ def measure_macs(config: ModelConfig, src_len: int | None = None, tgt_len: int |
 
     def tokens(length: int) -> torch.Tensor:
         ids = torch.randint(0, config.vocab_size, (batch_size, length), generator=gen)
+        if config.pad_id is None:
+            return ids
         return ids.masked_fill(ids.eq(config.pad_id), (config.pad_id + 1) % config.vocab_size)
 
     counter = _flop_counter()

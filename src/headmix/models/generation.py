@@ -22,6 +22,8 @@ are those of the growing cache.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,10 +34,69 @@ from ..attention.base import check_positive
 from .transformer import CausalLanguageModel, DecoderState, EncoderDecoderModel, PreTrainedModel
 
 
+# ------------------------------------------------------------------------------------ MoSA thresholds
+
+def mosa_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's :class:`~headmix.attention.MixtureOfSparseAttention` layers by name (``{}`` without)."""
+    from ..attention.mosa import MixtureOfSparseAttention
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, MixtureOfSparseAttention)}
+
+
+def calibrate_mosa(model: CausalLanguageModel, batches: Iterable[Tensor]) -> dict[str, list[float]]:
+    """Set the ``score_threshold`` of every MoSA layer of a causal LM from its top-k routings of ``batches``
+    (``(batch, time)`` token ids, e.g. training blocks; padding by ``pad_id``), as
+    :meth:`~headmix.attention.MixtureOfSparseAttention.calibrate_thresholds` defines them; the thresholds are
+    buffers, saved with the model. Returns them by layer. Generation (:func:`greedy_decode`, ``headmix
+    generate``, Hugging Face ``generate``) needs them: it runs MoSA under the causal threshold rule."""
+    if not isinstance(model, CausalLanguageModel):
+        raise ValueError(f"model must be a causal language model (task 'lm'), got {type(model).__name__}")
+    layers = mosa_layers(model)
+    if not layers:
+        raise ValueError("the model has no MoSA layer (attention kind 'mosa'): nothing to calibrate")
+    routings: dict[str, list] = {name: [] for name in layers}
+    selections = {name: layer.selection for name, layer in layers.items()}
+    with _eval_mode(model):
+        try:
+            for layer in layers.values():
+                layer.selection = "topk"
+            for ids in batches:
+                for name, routing in model.decoder(ids).routing:
+                    if name in routings:
+                        routings[name].append(routing)
+        finally:
+            for name, layer in layers.items():
+                layer.selection = selections[name]
+    if not any(routings.values()):
+        raise ValueError("batches is empty: calibrating MoSA thresholds needs at least one batch of token ids")
+    return {name: layer.calibrate_thresholds(routings[name]).tolist() for name, layer in layers.items()}
+
+
+@contextlib.contextmanager
+def threshold_selection(model: torch.nn.Module) -> Iterator[None]:
+    """Run the model's MoSA layers under the causal threshold rule (what generation needs: expert choice
+    top-k looks at later tokens), restoring each layer's ``selection`` afterwards; a one-line error when
+    the thresholds were never calibrated. Nothing happens for a model without MoSA layers."""
+    layers = mosa_layers(model)
+    if any(bool(torch.isnan(layer.score_threshold).any()) for layer in layers.values()):
+        raise ValueError("the model's MoSA layers have no calibrated thresholds, which generation needs: run "
+                         "`headmix calibrate RUN` (runs trained before thresholds were stored), or call "
+                         "headmix.models.calibrate_mosa(model, batches)")
+    selections = {name: layer.selection for name, layer in layers.items()}
+    try:
+        for layer in layers.values():
+            layer.selection = "threshold"
+        yield
+    finally:
+        for name, layer in layers.items():
+            layer.selection = selections[name]
+
+
 @dataclass
 class GenerationOutput:
     """``tokens`` ``(B, L)``: the generated tokens (for a causal LM, the continuation without the
-    prompt), ending with ``eos`` unless ``max_len`` was reached, padded with ``pad_id``; ``scores`` ``(B,)``:
+    prompt), ending with ``eos`` unless ``max_len`` was reached, padded with ``pad_id`` (``eos_id`` where the
+    model has no ``pad_id``); ``scores`` ``(B,)``:
     the summed log-probabilities (greedy) or the length-normalised beam score of the returned hypothesis."""
 
     tokens: Tensor
@@ -61,7 +122,7 @@ class _Prefix:
         elif isinstance(model, CausalLanguageModel):
             if src.shape[1] == 0:
                 raise ValueError("the prompt must hold at least one token (e.g. bos)")
-            if bool(src.eq(cfg.pad_id).any()):
+            if cfg.pad_id is not None and bool(src.eq(cfg.pad_id).any()):
                 raise ValueError(f"prompts must not contain padding (pad_id={cfg.pad_id}): decode prompts of "
                                  "different lengths separately")
             self.encoder_out = None
@@ -95,7 +156,8 @@ class _Prefix:
             out = decoder(self.tokens, memory, mask)
         logits = self.model.compute_logits(out.hidden[:, -1:])
         log_probs = logits[:, 0].float().log_softmax(-1)
-        log_probs[:, self.model.config.pad_id] = float("-inf")  # never generate padding (as fairseq)
+        if self.model.config.pad_id is not None:
+            log_probs[:, self.model.config.pad_id] = float("-inf")  # never generate padding (as fairseq)
         return log_probs
 
     def reorder(self, index: Tensor) -> None:
@@ -156,12 +218,17 @@ def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cach
                            static_step)
 
 
+def filler(config) -> int:
+    """The token that fills a finished row: ``pad_id``, or ``eos_id`` for a model without a padding token."""
+    return config.eos_id if config.pad_id is None else config.pad_id
+
+
 def _token_by_token(model: PreTrainedModel, src: Tensor, max_len: int, pick: Callable[[Tensor], Tensor],
                     use_cache: bool, static_cache: bool = False, static_step: Callable | None = None) -> GenerationOutput:
     """One token per step, ``pick(log_probs)`` ``(B, vocab) -> (B,)``, for at most ``max_len`` steps: padding
     after a row's ``eos`` (scored 0), stopping once every row has ended."""
     cfg = model.config
-    with _eval_mode(model):
+    with _eval_mode(model), threshold_selection(model):
         prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
         batch = src.shape[0]
         finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
@@ -171,7 +238,7 @@ def _token_by_token(model: PreTrainedModel, src: Tensor, max_len: int, pick: Cal
             log_probs = prefix.next_log_probs()
             token = pick(log_probs)
             scores += log_probs.gather(1, token[:, None])[:, 0].masked_fill(finished, 0.0)
-            token = token.masked_fill(finished, cfg.pad_id)
+            token = token.masked_fill(finished, filler(cfg))
             finished |= token.eq(cfg.eos_id)
             out.append(token)
             prefix.append(token)
@@ -192,7 +259,7 @@ def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: in
     cfg = model.config
     eos, k = cfg.eos_id, beam_size
     device = src.device
-    with _eval_mode(model):
+    with _eval_mode(model), threshold_selection(model):
         prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
         batch = src.shape[0]
         prefix.reorder(torch.arange(batch, device=device).repeat_interleave(k))
@@ -235,7 +302,7 @@ def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: in
                         finished[b].append((float(scores[b, j]) / max_len ** length_penalty, generated[b * k + j]))
         best = [max(hyps, key=lambda h: h[0]) for hyps in finished]
         length = max(len(seq) for _, seq in best)
-        tokens = torch.full((batch, length), cfg.pad_id, dtype=torch.long, device=device)
+        tokens = torch.full((batch, length), filler(cfg), dtype=torch.long, device=device)
         for b, (_, seq) in enumerate(best):
             tokens[b, :len(seq)] = seq
         return GenerationOutput(tokens, torch.tensor([s for s, _ in best], device=device))
@@ -314,11 +381,10 @@ def generate_text(model: CausalLanguageModel, tokenizer, prompts: list[str] | st
     device = torch.device(device)
     encoded = [tokenizer.encode(p, add_bos=True) for p in prompts]
     cfg = model.config
-    if cfg.positions != "rotary":
-        longest = max((len(e) for e in encoded), default=0)
-        if longest + max_new_tokens > cfg.max_positions:
-            raise ValueError(f"max_new_tokens ({max_new_tokens}) + the longest prompt ({longest} tokens) exceed the "
-                             f"model's max_positions ({cfg.max_positions}): ask for fewer tokens or a shorter prompt")
+    longest = max((len(e) for e in encoded), default=0)  # every kind of positions has its max_positions
+    if longest + max_new_tokens > cfg.max_positions:
+        raise ValueError(f"max_new_tokens ({max_new_tokens}) + the longest prompt ({longest} tokens) exceed the "
+                         f"model's max_positions ({cfg.max_positions}): ask for fewer tokens or a shorter prompt")
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(encoded):

@@ -31,7 +31,7 @@ from ..attention.moa import autocast_dtype
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..routing import Routing, TopKRouter, load_balancing_loss
 from ..storage.files import atomic_output
-from .config import ModelConfig
+from .config import VERSION_FIELD, ModelConfig, check_written_by
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -104,10 +104,12 @@ class DecoderOutput:
 class ModelOutput:
     """What a model's ``forward`` returns.
 
-    ``logits`` ``(B, T, vocab)``; ``loss`` the label-smoothed cross-entropy averaged over the target
+    ``logits`` ``(B, T, vocab)``; ``lm_loss`` the label-smoothed cross-entropy averaged over the target
     tokens (padding and ``-100`` labels ignored), ``None`` without targets; ``nll_loss`` the same
     without smoothing (detached; ``exp`` of it is the perplexity); ``aux_loss`` the sum of all attention
-    layers' weighted auxiliary losses; ``total_loss = loss + aux_loss`` (what to backpropagate);
+    layers' weighted auxiliary losses; ``total_loss = lm_loss + aux_loss`` (what to backpropagate);
+    ``loss``: for a :class:`CausalLanguageModel` ``total_loss`` (as in ``transformers``: the loss is what
+    is optimised, its parts beside it), for the translation and masked LMs ``lm_loss``;
     ``num_tokens`` the number of target tokens; ``routing`` ``(layer name, Routing)`` for every routed
     layer call; ``state`` the decoding state when ``use_cache=True``.
     """
@@ -120,6 +122,7 @@ class ModelOutput:
     num_tokens: Tensor | None
     routing: list[tuple[str, Routing]] = field(default_factory=list)
     state: DecoderState | None = None
+    lm_loss: Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,11 +387,12 @@ def untied_output_projection(config: ModelConfig) -> nn.Linear | None:
 
 
 def token_embedding(config: ModelConfig) -> nn.Embedding:
-    """fairseq's initialisation: ``N(0, d_model^-0.5)``, padding row zero."""
+    """fairseq's initialisation: ``N(0, d_model^-0.5)``, padding row zero (no padding row with ``pad_id=None``)."""
     emb = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
     nn.init.normal_(emb.weight, std=config.d_model ** -0.5)
-    with torch.no_grad():
-        emb.weight[config.pad_id].zero_()
+    if config.pad_id is not None:
+        with torch.no_grad():
+            emb.weight[config.pad_id].zero_()
     return emb
 
 
@@ -439,7 +443,7 @@ class TransformerDecoder(nn.Module):
         queries (Hugging Face's ``attention_mask``, inverted). ``positions`` ``(B, T)``: each token's position in
         the absolute position embeddings (default ``past + t``; rotary positions always come from the cache)."""
         past = 0 if state is None else state.length
-        padding_mask = tokens.eq(self.config.pad_id) if state is None else None
+        padding_mask = padding_of(tokens, self.config.pad_id) if state is None else None
         if key_padding_mask is not None:
             if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (tokens.shape[0], past + tokens.shape[1]):
                 raise ValueError(f"key_padding_mask must be a bool tensor of shape (batch, past + time) = "
@@ -470,12 +474,19 @@ class TransformerDecoder(nn.Module):
 # --------------------------------------------------------------------------------------------------
 # Loss
 # --------------------------------------------------------------------------------------------------
-def token_loss(logits: Tensor, target: Tensor, pad_id: int, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
+def padding_of(tokens: Tensor, pad_id: int | None) -> Tensor | None:
+    """True where ``tokens`` is the padding token ``pad_id``; ``None`` (nothing is padding) without one."""
+    return None if pad_id is None else tokens.eq(pad_id)
+
+
+def token_loss(logits: Tensor, target: Tensor, pad_id: int | None, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
     """Label-smoothed cross-entropy averaged over target tokens; ``target`` positions equal to ``pad_id``
     or ``-100`` are ignored. Smoothing spreads ``label_smoothing`` uniformly over the vocabulary
     (``torch.nn.functional.cross_entropy``'s definition). Returns ``(loss, nll_loss, num_tokens)``;
-    ``nll_loss`` is detached."""
-    target = target.masked_fill(target.eq(pad_id), -100).reshape(-1)
+    ``nll_loss`` is detached. ``pad_id=None``: only ``-100`` is ignored."""
+    if pad_id is not None:
+        target = target.masked_fill(target.eq(pad_id), -100)
+    target = target.reshape(-1)
     flat = logits.reshape(-1, logits.shape[-1]).float()
     num_tokens = target.ne(-100).sum()
     denom = num_tokens.clamp(min=1).to(flat.dtype)
@@ -541,15 +552,23 @@ class PreTrainedModel(nn.Module):
         return model
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """The output projection ``hidden W^T``: ``T d_model V`` MACs."""
+        """The output projection ``hidden W^T``: ``T d_model V`` MACs. An untied projection is called as the
+        module ``output_proj`` (so a wrapper of it, such as a PEFT LoRA adapter, takes part); a tied one is
+        the embedding's weight."""
+        if self.output_proj is not None:
+            return self.output_proj(hidden)
         return F.linear(hidden, self._output_weight())
 
     def _finish(self, logits: Tensor, target: Tensor | None, aux: Tensor, routing: list,
-                state: DecoderState | None = None) -> ModelOutput:
+                state: DecoderState | None = None, scored: Tensor | None = None) -> ModelOutput:
+        """The output; ``target`` scored against ``scored`` (default: ``logits``)."""
         if target is None:
             return ModelOutput(logits, None, None, aux, None, None, routing, state)
-        loss, nll, n = token_loss(logits, target, self.config.pad_id, self.config.label_smoothing)
-        return ModelOutput(logits, loss, nll, aux, loss + aux, n, routing, state)
+        lm_loss, nll, n = token_loss(logits if scored is None else scored, target, self.config.pad_id,
+                                     self.config.label_smoothing)
+        total = lm_loss + aux
+        return ModelOutput(logits, total if self.task == "lm" else lm_loss, nll, aux, total, n, routing, state,
+                           lm_loss)
 
 
 class EncoderDecoderModel(PreTrainedModel):
@@ -627,11 +646,16 @@ class MaskedLanguageModel(PreTrainedModel):
 
 
 class CausalLanguageModel(PreTrainedModel):
-    """Decoder-only language model: ``model(input_ids, labels=None)``.
+    """Decoder-only language model: ``model(input_ids, labels=None)``, with ``transformers``' convention.
 
-    ``labels`` are already shifted, like translation's ``tgt_out``: ``labels[:, t]`` is the token that
-    follows ``input_ids[:, t]`` (for a block ``x``: ``input_ids = x[:, :-1]``, ``labels = x[:, 1:]``).
-    For incremental decoding pass ``use_cache=True`` and the returned ``state`` back with the new tokens only.
+    ``labels`` are the inputs themselves (``labels=input_ids``; ``-100`` and ``pad_id`` ignored): the model
+    shifts them, scoring ``logits[:, t]`` against ``labels[:, t + 1]``. ``out.loss`` is what is optimised:
+    ``lm_loss + aux_loss`` (the cross-entropy plus the routing losses), both returned beside it. Labels
+    shifted already (headmix's earlier convention: ``labels = x[:, 1:]`` for ``input_ids = x[:, :-1]``)
+    are refused in one line. ``targets`` instead are aligned with the logits (``targets[:, t]`` follows
+    ``input_ids[:, t]``, as translation's ``tgt_out``): packed training blocks, whose last target lies past
+    the inputs, use them. For incremental decoding pass ``use_cache=True`` and the returned ``state`` back
+    with the new tokens only.
     """
 
     task = "lm"
@@ -644,11 +668,38 @@ class CausalLanguageModel(PreTrainedModel):
     def _output_weight(self) -> Tensor:
         return self.decoder.embed.tokens.weight if self.output_proj is None else self.output_proj.weight
 
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None, *, state: DecoderState | None = None,
-                use_cache: bool = False) -> ModelOutput:
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, *, targets: Tensor | None = None,
+                state: DecoderState | None = None, use_cache: bool = False) -> ModelOutput:
+        if labels is not None:
+            if targets is not None:
+                raise ValueError("pass labels (the inputs; the model shifts them) or targets (aligned with the "
+                                 "logits), not both")
+            check_labels(input_ids, labels)
         dec = self.decoder(input_ids, state=state, use_cache=use_cache)
         logits = self.compute_logits(dec.hidden)
-        return self._finish(logits, labels, dec.aux_loss, dec.routing, dec.state)
+        if labels is not None:
+            return self._finish(logits, labels[:, 1:], dec.aux_loss, dec.routing, dec.state, scored=logits[:, :-1])
+        return self._finish(logits, targets, dec.aux_loss, dec.routing, dec.state)
+
+
+def check_labels(input_ids: Tensor, labels: Tensor) -> None:
+    """A one-line ``ValueError`` unless ``labels`` are a causal LM's labels in ``transformers``' convention: the
+    shape of ``input_ids``, and not the inputs shifted by one (the old convention, which would now train the
+    model to predict the token two ahead)."""
+    if not isinstance(labels, Tensor) or tuple(labels.shape) != tuple(input_ids.shape):
+        raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)} (labels are the inputs; "
+                         f"the model shifts them), got {tuple(labels.shape) if isinstance(labels, Tensor) else labels!r}")
+    if labels.shape[1] < 2:
+        return
+    ignored = labels.eq(-100)
+    unshifted = (labels.eq(input_ids) | ignored).all()
+    shifted = (labels[:, :-1].eq(input_ids[:, 1:]) | ignored[:, :-1]).all() & ~ignored[:, :-1].all()
+    message = ("labels are input_ids shifted by one: labels are now the inputs themselves, as in transformers (the "
+               "model shifts them): pass labels=input_ids (or targets= for targets aligned with the logits)")
+    if torch.compiler.is_compiling():  # no host read in a compiled graph: an assertion the graph keeps
+        torch._assert_async(~(shifted & ~unshifted), message)
+    elif bool(shifted & ~unshifted):
+        raise ValueError(message)
 
 
 MODEL_CLASSES = {"translation": EncoderDecoderModel, "mlm": MaskedLanguageModel, "lm": CausalLanguageModel}
@@ -664,21 +715,62 @@ def build_model(config: ModelConfig, device: str | torch.device | None = None) -
         return MODEL_CLASSES[config.task](config)
 
 
+#: The prefix of the headmix model's tensors in a Hugging Face folder (``HeadmixForCausalLM.model``).
+HF_PREFIX = "model."
+
+
+def read_folder_config(directory: Path) -> tuple[ModelConfig, bool]:
+    """The headmix :class:`ModelConfig` of a folder headmix wrote, and whether it is a Hugging Face folder (an
+    ``export-hf`` folder, ``HeadmixForCausalLM.save_pretrained``, a ``Trainer`` checkpoint: ``model_type``
+    ``"headmix"``, the headmix config in its ``headmix`` field), read as JSON: no code from the folder runs.
+    One-line errors name the file and what was expected."""
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (expected a folder headmix wrote: a run, save_pretrained, "
+                                f"export-hf or a Trainer checkpoint)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or "model_type" not in data:
+        return ModelConfig.load_json(path), False
+    if data["model_type"] != "headmix":
+        raise ValueError(f"{directory} holds a Hugging Face {data['model_type']!r} model, not a headmix one: convert "
+                         f"it with headmix.interop.from_pretrained (headmix train --init-from converts it too)")
+    check_written_by(data.get(VERSION_FIELD), str(path))
+    if not isinstance(data.get("headmix"), dict):
+        raise ValueError(f"{path} has no 'headmix' field (the headmix model config, which every folder headmix "
+                         f"writes holds): not a headmix folder, or a damaged one")
+    return ModelConfig.from_dict(data["headmix"], str(path)), True
+
+
 def load_pretrained(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PreTrainedModel:
-    """Load a model written by ``save_pretrained``: the right class for its task, ties restored."""
+    """Load a model headmix wrote: ``save_pretrained`` (a run's final model), or a Hugging Face folder of a
+    headmix model (``export-hf``, ``HeadmixForCausalLM.save_pretrained``, a ``Trainer`` checkpoint), read as
+    JSON and safetensors without ``transformers`` or any code of the folder: the right class for its task, ties
+    restored."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory / name} not found (expected a save_pretrained folder)")
-    config = ModelConfig.load_json(directory / CONFIG_NAME)
+    config, hugging_face = read_folder_config(directory)
+    if not (directory / WEIGHTS_NAME).is_file():
+        sharded = (directory / (WEIGHTS_NAME + ".index.json")).is_file()
+        raise FileNotFoundError(f"{directory / WEIGHTS_NAME} not found" + (
+            " (the weights are sharded: save the model with a larger max_shard_size)" if sharded
+            else " (expected a save_pretrained folder)"))
     tensors = load_file(directory / WEIGHTS_NAME, device=str(device))
+    if hugging_face:
+        tensors = {k[len(HF_PREFIX):] if k.startswith(HF_PREFIX) else k: v for k, v in tensors.items()}
     with safe_open(directory / WEIGHTS_NAME, framework="pt") as f:
         tied = json.loads((f.metadata() or {}).get("headmix_tied", "{}"))
     for alias, source in tied.items():
         tensors[alias] = tensors[source]
     model = build_model(config, device)
+    expected = set(model.state_dict())
+    for names, what in ((sorted(expected - set(tensors)), "misses"), (sorted(set(tensors) - expected), "holds unknown")):
+        if names:
+            raise ValueError(f"{directory / WEIGHTS_NAME} {what} {len(names)} tensor(s) of the model its "
+                             f"{CONFIG_NAME} describes, first {names[0]!r}")
     model.load_state_dict(tensors, strict=True)
     return model

@@ -13,6 +13,7 @@ import torch
 
 from . import checkpoints as ckpt
 from ..models import ModelConfig, load_pretrained
+from ..models.config import NewerVersionError
 from ..storage.errors import CheckpointDamagedError, RunError, RunFileNotFoundError, short_error
 from .run import Run
 from .tokenizer import load_tokenizer
@@ -87,6 +88,8 @@ def load_run(path: str | os.PathLike, device: str | torch.device = "cpu") -> Loa
     config_file, weights = run / "config.json", run / "model.safetensors"
     try:
         ModelConfig.load_json(config_file)
+    except NewerVersionError as e:  # not damaged: a newer headmix reads it
+        raise RunError(str(e)) from None
     except (ValueError, TypeError, OSError) as e:
         raise RunError(f"{config_file} is damaged ({short_error(e)}); {_rebuild_hint(run)}") from e
     try:  # safe_open reads the header and checks the file's length: a truncated file fails here

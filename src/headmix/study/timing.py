@@ -190,7 +190,7 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
                 with autocast():
                     output = forward(**task.model_inputs(batch, device))
                 (output.total_loss / len(micro_batches)).backward()
-                loss += output.loss.detach()
+                loss += output.lm_loss.detach()
             norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                                   cfg.clip_norm if cfg.clip_norm > 0 else float("inf"))
             if not (math.isfinite(float(loss)) and bool(torch.isfinite(norm))):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 from ..data import CausalLMBlockDataset, CausalLMCollator, Tokenizer
 from .language_model import LanguageModelTask
 
@@ -14,3 +18,8 @@ class CausalLMTask(LanguageModelTask):
 
     def collator(self, tokenizer: Tokenizer, *, seed: int) -> CausalLMCollator:
         return CausalLMCollator(tokenizer.pad_id)
+
+    def model_inputs(self, batch: dict[str, Any], device: torch.device | str) -> dict[str, torch.Tensor]:
+        """A packed block's ``labels`` (``stream[s+1:s+B+1]``, aligned with the inputs: the last lies past them)
+        go to the model as ``targets``, not as ``labels`` (which the model would shift)."""
+        return {"input_ids": batch["input_ids"].to(device), "targets": batch["labels"].to(device)}

@@ -4,6 +4,7 @@ the ``headmix train`` flags are generated from these fields (``headmix.cli.main`
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -98,8 +99,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.preset is None and self.init_from is None:
             self.preset = DEFAULT_PRESET
-        if self.init_from is not None and self.tokenizer is None and is_headmix_run(self.init_from):
-            self.tokenizer = str(Path(self.init_from) / "tokenizer")  # the ids its embeddings were trained on
+        if self.init_from is not None and self.tokenizer is None and is_headmix_folder(self.init_from):
+            self.tokenizer = headmix_tokenizer_of(self.init_from)  # the ids its embeddings were trained on
         if self.vocab_size is None:
             self.vocab_size = _json_preset_vocab_size(self.preset) or DEFAULT_VOCAB_SIZE
         self.check_values()  # a bad value fails here, on construction
@@ -135,8 +136,8 @@ class TrainConfig:
             raise ValueError(f"init_options must be a JSON object, got {self.init_options!r} ({err})") from None
         if not isinstance(options, dict):
             raise ValueError(f"init_options must be a JSON object, got {self.init_options!r}")
-        if self.init_from is None or is_headmix_run(self.init_from):
-            raise ValueError("init_options apply to a Hugging Face init_from only (a headmix run's model is used as "
+        if self.init_from is None or is_headmix_folder(self.init_from):
+            raise ValueError("init_options apply to a Hugging Face init_from only (a model headmix wrote is used as "
                              "it is)")
         return options
 
@@ -237,8 +238,9 @@ class TrainConfig:
         if self.init_from is not None:
             source = Path(self.init_from)
             if not (source / "config.json").is_file():
-                raise FileNotFoundError(f"init_from {source}: no config.json; expected a finished headmix run folder "
-                                        f"or a local Hugging Face model folder")
+                raise FileNotFoundError(f"init_from {source}: no config.json; expected a folder headmix wrote (a "
+                                        f"finished run, save_pretrained, export-hf, a Trainer checkpoint-N) or a "
+                                        f"local Hugging Face Llama / Qwen3 / JetMoe folder")
             if is_headmix_run(source) and not (source / "model.safetensors").is_file():
                 raise FileNotFoundError(f"init_from {source} is a headmix run without its final model "
                                         f"(model.safetensors): finish it first (run its command again)")
@@ -254,6 +256,31 @@ DEFAULT_PRESET = "tiny-moa"
 def is_headmix_run(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a headmix run folder (it holds ``train_config.json``), not a Hugging Face folder."""
     return (Path(path) / "train_config.json").is_file()
+
+
+def headmix_tokenizer_of(path: str | os.PathLike) -> str:
+    """The tokenizer of a folder headmix wrote: a run's ``tokenizer/``, an ``export-hf`` folder's own
+    ``tokenizer.json``; a one-line error for a folder without one (a ``Trainer`` checkpoint saved without its
+    tokenizer): a new tokenizer would give its embeddings other ids."""
+    folder = Path(path)
+    for candidate in (folder / "tokenizer", folder):
+        if (candidate / "tokenizer.json").is_file():
+            return str(candidate)
+    raise ValueError(f"init_from {folder} has no tokenizer (tokenizer/tokenizer.json or tokenizer.json): give "
+                     f"--tokenizer, the folder of the tokenizer its model was trained with")
+
+
+def is_headmix_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a model headmix wrote: a run folder, a ``save_pretrained`` folder (headmix's own
+    ``config.json``), or a Hugging Face folder of a headmix model (``export-hf``, ``HeadmixForCausalLM``'s
+    ``save_pretrained``, a ``Trainer`` checkpoint: ``model_type`` ``"headmix"``); read as JSON, no code run."""
+    if is_headmix_run(path):
+        return True
+    try:
+        data = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("model_type", "headmix") == "headmix"
 
 
 #: ``vocab_size`` when neither the option nor a JSON preset gives one.

@@ -233,14 +233,17 @@ def initial_model(cfg: TrainConfig, tok: Tokenizer, log: Callable[[str], None]) 
     config (:func:`model_config`), no weights, and ``{}``."""
     if cfg.init_from is None:
         return model_config(cfg, tok), None, {}
-    from .config import is_headmix_run
+    from .config import is_headmix_folder, is_headmix_run
 
     source = Path(cfg.init_from).expanduser().resolve()
-    if is_headmix_run(source):
+    if is_headmix_folder(source):  # read as JSON and safetensors: no prompt, no code from the folder
         from ..models import load_pretrained
 
-        model = load_pretrained(source)
-        record = {"path": str(source), "kind": "headmix run"}
+        try:
+            model = load_pretrained(source)
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"init_from: {err}") from None
+        record = {"path": str(source), "kind": "headmix run" if is_headmix_run(source) else "headmix folder"}
     else:
         from ..interop import from_pretrained
 

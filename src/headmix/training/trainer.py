@@ -19,8 +19,10 @@ from typing import Any, Callable
 import torch
 
 from ..evaluation import validation_loss
-from ..models import build_model, count_parameters
+from ..models import build_model, calibrate_mosa, count_parameters
+from ..models.generation import mosa_layers
 from ..runs import Run, average_checkpoints, rng_state, set_rng_state
+from ..runs.calibrate import calibration_batches
 from .config import IDENTITY, TrainConfig, pick_device
 from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
@@ -73,7 +75,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         model = model.to(device)
         params = count_parameters(model)
         tok_file = run.tokenizer_dir / "tokenizer.json"
-        train_loader = task.loader(cached_dataset(cfg, "train", parts["train"], tok, tok_file), tok,
+        train_dataset = cached_dataset(cfg, "train", parts["train"], tok, tok_file)
+        train_loader = task.loader(train_dataset, tok,
                                    max_tokens=cfg.max_tokens, train=True, seed=cfg.seed, rank=d.rank,
                                    world_size=d.world_size)
         valid_loader = task.loader(cached_dataset(cfg, "valid", parts["valid"], tok, tok_file), tok,
@@ -144,7 +147,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                     with autocast():
                         out = forward(**task.model_inputs(batch, device))
                     (out.total_loss / cfg.grad_accum).backward()
-                step_loss += out.loss.detach()
+                step_loss += out.lm_loss.detach()
                 step_tokens += int(out.num_tokens)
                 window.add_batch(out, cfg.grad_accum)
             # clip, step
@@ -198,6 +201,9 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             averaged = run.checkpoints_to_average(cfg.average_last)
             if len(averaged) > 1:
                 final.load_state_dict(average_checkpoints(averaged), strict=False)
+            if cfg.task == "lm" and mosa_layers(final):  # generation needs the threshold rule's calibrated thresholds: stored with it
+                calibrate_mosa(final, calibration_batches(task, train_dataset, tok, max_tokens=cfg.max_tokens,
+                                                          seed=cfg.seed, device=device))
             run.save_final_model(final)
             valid = validation_loss(final, valid_loader, task, device, autocast)
             metrics.write({"split": "valid", "step": step, "averaged": len(averaged), **_numbers(valid)})
