@@ -321,7 +321,7 @@ def _add_calibrate(sub) -> None:
 
 
 def _run_calibrate(args) -> int:
-    from ..runs.calibrate import calibrate_run
+    from ..training.calibrate import calibrate_run
     from ..training.config import pick_device
 
     thresholds = calibrate_run(args.run, device=pick_device(args.device))

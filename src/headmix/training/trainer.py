@@ -22,7 +22,7 @@ from ..evaluation import validation_loss
 from ..models import build_model, calibrate_mosa, count_parameters
 from ..models.generation import mosa_layers
 from ..runs import Run, average_checkpoints, rng_state, set_rng_state
-from ..runs.calibrate import calibration_batches
+from .calibrate import calibration_batches
 from .config import IDENTITY, TrainConfig, pick_device
 from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow

@@ -35,8 +35,8 @@ def calibrate_run(path: str | os.PathLike, *, device: torch.device | str = "cpu"
     from ..models.generation import calibrate_mosa, mosa_layers
     from ..storage.errors import RunError
     from ..tasks import get_task
-    from .load import load_run
-    from .run import Run
+    from ..runs.load import load_run
+    from ..runs.run import Run
 
     with Run(path) as handle:
         run = load_run(path, device)
