@@ -684,3 +684,29 @@ def test_the_committed_reports_are_recomputed_from_their_run_records(name, spec,
     assert main(["study", spec, "--out", str(copy), "--report"]) == 0
     assert (copy / "results.md").read_text() == (committed / "results.md").read_text()
     assert json.loads((copy / "results.json").read_text()) == json.loads((committed / "results.json").read_text())
+
+
+def test_the_docs_hold_each_committed_studys_report_as_committed():
+    """docs/study.md's result tables are the committed reports (which the recompute test above rewrites from
+    the run records alone): rewriting the page from them changes nothing, so no figure there is typed by hand."""
+    from headmix.study import docs as study_docs
+
+    root = Path(__file__).resolve().parent.parent
+    page = root / "docs" / "study.md"
+    assert set(study_docs.studies_named(page)) >= {"lm-en", "lm-en-llama", "translation-en-de", "lm-en-contenders",
+                                                   "lm-en-contenders-long"}
+    assert study_docs.rewrite(page, root / "studies") == page.read_text(), \
+        "docs/study.md is stale: python -m headmix.study.docs --write docs/study.md"
+
+
+def test_a_docs_block_of_a_study_that_does_not_exist_is_refused(tmp_path):
+    from headmix.study import docs as study_docs
+
+    page = tmp_path / "page.md"
+    page.write_text("x\n<!-- study-report nowhere:begin -->\nold\n<!-- study-report nowhere:end -->\n")
+    with pytest.raises(ValueError, match="docs name the study 'nowhere'"):
+        study_docs.rewrite(page, tmp_path)
+    (tmp_path / "nowhere").mkdir()
+    (tmp_path / "nowhere" / "results.md").write_text("### nowhere: lm\n\n#### Table\n\n| a |\n")
+    assert study_docs.rewrite(page, tmp_path) == (
+        "x\n<!-- study-report nowhere:begin -->\n##### Table\n\n| a |\n<!-- study-report nowhere:end -->\n")
