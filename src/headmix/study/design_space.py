@@ -13,9 +13,7 @@ named test exists, so the page cannot drift from the code.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +21,6 @@ import torch
 
 from ..models import AttentionConfig
 from ..models.counting import attention_macs, mosa_macs
-from ..storage.files import atomic_write
 
 #: The reference shape of the computed columns: d_model 512, 8 heads of 64, 1024 tokens.
 D_MODEL, HEADS, HEAD_DIM, TOKENS = 512, 8, 64, 1024
@@ -227,18 +224,9 @@ def rewrite(page: Path, studies: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--write", metavar="PAGE", default="docs/design-space.md", help="the page to rewrite")
-    p.add_argument("--studies", default="studies", help="the folder of the committed studies")
-    args = p.parse_args(argv)
-    try:
-        text = rewrite(Path(args.write), Path(args.studies))
-    except (OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    atomic_write(Path(args.write), text)
-    print(f"wrote {args.write}")
-    return 0
+    from .docs import page_command
+
+    return page_command(__doc__.split("\n\n")[0], rewrite, "docs/design-space.md", argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

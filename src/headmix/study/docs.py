@@ -44,19 +44,25 @@ def studies_named(page: Path) -> list[str]:
     return [m.group("name") for m in BLOCK.finditer(page.read_text())]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--write", metavar="PAGE", default="docs/study.md", help="the page to rewrite")
+def page_command(description: str, rewrite_page, default_page: str, argv: list[str] | None = None) -> int:
+    """The command line of a page written from the code and the studies: ``--write PAGE`` (default
+    ``default_page``) rewritten atomically by ``rewrite_page(page, studies)``; a one-line error exits 2."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--write", metavar="PAGE", default=default_page, help="the page to rewrite")
     p.add_argument("--studies", default="studies", help="the folder of the committed studies")
     args = p.parse_args(argv)
     try:
-        text = rewrite(Path(args.write), Path(args.studies))
+        text = rewrite_page(Path(args.write), Path(args.studies))
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     atomic_write(Path(args.write), text)
     print(f"wrote {args.write}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return page_command(__doc__.split("\n\n")[0], rewrite, "docs/study.md", argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
