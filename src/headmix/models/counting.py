@@ -377,9 +377,11 @@ def analytic_parameters(config: ModelConfig) -> Count:
 # Measurement
 # --------------------------------------------------------------------------------------------------
 def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+    """The CPU attention kernel's FLOPs: ``q k^T`` and ``p v`` for every query head, ``2 b h s_q s_k (d_qk +
+    d_v)``, the formula of torch's ``sdpa_flop_count``, written out because torch 2.10's asserts that keys and
+    values have as many heads as the queries (grouped-query attention passes fewer, ``enable_gqa``)."""
+    b, h, s_q, d_qk = query_shape
+    return 2 * b * h * s_q * key_shape[-2] * (d_qk + value_shape[-1])
 
 
 def _flop_counter():
