@@ -126,6 +126,16 @@ def test_a_run_held_by_another_worker_is_skipped(spec_file, tmp_path):
                                      for m in messages) == 1
     assert reports[-1] is None and json.loads((out / "results.json").read_text())["complete"] is True
     assert update_report(spec, plan(spec), out, log=messages.append) is None
+    # a row timed again (the same runs) changes the equal-time table: the complete report is written anew
+    from headmix.study.timing import read_timing, write_timing
+
+    record = read_timing(out, "MoA")
+    assert record is not None
+    write_timing(out, "MoA", {**record, "measured_at": "2030-01-01T00:00:00Z"})
+    assert update_report(spec, plan(spec), out, log=messages.append) is not None
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert rows[1]["equal_time_interleaved"]["timing"]["measured_at"] == "2030-01-01T00:00:00Z"
+    assert update_report(spec, plan(spec), out, log=messages.append) is None
 
 
 def test_time_budget_stops_between_steps_and_reserves_time():

@@ -642,12 +642,20 @@ def update_report(spec: StudySpec, planned: list[PlannedRow], out: str | os.Path
                 stored = json.loads((out / "results.json").read_text())
             except (OSError, ValueError):
                 stored = {}
-            if stored.get("complete") is True and stored.get("runs") == [[r.row, r.seed] for r in results]:
-                return None
+            if (stored.get("complete") is True and stored.get("runs") == [[r.row, r.seed] for r in results]
+                    and _timed_at(stored) == {row.name: (read_timing(out, slug(row.name)) or {}).get("measured_at")
+                                              for row in planned[1:]}):
+                return None  # the same runs and the same timings: already written
         table = write_report(spec, planned, results, out)
         if table["complete"]:
             log(f"study {spec.name}: the complete report is written ({out / 'results.md'})")
         return table
+
+
+def _timed_at(stored: dict[str, Any]) -> dict[str, Any]:
+    """When each row of a written report (``results.json``) was timed side by side (None: not timed)."""
+    return {r["name"]: (((r.get("equal_time_interleaved") or {}).get("timing")) or {}).get("measured_at")
+            for r in (stored.get("rows") or [])[1:]}
 
 
 def controls(spec: StudySpec, table_rows: list[dict[str, Any]], results: list[RunResult],
