@@ -9,7 +9,6 @@ tiny widths heads of ``d_model / 8``). MoSA's sparse heads are solved so that it
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -113,8 +112,3 @@ def describe(att: AttentionConfig, d_model: int) -> str:
 def without_triton(kinds: list[Kind]) -> list[Kind]:
     """The kinds that run without the Triton kernels."""
     return [k for k in kinds if k.needs != "triton"]
-
-
-def with_impl(att: AttentionConfig, impl: str) -> AttentionConfig:
-    """``att`` on ``expert_impl=impl`` where it has expert projections (MoA, SwitchHead)."""
-    return dataclasses.replace(att, expert_impl=impl) if att.kind in ("moa", "switchhead") else att
