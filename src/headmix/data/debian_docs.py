@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 
+from ..storage.files import sha256_file
+
 __all__ = [
     "DEFAULT_PACKAGES",
     "BuildOptions",
@@ -395,14 +397,6 @@ def _is_free(section: str) -> bool:
     return not section.startswith(("non-free", "contrib"))
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def build_from_debs(debs: Sequence[Path], options: BuildOptions) -> dict:
     """Extract, convert, clean, deduplicate and split the documents of ``debs``; writes the splits and
     ``manifest.json`` into ``options.out`` and returns the manifest."""
@@ -430,7 +424,7 @@ def build_from_debs(debs: Sequence[Path], options: BuildOptions) -> dict:
                 root = Path(tmp)
                 subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True, capture_output=True)
                 entry = {"package": name, "version": fields.get("Version", ""), "section": section,
-                         "licences": copyright_licences(root, name), "deb_sha256": _sha256_file(deb),
+                         "licences": copyright_licences(root, name), "deb_sha256": sha256_file(deb),
                          "documents": 0, "words": 0}
                 for doc_id, text in package_documents(root, name, options.max_doc_words, counts):
                     key = bytes.fromhex(normalised_hash(text))[:16]
@@ -459,7 +453,7 @@ def build_from_debs(debs: Sequence[Path], options: BuildOptions) -> dict:
         os.replace(out / f"{s}.jsonl.gz.tmp", out / f"{s}.jsonl.gz")
         totals[s]["file"] = f"{s}.jsonl.gz"
         totals[s]["bytes"] = (out / f"{s}.jsonl.gz").stat().st_size
-        totals[s]["sha256"] = _sha256_file(out / f"{s}.jsonl.gz")
+        totals[s]["sha256"] = sha256_file(out / f"{s}.jsonl.gz")
     with open(out / "all.jsonl.gz", "wb") as whole:  # gzip members concatenate into one valid gzip file
         for s in splits:
             with open(out / f"{s}.jsonl.gz", "rb") as part:
@@ -474,7 +468,7 @@ def build_from_debs(debs: Sequence[Path], options: BuildOptions) -> dict:
         "split_rule": f"sha256('split:' + id): test below {options.test_fraction}, valid below "
                       f"{options.test_fraction + options.valid_fraction}, else train",
         "all": {"file": "all.jsonl.gz", "bytes": (out / "all.jsonl.gz").stat().st_size,
-                "sha256": _sha256_file(out / "all.jsonl.gz")},
+                "sha256": sha256_file(out / "all.jsonl.gz")},
         "packages": packages,
         "filters": dict(sorted(counts.items())),
         "options": {"valid_fraction": options.valid_fraction, "test_fraction": options.test_fraction,

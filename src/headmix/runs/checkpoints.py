@@ -30,7 +30,6 @@ stopped by a signal and resumed averages exactly the checkpoints of an uncut run
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -44,7 +43,7 @@ import torch
 from torch import nn
 
 from ..storage.errors import CheckpointDamagedError, RunError
-from ..storage.files import atomic_directory, remove_path
+from ..storage.files import atomic_directory, remove_path, sha256_file
 
 CHECKPOINTS_DIR = "checkpoints"
 PREFIX = "step_"
@@ -75,14 +74,6 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
     return sorted(found, key=checkpoint_step)
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def is_scheduled(info: dict[str, Any]) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import secrets
@@ -253,3 +254,12 @@ def remove_temporaries(folder: Path) -> list[Path]:
                 remove_path(p)
                 removed.append(p)
     return removed
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -33,20 +33,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..storage.files import sha256_file
+
 #: The manifest's ``format``: a pack of another format is refused.
 PACK_FORMAT = "headmix token pack 1"
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "valid", "test")
-
-
-def sha256_of(path: str | os.PathLike) -> str:
-    """The sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclass
@@ -106,7 +99,7 @@ def load_pack(path: str | os.PathLike, expected_sha256: str | None = None) -> To
         target = path / name
         if not target.is_file():
             raise _refuse(path, f"lacks {name}")
-        actual = sha256_of(target)
+        actual = sha256_file(target)
         if actual != recorded:
             raise _refuse(path, f"is damaged: {name} has sha256 {actual[:16]}..., its manifest records "
                                 f"{recorded[:16]}...")
@@ -155,10 +148,10 @@ def build_pack(data: Sequence[str], out: str | os.PathLike, *, vocab_size: int, 
                 np.save(f, stream.astype(dtype), allow_pickle=False)
             splits[name] = {"documents": len(part), "tokens": int(len(stream))}
             log(f"pack: {name} {len(part):,} documents, {len(stream):,} tokens")
-        files = {f"{s}.npy": sha256_of(tmp / f"{s}.npy") for s in SPLITS}
-        files[f"{TOKENIZER_DIR}/tokenizer.json"] = sha256_of(tmp / TOKENIZER_DIR / "tokenizer.json")
+        files = {f"{s}.npy": sha256_file(tmp / f"{s}.npy") for s in SPLITS}
+        files[f"{TOKENIZER_DIR}/tokenizer.json"] = sha256_file(tmp / TOKENIZER_DIR / "tokenizer.json")
         manifest = {"format": PACK_FORMAT, "task": "lm",
-                    "source": [{"name": source.name, "bytes": source.stat().st_size, "sha256": sha256_of(source)}],
+                    "source": [{"name": source.name, "bytes": source.stat().st_size, "sha256": sha256_file(source)}],
                     "split_seed": split_seed, "valid_size": valid_size, "test_size": test_size,
                     "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name, "splits": splits, "files": files,
                     "malformed_lines_skipped": report.malformed, "command": command}
