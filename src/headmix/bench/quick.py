@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from ..models import build_model
-from ..models.generation import greedy_decode
+from ..models.generation import calibrate_mosa, greedy_decode, mosa_layers
 from ..models.presets import llama_model
 from ..training.config import pick_device
 from .gpu_layers import _time_ms
@@ -113,7 +113,8 @@ def decode_rows(args, device: torch.device) -> list[dict]:
                 low = max(config.pad_id, config.bos_id, config.eos_id) + 1
                 prompt = torch.randint(low, config.vocab_size, (batch, args.prompt),
                                        generator=torch.Generator().manual_seed(0)).to(device)
-                threshold_selection(model, prompt)
+                if mosa_layers(model):  # greedy decoding runs MoSA under its causal threshold rule
+                    calibrate_mosa(model, [prompt])
                 generated = greedy_decode(model, prompt, args.steps).tokens.numel()
 
                 def run(model=model, prompt=prompt) -> None:
@@ -133,27 +134,6 @@ def decode_rows(args, device: torch.device) -> list[dict]:
             rows.append(row)
         _drift(base_run, base_ms, device, args.repeats, label=f"batch {batch}")
     return rows
-
-
-@torch.no_grad()
-def threshold_selection(model: torch.nn.Module, prompt: torch.Tensor) -> None:
-    """MoSA layers of ``model`` on the causal threshold rule (what cached decoding needs), their thresholds
-    calibrated from the top-k routings of one forward over ``prompt``; other models are left as they are."""
-    from ..attention.mosa import MixtureOfSparseAttention
-
-    layers = [m for m in model.modules() if isinstance(m, MixtureOfSparseAttention)]
-    routings = {}
-    hooks = [layer.register_forward_hook(lambda mod, args, out: routings.__setitem__(mod, out.routing))
-             for layer in layers]
-    try:
-        if layers:
-            model(prompt)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    for layer in layers:
-        layer.calibrate_thresholds([routings[layer]])
-        layer.selection = "threshold"
 
 
 def _drift(fn: Callable[[], None] | None, first_ms: float | None, device: torch.device, repeats: int,

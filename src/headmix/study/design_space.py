@@ -151,18 +151,13 @@ def macs_per_token(att: AttentionConfig, causal: bool) -> float:
 @torch.no_grad()
 def cache_numbers_per_token(att: AttentionConfig) -> float:
     """Numbers the layer's KV cache holds per token, measured: 16 tokens decoded with the cache, its bytes over
-    16 tokens and 4 bytes a number (MoSA under its threshold rule, calibrated on the same tokens: the expected
-    share of the sparse heads' chosen tokens)."""
+    16 tokens and 4 bytes a number. MoSA's is counted instead: its dense heads' keys and values for every token,
+    its sparse heads' for the expected share ``1 / sparsity`` of the tokens its threshold rule keeps."""
+    if att.kind == "mosa":
+        return 2 * (att.num_dense_heads or 0) * HEAD_DIM + 2 * att.num_sparse_heads * HEAD_DIM / att.sparsity
     torch.manual_seed(0)
     layer = att.build(D_MODEL).eval()
-    x = torch.randn(1, 16, D_MODEL)
-    if att.kind == "mosa":
-        layer.calibrate_thresholds([layer(x, is_causal=True).routing])
-        layer.selection = "threshold"
-        # the sparse heads keep what the threshold rule chooses; count their expected share exactly
-        dense = 2 * (att.num_dense_heads or 0) * HEAD_DIM
-        return dense + 2 * att.num_sparse_heads * HEAD_DIM / att.sparsity
-    cache = layer(x, is_causal=True, use_cache=True).cache
+    cache = layer(torch.randn(1, 16, D_MODEL), is_causal=True, use_cache=True).cache
     return cache.nbytes / 16 / 4
 
 
