@@ -36,7 +36,7 @@ from torch import nn
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..training.config import pick_device
 from .attention import peak_memory
-from .kinds import KINDS, Kind, describe
+from .kinds import KINDS, Kind, describe, heads_for, triton_usable
 from .timing import check_positive, interleaved_timings, machine_load, standalone_args
 
 
@@ -59,7 +59,7 @@ def _headmix_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _torch_sdpa(d_model: int, seq: int) -> nn.Module:
     from .gqa import TorchGroupedAttention
 
-    heads = d_model // 64 if d_model >= 512 else 8
+    heads, _ = heads_for(d_model)
     return TorchGroupedAttention(d_model, heads, heads)
 
 
@@ -67,7 +67,7 @@ def _jetmoe(d_model: int, seq: int) -> nn.Module:
     from transformers import JetMoeConfig
     from transformers.models.jetmoe.modeling_jetmoe import JetMoeAttention
 
-    heads = d_model // 64 if d_model >= 512 else 8
+    heads, _ = heads_for(d_model)
     cfg = JetMoeConfig(hidden_size=d_model, num_key_value_heads=1, kv_channels=d_model // heads,
                        num_local_experts=4 * heads, num_experts_per_tok=heads, intermediate_size=2 * d_model,
                        num_hidden_layers=1, vocab_size=16, attention_dropout=0.0)
@@ -115,11 +115,7 @@ LAYERS: list[LayerSpec] = [
 
 
 def _triton_usable(device: torch.device, args) -> bool:
-    from ..kernels import grouped_triton
-
-    if args.no_triton or not grouped_triton.triton_available():
-        return False
-    return device.type == "cuda" or grouped_triton.can_run_on_cpu()
+    return not args.no_triton and triton_usable(device)
 
 
 def _fwd_bwd(spec: LayerSpec, layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from ..models import AttentionConfig
 
 
@@ -25,13 +27,13 @@ class Kind:
     needs: str = ""
 
 
-def _heads(d_model: int) -> tuple[int, int]:
+def heads_for(d_model: int) -> tuple[int, int]:
     """(heads, head size): heads of 64 numbers at widths of 512 and more, else 8 heads."""
     return (d_model // 64, 64) if d_model >= 512 else (8, d_model // 8)
 
 
 def _mha(d_model: int, seq: int, **kw) -> AttentionConfig:
-    heads, size = _heads(d_model)
+    heads, size = heads_for(d_model)
     return AttentionConfig(kind="mha", num_heads=heads, head_dim=size, **kw)
 
 
@@ -42,7 +44,7 @@ def _gqa(**kw) -> Callable[[int, int], AttentionConfig]:
 def _moa(impl: str, kv_heads: int = 1) -> Callable[[int, int], AttentionConfig]:
     """MoA choosing MHA's number of query heads: ``heads / G`` of ``4 heads / G`` experts, ``G`` query heads each."""
     def config(d_model: int, seq: int) -> AttentionConfig:
-        heads, size = _heads(d_model)
+        heads, size = heads_for(d_model)
         return AttentionConfig(kind="moa", num_experts=4 * heads // kv_heads, top_k=heads // kv_heads, head_dim=size,
                                expert_impl=impl, kv_heads=kv_heads)
 
@@ -51,7 +53,7 @@ def _moa(impl: str, kv_heads: int = 1) -> Callable[[int, int], AttentionConfig]:
 
 def _moh(impl: str, **kw) -> Callable[[int, int], AttentionConfig]:
     def config(d_model: int, seq: int) -> AttentionConfig:
-        heads, size = _heads(d_model)
+        heads, size = heads_for(d_model)
         return AttentionConfig(kind="moh", num_heads=heads, head_dim=size, moh_impl=impl, **kw)
 
     return config
@@ -63,14 +65,14 @@ def _switchhead(d_model: int, seq: int) -> AttentionConfig:
 
 
 def _talking_heads(d_model: int, seq: int) -> AttentionConfig:
-    heads, size = _heads(d_model)
+    heads, size = heads_for(d_model)
     return AttentionConfig(kind="talking_heads", num_heads=heads, head_dim=size)
 
 
 def _mosa(d_model: int, seq: int) -> AttentionConfig:
     from ..models.matching import matched_sparse_heads
 
-    heads, size = _heads(d_model)
+    heads, size = heads_for(d_model)
     sparsity = min(8, max(1, seq // 2))
     sparse, _ = matched_sparse_heads(d_model, heads, seq, head_dim=size, sparsity=sparsity, dense_heads=2)
     return AttentionConfig(kind="mosa", num_sparse_heads=sparse, num_dense_heads=2, head_dim=size, sparsity=sparsity,
@@ -112,3 +114,10 @@ def describe(att: AttentionConfig, d_model: int) -> str:
 def without_triton(kinds: list[Kind]) -> list[Kind]:
     """The kinds that run without the Triton kernels."""
     return [k for k in kinds if k.needs != "triton"]
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernels run on ``device``: compiled on CUDA, or in the interpreter on the CPU."""
+    from ..kernels import grouped_triton
+
+    return grouped_triton.triton_available() and (device.type == "cuda" or grouped_triton.can_run_on_cpu())

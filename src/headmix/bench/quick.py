@@ -30,7 +30,7 @@ from ..models.generation import calibrate_mosa, greedy_decode, mosa_layers
 from ..models.presets import llama_model
 from ..training.config import pick_device
 from .gpu_layers import _time_ms
-from .kinds import KINDS, describe, without_triton
+from .kinds import KINDS, describe, triton_usable, without_triton
 from .models import lm_batch, lm_training_step
 from .timing import check_positive, standalone_args, sync
 
@@ -43,10 +43,7 @@ def model_config(kind, d_model: int, layers: int, seq: int):
 
 
 def _kinds(device: torch.device) -> list:
-    from ..kernels import grouped_triton
-
-    usable = grouped_triton.triton_available() and (device.type == "cuda" or grouped_triton.can_run_on_cpu())
-    return KINDS if usable else without_triton(KINDS)
+    return KINDS if triton_usable(device) else without_triton(KINDS)
 
 
 def _emit_row(cells: list[str]) -> None:
