@@ -703,8 +703,7 @@ def test_moa_kv_heads_attention_does_not_repeat_keys_and_values(monkeypatch):
     monkeypatch.setattr(base.F, "scaled_dot_product_attention", spy)
     layer = make("moa_kv")
     layer(torch.randn(2, 5, D), is_causal=True)
-    if base._SDPA_HAS_GQA:
-        assert seen == [(6, 3, 3, True)]   # k * G = 6 query heads over G = 3 key/value heads
+    assert seen == [(6, 3, 3, True)]   # k * G = 6 query heads over G = 3 key/value heads
 
 
 @pytest.mark.parametrize("impl", ["reference", "dense", "sorted", "gather", "bag"])
@@ -721,23 +720,6 @@ def test_moa_kv_heads_every_expert_kernel_matches_reference(impl):
     for n, p in layer.named_parameters():
         if n in grads:
             torch.testing.assert_close(grads[n], p.grad, atol=5e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
-
-
-@pytest.mark.parametrize("case", ["causal", "padding", "fully_masked_row", "cross"])
-def test_moa_kv_heads_without_enable_gqa_matches_reference(case, monkeypatch):
-    """The torch < 2.5 path (K/V heads broadcast over their query heads) on the same checks."""
-    from headmix.attention import base
-
-    monkeypatch.setattr(base, "_SDPA_HAS_GQA", False)
-    layer = make("moa_kv")
-    x, mem, kw = inputs_for(case)
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = layer(x1, mem, **kw).output
-    out.square().sum().backward()
-    expected = reference_moa(layer, x2, mem, **kw)
-    expected.square().sum().backward()
-    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(x1.grad, x2.grad, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)

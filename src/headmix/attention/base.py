@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 _layer_ids = itertools.count()
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 @dataclass
@@ -368,11 +367,10 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     ``k``/``v`` may have one head shared by all query heads (multi-query attention, as MoA's shared
     ``W_k``/``W_v``) or ``G`` heads, ``1 < G < heads`` (grouped-query attention: query head ``h`` attends with
     key/value head ``h // (heads // G)``). Where the kernel can read them in place they are not copied: on
-    CUDA (torch >= 2.5) through ``enable_gqa`` when the flash kernel takes the call
-    (:func:`cuda_flash_reads_grouped_kv`: no mask, half precision); otherwise on CUDA the K/V heads are
-    repeated (:func:`repeat_kv_heads`) so that the memory-efficient kernel takes masks and fp32 instead of the
-    math kernel SDPA would silently pick; on the CPU one shared head is a stride-0 view and ``G`` heads go
-    through ``enable_gqa`` (older torch: a stride-0 broadcast, :func:`_grouped_by_broadcast`). Uses
+    CUDA through ``enable_gqa`` when the flash kernel takes the call (:func:`cuda_flash_reads_grouped_kv`: no
+    mask, half precision); otherwise on CUDA the K/V heads are repeated (:func:`repeat_kv_heads`) so that the
+    memory-efficient kernel takes masks and fp32 instead of the math kernel SDPA would silently pick; on the
+    CPU one shared head is a stride-0 view and ``G`` heads go through ``enable_gqa``. Uses
     ``torch.nn.functional.scaled_dot_product_attention`` so flash / memory-efficient kernels apply where they can.
     """
     if q.shape[-1] == 0:
@@ -381,17 +379,13 @@ def scaled_dot_product(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, emp
     if k.shape[1] != q.shape[1]:
         if k.shape[1] != 1 and q.shape[1] % k.shape[1] != 0:
             raise ValueError(f"keys must have 1 head, {q.shape[1]} heads or a divisor of {q.shape[1]}, got {k.shape[1]}")
-        if q.is_cuda and _SDPA_HAS_GQA and not cuda_flash_reads_grouped_kv(q, v, bias):
+        if q.is_cuda and not cuda_flash_reads_grouped_kv(q, v, bias):
             k, v = repeat_kv_heads(q, k, v)  # a mask, fp32 or a head size flash refuses: memory-efficient kernel
         elif k.shape[1] == 1 and not q.is_cuda:
             # CPU: a stride-0 view (the CPU flash kernel reads it in place; its enable_gqa path would repeat K/V)
             k, v = _broadcast_kv(q, k, v)
-        elif _SDPA_HAS_GQA:
-            grouped = {"enable_gqa": True}  # CUDA flash reads the G (or MoA's one shared) K/V heads in place
-        elif k.shape[1] == 1:
-            k, v = _broadcast_kv(q, k, v)
         else:
-            return _grouped_by_broadcast(q, k, v, bias, empty_rows, dropout, scale, causal)
+            grouped = {"enable_gqa": True}  # flash reads the G (or MoA's one shared) K/V heads in place
     if k.shape[2] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
     out = F.scaled_dot_product_attention(
@@ -416,32 +410,6 @@ def repeat_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     kernels do not read a stride-0 or grouped head dimension)."""
     per_group = q.shape[1] // k.shape[1]
     return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
-
-
-def _grouped_by_broadcast(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, empty_rows: Tensor | None,
-                          dropout: float, scale: float | None, causal: bool) -> Tensor:
-    """Grouped-query attention for torch < 2.5 (no ``enable_gqa``): the ``H`` query heads as ``(G, H/G)``
-    and each of the ``G`` key/value heads broadcast (stride 0, no copy) over its ``H/G`` query heads, in one
-    5-d ``scaled_dot_product_attention`` call."""
-    batch, heads, tgt, _ = q.shape
-    groups = k.shape[1]
-    per_group = heads // groups
-    q5 = q.reshape(batch, groups, per_group, tgt, q.shape[-1])
-    k5 = k.unsqueeze(2).expand(-1, -1, per_group, -1, -1)
-    v5 = v.unsqueeze(2).expand(-1, -1, per_group, -1, -1)
-
-    def five_d(mask: Tensor | None) -> Tensor | None:
-        if mask is None:
-            return None
-        if mask.shape[1] == heads:
-            return mask.reshape(mask.shape[0], groups, per_group, *mask.shape[2:])
-        return mask.unsqueeze(2)
-
-    out = F.scaled_dot_product_attention(q5, k5, v5, attn_mask=five_d(bias), dropout_p=dropout, is_causal=causal,
-                                         scale=scale)
-    if empty_rows is not None:
-        out = out.masked_fill(five_d(empty_rows), 0.0)
-    return out.reshape(batch, heads, tgt, v.shape[-1])
 
 
 def _broadcast_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
