@@ -247,10 +247,16 @@ def layer_table(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
             emit(f"| {spec.name} | {row['shape']} | {row['ms']:.3f} | {ratio} | {busy} | {row['kernels']:.0f} | {peak} |")
         rows.append(row)
     if baseline_step is not None:
-        again = _time_ms({"step": baseline_step}, device, args.repeats)["step"]
         emit("")
-        emit(f"{BASELINE} re-timed after the other rows: {again:.3f} ms ({again / base:.2f}x its first timing)")
+        emit(drift_line(BASELINE, baseline_step, base, device, args.repeats))
     return rows, failed
+
+
+def drift_line(name: str, fn: Callable[[], None], first_ms: float, device: torch.device, repeats: int) -> str:
+    """The baseline ``name`` (``fn``, first timed at ``first_ms``) timed again after the other rows: how much the
+    machine drifted while they ran."""
+    again = _time_ms({"again": fn}, device, repeats)["again"]
+    return f"{name} re-timed after the other rows: {again:.3f} ms ({again / first_ms:.2f}x its first timing)"
 
 
 def grouped_table(args, device: torch.device, dtype: torch.dtype) -> list[str]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
 
 import torch
 
@@ -29,10 +28,10 @@ from ..models import build_model
 from ..models.generation import calibrate_mosa, greedy_decode, mosa_layers
 from ..models.presets import llama_model
 from ..training.config import pick_device
-from .gpu_layers import _time_ms
+from .gpu_layers import _time_ms, drift_line
 from .kinds import KINDS, describe, triton_usable, without_triton
 from .models import lm_batch, lm_training_step
-from .timing import check_positive, standalone_args, sync
+from .timing import check_positive, standalone_args
 
 VOCAB = 8000
 
@@ -88,7 +87,8 @@ def model_steps(args, device: torch.device) -> list[dict]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         rows.append(row)
-    _drift(base_step, base, device, args.repeats)
+    if base_step is not None:
+        print("\n" + drift_line("MHA", base_step, base, device, args.repeats) + "\n", flush=True)
     return rows
 
 
@@ -129,19 +129,9 @@ def decode_rows(args, device: torch.device) -> list[dict]:
             finally:
                 model = None
             rows.append(row)
-        _drift(base_run, base_ms, device, args.repeats, label=f"batch {batch}")
+        if base_run is not None:
+            print("\n" + drift_line(f"MHA batch {batch}", base_run, base_ms, device, args.repeats) + "\n", flush=True)
     return rows
-
-
-def _drift(fn: Callable[[], None] | None, first_ms: float | None, device: torch.device, repeats: int,
-           label: str = "") -> None:
-    """The baseline re-timed after the other rows (how much the machine drifted while they ran)."""
-    if fn is None:
-        return
-    again = _time_ms({"again": fn}, device, repeats)["again"]
-    sync(device)
-    note = f" ({again / first_ms:.2f}x its first timing)" if first_ms else ""
-    print(f"\nMHA {label + ' ' if label else ''}re-timed after the other rows: {again:.2f} ms{note}\n", flush=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
