@@ -2,45 +2,82 @@
 
 Every attention kind and routing option headmix has, side by side: what it routes, by which rule, what it
 computes per token, what its KV cache holds per token, which peer it is exact against (and the test that
-shows it), and what headmix's committed studies found for it. The computed columns come from the layers and
-:mod:`headmix.models.counting` themselves; the studies' columns from their committed ``results.json``; the
-test ``tests/test_design_space.py`` rewrites the page and compares it with the committed one, checks that
-every attention kind and routing option of :class:`~headmix.models.AttentionConfig` has a row, and that every
+shows it), and what headmix's committed studies found for it. Each row is one :class:`AttentionConfig`
+object: its code cell prints that object whole (every field that differs from what the call without it
+gives, so ``parse_config_code`` of the cell builds the same object), and its MACs and cache cells are computed
+from that same object (:mod:`headmix.models.counting`, the layer's own cache). Its description is derived from
+the object too, its study cells are read from the committed ``studies/<study>/results.json`` and each names the
+study and row it comes from; a study row of another design (kind, router, K/V grouping, per-group routing,
+gate, QK-norm, key size, an explicit ``moh_impl``) is refused. ``tests/test_design_space.py`` rewrites the
+page and compares it with the committed one, parses every code cell back into a config and recomputes the
+numbers beside it, checks that every attention kind and routing option has a row, that every control row is
+its learned row's configuration with ``router="random"`` (or the static GQA of its active heads), and that every
 named test exists, so the page cannot drift from the code.
+
+Adding a row is adding one :class:`Entry`: a label, a config, and optionally the tests it is exact against and
+the :class:`Study` rows it comes from (:func:`random_control` and :func:`static_control` build a control's row
+from its learned row).
 
     python -m headmix.study.design_space --write docs/design-space.md   # rewrite the page
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..models import AttentionConfig
 from ..models.counting import attention_macs, mosa_macs
+from .report import _attention_text
 
 #: The reference shape of the computed columns: d_model 512, 8 heads of 64, 1024 tokens.
 D_MODEL, HEADS, HEAD_DIM, TOKENS = 512, 8, 64, 1024
 
 
 @dataclass(frozen=True)
-class Entry:
-    """One row of the page.
+class Study:
+    """A study cell's source: row ``row`` of the committed ``studies/<study>/results.json``, its difference to the
+    study's baseline (and, for a control, its learned row minus it); ``causal``: instead, the row's MoSA
+    causal-selection record (its validation NLL under the causal threshold rule and the gap to top-k)."""
 
-    ``config``: the layer at the reference shape (MoSA's sparse heads at MHA's attention MACs);
-    ``routed``: what is chosen per token; ``rule``: how; ``exact``: ``(peer, "tests/file.py::test")`` pairs;
-    ``studies``: ``(study, row)`` pairs read from ``studies/<study>/results.json``."""
+    study: str
+    row: str
+    causal: bool = False
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of the page: its label and its configuration at the reference shape (everything else is
+    computed from it). ``exact``: ``(peer, "tests/file.py::test")`` pairs; ``studies``: where its study cells
+    come from; ``routed``: overrides the derived "what is routed" (a control says what it holds fixed)."""
 
     name: str
-    code: str
     config: AttentionConfig
-    routed: str
-    rule: str
     exact: tuple[tuple[str, str], ...] = ()
-    studies: tuple[tuple[str, str], ...] = ()
+    studies: tuple[Study, ...] = ()
+    routed: str | None = None
+
+
+def random_control(learned: Entry, *studies: Study) -> Entry:
+    """The random-routing control of ``learned``: its configuration with ``router="random"``, labelled by it."""
+    return Entry(f"{learned.name}: random control", replace(learned.config, router="random"),
+                 exact=(RANDOM_REFERENCE,), studies=studies)
+
+
+def static_control(learned: Entry, *studies: Study) -> Entry:
+    """The static control of a MoH row ``learned``: grouped-query attention with the query heads a token of it
+    uses (its shared and ``top_k`` routed heads, per K/V group with ``route_per_group``), no router."""
+    att = learned.config
+    active = (att.kv_heads if att.route_per_group else 1) * (att.num_shared_heads + att.top_k)
+    config = AttentionConfig(kind="mha", num_heads=active, kv_heads=att.kv_heads, head_dim=att.head_dim)
+    return Entry(f"{learned.name}: static control", config, studies=studies,
+                 routed=f"nothing: the {active} query heads a token of \"{learned.name}\" uses, always the same")
 
 
 def _mha(**kw) -> AttentionConfig:
@@ -52,12 +89,12 @@ def _moa(**kw) -> AttentionConfig:
     return AttentionConfig(kind="moa", num_experts=4 * HEADS // kv, top_k=HEADS // kv, head_dim=HEAD_DIM, **kw)
 
 
-def _moh(**kw) -> AttentionConfig:
-    return AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, **kw)
-
-
-def _gqe(**kw) -> AttentionConfig:
-    return _moh(kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=1, moh_impl="sparse", **kw)
+def _moh(impl: str, **kw) -> AttentionConfig:
+    """MoH: 2 shared heads and 3 of 6 routed; routed per K/V group (``kv_heads=2``): 1 shared and 2 of 3 routed
+    per group (top 2: at top 1 the default weighting gives the router no gradient from the task)."""
+    shape = (dict(kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2) if kw.pop("per_group", False)
+             else dict(num_shared_heads=2, top_k=3))
+    return AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, moh_impl=impl, **shape, **kw)
 
 
 def _switchhead(**kw) -> AttentionConfig:
@@ -81,66 +118,147 @@ X_TRANSFORMERS = ("x-transformers `Attention(pre/post_talking_heads)`",
                   "tests/test_conformance.py::test_x_transformers_talking_heads_with_separate_value_size")
 MOH_AUTHORS = ("the MoH authors' head weighting (SkyworkAI/MoH)",
                "tests/test_conformance.py::test_moh_matches_the_authors_head_weighting")
+MOH_SPARSE_DENSE = ("dense MoH (every head computed, then weighted)",
+                    "tests/test_moh_sparse.py::test_sparse_equals_dense_outputs_losses_gradients")
+MOH_REFERENCE = ("a plain MoH reference, per K/V group", "tests/test_gqa.py::test_moh_options_match_reference")
 SWITCHHEAD_AUTHORS = ("the SwitchHead authors' module", "tests/test_switchhead.py::test_matches_the_authors_module")
 MOSA_AUTHORS = ("the MoSA authors' pure and hybrid MoSA", "tests/test_mosa.py::test_matches_the_authors_pure_and_hybrid_mosa")
 RANDOM_REFERENCE = ("a plain reference (integer hash)", "tests/test_controls.py::test_random_layers_match_the_plain_reference")
 
-TOKEN_TOP_K = "token choice: each token's top-k of a learned router"
+CONTENDERS = "lm-en-contenders"
+MOA = Entry("MoA", _moa(), exact=(JETMOE,),
+            studies=(Study("lm-en", "MoA E=32"), Study("translation-en-de", "MoA E=32"), Study("lm-en-llama", "MoA E=8")))
+MOA_KV = Entry("MoA with grouped K/V (JetMoE)", _moa(kv_heads=2), exact=(JETMOE,), studies=(Study(CONTENDERS, "MoA kv2"),))
+MOH_PER_GROUP = Entry("MoH routed per K/V group, sparse", _moh("sparse", per_group=True),
+                      exact=(MOH_REFERENCE, MOH_SPARSE_DENSE),
+                      studies=(Study(CONTENDERS, "GQE"), Study("lm-en-contenders-long", "GQE")))
+SWITCHHEAD = Entry("SwitchHead", _switchhead(), exact=(SWITCHHEAD_AUTHORS,),
+                   studies=(Study("lm-en-llama", "SwitchHead"), Study(CONTENDERS, "SwitchHead")))
 
 ENTRIES: list[Entry] = [
-    Entry("MHA", "`MultiHeadAttention(d, 8)`", _mha(), "nothing (every head, every token)", "dense",
-          studies=(("lm-en", "MHA"), ("translation-en-de", "MHA"))),
-    Entry("GQA", "`MultiHeadAttention(d, 8, kv_heads=2)`", _mha(kv_heads=2), "nothing; 4 query heads share each K/V head",
-          "dense", exact=(LLAMA,), studies=(("lm-en-contenders", "GQA"),)),
-    Entry("QK-norm", "`qk_norm=True`", _mha(kv_heads=2, qk_norm=True), "nothing; queries and keys RMS-normalised",
-          "dense", exact=(QWEN3,)),
-    Entry("Gated attention", '`output_gate="headwise"` / `"elementwise"`', _mha(kv_heads=2, output_gate="headwise"),
-          "a gate on each head's output", "soft gate: `sigmoid(x W)` per head (or element), every token",
-          exact=(QWEN3_GATED,), studies=(("lm-en-contenders", "Gated"), ("lm-en-contenders-long", "Gated"))),
-    Entry("Decoupled key size", "`MultiHeadAttention(d, 8, key_dim=48)`", _mha(key_dim=48),
-          "nothing; queries and keys of another size than values", "dense", studies=(("lm-en", "MHA key 48"),)),
-    Entry("Talking-Heads", "`TalkingHeadsAttention(d, 8)`",
-          AttentionConfig(kind="talking_heads", num_heads=HEADS, head_dim=HEAD_DIM),
-          "heads mixed before and after the softmax", "dense learned mixing of the heads",
-          exact=(X_TRANSFORMERS,), studies=(("lm-en", "Talking-Heads"),)),
-    Entry("MoA", "`MixtureOfAttentionHeads(d, 32, 8, 64)`", _moa(),
-          "per-expert query and output projections (K/V shared)", TOKEN_TOP_K + " (softmax, eq. 7-9)",
-          exact=(JETMOE,), studies=(("lm-en", "MoA E=32"), ("translation-en-de", "MoA E=32"), ("lm-en-llama", "MoA E=8"))),
-    Entry("MoA, noisy router", '`router="noisy_topk"`', _moa(router="noisy_topk"),
-          "as MoA", "token choice: top-k of router logits plus learned noise in training (eq. 2-3)"),
-    Entry("MoA with grouped K/V (JetMoE)", "`MixtureOfAttentionHeads(d, 16, 4, 64, kv_heads=2)`", _moa(kv_heads=2),
-          "as MoA, each expert one query head per K/V head", TOKEN_TOP_K,
-          exact=(JETMOE,), studies=(("lm-en-contenders", "MoA kv2"),)),
-    Entry("MoA, random control", '`router="random"`', _moa(kv_heads=2, router="random"),
-          "as MoA", "random control: k experts uniformly at random per token, uniform weights, no router",
-          exact=(RANDOM_REFERENCE,), studies=(("lm-en-contenders", "MoA kv2 random"),)),
-    Entry("MoH", "`MixtureOfHeadsAttention(d, 8, 2, 3)`", _moh(num_shared_heads=2, top_k=3),
-          "whole heads: shared heads always, routed heads chosen", TOKEN_TOP_K + " (two-stage head weights)",
-          exact=(MOH_AUTHORS,), studies=(("lm-en", "MoH"), ("lm-en-llama", "MoH"))),
-    Entry("GQE (MoH per K/V group)", "`MixtureOfHeadsAttention(d, 8, 1, 1, kv_heads=2, route_per_group=True)`", _gqe(),
-          "whole query heads inside each K/V group", "token choice: top-k per K/V group of a learned router",
-          studies=(("lm-en-contenders", "GQE"), ("lm-en-contenders-long", "GQE"))),
-    Entry("GQE, random control", '`route_per_group=True, router="random"`', _gqe(router="random"),
-          "as GQE", "random control: k heads per group uniformly at random, uniform weights, no router",
-          exact=(RANDOM_REFERENCE,), studies=(("lm-en-contenders", "GQE random"),)),
-    Entry("GQE, static control", "GQA with GQE's active query heads (`kv_heads=2`, 4 heads)",
-          AttentionConfig(kind="mha", num_heads=4, kv_heads=2, head_dim=HEAD_DIM),
-          "nothing: the heads a GQE token uses, always the same", "dense (fewer query heads, no router)",
-          studies=(("lm-en-contenders", "GQE static"),)),
-    Entry("SwitchHead", "`SwitchHeadAttention(d, 2, 4, 2, head_dim=171)`", _switchhead(),
-          "per-head value and output projections (experts)",
-          "token choice: top-k of a sigmoid selector per head, on each side, no renormalisation",
-          exact=(SWITCHHEAD_AUTHORS,), studies=(("lm-en-llama", "SwitchHead"), ("lm-en-contenders", "SwitchHead"))),
-    Entry("SwitchHead, random control", '`router="random"`', _switchhead(router="random"), "as SwitchHead",
-          "random control: k experts per head uniformly at random, no selector", exact=(RANDOM_REFERENCE,)),
-    Entry("MoSA", "`MixtureOfSparseAttention(d, 112, 64, sparsity=8, num_dense_heads=2)`", _mosa(),
-          "tokens: each sparse head attends among the tokens it chose",
-          "expert choice: each head's top T/8 tokens by `sigmoid(x W_r)` (training, evaluation); a causal "
-          "threshold rule when generating", exact=(MOSA_AUTHORS,),
-          studies=(("lm-en-contenders", "MoSA"), ("lm-en-contenders", "MoSA causal"))),
+    Entry("MHA", _mha(), studies=(Study("lm-en", "MHA"), Study("translation-en-de", "MHA"))),
+    Entry("GQA", _mha(kv_heads=2), exact=(LLAMA,), studies=(Study(CONTENDERS, "GQA"),)),
+    Entry("QK-norm", _mha(kv_heads=2, qk_norm=True), exact=(QWEN3,)),
+    Entry("Gated attention, headwise", _mha(kv_heads=2, output_gate="headwise"), exact=(QWEN3_GATED,),
+          studies=(Study(CONTENDERS, "Gated"), Study("lm-en-contenders-long", "Gated"))),
+    Entry("Gated attention, elementwise", _mha(kv_heads=2, output_gate="elementwise"), exact=(QWEN3_GATED,)),
+    Entry("Decoupled key size", _mha(key_dim=48), studies=(Study("lm-en", "MHA key 48"),)),
+    Entry("Talking-Heads", AttentionConfig(kind="talking_heads", num_heads=HEADS, head_dim=HEAD_DIM),
+          exact=(X_TRANSFORMERS,), studies=(Study("lm-en", "Talking-Heads"),)),
+    MOA,
+    Entry("MoA, noisy router", _moa(router="noisy_topk")),
+    random_control(MOA),
+    MOA_KV,
+    random_control(MOA_KV, Study(CONTENDERS, "MoA kv2 random")),
+    Entry("MoH, dense", _moh("dense"), exact=(MOH_AUTHORS,), studies=(Study("lm-en", "MoH"), Study("lm-en-llama", "MoH"))),
+    Entry("MoH, sparse", _moh("sparse"), exact=(MOH_SPARSE_DENSE,), studies=(Study("lm-en-moh-sparse", "MoH sparse"),)),
+    Entry("MoH routed per K/V group, dense", _moh("dense", per_group=True), exact=(MOH_REFERENCE,)),
+    MOH_PER_GROUP,
+    random_control(MOH_PER_GROUP, Study(CONTENDERS, "GQE random")),
+    static_control(MOH_PER_GROUP, Study(CONTENDERS, "GQE static")),
+    SWITCHHEAD,
+    random_control(SWITCHHEAD),
+    Entry("MoSA", _mosa(), exact=(MOSA_AUTHORS,),
+          studies=(Study(CONTENDERS, "MoSA"), Study(CONTENDERS, "MoSA causal", causal=True))),
 ]
 
 
+# --------------------------------------------------------------------------------------------------
+# The code cell: the config printed whole, and read back
+# --------------------------------------------------------------------------------------------------
+def config_code(att: AttentionConfig) -> str:
+    """``att`` as the call that builds it, ``AttentionConfig(kind="moh", ...)``: every field whose value differs
+    from what the call without it gives (``parse_config_code(config_code(att)) == att``)."""
+    given = {f.name: getattr(att, f.name) for f in dataclasses.fields(att)
+             if f.name == "kind" or getattr(att, f.name) != f.default}
+    for name in [n for n in given if n != "kind"]:
+        rest = {k: v for k, v in given.items() if k != name}
+        if _built(rest) == att:  # a default the kind fills in (e.g. MoA's router="softmax")
+            given = rest
+    return "AttentionConfig(" + ", ".join(f"{k}={_literal(v)}" for k, v in given.items()) + ")"
+
+
+def _built(fields: dict[str, Any]) -> AttentionConfig | None:
+    try:
+        return AttentionConfig(**fields)
+    except ValueError:
+        return None
+
+
+def _literal(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def parse_config_code(code: str) -> AttentionConfig:
+    """The config a code cell shows: ``AttentionConfig(field=literal, ...)``, keywords and literals only."""
+    call = ast.parse(code.strip().strip("`"), mode="eval").body
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "AttentionConfig"
+            and not call.args and all(kw.arg for kw in call.keywords)):
+        raise ValueError(f"code cell must be AttentionConfig(field=literal, ...), got {code!r}")
+    return AttentionConfig(**{kw.arg: ast.literal_eval(kw.value) for kw in call.keywords})
+
+
+# --------------------------------------------------------------------------------------------------
+# The description, from the config
+# --------------------------------------------------------------------------------------------------
+def what_is_routed(att: AttentionConfig) -> str:
+    """What ``att`` chooses per token, in a few words, read from its fields."""
+    if att.kind == "moa":
+        kv = f"; each expert one query head on each of {att.kv_heads} K/V heads" if (att.kv_heads or 1) > 1 else ""
+        return f"query and output projections: {att.top_k} of {att.num_experts} experts per token, K/V shared{kv}"
+    if att.kind == "moh":
+        groups = att.kv_heads if att.route_per_group else 1
+        where = f" in each of {groups} K/V groups" if att.route_per_group else ""
+        computed = {"sparse": "only those heads computed", "dense": "every head computed, then weighted"}
+        return (f"whole query heads{where}: {att.num_shared_heads} shared always, {att.top_k} of the "
+                f"{att.num_heads // groups - att.num_shared_heads} routed; {computed[att.moh_impl]}")
+    if att.kind == "switchhead":
+        return f"value and output projections: {att.top_k} of {att.num_experts} experts per head and side"
+    if att.kind == "mosa":
+        return (f"tokens: each of {att.num_sparse_heads} sparse heads attends among the T/{att.sparsity:g} tokens "
+                f"it chose, beside {att.num_dense_heads or 0} dense heads")
+    parts = ["nothing; heads mixed before and after the softmax" if att.kind == "talking_heads" else "nothing"]
+    if att.kv_heads and att.kv_heads != att.num_heads:
+        parts.append(f"{att.num_heads // att.kv_heads} query heads share each K/V head")
+    if att.qk_norm:
+        parts.append("queries and keys RMS-normalised")
+    if att.key_dim is not None:
+        parts.append(f"queries and keys of size {att.key_dim}, values of {att.resolved_head_dim(D_MODEL)}")
+    if att.output_gate:
+        parts.append({"headwise": "a gate on each head's output",
+                      "elementwise": "a gate on each element of each head's output"}[att.output_gate])
+    return "; ".join(parts)
+
+
+RANDOM_RULES = {"moa": "{k} experts uniformly at random per token, uniform weights, no router",
+                "moh": "{k} routed heads uniformly at random per token{group}, uniform weights, no router",
+                "switchhead": "{k} experts per head and side uniformly at random, no selector"}
+LEARNED_RULES = {("moa", "softmax"): "token choice: each token's top-k of a learned router (softmax, eq. 7-9)",
+                 ("moa", "noisy_topk"): "token choice: top-k of router logits plus learned noise in training (eq. 2-3)",
+                 ("moh", None): "token choice: each token's top-k of a learned router{group} (two-stage head weights)",
+                 ("switchhead", None): "token choice: top-k of a sigmoid selector per head, on each side, no "
+                                       "renormalisation",
+                 ("mosa", None): "expert choice: each sparse head's top T/{sparsity:g} tokens by `sigmoid(x W_r)` "
+                                 "(training, evaluation); a causal threshold rule when generating"}
+
+
+def routing_rule(att: AttentionConfig) -> str:
+    """How ``att`` chooses, read from its fields."""
+    group = " per K/V group" if att.route_per_group else ""
+    if att.router == "random":
+        return "random control: " + RANDOM_RULES[att.kind].format(k=att.top_k, group=group)
+    if (att.kind, att.router) in LEARNED_RULES:
+        return LEARNED_RULES[att.kind, att.router].format(group=group, sparsity=att.sparsity or 0)
+    if att.kind == "talking_heads":
+        return "dense learned mixing of the heads"
+    if att.output_gate:
+        return f"soft gate: `sigmoid(x W)` per {'head' if att.output_gate == 'headwise' else 'element'}, every token"
+    return "dense"
+
+
+# --------------------------------------------------------------------------------------------------
+# The computed cells
+# --------------------------------------------------------------------------------------------------
 def macs_per_token(att: AttentionConfig, causal: bool) -> float:
     """Attention MACs per token of one self-attention layer at the reference shape (MoSA: its own count)."""
     if att.kind == "mosa":
@@ -154,24 +272,62 @@ def cache_numbers_per_token(att: AttentionConfig) -> float:
     16 tokens and 4 bytes a number. MoSA's is counted instead: its dense heads' keys and values for every token,
     its sparse heads' for the expected share ``1 / sparsity`` of the tokens its threshold rule keeps."""
     if att.kind == "mosa":
-        return 2 * (att.num_dense_heads or 0) * HEAD_DIM + 2 * att.num_sparse_heads * HEAD_DIM / att.sparsity
+        head_dim = att.resolved_head_dim(D_MODEL)
+        return 2 * (att.num_dense_heads or 0) * head_dim + 2 * att.num_sparse_heads * head_dim / att.sparsity
     torch.manual_seed(0)
     layer = att.build(D_MODEL).eval()
     cache = layer(torch.randn(1, 16, D_MODEL), is_causal=True, use_cache=True).cache
     return cache.nbytes / 16 / 4
 
 
-def study_cell(study: str, row: str, studies: Path) -> str:
-    """``study: equal MACs Δ nll [low, high]; equal time Δ [low, high]`` of one committed study row, or why not."""
-    path = studies / study / "results.json"
+def number_cells(att: AttentionConfig) -> tuple[str, str]:
+    """The MACs cell (``full (x MHA) / causal``) and the cache cell of ``att``, both computed from it."""
+    mha = macs_per_token(_mha(), causal=False)
+    full, causal = macs_per_token(att, False), macs_per_token(att, True)
+    return f"{full / 1e6:.2f}M ({full / mha:.2f}) / {causal / 1e6:.2f}M", f"{cache_numbers_per_token(att):.0f}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The study cells, read from the committed records
+# --------------------------------------------------------------------------------------------------
+def design_differences(att: AttentionConfig, recorded: dict[str, Any]) -> list[str]:
+    """The fields by which a study row's recorded attention ``recorded`` is another design than ``att`` (sizes
+    aside): kind, router, grouped K/V, per-group routing, output gate, QK-norm, a separate key size, and
+    ``moh_impl`` where the study set it."""
+    def grouped(kv, heads):
+        return (kv or 1) > 1 and kv != heads
+
+    checks = {"kind": att.kind == recorded.get("kind"),
+              "router": att.router == recorded.get("router"),
+              "kv_heads": grouped(att.kv_heads, att.num_heads) == grouped(recorded.get("kv_heads"), recorded.get("num_heads")),
+              "route_per_group": bool(att.route_per_group) == bool(recorded.get("route_per_group")),
+              "output_gate": att.output_gate == recorded.get("output_gate"),
+              "qk_norm": bool(att.qk_norm) == bool(recorded.get("qk_norm")),
+              "key_dim": (att.key_dim is None) == (recorded.get("key_dim") is None),
+              "moh_impl": recorded.get("moh_impl") in (None, "auto", att.moh_impl)}
+    return [name for name, same in checks.items() if not same]
+
+
+def study_cell(ref: Study, att: AttentionConfig, studies: Path) -> str:
+    """One study cell: ``study, row "R" (its attention) vs "B": equal MACs Δ [low, high] (n), equal time ...``
+    (with a control's learned row minus it), or the causal-selection record (``ref.causal``), or why not.
+    ``ValueError`` when the study's row is another design than the page's row ``att``."""
+    path = studies / ref.study / "results.json"
     if not path.is_file():
-        return f"{study} ({row}): not run"
+        return f"{ref.study} ({ref.row}): not run"
     results = json.loads(path.read_text())
-    if row == results["baseline"]:
-        return f"{study}: the baseline"
-    found = next((r for r in results["rows"] if r["name"] == row), None)
+    found = next((r for r in results["rows"] if r["name"] == ref.row), None)
     if found is None:
-        return f"{study}: no row {row!r}"
+        return f"{ref.study}: no row {ref.row!r}"
+    differs = design_differences(att, found["attention"])
+    if differs:
+        raise ValueError(f"{ref.study} row {ref.row!r} is another design than the page's {config_code(att)}: "
+                         f"its {', '.join(differs)} differ")
+    named = f'{ref.study}, row "{ref.row}" ({_attention_text(found["attention"])})'
+    if ref.causal:
+        return _causal_cell(named, ref.row, results)
+    if ref.row == results["baseline"]:
+        return f"{named}: the baseline"
     parts = []
     macs = (found.get("vs_baseline") or {}).get("valid_nll")
     if macs and macs.get("n"):
@@ -180,8 +336,23 @@ def study_cell(study: str, row: str, studies: Path) -> str:
     if timed and timed.get("n"):
         parts.append(f"equal time {_delta(timed)}")
     if not parts:
-        return f"{study} ({row}): not finished"
-    return f"{study} ({row} vs {results['baseline']}): " + ", ".join(parts)
+        return f"{named}: not finished"
+    cell = f'{named} minus "{results["baseline"]}": ' + ", ".join(parts)
+    for control in (c for c in results.get("controls", []) if c["control"] == ref.row):
+        measured = [f"equal {budget} {_delta(control[key])}" for budget, key in (("MACs", "equal_macs"), ("time", "equal_time"))
+                    if (control.get(key) or {}).get("n")]
+        if measured:
+            cell += f'; "{control["row"]}" minus it: ' + ", ".join(measured)
+    return cell
+
+
+def _causal_cell(named: str, row: str, results: dict[str, Any]) -> str:
+    record = next((c for c in results.get("causal_selection", []) if c["row"] == row), None)
+    if record is None or not (record.get("gap") or {}).get("n"):
+        return f"{named}, causal threshold rule: not evaluated"
+    threshold, topk = record["threshold"], record["topk"]
+    return (f"{named} scored with the causal threshold rule: valid NLL {threshold['mean']:.3f} ± {threshold['std']:.3f} "
+            f"against {topk['mean']:.3f} ± {topk['std']:.3f} with top-k; gap (causal minus top-k) {_delta(record['gap'])}")
 
 
 def _delta(d: dict) -> str:
@@ -189,21 +360,33 @@ def _delta(d: dict) -> str:
     return f"{d['mean']:+.3f}{interval} (n {d['n']})"
 
 
+# --------------------------------------------------------------------------------------------------
+# The page
+# --------------------------------------------------------------------------------------------------
+COLUMNS = ("attention", "code (the configuration every other cell is computed from, at d_model 512)",
+           "what is routed", "routing rule", "attention MACs per token (x MHA): full / causal",
+           "KV cache numbers per token", "exact against (test)",
+           "what the studies found (Δ validation NLL against the study's baseline, 95% interval, seeds)")
+
+
 def render(studies: Path) -> str:
-    """The page's table (markdown), every number computed now or read from ``studies``."""
-    mha = macs_per_token(_mha(), causal=False)
-    lines = ["| attention | code | what is routed | routing rule | attention MACs per token (x MHA): full / causal "
-             "| KV cache numbers per token | exact against (test) | what the studies found (Δ validation NLL, "
-             "95% interval, seeds) |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The page's table (markdown): each row's cells computed now from its one config, or read from ``studies``."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for e in ENTRIES:
-        full, causal = macs_per_token(e.config, False), macs_per_token(e.config, True)
-        macs = f"{full / 1e6:.2f}M ({full / mha:.2f}) / {causal / 1e6:.2f}M"
-        cache = f"{cache_numbers_per_token(e.config):.0f}"
+        macs, cache = number_cells(e.config)
         exact = "; ".join(f"{peer} (`{test}`)" for peer, test in e.exact) or "-"
-        found = "; ".join(study_cell(s, r, studies) for s, r in e.studies) or "-"
-        lines.append(f"| {e.name} | {e.code} | {e.routed} | {e.rule} | {macs} | {cache} | {exact} | {found} |")
+        found = "; ".join(study_cell(ref, e.config, studies) for ref in e.studies) or "-"
+        cells = (e.name, f"`{config_code(e.config)}`", e.routed or what_is_routed(e.config), routing_rule(e.config),
+                 macs, cache, exact, found)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def table_rows(text: str) -> list[dict[str, str]]:
+    """The rows of the table between :data:`BEGIN` and :data:`END` in a page's ``text``, as ``{column: cell}``
+    (the column names of :data:`COLUMNS`): what the test reads back."""
+    table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip().splitlines()[2:]
+    return [dict(zip(COLUMNS, (c.strip() for c in line.strip().strip("|").split(" | ")))) for line in table]
 
 
 BEGIN, END = "<!-- design-space:begin -->", "<!-- design-space:end -->"
