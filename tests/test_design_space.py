@@ -171,3 +171,15 @@ def test_a_page_without_markers_is_refused(tmp_path):
     page.write_text("# no table here\n")
     with pytest.raises(ValueError, match="must hold the markers"):
         design_space.rewrite(page, ROOT / "studies")
+
+
+def test_a_kind_the_page_does_not_describe_needs_its_description_given():
+    """A new attention kind gets no guessed description ("nothing", "dense"): its row must say what it routes and
+    how (``Entry(routed=..., rule=...)``)."""
+    from types import SimpleNamespace
+
+    new = SimpleNamespace(kind="gqe", router=None, route_per_group=None, output_gate=None, top_k=2)
+    with pytest.raises(ValueError, match="routed="):
+        design_space.what_is_routed(new)
+    with pytest.raises(ValueError, match="rule="):
+        design_space.routing_rule(new)

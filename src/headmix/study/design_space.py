@@ -55,13 +55,16 @@ class Study:
 class Entry:
     """One row of the page: its label and its configuration at the reference shape (everything else is
     computed from it). ``exact``: ``(peer, "tests/file.py::test")`` pairs; ``studies``: where its study cells
-    come from; ``routed``: overrides the derived "what is routed" (a control says what it holds fixed)."""
+    come from; ``routed`` and ``rule`` override the "what is routed" and "routing rule" derived from the config
+    (:func:`what_is_routed`, :func:`routing_rule`: a control says what it holds fixed; a kind they do not
+    describe needs both)."""
 
     name: str
     config: AttentionConfig
     exact: tuple[tuple[str, str], ...] = ()
     studies: tuple[Study, ...] = ()
     routed: str | None = None
+    rule: str | None = None
 
 
 def random_control(learned: Entry, *studies: Study) -> Entry:
@@ -89,12 +92,12 @@ def _moa(**kw) -> AttentionConfig:
     return AttentionConfig(kind="moa", num_experts=4 * HEADS // kv, top_k=HEADS // kv, head_dim=HEAD_DIM, **kw)
 
 
-def _moh(impl: str, **kw) -> AttentionConfig:
+def _moh(impl: str, per_group: bool = False) -> AttentionConfig:
     """MoH: 2 shared heads and 3 of 6 routed; routed per K/V group (``kv_heads=2``): 1 shared and 2 of 3 routed
     per group (top 2: at top 1 the default weighting gives the router no gradient from the task)."""
-    shape = (dict(kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2) if kw.pop("per_group", False)
+    shape = (dict(kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2) if per_group
              else dict(num_shared_heads=2, top_k=3))
-    return AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, moh_impl=impl, **shape, **kw)
+    return AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, moh_impl=impl, **shape)
 
 
 def _switchhead(**kw) -> AttentionConfig:
@@ -217,6 +220,8 @@ def what_is_routed(att: AttentionConfig) -> str:
     if att.kind == "mosa":
         return (f"tokens: each of {att.num_sparse_heads} sparse heads attends among the T/{att.sparsity:g} tokens "
                 f"it chose, beside {att.num_dense_heads or 0} dense heads")
+    if att.kind not in ("mha", "talking_heads"):
+        raise ValueError(f"no description of what kind {att.kind!r} routes: give the Entry's routed=")
     parts = ["nothing; heads mixed before and after the softmax" if att.kind == "talking_heads" else "nothing"]
     if att.kv_heads and att.kv_heads != att.num_heads:
         parts.append(f"{att.num_heads // att.kv_heads} query heads share each K/V head")
@@ -245,12 +250,14 @@ LEARNED_RULES = {("moa", "softmax"): "token choice: each token's top-k of a lear
 def routing_rule(att: AttentionConfig) -> str:
     """How ``att`` chooses, read from its fields."""
     group = " per K/V group" if att.route_per_group else ""
-    if att.router == "random":
+    if att.router == "random" and att.kind in RANDOM_RULES:
         return "random control: " + RANDOM_RULES[att.kind].format(k=att.top_k, group=group)
     if (att.kind, att.router) in LEARNED_RULES:
         return LEARNED_RULES[att.kind, att.router].format(group=group, sparsity=att.sparsity or 0)
     if att.kind == "talking_heads":
         return "dense learned mixing of the heads"
+    if att.kind != "mha" or att.router is not None:
+        raise ValueError(f"no routing rule of kind {att.kind!r} with router {att.router!r}: give the Entry's rule=")
     if att.output_gate:
         return f"soft gate: `sigmoid(x W)` per {'head' if att.output_gate == 'headwise' else 'element'}, every token"
     return "dense"
@@ -376,8 +383,8 @@ def render(studies: Path) -> str:
         macs, cache = number_cells(e.config)
         exact = "; ".join(f"{peer} (`{test}`)" for peer, test in e.exact) or "-"
         found = "; ".join(study_cell(ref, e.config, studies) for ref in e.studies) or "-"
-        cells = (e.name, f"`{config_code(e.config)}`", e.routed or what_is_routed(e.config), routing_rule(e.config),
-                 macs, cache, exact, found)
+        cells = (e.name, f"`{config_code(e.config)}`", e.routed or what_is_routed(e.config),
+                 e.rule or routing_rule(e.config), macs, cache, exact, found)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
