@@ -47,7 +47,7 @@ def test_the_code_cell_prints_the_whole_config_and_reads_back_equal():
     assert design_space.config_code(AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=8, router="random",
                                                     renormalize="live")) == \
         'AttentionConfig(kind="moa", head_dim=8, num_experts=4, top_k=2, router="random", renormalize="live")'
-    for bad in ("MultiHeadAttention(d, 8)", "AttentionConfig(**x)", "AttentionConfig(kind=mha)"):
+    for bad in ("MultiHeadAttention(d, 8)", "AttentionConfig(**x)", "AttentionConfig(kind=mha)", "`a | b`("):
         with pytest.raises(ValueError):
             design_space.parse_config_code(bad)
 

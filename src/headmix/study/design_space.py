@@ -194,7 +194,10 @@ def _literal(value: Any) -> str:
 
 def parse_config_code(code: str) -> AttentionConfig:
     """The config a code cell shows: ``AttentionConfig(field=literal, ...)``, keywords and literals only."""
-    call = ast.parse(code.strip().strip("`"), mode="eval").body
+    try:
+        call = ast.parse(code.strip().strip("`"), mode="eval").body
+    except SyntaxError:
+        call = None
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "AttentionConfig"
             and not call.args and all(kw.arg for kw in call.keywords)):
         raise ValueError(f"code cell must be AttentionConfig(field=literal, ...), got {code!r}")
