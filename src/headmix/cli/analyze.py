@@ -36,8 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="analysis", required=True)
 
     load = sub.add_parser("load", help="share of tokens routed to each expert/head, per layer (paper Figure 3)",
-                          description="Fraction of routing slots each MoA expert, MoH routed head or SwitchHead "
-                                      "expert (per head, value and output sides) receives, per "
+                          description="Fraction of routing slots each MoA expert, MoH routed head (per K/V group "
+                                      "when routed per group, GQE) or SwitchHead expert (per head, value and output "
+                                      "sides) receives, per "
                                       "layer: load.json, load.md, load.png (all layers), load_summary.png (max/min "
                                       "share, CV, entropy per layer) and load_layers/NN_<layer>.png.")
     _data_options(load)
