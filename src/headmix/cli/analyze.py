@@ -22,7 +22,7 @@ def _data_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run folder (from `headmix train`)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--data", default=None, metavar="FILE",
-                   help="TSV of pairs (translation) or JSONL of documents (mlm/lm); default: the run's --split")
+                   help="TSV of pairs (translation) or documents, JSONL or plain text (mlm/lm); default: the run's --split")
     p.add_argument("--split", choices=["train", "valid", "test"], default="valid",
                    help="the run's split to analyse when --data is not given (default: valid)")
     p.add_argument("--limit", type=int, default=None, help="only the first N sentence pairs / documents")
