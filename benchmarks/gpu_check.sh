@@ -23,5 +23,15 @@ case "${1:-}" in
     *) echo "usage: benchmarks/gpu_check.sh quick|full1|full2 [--tiny] [--out DIR]" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
+python="${PYTHON:-python3}"
+# An interpreter without PyTorch (the system python3 beside a .venv) stops here in one line, not a traceback.
+if ! command -v "$python" >/dev/null; then
+    echo "benchmarks/gpu_check.sh: no interpreter $python: give one that has torch, e.g. PYTHON=.venv/bin/python benchmarks/gpu_check.sh $1" >&2
+    exit 2
+fi
+if ! "$python" -c "import torch" >/dev/null 2>&1; then
+    echo "benchmarks/gpu_check.sh: $(command -v "$python") has no torch: give the interpreter that has it, e.g. PYTHON=.venv/bin/python benchmarks/gpu_check.sh $1" >&2
+    exit 2
+fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "${PYTHON:-python3}" -m headmix.bench.gpu_check "$@"
+exec "$python" -m headmix.bench.gpu_check "$@"

@@ -96,6 +96,9 @@ def test_load_report_shares_and_summaries():
     assert math.isclose(sum(l.gate_share), 1.0) and math.isclose(sum(l.mean_prob), 1.0)
     md = rep.to_markdown()
     assert "| 0 | encoder.layers.0.self_attn | moa | 4 | 2 | 4 | 50.00% | 0.00% |" in md
+    # the shares table: its headers are the experts' labels, its cells the shares under them
+    assert "| layer | uniform | E0 | E1 | E2 | E3 |\n|---|---|---|---|---|---|\n" \
+           "| encoder.layers.0.self_attn | 25.0% | 50.0% | 37.5% | 12.5% | 0.0% |" in md
     assert json.loads(rep.to_json())["layers"][0]["share"] == l.share
 
 
@@ -397,6 +400,115 @@ def hand_load_report() -> LoadReport:
     return LoadReport.from_stats(RoutingStats([a, b], {a.name: ca, b.name: cb}, num_batches=1))
 
 
+def test_load_markdown_headers_name_each_layers_own_experts():
+    """Layers with other experts (MoA's E0..E3, MoH's routed heads h1, h2) get a shares table each, whose
+    headers are their labels: no column headed by an index over a cell naming another head."""
+    md = hand_load_report().to_markdown()
+    assert "| layer | uniform | E0 | E1 | E2 | E3 |\n|---|---|---|---|---|---|\n| encoder.layers.0.self_attn | 25.0% |" in md
+    assert "| layer | uniform | h0 | h1 |\n|---|---|---|---|\n| decoder.layers.0.self_attn | 50.0% | 50.0% | 50.0% |" in md
+
+
+# ---------------------------------------------------------------------- MoH routed per K/V group (GQE)
+def gqe_model():
+    """``llama3-tiny-gqe``: 8 heads in 2 K/V groups, per group 1 shared head and the top 2 of 3 routed heads.
+    The group and shared gates (zero at initialisation) are drawn at random so that the two groups' weights
+    differ and a mix-up of groups or heads shows."""
+    torch.manual_seed(0)
+    model = build_model(get_config("llama3-tiny-gqe", task="lm", vocab_size=60)).double().eval()
+    with torch.no_grad():
+        for layer in routed_layers(model):
+            layer.module.group_gate.weight.normal_(0, 0.5)
+            layer.module.shared_gate.weight.normal_(0, 0.5)
+    return model
+
+
+def gqe_ids() -> torch.Tensor:
+    return torch.randint(5, 60, (3, 11), generator=torch.Generator().manual_seed(4))
+
+
+def test_gqe_layers_are_routed_layers_with_a_group_per_kv_head():
+    layer = routed_layers(gqe_model())[0]
+    assert (layer.kind, layer.num_experts, layer.top_k, layer.num_groups, layer.group_kind) == ("moh", 6, 2, 2, "K/V group")
+    assert layer.slots_per_token == 4 and layer.shared_head_ids == [0, 4]
+    assert layer.routed_head_ids == layer.module.routed_head_ids == [1, 2, 3, 5, 6, 7]
+    assert layer.shared_head_ids == layer.module.shared_head_ids
+    assert layer.expert_labels == ["g0.h1", "g0.h2", "g0.h3", "g1.h5", "g1.h6", "g1.h7"]
+
+
+def test_gqe_expert_load_per_kv_group_is_the_models_routing():
+    model, ids = gqe_model(), gqe_ids()
+    ids[1, 7:] = 0  # padding: never counted
+    report = expert_load(model, [ids])
+    with torch.no_grad():
+        routing = dict(model.decoder(ids).routing)
+    real = ids.reshape(-1) != PAD
+    for layer in report.layers:
+        expected = torch.bincount(routing[layer.name].expert_index[real].reshape(-1), minlength=6)
+        assert layer.counts == expected.tolist() and layer.num_tokens == int(real.sum())
+        assert (layer.num_groups, layer.top_k) == (2, 2) and len(layer.groups) == 2
+        for g, group in enumerate(layer.groups):
+            c_g = expected.view(2, 3)[g].double()
+            assert int(c_g.sum()) == 2 * layer.num_tokens  # top 2 in each group, every token
+            assert group["label"] == f"g{g}" and group["share"] == pytest.approx((c_g / c_g.sum()).tolist(), rel=1e-12)
+            assert group["max_share"] == pytest.approx(float(c_g.max() / c_g.sum()), rel=1e-12)
+        assert sum(layer.mean_prob) == pytest.approx(2.0)  # a softmax per group
+    md = report.to_markdown()
+    assert "| layer | uniform | g0.h1 | g0.h2 | g0.h3 | g1.h5 | g1.h6 | g1.h7 |" in md
+    assert "Per K/V group (shares of the group's own slots):" in md and "| decoder.layers.1.self_attn | g1 | 3 |" in md
+    fig = report.layer_figure(0)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["g0", "g1"]
+    assert [list(line.get_xdata()) for line in fig.axes[0].lines[1:]] == [[2.5, 2.5]]  # between h3 and h5
+
+
+def test_gqe_head_utilities_per_kv_group():
+    model, ids = gqe_model(), gqe_ids()
+    report = head_utilities(model, [ids])
+    load = expert_load(model, [ids])
+    for layer, loaded in zip(report.layers, load.layers):
+        module = dict(model.named_modules())[layer.name]
+        x = {}
+        handle = module.register_forward_hook(lambda m, a, kw, out: x.update(q=a[0] if a else kw["query"]),
+                                              with_kwargs=True)
+        with torch.no_grad():
+            model.decoder(ids)
+            handle.remove()
+            g, routing = module.head_weights(x["q"], None)
+            pairs = torch.nn.functional.linear(x["q"], module.group_gate.weight).view(-1, 2, 2).softmax(-1)
+        g = g.reshape(-1, 8)
+        assert layer.head_labels == ["h0*", "h1", "h2", "h3", "h4*", "h5", "h6", "h7"] and layer.num_groups == 2
+        assert layer.mean_weight == pytest.approx(g.mean(0).tolist(), rel=1e-9)
+        active = torch.zeros(8, dtype=torch.float64)
+        active[[0, 4]] = 1.0
+        active[[1, 2, 3, 5, 6, 7]] = torch.tensor(loaded.counts, dtype=torch.float64) / ids.numel()
+        assert layer.active_fraction == pytest.approx(active.tolist(), rel=1e-12)
+        for group, heads in zip(layer.groups, ([0, 1, 2, 3], [4, 5, 6, 7])):
+            assert group["heads"] == heads
+            assert group["group_weights"] == pytest.approx(pairs[:, group["group"]].mean(0).tolist(), rel=1e-9)
+            assert group["shared_weight_fraction"] == pytest.approx(float(g[:, heads[0]].sum() / g[:, heads].sum()))
+            assert group["routed_share"] == pytest.approx(loaded.groups[group["group"]]["share"], rel=1e-12)
+        assert layer.groups[0]["group_weights"] != pytest.approx(layer.groups[1]["group_weights"], abs=1e-3)
+        assert layer.group_weights == pytest.approx(pairs.mean((0, 1)).tolist(), rel=1e-9)
+    md = report.to_markdown()
+    assert "2 + 6 in 2 K/V groups" in md and "| decoder.layers.0.self_attn | g1 | h4*, h5, h6, h7 |" in md
+    assert [t.get_text() for t in report.figure().axes[0].texts] == ["g0", "g1"]
+
+
+def test_gqe_token_expert_pmi_shares_per_kv_group():
+    from headmix.analysis import pmi_matrix
+
+    model, ids = gqe_model(), gqe_ids()
+    report = token_expert_pmi(model, [ids], layer=1, min_count=1, top=3)
+    counts = collect_routing(model, [ids], layers=[report.name], cooccurrence=[report.name]).counts[report.name]
+    pmi, _ = pmi_matrix(counts.cooc, counts.token_counts)
+    slots = counts.cooc.sum(0).view(2, 3).double()
+    assert [e.group for e in report.experts] == [0, 0, 0, 1, 1, 1]
+    assert [e.share for e in report.experts] == pytest.approx((slots / slots.sum(1, keepdim=True)).reshape(-1).tolist())
+    for e in report.experts:
+        assert [t.pmi for t in e.tokens] == pytest.approx([float(pmi[t.id, e.expert]) for t in e.tokens], rel=1e-12)
+    md = report.to_markdown()
+    assert "top-2 in each of 2 K/V groups" in md and "| Routed head | Share of its group |" in md and "| g1.h7 |" in md
+
+
 def test_load_plots_draw_the_shares(tmp_path):
     rep = hand_load_report()
     fig = rep.figure()
@@ -511,7 +623,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     tok = Tokenizer.load(out["tiny-moa"] / "tokenizer")
     docs = load_embedded_documents(sources="kjv-bible")[:8]
     for name, preset, task in (("talking", "tiny-talking-heads", "translation"), ("lm", "tiny-moa", "lm"),
-                               ("mlm", "tiny-moa", "mlm"), ("switchhead", "tiny-switchhead", "translation")):
+                               ("mlm", "tiny-moa", "mlm"), ("switchhead", "tiny-switchhead", "translation"),
+                               ("gqe", "llama3-tiny-gqe", "lm")):
         run = root / name
         torch.manual_seed(0)
         build_model(get_config(preset, task=task, vocab_size=tok.vocab_size)).save_pretrained(run)
@@ -553,9 +666,9 @@ def test_cli_load_switchhead_per_head_and_side(runs, tmp_path, capsys):
     # 6 attention layers, each with a value and an output side, 2 heads of 4 experts
     assert len(data["layers"]) == 12 and data["layers"][1]["name"] == "encoder.layers.0.self_attn:output"
     for layer in data["layers"]:
-        assert layer["kind"] == "switchhead" and len(layer["heads"]) == 2 and layer["num_tokens"] > 0
+        assert layer["kind"] == "switchhead" and len(layer["groups"]) == 2 and layer["num_tokens"] > 0
         assert sum(layer["counts"]) == 2 * 2 * layer["num_tokens"]  # k = 2 slots per head per token
-        for head in layer["heads"]:
+        for head in layer["groups"]:
             assert math.isclose(sum(head["share"]), 1.0, rel_tol=1e-9)
     assert len(list((out / "load_layers").glob("*.png"))) == 12
     assert "decoder.layers.0.cross_attn:value" in capsys.readouterr().out
@@ -629,3 +742,19 @@ def test_language_model_runs(runs, tmp_path):
     assert main(["analyze", "load", str(runs["lm"]), "--out", str(tmp_path / "lm")]) == 0
     data = json.loads((tmp_path / "lm" / "load.json").read_text())
     assert [l["name"] for l in data["layers"]] == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
+
+
+def test_cli_analyses_a_run_routed_per_kv_group(runs, tmp_path, capsys):
+    """MoH routed per K/V group (GQE): load, heads and PMI per group, where they were refused before."""
+    out = tmp_path / "gqe"
+    assert main(["analyze", "load", str(runs["gqe"]), "--out", str(out)]) == 0
+    data = json.loads((out / "load.json").read_text())
+    assert [len(l["groups"]) for l in data["layers"]] == [2, 2]
+    assert all(math.isclose(sum(g["share"]), 1.0, rel_tol=1e-9) for l in data["layers"] for g in l["groups"])
+    assert "Per K/V group" in (out / "load.md").read_text() and is_png(out / "load.png")
+    assert main(["analyze", "heads", str(runs["gqe"]), "--out", str(out)]) == 0
+    heads = json.loads((out / "moh_heads.json").read_text())
+    assert [[g["heads"] for g in l["groups"]] for l in heads["layers"]] == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
+    assert main(["analyze", "pmi", str(runs["gqe"]), "--min-count", "1", "--out", str(out)]) == 0
+    pmi = json.loads((out / "pmi.json").read_text())
+    assert [e["group"] for e in pmi["experts"]] == [0, 0, 0, 1, 1, 1] and is_png(out / "pmi.png")

@@ -121,7 +121,7 @@ def test_data_given_as_a_folder_says_so(tmp_path, docs_file, capsys):
 
     assert main(lm_args(tmp_path / "run", tmp_path)) == 2
     err = capsys.readouterr().err
-    assert f"data {tmp_path} is a folder; expected a file (lm: a JSONL of documents)" in err
+    assert f"data {tmp_path} is a folder; expected a file (lm: a JSONL or plain-text file of documents)" in err
 
 
 def test_a_run_that_failed_before_its_first_step_does_not_lock_its_folder(tmp_path, docs_file, capsys):
@@ -224,6 +224,123 @@ def test_malformed_corpus_lines_are_reported_once(tmp_path, docs_file, capsys):
     assert not [w for w in caught if "malformed" in str(w.message)]
     assert len([line for line in err.splitlines() if "malformed" in line]) == 1 and err.count(f"{mixed}:1:") == 1
     assert "[headmix] skipped 5 malformed line(s) (--strict makes them an error)" in err
+
+
+# --------------------------------------------------------------------------- issue 42: plain text, versions
+
+JSONL_EXPECTED = ('expected JSONL: one JSON object a line with the document in a string field "text"; or plain text '
+                  'in a .txt file, documents separated by blank lines')
+
+
+def test_plain_text_documents_are_separated_by_blank_lines(tmp_path):
+    import gzip
+
+    from headmix.data import document_format, read_documents
+
+    text = "In the beginning\nGod created.\n\n\n  \nAnd the earth\nwas without form.\n\nThe last\none.\n"
+    docs = read_documents(_write(tmp_path / "corpus.txt", text))
+    assert [d.text for d in docs] == ["In the beginning\nGod created.", "And the earth\nwas without form.", "The last\none."]
+    assert [d.id for d in docs] == ["corpus.txt:1", "corpus.txt:6", "corpus.txt:9"]
+    # without any blank line: one document a line
+    lines = read_documents(_write(tmp_path / "lines.txt", "one\ntwo\nthree"))
+    assert [(d.text, d.id) for d in lines] == [("one", "lines.txt:1"), ("two", "lines.txt:2"), ("three", "lines.txt:3")]
+    gz = tmp_path / "corpus.txt.gz"
+    gz.write_bytes(gzip.compress(text.encode()))
+    assert [d.text for d in read_documents(gz)] == [d.text for d in docs]
+    # the format: by the name, else by the first non-blank line
+    jsonl_text = '{"text": "a {b}"}\n'
+    assert [document_format(_write(tmp_path / name, body)) for name, body in
+            [("a.jsonl", jsonl_text), ("a.json.gz", jsonl_text), ("a.txt", jsonl_text), ("a.dat", "\n" + jsonl_text),
+             ("b.dat", "plain {words}\n"), ("c", "x")]] == ["jsonl", "jsonl", "text", "jsonl", "text", "text"]
+    assert [d.text for d in read_documents(tmp_path / "a.txt")] == ['{"text": "a {b}"}']  # .txt: read as text
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_lm_trains_on_a_plain_text_file(tmp_path, capsys):
+    from headmix.cli.main import main
+    from headmix.data import load_embedded_documents, read_jsonl_documents
+
+    docs = load_embedded_documents(sources="kjv-bible")[:40]
+    corpus = _write(tmp_path / "corpus.txt", "\n\n".join(d.text.replace("\n\n", "\n") for d in docs) + "\n")
+    assert main(lm_args(tmp_path / "run", corpus)) == 0
+    split = [read_jsonl_documents(tmp_path / "run" / "data" / f"{s}.jsonl") for s in ("train", "valid", "test")]
+    assert sum(len(s) for s in split) == 40 and all(split)  # 40 documents, split by document
+    assert "malformed" not in capsys.readouterr().err
+
+
+def test_a_malformed_documents_file_names_the_formats_expected(tmp_path, capsys):
+    from headmix.cli.main import main
+    from headmix.data import CorpusError, read_documents, read_tsv_pairs
+
+    prose = _write(tmp_path / "corpus.jsonl", "Plain prose, not JSON.\nMore prose.\n")
+    with pytest.raises(CorpusError, match="no valid documents .*" + JSONL_EXPECTED.replace(".", r"\.")):
+        read_documents(prose)
+    with pytest.raises(CorpusError, match=r"corpus\.jsonl:1: bad JSON: .*; " + JSONL_EXPECTED.replace(".", r"\.")):
+        read_documents(prose, strict=True)
+    assert main(lm_args(tmp_path / "run", prose)) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and JSONL_EXPECTED in err
+    pairs = _write(tmp_path / "pairs.tsv", "only one column\n")
+    with pytest.raises(CorpusError, match=r"expected TSV: source<TAB>target\[<TAB>document id\] a line"):
+        read_tsv_pairs(pairs)
+
+
+def test_evaluate_says_which_split_it_scored_and_its_help_the_default(lm_run, capsys):
+    from headmix.cli.main import main
+
+    assert main(["evaluate", str(lm_run), "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["split"] == "test"
+    assert f"[headmix] evaluate scored the test split of {lm_run} (training reports the valid split: --split valid " \
+           "to compare)" in out.err
+    assert main(["evaluate", str(lm_run), "--split", "valid", "--no-progress"]) == 0
+    assert f"[headmix] evaluate scored the valid split of {lm_run}\n" in capsys.readouterr().err
+    assert main(["evaluate", "--help"]) == 0
+    assert "(default: test; training reports the valid split)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_plain_install_cannot_pick_an_untested_torch():
+    """pyproject's torch range is the README's "Supported versions" (2.10 to 2.13) and holds the pinned release."""
+    import re
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    deps = [Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    torch_spec = next(r.specifier for r in deps if r.name == "torch")
+    assert [v for v in ("2.9.1", "2.10.0", "2.13.0", "2.13.1", "2.14.0", "2.14.1", "2.15.0") if v in torch_spec] == \
+        ["2.10.0", "2.13.0", "2.13.1"]
+    readme = (ROOT / "README.md").read_text()
+    oldest, newest = re.search(r"PyTorch (\d+\.\d+) \(the first with a public .*?\) to (\d+\.\d+);", readme).groups()
+    assert (oldest, newest) == ("2.10", "2.13")
+    assert torch_spec.contains(f"{oldest}.0") and not torch_spec.contains(f"{newest[:2]}{int(newest[2:]) + 1}.0")
+    pinned = re.search(r"^TORCH \?= torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert torch_spec.contains(pinned)
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme  # how to get the CPU wheel
+
+
+def test_gpu_check_without_torch_in_its_interpreter_says_so_in_one_line(tmp_path):
+    """An interpreter without torch (here this one with -I -S: no site-packages) and a missing one stop the script
+    in one line naming the interpreter and PYTHON=, before anything runs."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "python-without-torch"
+    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "$@"\n')
+    fake.chmod(0o755)
+    for python, says in ((str(fake), f"{fake} has no torch"), (str(tmp_path / "nowhere"), f"no interpreter {tmp_path}/nowhere")):
+        proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "quick", "--tiny", "--out",
+                               str(tmp_path / "out")], env={**os.environ, "PYTHON": python}, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and says in proc.stderr and "PYTHON=.venv/bin/python" in proc.stderr
+        assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
 def test_a_corpus_with_no_valid_line_is_one_error_without_a_warning(tmp_path):

@@ -252,6 +252,39 @@ def test_loss_is_the_shifted_cross_entropy_plus_the_routing_losses():
     assert [name for name, _ in routed] == [name for name, _ in model(ids).routing]
 
 
+SHIFTED_MESSAGE = r"^labels are input_ids shifted by one: labels are now the inputs themselves"
+
+
+def test_pre_shifted_labels_are_refused_as_by_the_plain_model():
+    """``labels = x[:, 1:]`` for ``input_ids = x[:, :-1]`` (headmix's old convention) would train the model to
+    predict the token two ahead: the wrapper refuses them with the plain model's message (one shared check);
+    the inputs themselves, with ``-100`` anywhere, pass, as in the plain model."""
+    model = headmix_lm("llama-tiny-moa")
+    hf = HeadmixForCausalLM.from_headmix(model)
+    x = prompt(2, 9)
+    for forward in (model, hf):
+        with pytest.raises(ValueError, match=SHIFTED_MESSAGE):
+            forward(x[:, :-1], labels=x[:, 1:])
+    partly_ignored = x[:, 1:].clone()
+    partly_ignored[1, 4:] = -100  # padding ignored in the shifted labels: still shifted
+    with pytest.raises(ValueError, match=SHIFTED_MESSAGE):
+        hf(x[:, :-1], labels=partly_ignored)
+    labels = x.clone()
+    labels[0, :3] = -100
+    assert torch.isfinite(hf(x, labels=labels).loss)
+
+
+def test_trainer_refuses_pre_shifted_labels(tmp_path):
+    """The ``Trainer`` route: a dataset of pre-shifted labels stops the first step with the same message."""
+    hf = HeadmixForCausalLM.from_headmix(headmix_lm("llama-tiny-mha"))
+    rows = prompt(4, 12)
+    data = [{"input_ids": row[:-1], "labels": row[1:]} for row in rows]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    with pytest.raises(ValueError, match=SHIFTED_MESSAGE):
+        transformers.Trainer(model=hf, args=args, train_dataset=data).train()
+
+
 @pytest.mark.parametrize("preset,tied", [("llama-tiny-moa", False), ("llama-tiny-moa", True)])
 def test_resize_token_embeddings_keeps_the_old_ids_and_a_consistent_model(preset, tied, tmp_path):
     """``resize_token_embeddings`` as ``transformers`` defines it: the logits of the old ids unchanged, the new

@@ -76,3 +76,15 @@ def test_lora_on_the_lm_head_changes_the_logits_and_merges_exactly():
     merged = adapted.merge_and_unload()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=1e-5)
+
+
+def test_peft_wrapped_model_refuses_pre_shifted_labels():
+    """The PEFT route: the adapted model passes labels through to the wrapper, which refuses pre-shifted ones
+    (``labels = x[:, 1:]`` for ``input_ids = x[:, :-1]``) with the plain model's message."""
+    torch.manual_seed(0)
+    model = HeadmixForCausalLM.from_headmix(build_model(get_config("llama-tiny-moh", task="lm", vocab_size=50)))
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    x = torch.randint(3, 50, (2, 10), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"^labels are input_ids shifted by one: labels are now the inputs themselves"):
+        adapted(x[:, :-1], labels=x[:, 1:])
+    assert torch.isfinite(adapted(x, labels=x).loss)

@@ -615,14 +615,14 @@ def test_expert_load_per_head_value_and_output_sides():
         real = ids.reshape(-1) != 0
         expected = torch.bincount(r.expert_index[real].reshape(-1), minlength=8)
         assert layer.counts == expected.tolist(), layer.name
-        assert layer.num_tokens == int(real.sum()) and (layer.num_heads, layer.top_k, layer.num_experts) == (2, 2, 8)
+        assert layer.num_tokens == int(real.sum()) and (layer.num_groups, layer.top_k, layer.num_experts) == (2, 2, 8)
         assert layer.labels[:5] == ["h0.E0", "h0.E1", "h0.E2", "h0.E3", "h1.E0"]
-        for h, head in enumerate(layer.heads):
+        for h, head in enumerate(layer.groups):
             c_h = expected.view(2, 4)[h].double()
             assert head["share"] == pytest.approx((c_h / c_h.sum()).tolist())
             assert head["max_share"] == pytest.approx(float(c_h.max() / c_h.sum()))
     text = report.to_markdown()
-    assert "Per head" in text and "| decoder.layers.1.cross_attn:value | h1 | 4 |" in text
+    assert "Per head (shares of the group's own slots)" in text and "| decoder.layers.1.cross_attn:value | h1 | 4 |" in text
 
 
 def test_token_expert_pmi_on_a_switchhead_side():

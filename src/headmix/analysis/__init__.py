@@ -10,7 +10,8 @@ The analyses of the MoA paper (Zhang et al. 2022, arXiv 2210.05144), for any hea
 - :func:`token_expert_pmi` -> :class:`PMIReport`: the top tokens per expert by
   ``PMI(token, expert) = p(token, expert) / (p(token) p(expert))`` (Table 4, first encoder layer).
 - :func:`head_utilities` -> :class:`HeadUtilityReport`: MoH head weights, activation rates and the
-  shared/routed balance; :func:`talking_heads_matrices` -> :class:`TalkingHeadsReport`: the learned
+  shared/routed balance (per K/V group for MoH routed per group, GQE: every analysis reports layers whose
+  experts fall into groups group by group, see :mod:`headmix.analysis.layers`); :func:`talking_heads_matrices` -> :class:`TalkingHeadsReport`: the learned
   Talking-Heads mixing matrices.
 
 Every report has ``to_json()``, ``to_markdown()`` and ``plot(path)``. The data is streamed: per batch

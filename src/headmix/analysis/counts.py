@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from ..attention.moa import real_token_mask
 from ..models import CausalLanguageModel, EncoderDecoderModel, MaskedLanguageModel
 from ..routing import Routing
+from ..routing.router import router_dtype
 from .layers import RoutedLayer, _unwrap, layer_routings, layer_token_ids, require_routed
 
 TRANSLATION_INPUTS = ("src", "tgt_in")
@@ -121,14 +122,18 @@ class HeadCounts:
     """Per-head weight sums of one MoH layer (MoH's ``g_i``, shared and routed heads together, in the
     layer's head order), accumulated over real tokens.
 
-    ``weight_sum[h]``: summed ``g_h``; ``active[h]``: tokens on which head ``h`` is active (shared heads:
-    every token; routed heads: the tokens that selected them); ``group_sum``: summed group weights
-    ``[a_s, a_r] / 2`` (MoH's first routing stage, a softmax over the two groups; ``[0, 1]`` without
-    shared heads)."""
+    ``shared_heads`` / ``routed_heads``: the layer's indices of the shared heads and of the routed heads in
+    routing order (:attr:`~headmix.analysis.layers.RoutedLayer.routed_head_ids`; with ``num_groups`` K/V
+    groups, each group's shared heads then its routed heads). ``weight_sum[h]``: summed ``g_h``;
+    ``active[h]``: tokens on which head ``h`` is active (shared heads: every token; routed heads: the tokens
+    that selected them); ``group_sum[g]``: summed group weights ``[a_s, a_r] / 2`` of routing group ``g``
+    (MoH's first routing stage, a softmax over the two groups; ``[0, 1]`` without shared heads)."""
 
     name: str
     num_heads: int
-    num_shared_heads: int
+    shared_heads: list[int]
+    routed_heads: list[int]
+    num_groups: int = 1
     num_tokens: int = 0
     weight_sum: Tensor = field(init=False)
     active: Tensor = field(init=False)
@@ -137,24 +142,24 @@ class HeadCounts:
     def __post_init__(self) -> None:
         self.weight_sum = torch.zeros(self.num_heads, dtype=torch.float64)
         self.active = torch.zeros(self.num_heads, dtype=torch.long)
-        self.group_sum = torch.zeros(2, dtype=torch.float64)
+        self.group_sum = torch.zeros(self.num_groups, 2, dtype=torch.float64)
 
     def add(self, g: Tensor, routing: Routing, groups: Tensor | None) -> None:
-        """``g`` ``(B, T, H)`` head weights, ``routing`` of the routed heads, ``groups`` ``(N, 2)`` the
-        group softmax (or None without shared heads)."""
+        """``g`` ``(B, T, H)`` head weights, ``routing`` of the routed heads, ``groups`` ``(N, G, 2)`` the
+        group softmax of each routing group (or None without shared heads)."""
         n = routing.expert_index.shape[0]
         keep = torch.ones(n, dtype=torch.bool) if routing.token_mask is None else routing.token_mask.detach().cpu().reshape(n).bool()
         g = g.detach().cpu().reshape(n, self.num_heads)[keep].double()
         self.weight_sum += g.sum(0)
-        s = self.num_shared_heads
-        self.active[:s] += int(keep.sum())
-        self.active[s:] += torch.bincount(routing.expert_index.detach().cpu()[keep].reshape(-1),
-                                          minlength=self.num_heads - s)
+        real = int(keep.sum())
+        self.active[self.shared_heads] += real
+        self.active[self.routed_heads] += torch.bincount(routing.expert_index.detach().cpu()[keep].reshape(-1),
+                                                         minlength=len(self.routed_heads))
         if groups is None:
-            self.group_sum[1] += float(keep.sum())
+            self.group_sum[:, 1] += real
         else:
             self.group_sum += groups.detach().cpu()[keep].double().sum(0)
-        self.num_tokens += int(keep.sum())
+        self.num_tokens += real
 
 
 @dataclass
@@ -215,9 +220,9 @@ def _moh_hook(head_counts: HeadCounts):
                                kwargs.get("cache"))
         g, routing = module.head_weights(query, mask)
         groups = None
-        if module.group_gate is not None:
-            flat = query.reshape(-1, query.shape[-1]).float()
-            groups = F.linear(flat, module.group_gate.weight.float()).softmax(-1)
+        if module.group_gate is not None:  # [a_s, a_r] / 2 of each routing group: a softmax over each pair
+            flat = query.reshape(-1, query.shape[-1]).to(router_dtype(query))  # the layer's router precision
+            groups = F.linear(flat, module.group_gate.weight.to(flat.dtype)).view(flat.shape[0], -1, 2).softmax(-1)
         head_counts.add(g, routing, groups)
     return hook
 
@@ -253,7 +258,8 @@ def collect_routing(model: nn.Module, batches: Iterable[Any], *, layers: Iterabl
     if heads:
         for l in all_layers:
             if l.kind == "moh" and l.name in stats.counts:
-                stats.heads[l.name] = HeadCounts(l.name, l.module.num_heads, l.num_shared_heads)
+                stats.heads[l.name] = HeadCounts(l.name, l.module.num_heads, l.shared_head_ids, l.routed_head_ids,
+                                                 l.num_groups)
                 handles.append(l.module.register_forward_hook(_moh_hook(stats.heads[l.name]), with_kwargs=True))
     try:
         device = next(model.parameters()).device

@@ -46,8 +46,8 @@ def run_batches(run_dir: str | os.PathLike, tokenizer: Tokenizer | None = None, 
     """Stream the batches of a dataset the way the run was trained on it (its tokenizer, ``max_len``,
     token-count batching; no shuffling), as model keyword arguments without targets.
 
-    ``data``: a TSV of pairs (translation) or a JSONL of documents (masked/causal LM); default the run's
-    ``split`` (``valid``). ``limit``: only the first N pairs / documents. Masked-LM batches are given
+    ``data``: a TSV of pairs (translation) or a file of documents, JSONL or plain text (masked/causal LM);
+    default the run's ``split`` (``valid``). ``limit``: only the first N pairs / documents. Masked-LM batches are given
     back unmasked (the masked positions restored from the labels), so the routing is that of the
     text itself, unless ``mlm_masking``.
     """

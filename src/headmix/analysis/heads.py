@@ -14,6 +14,11 @@ layer, over the real tokens of a dataset, :func:`head_utilities` reports
   (they sum to 1; ``[0, 1]`` without shared heads), and ``shared_weight_fraction``: the shared heads'
   share of the summed head weights ``g``.
 
+MoH routed per K/V group (``route_per_group=True``, Grouped Query Experts) is one MoH per K/V group (its own
+shared heads, router and ``[a_s, a_r]``): ``groups`` then lists, per group, its heads, its mean group
+weights, its shared heads' share of the group's ``g`` and its routed heads' shares of the group's slots;
+the layer-wide ``group_weights`` are the mean over the groups. The figure marks the groups.
+
 Talking-Heads attention (Shazeer et al. 2020) mixes the heads' attention logits with a learned
 ``h x h`` matrix before the softmax, and the attention weights with another after it;
 :func:`talking_heads_matrices` reads them (entry ``[i, j]``: how much head ``j`` feeds head ``i``;
@@ -55,6 +60,13 @@ class MoHLayerHeads:
     routed_share: list[float]
     group_weights: list[float]
     shared_weight_fraction: float
+    num_groups: int = 1
+    groups: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def shared_heads(self) -> list[int]:
+        """The layer's indices of the shared heads (marked ``*`` in ``head_labels``)."""
+        return [h for h, label in enumerate(self.head_labels) if label.endswith("*")]
 
 
 @dataclass
@@ -78,15 +90,32 @@ class HeadUtilityReport:
                  "shared share of g | routed-head shares |",
                  "|---|---|---|---|---|---|---|"]
         for l in self.layers:
-            shares = ", ".join(f"{lab} {100 * s:.1f}%" for lab, s in
-                               zip(l.head_labels[l.num_shared_heads:], l.routed_share))
-            lines.append(f"| {l.name} | {l.num_shared_heads} + {l.num_heads - l.num_shared_heads} | {l.top_k} | "
+            shared = len(l.shared_heads)
+            routed_labels = [lab for lab in l.head_labels if not lab.endswith("*")]
+            shares = ", ".join(f"{lab} {100 * s:.1f}%" for lab, s in zip(routed_labels, l.routed_share))
+            heads = f"{shared} + {l.num_heads - shared}"
+            if l.num_groups > 1:
+                heads += f" in {l.num_groups} K/V groups"
+            lines.append(f"| {l.name} | {heads} | {l.top_k} | "
                          f"{l.num_tokens} | {l.group_weights[0]:.3f} / {l.group_weights[1]:.3f} | "
                          f"{100 * l.shared_weight_fraction:.1f}% | {shares} |")
+        grouped = [l for l in self.layers if l.groups]
+        if grouped:
+            lines += ["", "Per K/V group (each routes on its own; shares of the group's own g and slots):", "",
+                      "| layer | group | heads | group weights shared / routed | shared share of g | "
+                      "routed-head shares |", "|---|---|---|---|---|---|"]
+            for l in grouped:
+                for g in l.groups:
+                    routed = [h for h in g["heads"] if h not in l.shared_heads]
+                    shares = ", ".join(f"h{h} {100 * s:.1f}%" for h, s in zip(routed, g["routed_share"]))
+                    lines.append(f"| {l.name} | {g['label']} | {', '.join(l.head_labels[h] for h in g['heads'])} | "
+                                 f"{g['group_weights'][0]:.3f} / {g['group_weights'][1]:.3f} | "
+                                 f"{100 * g['shared_weight_fraction']:.1f}% | {shares} |")
         lines += ["", "| layer | head | shared | active on | mean g | share of g |", "|---|---|---|---|---|---|"]
         for l in self.layers:
+            shared = set(l.shared_heads)
             for h in range(l.num_heads):
-                lines.append(f"| {l.name} | {h} | {'yes' if h < l.num_shared_heads else 'no'} | "
+                lines.append(f"| {l.name} | {h} | {'yes' if h in shared else 'no'} | "
                              f"{100 * l.active_fraction[h]:.1f}% | {l.mean_weight[h]:.3f} | {100 * l.weight_share[h]:.1f}% |")
         return "\n".join(lines) + "\n"
 
@@ -98,8 +127,15 @@ class HeadUtilityReport:
         fig, axes = plotting.new_figure(rows, cols, figsize=(4.4 * cols, 3.2 * rows))
         for ax, l in zip(axes.flat, self.layers):
             x = list(range(l.num_heads))
-            colors = ["tab:green" if h < l.num_shared_heads else "tab:blue" for h in x]
+            shared = set(l.shared_heads)
+            colors = ["tab:green" if h in shared else "tab:blue" for h in x]
             ax.bar(x, l.mean_weight, color=colors)
+            for g in l.groups:  # K/V groups marked: a dotted line between groups, the label above each
+                first, last = g["heads"][0], g["heads"][-1]
+                if first:
+                    ax.axvline(first - 0.5, color="grey", lw=0.8, ls=":")
+                ax.text((first + last) / 2, 0.98, g["label"], transform=ax.get_xaxis_transform(), ha="center",
+                        va="top", fontsize=7)
             ax.set_xticks(x)
             ax.set_xticklabels(l.head_labels, fontsize=7, rotation=0 if l.num_heads <= 12 else 90)
             ax.set_ylabel("mean head weight g", fontsize=8)
@@ -140,20 +176,41 @@ def head_utilities(model: nn.Module, batches: Iterable[Any], *, source: str | No
     for l in layers:
         hc, lc = stats.heads[l.name], stats.counts[l.name]
         tokens = max(hc.num_tokens, 1)
-        total_g = float(hc.weight_sum.sum())
-        slots = float(lc.counts.sum())
-        s = l.num_shared_heads
+        shared = set(hc.shared_heads)
+        group_size = hc.num_heads // l.num_groups
+        groups = []
+        for g, label in enumerate(l.group_labels):  # each K/V group: one MoH of its own
+            heads = list(range(g * group_size, (g + 1) * group_size))
+            counts = lc.counts.view(l.num_groups, -1)[g]
+            groups.append({"group": g, "label": label, "heads": heads,
+                           "group_weights": (hc.group_sum[g] / tokens).tolist(),
+                           "shared_weight_fraction": _fraction(hc.weight_sum[[h for h in heads if h in shared]],
+                                                               hc.weight_sum[heads]),
+                           "routed_share": _shares(counts)})
         out.append(MoHLayerHeads(
-            name=l.name, role=l.role, num_heads=hc.num_heads, num_shared_heads=s, top_k=l.top_k,
+            name=l.name, role=l.role, num_heads=hc.num_heads, num_shared_heads=l.num_shared_heads, top_k=l.top_k,
             num_tokens=hc.num_tokens,
-            head_labels=[f"h{h}" + ("*" if h < s else "") for h in range(hc.num_heads)],
+            head_labels=[f"h{h}" + ("*" if h in shared else "") for h in range(hc.num_heads)],
             mean_weight=(hc.weight_sum / tokens).tolist(),
-            weight_share=(hc.weight_sum / total_g).tolist() if total_g else [0.0] * hc.num_heads,
+            weight_share=_shares(hc.weight_sum),
             active_fraction=(hc.active.double() / tokens).tolist(),
-            routed_share=(lc.counts.double() / slots).tolist() if slots else [0.0] * l.num_experts,
-            group_weights=(hc.group_sum / tokens).tolist(),
-            shared_weight_fraction=float(hc.weight_sum[:s].sum()) / total_g if total_g else 0.0))
+            routed_share=_shares(lc.counts),
+            group_weights=(hc.group_sum.mean(0) / tokens).tolist(),
+            shared_weight_fraction=_fraction(hc.weight_sum[hc.shared_heads], hc.weight_sum),
+            num_groups=l.num_groups, groups=groups))
     return HeadUtilityReport(out, stats.num_batches, source)
+
+
+def _shares(values: torch.Tensor) -> list[float]:
+    """``values / values.sum()`` as a list (zeros when the sum is 0)."""
+    total = float(values.sum())
+    return (values.double() / total).tolist() if total else [0.0] * len(values)
+
+
+def _fraction(part: torch.Tensor, whole: torch.Tensor) -> float:
+    """``part.sum() / whole.sum()`` (0 when the whole is 0)."""
+    total = float(whole.sum())
+    return float(part.sum()) / total if total else 0.0
 
 
 # ------------------------------------------------------------------------------------ Talking heads

@@ -12,6 +12,13 @@ A :class:`~headmix.attention.SwitchHeadAttention` routes on two sides, so it is 
 ``<module>:value`` (the value-side selection over the key/value tokens; absent with one expert per head)
 and ``<module>:output`` (the output-side selection over the query tokens), each over the
 ``num_heads * num_experts`` experts ``h * E + e`` with ``top_k`` slots per head.
+
+*Routing groups*: a layer whose experts fall into ``G`` equal groups, each token choosing ``top_k`` in
+every group, is described by ``num_groups = G`` and ``group_kind``: SwitchHead (a group per head, ``"head"``)
+and MoH routed per K/V group (``route_per_group=True``, Grouped Query Experts: a group per K/V head,
+``"K/V group"``; its routed heads are numbered group by group, as ``routing.expert_index`` numbers them).
+The load, head-utility and PMI reports then give each group's own shares beside the layer's
+(:attr:`RoutedLayer.group_of`); another kind with groups of experts needs only its ``RoutedLayer`` here.
 """
 
 from __future__ import annotations
@@ -34,10 +41,13 @@ SWITCHHEAD_SIDES = (":value", ":output")
 class RoutedLayer:
     """One routed layer: ``index`` in the model's routed-layer order, module ``name``, ``kind``
     (``"moa"`` or ``"moh"``), ``num_experts`` (MoA experts ``E``, or MoH routed heads ``R``), ``top_k``
-    and, for MoH, ``num_shared_heads`` (the shared heads come first, so routed head ``i`` is head
-    ``num_shared_heads + i`` of the layer). For SwitchHead (``kind="switchhead"``, one routed layer per
-    side), ``num_experts`` is ``num_heads * E``, ``top_k`` the experts per head and ``num_heads`` the
-    heads: a token fills ``num_heads * top_k`` slots."""
+    (per group) and, for MoH, ``num_shared_heads`` (per group: each group's shared heads come first, so
+    without groups routed head ``i`` is head ``num_shared_heads + i`` of the layer).
+
+    ``num_groups`` ``G`` and ``group_kind``: the experts fall into ``G`` equal consecutive groups and a token
+    fills ``top_k`` slots in each (module docstring): SwitchHead (``kind="switchhead"``, one routed layer
+    per side; ``num_experts`` is ``num_heads * E``, a group per head) and MoH routed per K/V group (a group
+    per K/V head). ``G = 1`` for every other layer."""
 
     index: int
     name: str
@@ -46,16 +56,44 @@ class RoutedLayer:
     top_k: int
     num_shared_heads: int = 0
     module: nn.Module | None = field(default=None, repr=False, compare=False)
-    num_heads: int = 1
+    num_groups: int = 1
+    group_kind: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(f"{self.name}: num_groups ({self.num_groups}) must divide num_experts ({self.num_experts})")
 
     @property
     def slots_per_token(self) -> int:
-        """Routing slots one token fills: ``top_k``, or ``num_heads * top_k`` for SwitchHead."""
-        return self.num_heads * self.top_k
+        """Routing slots one token fills: ``top_k`` in each of the ``num_groups`` groups."""
+        return self.num_groups * self.top_k
 
     @property
-    def experts_per_head(self) -> int:
-        return self.num_experts // self.num_heads
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.num_groups
+
+    def group_of(self, expert: int) -> int:
+        """The routing group of expert ``expert`` (0 without groups)."""
+        return expert // self.experts_per_group
+
+    @property
+    def group_labels(self) -> list[str]:
+        """``h0 ..`` for SwitchHead's heads, ``g0 ..`` for K/V groups; ``[]`` without groups."""
+        if self.num_groups == 1:
+            return []
+        return [("h" if self.group_kind == "head" else "g") + str(g) for g in range(self.num_groups)]
+
+    @property
+    def shared_head_ids(self) -> list[int]:
+        """MoH: the layer's indices of the shared heads (each group's first ``num_shared_heads`` heads)."""
+        size = self.num_shared_heads + self.experts_per_group
+        return [g * size + j for g in range(self.num_groups) for j in range(self.num_shared_heads)]
+
+    @property
+    def routed_head_ids(self) -> list[int]:
+        """MoH: the layer's index of each routed head, in routing order (group by group)."""
+        size, s = self.num_shared_heads + self.experts_per_group, self.num_shared_heads
+        return [g * size + s + j for g in range(self.num_groups) for j in range(self.experts_per_group)]
 
     @property
     def role(self) -> str:
@@ -65,18 +103,21 @@ class RoutedLayer:
     @property
     def expert_labels(self) -> list[str]:
         """Axis labels: ``E0 .. E{E-1}`` for MoA experts; for MoH the routed heads' indices in the
-        layer (``h1 .. h3`` with one shared head)."""
+        layer (``h1 .. h3`` with one shared head), with their K/V group in front when routed per group
+        (``g1.h5``); for SwitchHead the head and its expert (``h0.E2``)."""
+        groups = self.group_labels
         if self.kind == "moh":
-            return [f"h{self.num_shared_heads + i}" for i in range(self.num_experts)]
-        if self.kind == "switchhead":
-            e = self.experts_per_head
-            return [f"h{i // e}.E{i % e}" for i in range(self.num_experts)]
+            heads = [f"h{h}" for h in self.routed_head_ids]
+            return [f"{groups[self.group_of(i)]}.{h}" for i, h in enumerate(heads)] if groups else heads
+        if groups:
+            e = self.experts_per_group
+            return [f"{groups[i // e]}.E{i % e}" for i in range(self.num_experts)]
         return [f"E{i}" for i in range(self.num_experts)]
 
     def describe(self) -> dict[str, Any]:
         return {"index": self.index, "name": self.name, "kind": self.kind, "role": self.role,
                 "num_experts": self.num_experts, "top_k": self.top_k, "num_shared_heads": self.num_shared_heads,
-                "num_heads": self.num_heads}
+                "num_groups": self.num_groups, "group_kind": self.group_kind}
 
 
 def layer_role(name: str) -> str:
@@ -114,14 +155,12 @@ def routed_layers(model: nn.Module) -> list[RoutedLayer]:
         if isinstance(m, MixtureOfAttentionHeads):
             out.append(RoutedLayer(len(out), name, "moa", m.num_experts, m.top_k, 0, m))
         elif isinstance(m, MixtureOfHeadsAttention) and m.num_routed_heads > 0:
-            if m.route_per_group:  # its routed heads interleave with the shared ones, group by group
-                raise ValueError(f"{name} routes per K/V group (GQE, route_per_group=True): the routing analyses "
-                                 f"count MoH's routed heads after its shared ones and do not analyse it yet")
-            out.append(RoutedLayer(len(out), name, "moh", m.num_routed_heads, m.top_k, m.num_shared_heads, m))
+            out.append(RoutedLayer(len(out), name, "moh", m.num_routed_heads, m.top_k, m.num_shared_heads, m,
+                                   m.route_groups, "K/V group" if m.route_per_group else ""))
         elif isinstance(m, SwitchHeadAttention):
             for side in SWITCHHEAD_SIDES if m.num_experts > 1 else SWITCHHEAD_SIDES[1:]:
                 out.append(RoutedLayer(len(out), name + side, "switchhead", m.num_heads * m.num_experts, m.top_k,
-                                       0, m, m.num_heads))
+                                       0, m, m.num_heads, "head"))
     return out
 
 

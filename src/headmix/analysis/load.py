@@ -16,11 +16,14 @@ dataset (a token routed to ``k`` experts fills ``k`` slots):
   (0 = perfectly even) and ``norm_entropy = H(share) / log E`` (1 = perfectly even), the same
   definitions as the training log's ``load_*`` fields.
 
-SwitchHead (arXiv 2312.07987) layers appear twice, ``<module>:value`` and ``<module>:output`` (see
-:mod:`headmix.analysis.layers`), each over the ``H * E`` experts ``h{h}.E{e}``; every head fills ``k``
-slots per token, so the load that matters is the load inside each head: ``heads`` lists, per head,
-the shares of its ``E`` experts among that head's slots and their summaries. ``gate_share`` is the share
-of the summed sigmoid weights and ``mean_prob`` the mean sigmoid ``s`` (not a distribution).
+Layers with routing groups (:mod:`headmix.analysis.layers`: experts in ``G`` equal groups, ``k`` slots per
+token in each) get the load inside each group, which is what each group's router balances: ``groups``
+lists, per group, its ``label``, the shares of its experts among that group's slots and their summaries
+(the layer-wide ``share`` is then ``1 / G`` of the group's share; its uniform is ``1 / (G R)``).
+SwitchHead (arXiv 2312.07987) layers appear twice, ``<module>:value`` and ``<module>:output``, each over the
+``H * E`` experts ``h{h}.E{e}``, a group per head; ``gate_share`` is the share of the summed sigmoid weights
+and ``mean_prob`` the mean sigmoid ``s`` (not a distribution). MoH routed per K/V group (GQE) has a group
+per K/V head, its routed heads labelled ``g{group}.h{head}``; ``mean_prob`` sums to 1 within each group.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ class LayerLoad:
     min_share: float
     cv: float
     norm_entropy: float
-    num_heads: int = 1
-    heads: list[dict[str, Any]] = field(default_factory=list)
+    num_groups: int = 1
+    group_kind: str = ""
+    groups: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_counts(cls, layer: RoutedLayer, counts: LayerCounts) -> LayerLoad:
@@ -70,16 +74,16 @@ class LayerLoad:
         total, tokens = float(c.sum()), counts.num_tokens
         gates = float(counts.gate_sum.sum())
         summary = load_summary(counts.counts)
-        heads = []
-        if layer.kind == "switchhead":
-            for h, c_h in enumerate(counts.counts.view(layer.num_heads, -1)):
-                total_h = float(c_h.sum())
-                heads.append({"head": h, "share": (c_h.double() / total_h).tolist() if total_h else [0.0] * len(c_h),
-                              **load_summary(c_h)})
+        groups = []
+        for g, (label, c_g) in enumerate(zip(layer.group_labels, counts.counts.view(layer.num_groups, -1))):
+            total_g = float(c_g.sum())
+            groups.append({"group": g, "label": label,
+                           "share": (c_g.double() / total_g).tolist() if total_g else [0.0] * len(c_g),
+                           **load_summary(c_g)})
         return cls(
             name=layer.name, kind=layer.kind, role=layer.role, num_experts=layer.num_experts,
-            top_k=(counts.top_k or layer.slots_per_token) // layer.num_heads, num_shared_heads=layer.num_shared_heads,
-            labels=layer.expert_labels, num_heads=layer.num_heads, heads=heads,
+            top_k=(counts.top_k or layer.slots_per_token) // layer.num_groups, num_shared_heads=layer.num_shared_heads,
+            labels=layer.expert_labels, num_groups=layer.num_groups, group_kind=layer.group_kind, groups=groups,
             num_tokens=tokens, counts=[int(x) for x in counts.counts],
             share=(c / total).tolist() if total else [0.0] * layer.num_experts,
             token_fraction=(c / tokens).tolist() if tokens else [0.0] * layer.num_experts,
@@ -135,22 +139,21 @@ class LoadReport:
             lines.append(f"| {i} | {l.name} | {l.kind} | {l.num_experts} | {l.top_k} | {l.num_tokens} | "
                          f"{100 * l.max_share:.2f}% | {100 * l.min_share:.2f}% | {l.max_min_ratio:.2f} | "
                          f"{l.cv:.3f} | {l.norm_entropy:.3f} |")
-        if shares:
-            lines.append("")
-            width = max(l.num_experts for l in self.layers) if self.layers else 0
-            lines.append("| layer | uniform | " + " | ".join(str(i) for i in range(width)) + " |")
-            lines.append("|---|---|" + "---|" * width)
-            for l in self.layers:
-                cells = [f"{l.labels[i]} {100 * l.share[i]:.1f}%" if i < l.num_experts else "" for i in range(width)]
-                lines.append(f"| {l.name} | {100 / l.num_experts:.1f}% | " + " | ".join(cells) + " |")
-        per_head = [l for l in self.layers if l.heads]
-        if per_head:
-            lines += ["", "Per head (shares of the head's own slots):", "",
-                      "| layer | head | E | max share | min share | CV | entropy/log E |", "|---|---|---|---|---|---|---|"]
-            for l in per_head:
-                for h in l.heads:
-                    lines.append(f"| {l.name} | h{h['head']} | {len(h['share'])} | {100 * h['max_share']:.2f}% | "
-                                 f"{100 * h['min_share']:.2f}% | {h['cv']:.3f} | {h['norm_entropy']:.3f} |")
+        if shares:  # a table per run of layers with the same experts: its headers are their labels
+            for labels, layers in _same_labels(self.layers):
+                lines += ["", "| layer | uniform | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+                lines += [f"| {l.name} | {100 / l.num_experts:.1f}% | " + " | ".join(f"{100 * s:.1f}%" for s in l.share)
+                          + " |" for l in layers]
+        grouped = [l for l in self.layers if l.groups]
+        if grouped:
+            kinds = " / ".join(dict.fromkeys(l.group_kind for l in grouped))
+            lines += ["", f"Per {kinds} (shares of the group's own slots):", "",
+                      "| layer | group | experts | max share | min share | CV | entropy/log E |",
+                      "|---|---|---|---|---|---|---|"]
+            for l in grouped:
+                for g in l.groups:
+                    lines.append(f"| {l.name} | {g['label']} | {len(g['share'])} | {100 * g['max_share']:.2f}% | "
+                                 f"{100 * g['min_share']:.2f}% | {g['cv']:.3f} | {g['norm_entropy']:.3f} |")
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------------------------- plots
@@ -163,6 +166,12 @@ class LoadReport:
             colors[shares.index(max(shares))] = "tab:red"
         ax.bar(x, shares, color=colors)
         ax.axhline(100 / layer.num_experts, color="k", lw=0.8, ls="--", label="uniform")
+        size = layer.num_experts // layer.num_groups
+        for g in layer.groups:  # routing groups marked: a dotted line between groups, the label above each
+            if g["group"]:
+                ax.axvline(g["group"] * size - 0.5, color="grey", lw=0.8, ls=":")
+            ax.text((g["group"] + 0.5) * size - 0.5, 0.98, g["label"], transform=ax.get_xaxis_transform(),
+                    ha="center", va="top", fontsize=7)
         ax.set_xticks(list(x))
         ax.set_xticklabels(layer.labels if layer.num_experts <= 16 else [str(i) for i in x],
                            fontsize=7, rotation=0 if layer.num_experts <= 16 else 90)
@@ -232,6 +241,17 @@ class LoadReport:
     def plot_summary(self, path: str | os.PathLike) -> Path:
         """:meth:`summary_figure` written as a PNG to ``path``."""
         return plotting.save(self.summary_figure(), path)
+
+
+def _same_labels(layers: list[LayerLoad]) -> list[tuple[list[str], list[LayerLoad]]]:
+    """Consecutive layers grouped by their expert labels (most models: one group)."""
+    runs: list[tuple[list[str], list[LayerLoad]]] = []
+    for layer in layers:
+        if runs and runs[-1][0] == layer.labels:
+            runs[-1][1].append(layer)
+        else:
+            runs.append((layer.labels, [layer]))
+    return runs
 
 
 def expert_load(model: nn.Module, batches: Iterable[Any], *, layers: Iterable[str] | None = None,

@@ -19,6 +19,11 @@ So ``PMI = c[v, e] N / (n_v sum_v c[v, e])``. PMI is 1 for a token routed like t
 for a token the expert prefers; ``log PMI`` is reported next to it (0 = independence). Rare tokens
 get extreme ratios from few observations, so tokens seen fewer than ``min_count`` times are not
 ranked. Ranking: PMI descending, then the joint count, then the token id.
+
+Layers with routing groups (SwitchHead's heads, MoH routed per K/V group; :mod:`headmix.analysis.layers`)
+fill ``k`` slots in each group, so an expert's PMI is the same whether ``p`` is taken over all slots or over
+its group's: ``c[v, e] N / (n_v c_e)`` either way. What differs is ``p(expert)``: ``share`` is then the
+expert's share of its group's slots, and the tables and the figure name each expert's group.
 """
 
 from __future__ import annotations
@@ -100,13 +105,15 @@ class TokenPMI:
 
 @dataclass
 class ExpertTokens:
-    """The top tokens of one expert, with the expert's ``share`` of the slots (``p(expert)``)."""
+    """The top tokens of one expert, with the expert's ``share`` of the slots of its routing ``group``
+    (``p(expert)``; of all the layer's slots without groups)."""
 
     expert: int
     label: str
     share: float
     slots: int
     tokens: list[TokenPMI]
+    group: int = 0
 
 
 @dataclass
@@ -149,6 +156,8 @@ class PMIReport:
         slots = cooc.sum(0)
         total = int(slots.sum())
         labels = layer.expert_labels if layer is not None else [f"E{i}" for i in range(counts.num_experts)]
+        num_groups = layer.num_groups if layer is not None else 1
+        group_slots = slots.view(num_groups, -1).sum(1)  # each expert's share is of its own group's slots
         experts = []
         pmi_np, log_np, cooc_np, n_np = pmi.numpy(), log_pmi.numpy(), cooc.numpy(), n.numpy()
         for e in range(counts.num_experts):
@@ -161,7 +170,10 @@ class PMIReport:
             tokens = [TokenPMI(int(v), token_text(tokenizer, int(v)), float(pmi_np[v, e]), float(log_np[v, e]),
                                int(cooc_np[v, e]), int(n_np[v]), float(cooc_np[v, e]) / float(n_np[v]))
                       for v in cand[order[:top]]]
-            experts.append(ExpertTokens(e, labels[e], float(slots[e]) / total if total else 0.0, int(slots[e]), tokens))
+            group = e * num_groups // counts.num_experts
+            in_group = int(group_slots[group])
+            experts.append(ExpertTokens(e, labels[e], float(slots[e]) / in_group if in_group else 0.0, int(slots[e]),
+                                        tokens, group))
         info = layer.describe() if layer is not None else {"name": counts.name, "num_experts": counts.num_experts,
                                                             "top_k": counts.top_k}
         return cls(info, experts, counts.num_tokens, total, int((n > 0).sum()), int(eligible.sum()), top, min_count,
@@ -186,15 +198,18 @@ class PMIReport:
         and, with ``details``, each ranked token's PMI, log PMI and counts."""
         kind = KIND_NAMES.get(self.layer.get("kind", ""), "")
         unit = "routed head" if self.layer.get("kind") == "moh" else "expert"
+        groups = self.layer.get("num_groups", 1)
+        where = f" in each of {groups} {self.layer.get('group_kind')}s" if groups > 1 else ""
+        share = "Share of its group" if groups > 1 else "Share"
         out = [f"### Top tokens per {unit} by PMI: `{self.name}`",
                "",
-               f"{kind} layer with {self.layer.get('num_experts')} {unit}s, top-{self.layer.get('top_k')}; "
+               f"{kind} layer with {self.layer.get('num_experts')} {unit}s, top-{self.layer.get('top_k')}{where}; "
                f"{self.num_tokens} tokens ({self.num_slots} routing slots){' from ' + self.source if self.source else ''}. "
                f"PMI(token, {unit}) = p(token, {unit}) / (p(token) p({unit})); tokens seen at least "
                f"{self.min_count} times ({self.ranked_vocab} of {self.vocab_seen} distinct tokens), ranked by PMI. "
                f"`{SPACE_MARK}` marks a token that starts a word.",
                "",
-               f"| {unit.capitalize()} | Share | Top {self.top} tokens by PMI |",
+               f"| {unit.capitalize()} | {share} | Top {self.top} tokens by PMI |",
                "|---|---|---|"]
         for e in self.experts:
             toks = ", ".join(_code(t.token) for t in e.tokens) or "(none)"
@@ -223,7 +238,8 @@ class PMIReport:
             ax.margins(x=0.25)
             ax.set_yticks(range(len(toks)))
             ax.set_yticklabels([t.token for t in toks], fontsize=8)
-            ax.set_title(f"{e.label} ({100 * e.share:.1f}% of slots)", fontsize=9)
+            of = "of its group's slots" if self.layer.get("num_groups", 1) > 1 else "of slots"
+            ax.set_title(f"{e.label} ({100 * e.share:.1f}% {of})", fontsize=9)
             ax.set_xlabel("log PMI", fontsize=8)
             ax.tick_params(axis="x", labelsize=7)
             ax.axvline(0, color="k", lw=0.6)

@@ -22,7 +22,7 @@ def _data_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run folder (from `headmix train`)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--data", default=None, metavar="FILE",
-                   help="TSV of pairs (translation) or JSONL of documents (mlm/lm); default: the run's --split")
+                   help="TSV of pairs (translation) or documents, JSONL or plain text (mlm/lm); default: the run's --split")
     p.add_argument("--split", choices=["train", "valid", "test"], default="valid",
                    help="the run's split to analyse when --data is not given (default: valid)")
     p.add_argument("--limit", type=int, default=None, help="only the first N sentence pairs / documents")
@@ -36,8 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="analysis", required=True)
 
     load = sub.add_parser("load", help="share of tokens routed to each expert/head, per layer (paper Figure 3)",
-                          description="Fraction of routing slots each MoA expert, MoH routed head or SwitchHead "
-                                      "expert (per head, value and output sides) receives, per "
+                          description="Fraction of routing slots each MoA expert, MoH routed head (per K/V group "
+                                      "when routed per group, GQE) or SwitchHead expert (per head, value and output "
+                                      "sides) receives, per "
                                       "layer: load.json, load.md, load.png (all layers), load_summary.png (max/min "
                                       "share, CV, entropy per layer) and load_layers/NN_<layer>.png.")
     _data_options(load)

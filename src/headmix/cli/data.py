@@ -39,7 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--download-dir", default=None, help="keep the .deb files here (a rebuild reuses them)")
     b.add_argument("--quiet", action="store_true")
     k = actions.add_parser("pack", help="split, tokenise and checksum a causal-LM corpus into a token pack")
-    k.add_argument("--data", required=True, metavar="FILE", help="the corpus: one JSONL file of documents")
+    k.add_argument("--data", required=True, metavar="FILE", help="the corpus: one file of documents, JSONL or plain text "
+                                                                     "(docs/data.md)")
     k.add_argument("--out", required=True, help="the pack folder (new)")
     k.add_argument("--vocab-size", type=int, required=True, help="the BPE vocabulary trained on the train split")
     k.add_argument("--split-seed", type=int, default=1, help="seed of the document split (a study's split_seed)")

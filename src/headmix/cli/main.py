@@ -289,7 +289,8 @@ def _run_generate(args) -> int:
 def _add_evaluate(sub) -> None:
     p = sub.add_parser("evaluate", help="BLEU/chrF (translation) or perplexity (LM) of a run on its held-out split")
     p.add_argument("run", help="run folder")
-    p.add_argument("--split", choices=["valid", "test"], default="test")
+    p.add_argument("--split", choices=["valid", "test"], default="test",
+                   help="the run's split to score (default: test; training reports the valid split)")
     p.add_argument("--beam", type=_positive_int, default=4)
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--limit", type=_positive_int, default=None, help="score only the first N sentences / documents")
@@ -306,6 +307,8 @@ def _run_evaluate(args) -> int:
     result = evaluate_run(args.run, split=args.split, beam_size=args.beam, length_penalty=args.length_penalty,
                           limit=args.limit, compound_split=args.compound_split, device=pick_device(args.device),
                           output=args.output, progress=not args.no_progress)
+    note = "" if args.split == "valid" else " (training reports the valid split: --split valid to compare)"
+    print(f"[headmix] evaluate scored the {args.split} split of {args.run}{note}", file=sys.stderr)
     print(json.dumps(result, indent=2, ensure_ascii=False))
     return 0
 

@@ -1,4 +1,4 @@
-"""Corpus readers: TSV pairs, aligned plain-text files and JSONL documents.
+"""Corpus readers: TSV pairs, aligned plain-text files, and documents as JSONL or plain text.
 
 Every reader comes in two forms:
 
@@ -11,9 +11,15 @@ Files may be gzip-compressed (detected by the gzip magic bytes, whatever the
 file name).  Lines are split on ``\\n`` only (a ``\\r`` before it is dropped)
 and decoded as strict UTF-8, one line at a time, so one bad byte costs one line.
 
+Documents come as JSONL (one JSON object a line, its text in ``"text"``) or
+plain text (documents separated by blank lines; a file without a blank line is
+one document a line): :func:`read_documents` tells them apart by the file
+name, or by the first line when the name does not say (:func:`document_format`).
+
 Malformed lines (wrong column count, an empty side, undecodable bytes, a line
 count mismatch between aligned files, bad JSON) are skipped and recorded in a
-:class:`ReadReport` (counts, line numbers, first examples); at the end of the
+:class:`ReadReport` (counts, line numbers, first examples, and the format the
+reader expected, which every message about them names); at the end of the
 file a :class:`CorpusWarning` is issued and the module logger writes the
 summary.  With ``strict=True`` the first malformed line raises
 :class:`CorpusError` naming the file and line.  Blank lines (whitespace only)
@@ -52,6 +58,10 @@ __all__ = [
     "read_aligned_pairs",
     "iter_jsonl_documents",
     "read_jsonl_documents",
+    "iter_text_documents",
+    "read_text_documents",
+    "document_format",
+    "read_documents",
     "write_tsv_pairs",
     "write_jsonl_documents",
 ]
@@ -110,6 +120,8 @@ class ReadReport:
     is filled while the generator runs and is complete once it is exhausted.
     ``warn=False``: the reader does not end with a :class:`CorpusWarning` for
     malformed lines (the caller reports them from this report, once).
+    ``expected``: the format the reader expects (set by the reader), named by
+    :meth:`summary` and every error when lines were malformed.
     """
 
     max_examples: int = 5
@@ -121,6 +133,7 @@ class ReadReport:
     malformed: int = 0
     reasons: Counter = field(default_factory=Counter)
     examples: list[BadLine] = field(default_factory=list)
+    expected: str = ""
 
     def add_bad(self, path: str, line: int, reason: str, content: str = "") -> BadLine:
         """Record one malformed line and return its :class:`BadLine`."""
@@ -141,6 +154,8 @@ class ReadReport:
         if self.malformed:
             text += "; reasons: " + ", ".join(f"{r} x{n}" for r, n in self.reasons.most_common())
             text += "; first: " + "; ".join(str(b) for b in self.examples)
+            if self.expected:
+                text += f"; expected {self.expected}"
         return text
 
 
@@ -263,10 +278,21 @@ class _Bad(Exception):
         self.content = content
 
 
+def _open_corpus(path: PathLike, report: ReadReport | None,
+                 expected: str) -> tuple[Path, ReadReport, Iterator[tuple[int, str | None, bytes]]]:
+    """A one-file reader's start: the checked path, the report (a new one unless given) with the file and the
+    ``expected`` format recorded, and the file's lines."""
+    p = _check_path(path)
+    rep = report if report is not None else ReadReport()
+    rep.paths.append(str(p))
+    rep.expected = expected
+    return p, rep, open_text_lines(p)
+
+
 def _record(report: ReadReport, strict: bool, path: str, line: int, reason: str, content: str = "") -> None:
     bad = report.add_bad(path, line, reason, content)
     if strict:
-        raise CorpusError(str(bad))
+        raise CorpusError(f"{bad}; expected {report.expected}" if report.expected else str(bad))
 
 
 # --------------------------------------------------------------------------- TSV
@@ -305,10 +331,7 @@ def iter_tsv_pairs(
     if max_columns is not None and max_columns < 2:
         raise ValueError(f"max_columns must be >= 2 or None, got {max_columns!r}")
     swap = resolve_reverse(reverse, src_lang, tgt_lang, file_langs)
-    p = _check_path(path)
-    rep = report if report is not None else ReadReport()
-    rep.paths.append(str(p))
-    lines = open_text_lines(p)
+    p, rep, lines = _open_corpus(path, report, TSV_FORMAT)
 
     def gen() -> Iterator[TranslationPair]:
         for n, text, raw in lines:
@@ -374,6 +397,7 @@ def iter_aligned_pairs(
     sp, tp = _check_path(src_path), _check_path(tgt_path)
     rep = report if report is not None else ReadReport()
     rep.paths.extend([str(sp), str(tp)])
+    rep.expected = ALIGNED_FORMAT
     s_lines, t_lines = open_text_lines(sp), open_text_lines(tp)
 
     def gen() -> Iterator[TranslationPair]:
@@ -448,11 +472,8 @@ def iter_jsonl_documents(
     documents whose ``source`` is listed (others are neither valid nor
     malformed: they count in ``lines`` only).
     """
-    p = _check_path(path)
     keep = set(sources) if sources is not None else None
-    rep = report if report is not None else ReadReport()
-    rep.paths.append(str(p))
-    lines = open_text_lines(p)
+    p, rep, lines = _open_corpus(path, report, JSONL_FORMAT.format(field=text_field))
 
     def gen() -> Iterator[Document]:
         for n, text, raw in lines:
@@ -494,6 +515,90 @@ def iter_jsonl_documents(
 def read_jsonl_documents(path: PathLike, **kwargs) -> list[Document]:
     """List form of :func:`iter_jsonl_documents`."""
     return list(iter_jsonl_documents(path, **kwargs))
+
+
+# --------------------------------------------------------------------------- plain text
+
+
+def iter_text_documents(
+    path: PathLike,
+    *,
+    strict: bool = False,
+    report: ReadReport | None = None,
+    allow_empty: bool = False,
+) -> Iterator[Document]:
+    """Stream documents from a (gzipped) plain-text file.
+
+    Documents are separated by blank lines (one or more lines of whitespace
+    only); a document's text is its lines joined by ``\\n``. A file without any
+    blank line holds one document a line (a corpus of one sentence or paragraph
+    a line). A document's id is ``"<file name>:<its first line>"``; a line that
+    is not UTF-8 is malformed and left out of its document.
+    """
+    p, rep, lines = _open_corpus(path, report, TEXT_FORMAT)
+
+    def gen() -> Iterator[Document]:
+        block: list[tuple[int, str]] = []  # the lines of the document being read
+        separated = False
+        for n, text, raw in lines:
+            rep.lines += 1
+            if text is None:
+                _record(rep, strict, str(p), n, _utf8_reason(raw), raw.decode("utf-8", "backslashreplace"))
+                continue
+            if text.strip():
+                block.append((n, text))
+                continue
+            rep.blank += 1
+            separated = True
+            if block:
+                rep.valid += 1
+                yield Document("\n".join(t for _, t in block), f"{p.name}:{block[0][0]}")
+                block = []
+        # the last document, or, in a file without a blank line, every line a document
+        for group in ([block] if separated else [[line] for line in block]):
+            if group:
+                rep.valid += 1
+                yield Document("\n".join(t for _, t in group), f"{p.name}:{group[0][0]}")
+        _finish(rep, allow_empty, "documents")
+
+    return gen()
+
+
+def read_text_documents(path: PathLike, **kwargs) -> list[Document]:
+    """List form of :func:`iter_text_documents`."""
+    return list(iter_text_documents(path, **kwargs))
+
+
+#: File name endings (after an optional ``.gz``) of the two document formats.
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+TEXT_SUFFIXES = (".txt", ".text")
+#: The formats as the messages about malformed lines name them.
+TSV_FORMAT = "TSV: source<TAB>target[<TAB>document id] a line, both sides non-empty, UTF-8"
+ALIGNED_FORMAT = "two aligned UTF-8 text files, one sentence a line, as many lines in each"
+JSONL_FORMAT = ('JSONL: one JSON object a line with the document in a string field "{field}"; or plain text in a '
+                '.txt file, documents separated by blank lines')
+TEXT_FORMAT = "plain text: UTF-8, documents separated by blank lines (without any, one document a line)"
+
+
+def document_format(path: PathLike) -> str:
+    """``"jsonl"`` or ``"text"``: by the file name (``.jsonl``/``.json``/``.ndjson`` or ``.txt``/``.text``,
+    each optionally with ``.gz``), else by the first non-blank line (JSONL when it starts with ``{``)."""
+    p = _check_path(path)
+    name = p.name.lower().removesuffix(".gz")
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
+    for _, text, _ in open_text_lines(p):
+        if text is not None and text.strip():
+            return "jsonl" if text.lstrip().startswith("{") else "text"
+    return "jsonl"  # an empty file: the JSONL reader says it holds no document
+
+
+def read_documents(path: PathLike, *, strict: bool = False, report: ReadReport | None = None) -> list[Document]:
+    """The documents of a JSONL or a plain-text file (:func:`document_format` decides which)."""
+    reader = read_jsonl_documents if document_format(path) == "jsonl" else read_text_documents
+    return reader(path, strict=strict, report=report)
 
 
 # --------------------------------------------------------------------------- writers

@@ -40,7 +40,8 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from headmix.models.generation import mosa_layers, threshold_selection
-from headmix.models.transformer import CausalLanguageModel, DecoderState, Embeddings, build_model, sinusoidal_table
+from headmix.models.transformer import (CausalLanguageModel, DecoderState, Embeddings, build_model, check_labels,
+                                        sinusoidal_table)
 
 from .configuration_headmix import HeadmixConfig
 
@@ -343,6 +344,8 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.config.vocab_size:
             raise ValueError(f"input_ids must be token ids in [0, vocab_size={self.config.vocab_size}), got ids from "
                              f"{int(input_ids.min())} to {int(input_ids.max())}")
+        if labels is not None:  # the plain model's check: pre-shifted labels (x[:, 1:] for x[:, :-1]) refused
+            check_labels(input_ids, labels)
         batch, time = input_ids.shape
         past = 0 if state is None else int(state.length)
         if attention_mask is None:

@@ -685,17 +685,19 @@ class CausalLanguageModel(PreTrainedModel):
 def check_labels(input_ids: Tensor, labels: Tensor) -> None:
     """A one-line ``ValueError`` unless ``labels`` are a causal LM's labels in ``transformers``' convention: the
     shape of ``input_ids``, and not the inputs shifted by one (the old convention, which would now train the
-    model to predict the token two ahead)."""
+    model to predict the token two ahead). Both :class:`CausalLanguageModel` and the Hugging Face wrapper
+    (:class:`~headmix.hf.HeadmixForCausalLM`) call it, so both refuse the same labels with the same message."""
     if not isinstance(labels, Tensor) or tuple(labels.shape) != tuple(input_ids.shape):
         raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)} (labels are the inputs; "
                          f"the model shifts them), got {tuple(labels.shape) if isinstance(labels, Tensor) else labels!r}")
     if labels.shape[1] < 2:
         return
+    labels = labels.to(input_ids.device)
     ignored = labels.eq(-100)
     unshifted = (labels.eq(input_ids) | ignored).all()
     shifted = (labels[:, :-1].eq(input_ids[:, 1:]) | ignored[:, :-1]).all() & ~ignored[:, :-1].all()
     message = ("labels are input_ids shifted by one: labels are now the inputs themselves, as in transformers (the "
-               "model shifts them): pass labels=input_ids (or targets= for targets aligned with the logits)")
+               "model shifts them): pass labels=input_ids (or, to CausalLanguageModel, targets= aligned with the logits)")
     if torch.compiler.is_compiling():  # no host read in a compiled graph: an assertion the graph keeps
         torch._assert_async(~(shifted & ~unshifted), message)
     elif bool(shifted & ~unshifted):

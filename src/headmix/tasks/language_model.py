@@ -1,4 +1,5 @@
-"""What the masked and the causal language model share: JSONL documents, packed blocks, perplexity."""
+"""What the masked and the causal language model share: documents (JSONL or plain text), packed blocks,
+perplexity."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ..data import (
     ReadReport,
     Split,
     load_embedded_documents,
-    read_jsonl_documents,
+    read_documents,
     split_documents,
     write_jsonl_documents,
 )
@@ -19,12 +20,13 @@ from .base import EvaluationOptions, Task
 
 
 class LanguageModelTask(Task):
-    """Documents (JSONL ``{"text", "id", "source"}``), split by document id; linear schedule."""
+    """Documents (JSONL ``{"text", "id", "source"}``, or plain text with documents separated by blank lines:
+    :func:`~headmix.data.read_documents`), split by document id; linear schedule. The stored splits are JSONL."""
 
     data_extension = "jsonl"
     default_lr = 5e-4
     default_schedule = "linear"
-    data_description = "one JSONL file of documents"
+    data_description = "one file of documents (JSONL, or plain text separated by blank lines)"
     input_names = ("input_ids",)
     batch_names = ("input_ids", "labels")
     item_name = "documents"
@@ -33,13 +35,13 @@ class LanguageModelTask(Task):
                     report: ReadReport) -> list:
         if not files:
             return load_embedded_documents(report=report)
-        return read_jsonl_documents(files[0], strict=strict, report=report)
+        return read_documents(files[0], strict=strict, report=report)
 
     def split_corpus(self, items: list, *, valid_size: float, test_size: float, seed: int) -> Split:
         return split_documents(items, valid_size=valid_size, test_size=test_size, seed=seed)
 
     def read_items(self, path: str | os.PathLike, *, strict: bool = True) -> list:
-        return read_jsonl_documents(path, strict=strict)
+        return read_documents(path, strict=strict)
 
     def write_items(self, items: Iterable, path: str | os.PathLike) -> None:
         write_jsonl_documents(items, path)

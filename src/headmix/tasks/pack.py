@@ -109,7 +109,7 @@ def load_pack(path: str | os.PathLike, expected_sha256: str | None = None) -> To
 def build_pack(data: Sequence[str], out: str | os.PathLike, *, vocab_size: int, split_seed: int = 1,
                valid_size: float = 0.02, test_size: float = 0.02, command: str = "",
                log: Callable[[str], None] = lambda m: None) -> TokenPack:
-    """Build the pack of the causal-LM corpus ``data`` (JSONL documents, one file) in the new folder ``out``
+    """Build the pack of the causal-LM corpus ``data`` (one file of documents, JSONL or plain text) in the new folder ``out``
     (module docstring). The pack is written into a temporary folder beside ``out`` and renamed into place once
     complete, so ``out`` is either absent or a whole pack; an existing ``out`` is refused, never overwritten."""
     from ..data import ReadReport, train_tokenizer
@@ -121,7 +121,7 @@ def build_pack(data: Sequence[str], out: str | os.PathLike, *, vocab_size: int, 
     if out.exists():
         raise ValueError(f"out {out} exists: a pack is written into a new folder (remove it or give another)")
     if len(data) != 1:
-        raise ValueError(f"data must name one corpus file (JSONL documents), got {len(data)}")
+        raise ValueError(f"data must name one corpus file (documents, JSONL or plain text), got {len(data)}")
     source = Path(data[0])
     if not source.is_file():
         raise FileNotFoundError(f"data file not found: {source}")

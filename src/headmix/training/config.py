@@ -46,7 +46,8 @@ class TrainConfig:
     out: str = option("runs/run", "run folder (created, or resumed when it holds a run)", cli="required")
     data: list[str] = option(factory=list, metavar="FILE",
                              help="translation: a TSV of pairs or two aligned text files; mlm/lm: a JSONL of "
-                                  "documents. Default: the embedded corpus")
+                                  "documents (a \"text\" field) or plain text (.txt; documents separated by "
+                                  "blank lines). Default: the embedded corpus")
     src_lang: str = option("en", "source language (translation)")
     tgt_lang: str = option("de", "target language (translation)")
     strict: bool = option(False, "a malformed input line is an error")
@@ -290,7 +291,7 @@ DEFAULT_VOCAB_SIZE = 8000
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256 + 1
 #: What ``--data`` takes, per task (for the error on a folder).
 DATA_FORMS = {"translation": "a TSV of pairs (src<TAB>tgt) or two aligned text files",
-              "mlm": "a JSONL of documents", "lm": "a JSONL of documents"}
+              "mlm": "a JSONL or plain-text file of documents", "lm": "a JSONL or plain-text file of documents"}
 
 
 def _json_preset_vocab_size(preset: str) -> int | None:
