@@ -297,3 +297,5 @@ def test_each_report_opens_with_what_won_and_how_sure():
     assert lines[4].endswith("Every row has at least 3 seeds.")
     table["rows"][1]["vs_baseline"]["valid_nll"] = d(0.0, "no significant difference")
     assert "no row was shown better than B. No significant difference: A" in headline_markdown(table)[2]
+    table["rows"] = [{**r, "seeds": [], "vs_baseline": {}} for r in table["rows"]]
+    assert headline_markdown(table)[-1] == "- **How sure**: no run has finished yet."

@@ -375,8 +375,10 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
                     for where, d in
                     (("at equal MACs", c.get("equal_macs")), ("at equal time", c.get("equal_time")))]
         lines.append(f"- **Control**: {c['row']} against {c['control']}, {'; '.join(verdicts)}.")
-    seeds = sorted({len(r["seeds"]) for r in table["rows"]})
-    few = [f"{r['name']} ({len(r['seeds'])})" for r in table["rows"] if len(r["seeds"]) < FEW_SEEDS]
+    seeds = sorted({len(r["seeds"]) for r in table["rows"] if r["seeds"]})
+    if not seeds:
+        return lines + ["- **How sure**: no run has finished yet."]
+    few = [f"{r['name']} ({len(r['seeds'])})" for r in table["rows"] if 0 < len(r["seeds"]) < FEW_SEEDS]
     lines.append(f"- **How sure**: every verdict is a 95% Student-t interval of the difference paired by seed "
                  f"({seeds[0] if len(seeds) == 1 else f'{seeds[0]} to {seeds[-1]}'} seeds per row); at equal time it must hold at the step-time ratio's median and at both ends of its 95% "
                  f"interval. " + (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: "
