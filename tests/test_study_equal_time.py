@@ -207,7 +207,8 @@ def test_an_equal_macs_verdict_from_fewer_than_three_seeds_says_so():
 
 #: Three seeds whose row is clearly behind the baseline at the ratio's median (1.25) and its high end (1.6), and
 #: clearly ahead at its low end (0.8): the baseline improves fast, the row slowly but from lower.
-FLIP = {("MHA", s): {100: 6.0 + o, 200: 5.0 + o, 300: 4.0 + o, 400: 3.0 + o} for s, o in ((1, 0.0), (2, 0.01), (3, 0.03))}
+FLIP = {("MHA", s): {100: 6.0 + o, 200: 5.0 + o, 300: 4.0 + o, 400: 3.0 + o}
+        for s, o in ((1, 0.0), (2, 0.01), (3, 0.03))}
 FLIP.update({("Flip", s): {100: 3.9 + o, 200: 3.8 + o, 300: 3.7 + o, 400: 3.6 + o}
              for s, o in ((1, 0.0), (2, 0.02), (3, 0.03))})
 
@@ -276,7 +277,8 @@ def test_each_report_opens_with_what_won_and_how_sure():
         row("W", [1, 2], d(0.2, "worse than the baseline (2 seeds: fewer than 3)", n=2),
             d(0.2, "worse than the baseline (2 seeds: fewer than 3)", n=2))],
         "controls": [{"row": "A", "control": "C", "equal_macs": d(0.03, "worse than C"),
-                      "equal_time": d(-0.1, "not decided at equal time: no significant difference at the median ratio")}]}
+                      "equal_time": d(-0.1, "not decided at equal time: no significant difference at the median "
+                                            "ratio")}]}
     lines = headline_markdown(table)
     assert lines[0] == "#### In short (generated from the records)"
     macs, timed, control, sure = lines[2:]
@@ -284,7 +286,8 @@ def test_each_report_opens_with_what_won_and_how_sure():
                     "A -0.050 [-0.060, -0.040], C -0.080 [-0.090, -0.070]. Worse than B: W +0.200 [+0.190, +0.210] "
                     "(2 seeds).")
     assert timed.startswith("- **Equal time** (validation NLL, step times measured side by side on cpu): **A** won. ")
-    assert "Not decided at equal time: C +0.100 [+0.090, +0.110] (the sign depends on the step-time ratio (x))." in timed
+    assert ("Not decided at equal time: C +0.100 [+0.090, +0.110] (the sign depends on the step-time ratio (x))."
+            in timed)
     assert control == ("- **Control**: A against C, at equal MACs: worse than C; at equal time: not decided, no "
                        "significant difference at the median ratio.")
     assert "(2 to 3 seeds per row)" in sure and sure.endswith("Fewer than 3 seeds, so their verdicts rest on too "

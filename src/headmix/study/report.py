@@ -379,9 +379,10 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
     if not seeds:
         return lines + ["- **How sure**: no run has finished yet."]
     few = [f"{r['name']} ({len(r['seeds'])})" for r in table["rows"] if 0 < len(r["seeds"]) < FEW_SEEDS]
+    counts = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
     lines.append(f"- **How sure**: every verdict is a 95% Student-t interval of the difference paired by seed "
-                 f"({seeds[0] if len(seeds) == 1 else f'{seeds[0]} to {seeds[-1]}'} seeds per row); at equal time it must hold at the step-time ratio's median and at both ends of its 95% "
-                 f"interval. " + (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: "
+                 f"({counts} seeds per row); at equal time it must hold at the step-time ratio's median and at both "
+                 f"ends of its 95% interval. " + (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: "
                                   f"{', '.join(few)}." if few else f"Every row has at least {FEW_SEEDS} seeds.")
                  + ("" if table.get("complete", True) else " The study is not complete: more runs are to come."))
     return lines
@@ -838,10 +839,11 @@ def controls_markdown(table: dict[str, Any]) -> list[str]:
             macs, timed = c.get("equal_macs"), c.get("equal_time")
             ratio = "–" if c.get("ratio") is None else f"{c['ratio']:.2f}" + (
                 f" [{c['ratio_range'][0]:.2f}, {c['ratio_range'][1]:.2f}]" if c.get("ratio_range") else "")
+            at_time = ["–", "–", "–"] if timed is None else [
+                _delta_text(timed), _ends_text(c.get("equal_time_at_ratio_ends")), timed["verdict"]]
             lines.append(f"| {c['row']} | {c['control']} | " + " | ".join(
-                ["–", "–"] if macs is None else [_delta_text(macs), macs["verdict"]]) + f" | {ratio} | " + " | ".join(
-                ["–", "–", "–"] if timed is None else [_delta_text(timed), _ends_text(c.get("equal_time_at_ratio_ends")),
-                                                       timed["verdict"]]) + " |")
+                ["–", "–"] if macs is None else [_delta_text(macs), macs["verdict"]]) + f" | {ratio} | "
+                + " | ".join(at_time) + " |")
         lines.append("")
     if table.get("causal_selection"):
         lines += ["#### MoSA: causal selection at evaluation", "",
