@@ -384,7 +384,8 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
                  f"({counts} seeds per row); at equal time it must hold at the step-time ratio's median and at both "
                  f"ends of its 95% interval. " + (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: "
                                   f"{', '.join(few)}." if few else f"Every row has at least {FEW_SEEDS} seeds.")
-                 + ("" if table.get("complete", True) else " The study is not complete: more runs are to come."))
+                 + ("" if table.get("complete", True) else
+                    " The study is not complete: runs or side-by-side timings are missing."))
     return lines
 
 
