@@ -85,7 +85,7 @@ class TrainConfig:
     keep_checkpoints: int = option(10, "checkpoints kept (at least --average-last)")
     average_last: int = option(10, "average the last N checkpoints (the paper's 10); the final model is the "
                                    "average or the last weights, whichever scores better on validation")
-    average_window: float = option(0.1, "only checkpoints from the last this fraction of the steps join the "
+    average_window: float = option(0.1, "only checkpoints from this last fraction of the steps join the "
                                         "average (0.1: the last tenth; 1: any of the last --average-last)")
     distributed: str = option("ddp", "data parallelism under torchrun", choices=("ddp", "fsdp"))
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
