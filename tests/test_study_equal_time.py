@@ -153,3 +153,152 @@ def test_a_row_read_before_its_first_validation_is_named_and_an_untimed_study_sa
     text = "\n".join(interleaved_markdown(old))
     assert "Not measured" in text and "wall-clock reading below" in text
     assert math.isfinite(table["MHA"]["summary"]["mean"])
+
+
+# ------------------------------------------------------------------ verdicts that hold across the timing interval
+
+def _diff(mean, half, n=3):
+    """A paired difference with the given mean and 95% half-width (``half`` None: no interval)."""
+    from headmix.study.stats import PairedDifference
+
+    low, high = (None, None) if half is None else (mean - half, mean + half)
+    return PairedDifference(mean, None if half is None else 1.0, n, low, high, list(range(1, n + 1)))
+
+
+def test_an_equal_time_verdict_needs_the_interval_to_exclude_zero_at_the_median_and_both_ends_of_the_ratio():
+    from headmix.study.stats import equal_time_verdict
+
+    clear = _diff(-0.2, 0.05)
+    assert equal_time_verdict(clear, [_diff(-0.25, 0.05), _diff(-0.15, 0.05)]) == "better than the baseline"
+    assert equal_time_verdict(_diff(0.2, 0.05), [_diff(0.1, 0.05), _diff(0.3, 0.05)], than="X") == "worse than X"
+    # the issue's case: clear at the median ratio, the sign flips inside the ratio's interval
+    assert equal_time_verdict(_diff(0.167, 0.035), [_diff(-0.248, 0.03), _diff(0.564, 0.04)]) == (
+        "not decided at equal time: the sign depends on the step-time ratio (mean Δ -0.248 to +0.564 within its "
+        "interval)")
+    # the same sign everywhere, but one end's interval includes 0 (either end)
+    assert equal_time_verdict(clear, [_diff(-0.25, 0.05), _diff(-0.03, 0.05)]) == (
+        "not decided at equal time: Δ's 95% interval includes 0 at the ratio's high end")
+    assert equal_time_verdict(clear, [_diff(-0.03, 0.05), _diff(-0.25, 0.05)]) == (
+        "not decided at equal time: Δ's 95% interval includes 0 at the ratio's low end")
+    assert equal_time_verdict(_diff(-0.02, 0.05), [_diff(-0.25, 0.05), _diff(-0.15, 0.05)]) == (
+        "not decided at equal time: no significant difference at the median ratio")
+    assert equal_time_verdict(clear, None) == "not decided at equal time: the step-time ratio has no interval"
+    assert equal_time_verdict(clear, [None, _diff(-0.15, 0.05)]) == (
+        "not decided at equal time: Δ cannot be read at the ratio's low end (before a validation)")
+    assert equal_time_verdict(_diff(-0.2, None, n=1), None) == "too few seeds for an interval"
+    # fewer than 3 seeds: said, decided or not
+    two = [_diff(-0.2, 0.1, n=2), [_diff(-0.25, 0.1, n=2), _diff(-0.15, 0.1, n=2)]]
+    assert equal_time_verdict(*two) == "better than the baseline (2 seeds: fewer than 3)"
+    assert equal_time_verdict(two[0], None).endswith("(2 seeds: fewer than 3)")
+    with pytest.raises(ValueError, match="at_ends"):
+        equal_time_verdict(clear, [clear])
+
+
+def test_an_equal_macs_verdict_from_fewer_than_three_seeds_says_so():
+    from headmix.study.stats import paired_difference
+
+    two = paired_difference({1: 1.0, 2: 1.1}, {1: 2.0, 2: 2.1001})
+    assert two.verdict(True) == "better than the baseline (2 seeds: fewer than 3)"
+    assert paired_difference({1: 1.0, 2: 1.5}, {1: 1.2, 2: 1.2}).verdict(True) == (
+        "no significant difference (2 seeds: fewer than 3)")
+    assert paired_difference({1: 1.0, 2: 1.1, 3: 0.9}, {1: 2.0, 2: 2.0, 3: 2.05}).verdict(True) == (
+        "better than the baseline")
+
+
+#: Three seeds whose row is clearly behind the baseline at the ratio's median (1.25) and its high end (1.6), and
+#: clearly ahead at its low end (0.8): the baseline improves fast, the row slowly but from lower.
+FLIP = {("MHA", s): {100: 6.0 + o, 200: 5.0 + o, 300: 4.0 + o, 400: 3.0 + o}
+        for s, o in ((1, 0.0), (2, 0.01), (3, 0.03))}
+FLIP.update({("Flip", s): {100: 3.9 + o, 200: 3.8 + o, 300: 3.7 + o, 400: 3.6 + o}
+             for s, o in ((1, 0.0), (2, 0.02), (3, 0.03))})
+
+
+def test_the_report_gives_no_equal_time_verdict_when_the_sign_flips_inside_the_ratio_interval():
+    results = [_run(r, s, c) for (r, s), c in FLIP.items()]
+    planned = [SimpleNamespace(name=n) for n in ("MHA", "Flip")]
+    timing = {"Flip": {"ratio": 1.25, "low": 0.8, "high": 1.6, "machine": {}, "device": "cpu"}}
+    flip = equal_time_interleaved(planned, results, timing)["Flip"]
+    low, high = flip["vs_baseline_at_interval_ends"]
+    # at the median (row step 320: 3.68; the baseline at 400: 3.0) the row is clearly worse ...
+    assert flip["vs_baseline"]["low"] > 0 and high["low"] > 0
+    # ... at the low end (the row at 400: 3.6, the baseline at 320: 3.8) clearly better
+    assert low["high"] < 0 and low["mean"] == pytest.approx(3.6 - 3.8 + ((0.02 - 0.01) + (0.03 - 0.03)) / 3)
+    assert flip["vs_baseline"]["verdict"].startswith("not decided at equal time: the sign depends on the step-time")
+    assert flip["delta_at_interval_ends"] == [low["mean"], high["mean"]]
+    lines = interleaved_markdown({"baseline": "MHA", "rows": [
+        {"name": n, "equal_time_interleaved": {**e, "timing": timing.get(n)}}
+        for n, e in equal_time_interleaved(planned, results, timing).items()]})
+    row = next(line for line in lines if line.startswith("| Flip |"))
+    assert "| not decided at equal time: the sign depends" in row and f"{low['mean']:+.3f} [" in row
+    # a narrow interval around the median: decided
+    narrow = {"Flip": {**timing["Flip"], "low": 1.2, "high": 1.3}}
+    assert equal_time_interleaved(planned, results, narrow)["Flip"]["vs_baseline"]["verdict"] == (
+        "worse than the baseline")
+
+
+def test_the_controls_equal_time_verdict_follows_the_same_rule():
+    from headmix.study.report import controls
+
+    results = [_run(r, s, c) for (r, s), c in FLIP.items()]
+    spec = SimpleNamespace(rows=[SimpleNamespace(name="MHA", control_of=None),
+                                 SimpleNamespace(name="Flip", control_of="MHA")])
+    table_rows = [{"name": "MHA"}, {"name": "Flip"}]
+    wide = {"Flip": {"ratio": 1.25, "low": 0.8, "high": 1.6}}
+    (routed_vs_control,) = controls(spec, table_rows, results, wide)
+    # the control "Flip" subtracted from the routed row "MHA": the step-time ratio is 1 / 1.25 [1/1.6, 1/0.8]
+    assert routed_vs_control["ratio"] == pytest.approx(0.8)
+    assert routed_vs_control["ratio_range"] == pytest.approx([1 / 1.6, 1 / 0.8])
+    timed = routed_vs_control["equal_time"]
+    assert timed["significant"] and timed["verdict"].startswith("not decided at equal time: the sign depends")
+    # at 1 / 1.6 MHA's end against Flip's step 250 (MHA better), at 1 / 0.8 MHA's step 320 against Flip's end
+    assert [d["mean"] > 0 for d in routed_vs_control["equal_time_at_ratio_ends"]] == [False, True]
+    narrow = {"Flip": {"ratio": 1.25, "low": 1.2, "high": 1.3}}
+    assert controls(spec, table_rows, results, narrow)[0]["equal_time"]["verdict"] == "better than Flip"
+    untimed_ends = {"Flip": {"ratio": 1.25}}
+    assert controls(spec, table_rows, results, untimed_ends)[0]["equal_time"]["verdict"] == (
+        "not decided at equal time: the step-time ratio has no interval")
+
+
+def test_each_report_opens_with_what_won_and_how_sure():
+    from headmix.study.report import headline_markdown
+
+    def row(name, seeds, macs=None, timed=None):
+        return {"name": name, "seeds": seeds, "vs_baseline": {} if macs is None else {"valid_nll": macs},
+                "equal_time_interleaved": {"vs_baseline": timed, "timing": {"device": "cpu"} if timed else None}}
+
+    def d(mean, verdict, n=3):
+        return {"mean": mean, "low": mean - 0.01, "high": mean + 0.01, "n": n, "verdict": verdict}
+
+    table = {"baseline": "B", "metrics": ["valid_nll"], "rows": [
+        row("B", [1, 2, 3]),
+        row("A", [1, 2, 3], d(-0.05, "better than the baseline"), d(-0.03, "better than the baseline")),
+        row("C", [1, 2, 3], d(-0.08, "better than the baseline"),
+            d(0.1, "not decided at equal time: the sign depends on the step-time ratio (x)")),
+        row("W", [1, 2], d(0.2, "worse than the baseline (2 seeds: fewer than 3)", n=2),
+            d(0.2, "worse than the baseline (2 seeds: fewer than 3)", n=2))],
+        "controls": [{"row": "A", "control": "C", "equal_macs": d(0.03, "worse than C"),
+                      "equal_time": d(-0.1, "not decided at equal time: no significant difference at the median "
+                                            "ratio")}]}
+    lines = headline_markdown(table)
+    assert lines[0] == "#### In short (generated from the records)"
+    macs, timed, control, sure = lines[2:]
+    assert macs == ("- **Equal MACs** (final valid_nll, each row minus **B**): **C** won. Better than B: "
+                    "A -0.050 [-0.060, -0.040], C -0.080 [-0.090, -0.070]. Worse than B: W +0.200 [+0.190, +0.210] "
+                    "(2 seeds).")
+    assert timed.startswith("- **Equal time** (validation NLL, step times measured side by side on cpu): **A** won. ")
+    assert ("Not decided at equal time: C +0.100 [+0.090, +0.110] (the sign depends on the step-time ratio (x))."
+            in timed)
+    assert control == ("- **Control**: A against C, at equal MACs: worse than C; at equal time: not decided, no "
+                       "significant difference at the median ratio.")
+    assert "(2 to 3 seeds per row)" in sure and sure.endswith("Fewer than 3 seeds, so their verdicts rest on too "
+                                                              "few: W (2).")
+    table["rows"] = table["rows"][:2]
+    table["rows"][1]["equal_time_interleaved"] = {}
+    table.pop("controls")
+    lines = headline_markdown(table)
+    assert lines[3] == "- **Equal time**: not measured (no row was timed side by side with the baseline)."
+    assert lines[4].endswith("Every row has at least 3 seeds.")
+    table["rows"][1]["vs_baseline"]["valid_nll"] = d(0.0, "no significant difference")
+    assert "no row was shown better than B. No significant difference: A" in headline_markdown(table)[2]
+    table["rows"] = [{**r, "seeds": [], "vs_baseline": {}} for r in table["rows"]]
+    assert headline_markdown(table)[-1] == "- **How sure**: no run has finished yet."

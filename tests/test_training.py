@@ -23,6 +23,7 @@ from headmix.evaluation import corpus_scores
 from headmix.tasks import evaluate_run
 from headmix.models import build_model, load_pretrained
 from headmix.routing import load_summary
+from headmix.runs import average_checkpoints
 from headmix.training import TrainConfig, TrainingError, lr_multiplier, train
 from headmix.training.demo import expert_load_figure, loss_curves_figure
 from headmix.training.metrics import read_metrics
@@ -42,7 +43,7 @@ def docs_file(tmp_path_factory) -> Path:
 def small_config(out: Path, data: Path, **kw) -> TrainConfig:
     base = dict(task="translation", preset="tiny-moa", out=str(out), data=[str(data)], vocab_size=300, max_steps=6,
                 max_tokens=600, max_len=32, warmup_steps=2, log_every=2, eval_every=3, save_every=3, keep_checkpoints=3,
-                average_last=2, valid_size=0.05, test_size=0.05, progress=False, dropout=0.1)
+                average_last=2, average_window=1.0, valid_size=0.05, test_size=0.05, progress=False, dropout=0.1)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -72,7 +73,7 @@ def test_translation_run_writes_everything_and_resume_continues_the_same_run(tmp
     for name in ("train_config.json", "config.json", "model.safetensors", "summary.json", "metrics.jsonl",
                  "tokenizer/tokenizer.json", "data/train.tsv", "data/valid.tsv", "data/test.tsv"):
         assert (run / name).is_file(), name
-    assert summary["steps"] == 6 and summary["averaged_checkpoints"] == 2
+    assert summary["steps"] == 6 and summary["final_weights"]["averaged_steps"] == [3, 6]
     records = read_metrics(run)
     train_rec = [r for r in records if r["split"] == "train"]
     assert [r["step"] for r in train_rec] == [2, 4, 6]
@@ -87,15 +88,98 @@ def test_translation_run_writes_everything_and_resume_continues_the_same_run(tmp
     a = weights(run / "checkpoints" / "step_00000006")
     assert_same_weights(a, weights(Path(resumed.out) / "checkpoints" / "step_00000006"))
 
-    # The final model is the mean of the last two checkpoints' files (3 and 6), computed here in float64.
+    # The average is the mean of the last two checkpoints' files (3 and 6), computed here in float64; the final
+    # model is that average or the step-6 weights, whichever the summary names (the lower validation loss).
     last = checkpoint_dirs(run)[-2:]
     assert [p.name for p in last] == ["step_00000003", "step_00000006"]
     files = [weights(p) for p in last]
-    final = load_pretrained(run).state_dict()
+    averaged = average_checkpoints(last)
     for k in files[0]:
-        mean = ((files[0][k].double() + files[1][k].double()) / 2).to(final[k].dtype)
-        torch.testing.assert_close(final[k], mean, rtol=0, atol=0, msg=k)
-    assert any(not torch.equal(final[k], a[k]) for k in a)  # averaging changed the last step's weights
+        mean = ((files[0][k].double() + files[1][k].double()) / 2).to(files[0][k].dtype)
+        torch.testing.assert_close(averaged[k], mean, rtol=0, atol=0, msg=k)
+    assert any(not torch.equal(averaged[k], a[k]) for k in a)  # averaging changed the last step's weights
+    chosen = summary["final_weights"]
+    final = load_pretrained(run).state_dict()
+    expected = averaged if chosen["final"] == "averaged" else a
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    losses = {"averaged": chosen["valid_loss_averaged"], "last": chosen["valid_loss_last"]}
+    assert losses[chosen["final"]] == min(losses.values()) == summary["valid"]["loss"]
+
+
+def test_the_averaging_window_is_the_last_tenth_of_the_steps_by_default():
+    from headmix.runs.checkpoints import averaging_window_start
+
+    assert TrainConfig.__dataclass_fields__["average_window"].default == 0.1
+    # the issue's run: 40 steps saved every 20 would have averaged steps 20 and 40; the window starts at 36
+    assert averaging_window_start(40, 0.1) == 36 and averaging_window_start(30, 0.1) == 27
+    assert averaging_window_start(100_000, 0.1) == 90_000 and averaging_window_start(6, 0.1) == 6
+    assert averaging_window_start(40, 1) == 0 and averaging_window_start(40, 0.5) == 20
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="window must be a fraction in \\(0, 1\\]"):
+            averaging_window_start(40, bad)
+    with pytest.raises(ValueError, match="average_window must be a fraction in \\(0, 1\\]"):
+        TrainConfig(task="lm", out="x", average_window=0)
+
+
+def _checkpoint(folder: Path, step: int, value: float) -> Path:
+    from safetensors.torch import save_file
+
+    path = folder / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    save_file({"weight": torch.full((2, 2), value)}, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("averaged_loss,final", [(0.5, "averaged"), (2.0, "last"), (1.0, "last")])
+def test_the_final_weights_are_the_average_only_where_it_scores_better_on_validation(tmp_path, averaged_loss, final):
+    """Scored on validation (here a made-up loss of the weights' value): the average of the window's checkpoints
+    when it is better than the last weights, else the last weights, restored exactly (a tie keeps the last);
+    both losses and the choice are in the record."""
+    from headmix.training.trainer import choose_final_weights
+
+    model = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(3.0)  # the last weights; the checkpoints average to 2.0
+    paths = [_checkpoint(tmp_path, 36, 1.0), _checkpoint(tmp_path, 40, 3.0)]
+    losses = {3.0: 1.0, 2.0: averaged_loss}
+
+    def validate():
+        return {"loss": losses[float(model.weight[0, 0])]}
+
+    valid, record = choose_final_weights(model, paths, validate)
+    assert record["final"] == final and record["averaged_steps"] == [36, 40]
+    assert (record["valid_loss_last"], record["valid_loss_averaged"]) == (1.0, averaged_loss)
+    assert valid["loss"] == min(1.0, averaged_loss)
+    assert torch.equal(model.weight, torch.full((2, 2), 2.0 if final == "averaged" else 3.0))
+    assert "the average of the checkpoints at steps 36, 40" in record["text"]
+    assert record["text"].startswith("final model: the average" if final == "averaged" else
+                                     "final model: the last weights")
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    alone, record = choose_final_weights(model, paths[1:], validate)
+    assert record["final"] == "last" and record["valid_loss_averaged"] is None and alone["loss"] == 1.0
+    assert record["text"].endswith("no average: 1 checkpoint in the averaging window")
+
+
+def test_a_short_run_averages_only_the_checkpoints_of_its_last_tenth_and_says_which_model_is_final(tmp_path,
+                                                                                                     pairs_file):
+    """20 steps saved every 2 with --average-last 10: the ten newest checkpoints go back to step 2, but the
+    default window (the last tenth) takes steps 18 and 20 only; the summary holds both validation losses and
+    names the final model, and the final validation record agrees."""
+    cfg = small_config(tmp_path / "short", pairs_file, max_steps=20, save_every=2, keep_checkpoints=10,
+                       average_last=10, average_window=0.1, eval_every=100, log_every=10)
+    summary = train(cfg)
+    chosen = summary["final_weights"]
+    assert chosen["averaged_steps"] == [18, 20] and chosen["window_from_step"] == 18
+    assert len(checkpoint_dirs(Path(cfg.out))) == 10  # the older checkpoints are there, and left out
+    assert chosen["final"] in ("averaged", "last")
+    losses = {"averaged": chosen["valid_loss_averaged"], "last": chosen["valid_loss_last"]}
+    assert all(isinstance(v, float) for v in losses.values())
+    assert summary["valid"]["loss"] == losses[chosen["final"]] == min(losses.values())
+    assert summary["averaged_checkpoints"] == (2 if chosen["final"] == "averaged" else 1)
+    final_record = [r for r in read_metrics(cfg.out) if r["split"] == "valid"][-1]
+    assert final_record["averaged"] == summary["averaged_checkpoints"]
+    assert json.loads((Path(cfg.out) / "summary.json").read_text())["final_weights"] == chosen
 
 
 def test_loop_applies_the_schedule(tmp_path, pairs_file):
@@ -199,7 +283,7 @@ def test_stop_checkpoint_stays_out_of_the_average(tmp_path, pairs_file):
     assert train(cut, stop=stop_before_step(6)) == {"stopped_by": "signal 15", "steps": 5}
     assert not (Path(cut.out) / "model.safetensors").exists()
     summary = train(cut)
-    assert summary["steps"] == 6 and summary["averaged_checkpoints"] == 2
+    assert summary["steps"] == 6 and summary["final_weights"]["averaged_steps"] == [4, 6]
     assert_same_weights(weights(Path(cut.out)), weights(Path(uncut.out)))
     assert without_clock(read_metrics(cut.out)) == without_clock(read_metrics(uncut.out))
 

@@ -13,7 +13,8 @@ A variant fixes some attention fields and names the ones to solve for (``top_k``
 ``num_heads``, ``key_dim``, ``num_experts``, ``num_shared_heads``). :func:`match_attention` enumerates
 the candidate values of those fields, keeps the configurations within the tolerance and picks, in order:
 the one closest to the ``prefer`` values (e.g. the baseline's head size, so MoA rows at several ``E``
-keep one ``k`` and ``d_h``), then the one closest to the baseline's MACs.
+keep one ``k`` and ``d_h``), then the one closest to the baseline's MACs. When no candidate is within the
+tolerance and the row's kind has a separate query/key size, a finer step is taken (see :func:`match_attention`).
 
 Rows may fix (or solve, ``kv_heads``) the grouped-query options too: ``kv_heads`` (fewer K/V projections),
 ``output_gate`` (its projection is counted) and ``qk_norm`` (element-wise, no MACs) are counted by
@@ -126,8 +127,15 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
     (``baseline`` with this attention in every role) costs the baseline's attention MACs within
     ``tolerance`` (sparse MoH counted per ``moh_count``, :data:`MOH_COUNTS`; attention's products per the
     convention ``attention``, :data:`headmix.models.counting.ATTENTION_MACS`); options ``fixed`` leaves out are
-    the baseline's (:data:`INHERITED`). ``ValueError``
-    naming the variant's fields when no candidate is within it."""
+    the baseline's (:data:`INHERITED`).
+
+    **A finer step** (:func:`_finer_step`): a small model's head sizes step by several percent of its MACs (at
+    a head size of 11, one unit is 9%), so no head size may fall within 2%. When ``head_dim`` is solved and no
+    candidate is within the tolerance, a kind with a separate query/key size (MHA, Talking-Heads: ``key_dim``)
+    gets it solved too, as close to the head size as reaches the tolerance (a query/key size one unit off moves
+    the MACs by about half a head-size step). ``ValueError`` naming the variant's fields, the closest
+    candidate and, where the head-size step itself is wider than the tolerance allows, the step and the
+    spec's ``tolerance`` (docs/study.md) when no candidate is within it."""
     solve = tuple(solve)
     for field in solve:
         if field not in SOLVABLE:
@@ -138,31 +146,78 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
     prefer = prefer or {}
     target = attention_macs_of(baseline, src_len, tgt_len, attention=attention)
-    best: tuple[tuple, Match] | None = None
-    closest: Match | None = None
     inherited = {**inherited_options(baseline), **conventions_for(fixed.get("kind", "mha"), baseline)}
-    for values in itertools.product(*(_candidates(f, fixed, baseline.d_model) for f in solve)):
-        fields = {**inherited, **fixed, **dict(zip(solve, values))}
+
+    def count(fields: dict[str, Any]) -> Match | None:
         try:
             att = AttentionConfig(**fields)
             model = with_attention(baseline, att)
         except (ValueError, TypeError):
-            continue
-        match = Match(att, attention_macs_of(model, src_len, tgt_len, moh_count, attention), target)
-        gap = abs(match.ratio - 1)
-        if closest is None or gap < abs(closest.ratio - 1):
-            closest = match
-        if gap > tolerance:
-            continue
-        distance = sum(abs(fields[f] - prefer[f]) for f in solve if f in prefer)
-        key = (distance, gap)
-        if best is None or key < best[0]:
-            best = (key, match)
+            return None
+        return Match(att, attention_macs_of(model, src_len, tgt_len, moh_count, attention), target)
+
+    def preference(fields: dict[str, Any]) -> int:
+        return sum(abs(fields[f] - prefer[f]) for f in solve if f in prefer)
+
+    candidates = [{**inherited, **fixed, **dict(zip(solve, values))}
+                  for values in itertools.product(*(_candidates(f, fixed, baseline.d_model) for f in solve))]
+    counted = [(fields, m) for fields in candidates if (m := count(fields)) is not None]
+    best = _closest_preferred(counted, tolerance, preference)
+    if best is None and _finer_step(fixed, solve):
+        best = _finer_step_match(counted, tolerance, preference, count)
     if best is None:
+        closest = min((m for _, m in counted), key=lambda m: abs(m.ratio - 1), default=None)
         near = f"; the closest is {closest.ratio:.3f}x ({_describe(closest.attention)})" if closest else ""
         raise ValueError(f"no attention with {fixed} and {list(solve)} solved is within {tolerance:.0%} of the "
-                         f"baseline's attention MACs ({target:,}){near}")
-    return best[1]
+                         f"baseline's attention MACs ({target:,}){near}{_step_note(counted, solve, tolerance)}")
+    return best
+
+
+def _closest_preferred(counted: list[tuple[dict[str, Any], Match]], tolerance: float, preference) -> Match | None:
+    """Of the counted candidates within ``tolerance``: the one closest to the preferred values, then to the
+    baseline's MACs."""
+    within = [(preference(fields), abs(m.ratio - 1), i, m) for i, (fields, m) in enumerate(counted)
+              if abs(m.ratio - 1) <= tolerance]
+    return min(within)[-1] if within else None
+
+
+def _finer_step(fixed: dict[str, Any], solve: tuple[str, ...]) -> bool:
+    """Whether a finer step than the head size's is open: ``head_dim`` solved, and a kind with a separate
+    query/key size (``key_dim``) that the row leaves free."""
+    return "head_dim" in solve and "key_dim" not in solve and "key_dim" not in fixed and \
+        field_applies("key_dim", fixed.get("kind", "mha"))
+
+
+def _finer_step_match(counted: list[tuple[dict[str, Any], Match]], tolerance: float, preference,
+                      count) -> Match | None:
+    """The candidates again with the query/key size ``d`` units from the head size, ``d = 1, 2, ...`` up to a
+    quarter of it: the first ``d`` with a candidate within ``tolerance`` gives the match (closest to the
+    preferred values, then to the baseline's MACs)."""
+    largest = max((fields["head_dim"] for fields, _ in counted), default=0)
+    for offset in range(1, largest // 4 + 1):
+        shifted = [{**fields, "key_dim": fields["head_dim"] + sign * offset} for fields, _ in counted
+                   for sign in (-1, 1) if fields["head_dim"] + sign * offset >= 1 and offset <= fields["head_dim"] // 4]
+        found = _closest_preferred([(f, m) for f in shifted if (m := count(f)) is not None], tolerance, preference)
+        if found is not None:
+            return found
+    return None
+
+
+def _step_note(counted: list[tuple[dict[str, Any], Match]], solve: tuple[str, ...], tolerance: float) -> str:
+    """Why no head size fits, when that is the reason: the two head sizes around the baseline's MACs are further
+    apart than the tolerance's window (twice the tolerance), so no finer choice of this kind exists."""
+    if solve != ("head_dim",):
+        return ""
+    below = [(m.ratio, f["head_dim"]) for f, m in counted if m.ratio < 1]
+    above = [(m.ratio, f["head_dim"]) for f, m in counted if m.ratio > 1]
+    if not below or not above:
+        return ""
+    (low, h_low), (high, h_high) = max(below), min(above)
+    if high - low <= 2 * tolerance:
+        return ""
+    return (f"; head sizes step by {high - low:.1%} of its MACs here ({h_low}: {low:.3f}x, {h_high}: {high:.3f}x), "
+            f"more than the {tolerance:.0%} tolerance can bridge: widen the spec's `tolerance` (docs/study.md, "
+            f"\"The tolerance\") or give the model larger heads")
 
 
 def _describe(att: AttentionConfig) -> str:

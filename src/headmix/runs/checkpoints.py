@@ -26,11 +26,19 @@ checkpoint, written only so that the run can resume. The rule, applied after eve
 
 The average (:func:`checkpoints_to_average`) takes the newest ``n`` scheduled checkpoints, so a run
 stopped by a signal and resumed averages exactly the checkpoints of an uncut run: bit-identical result.
+
+**The averaging window.** Averaging weights from far apart in training mixes a model still learning fast with
+a later one: in a 40-step run saved every 20 steps, the average of steps 20 and 40 scored 6.641 against 6.583
+for the step-40 weights alone. So the average takes only checkpoints from the last ``window`` fraction of the
+steps (:func:`averaging_window_start`: a run of ``S`` steps with ``window = 0.1``, the trainer's default,
+averages checkpoints at steps ``>= S - floor(S / 10)``): a long run (100k steps saved every 1000) still averages
+its last 10, a short one only what lies close to its end.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import random
@@ -251,15 +259,28 @@ def latest_intact_checkpoint(root: str | os.PathLike, model: nn.Module, warn: Wa
     return None
 
 
-def checkpoints_to_average(root: str | os.PathLike, n: int, warn: Warn, *, up_to_step: int | None = None) -> list[Path]:
-    """The checkpoints the final average uses: the newest ``n`` scheduled ones (at most ``up_to_step``
-    when given), oldest first. Interruption checkpoints never join. A damaged one among them is left
-    out, with a ``warn`` line."""
+def averaging_window_start(final_step: int, window: float) -> int:
+    """The first step whose checkpoint may join the final average of a run that ended at ``final_step``: only
+    checkpoints from the last ``window`` fraction of the steps, ``final_step - floor(final_step * window)``
+    (``window = 1``: any)."""
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window <= 1:
+        raise ValueError(f"window must be a fraction in (0, 1], got {window!r}")
+    if isinstance(final_step, bool) or not isinstance(final_step, int) or final_step < 0:
+        raise ValueError(f"final_step must be a non-negative integer, got {final_step!r}")
+    return final_step - math.floor(final_step * window + 1e-9)  # 1e-9: 0.1 * 30 is 3.0000000000000004
+
+
+def checkpoints_to_average(root: str | os.PathLike, n: int, warn: Warn, *, up_to_step: int | None = None,
+                           from_step: int | None = None) -> list[Path]:
+    """The checkpoints the final average uses: the newest ``n`` scheduled ones (at most ``up_to_step`` and at
+    least ``from_step`` when given: :func:`averaging_window_start`), oldest first. Interruption checkpoints never
+    join. A damaged one among them is left out, with a ``warn`` line."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
     candidates = []
     for p in list_checkpoints(root):
-        if up_to_step is not None and checkpoint_step(p) > up_to_step:
+        if (up_to_step is not None and checkpoint_step(p) > up_to_step) or (
+                from_step is not None and checkpoint_step(p) < from_step):
             continue
         try:
             if is_scheduled(read_info(p)):

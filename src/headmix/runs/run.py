@@ -380,10 +380,12 @@ class Run:
         mismatch) is reported with one warning line and skipped. ``None`` if none is intact."""
         return ckpt.latest_intact_checkpoint(self.checkpoints_dir, model, self.log)
 
-    def checkpoints_to_average(self, n: int, *, up_to_step: int | None = None) -> list[Path]:
-        """The checkpoints the final average uses: the newest ``n`` periodic/final ones, never one written
-        because of a signal (see :mod:`headmix.runs.checkpoints`)."""
-        return ckpt.checkpoints_to_average(self.checkpoints_dir, n, self.log, up_to_step=up_to_step)
+    def checkpoints_to_average(self, n: int, *, up_to_step: int | None = None,
+                               from_step: int | None = None) -> list[Path]:
+        """The checkpoints the final average uses: the newest ``n`` periodic/final ones from ``from_step`` on
+        (the averaging window), never one written because of a signal (see :mod:`headmix.runs.checkpoints`)."""
+        return ckpt.checkpoints_to_average(self.checkpoints_dir, n, self.log, up_to_step=up_to_step,
+                                           from_step=from_step)
 
     # ------------------------------------------------------------------------------------- metrics
     def truncate_metrics(self, step: int) -> int:

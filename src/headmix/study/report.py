@@ -30,7 +30,7 @@ from .matching import attention_macs_of
 from .runner import (PlannedRow, RunResult, finished_results, interpolate, macs_lengths, slug, study_complete,
                      study_lock)
 from .spec import StudySpec
-from .stats import paired_difference, summarize
+from .stats import FEW_SEEDS, NOT_DECIDED, PairedDifference, equal_time_verdict, paired_difference, summarize
 from .timing import equal_time_steps, read_at, read_timing
 
 #: The metrics of every task, lower is better for all but BLEU/chrF.
@@ -156,15 +156,23 @@ def equal_time_interleaved(planned: list[PlannedRow], results: list[RunResult],
         if row.name == baseline:
             continue
         diff = paired_difference(values, {int(k): v for k, v in entry["baseline_nll"].items()})
-        entry["vs_baseline"] = {**diff.to_dict(), "verdict": diff.verdict(True)}
+        ends = None
         if entry["low"] is not None:
-            ends = []
-            for ratio in (entry["low"], entry["high"]):
-                pairs = [_read_pair(ratio, runs[s], base_runs[s]) for s in sorted(values)]
-                deltas = [p[2] - p[3] for p in pairs if p[2] is not None and p[3] is not None]
-                ends.append(sum(deltas) / len(deltas) if len(deltas) == len(pairs) else None)
-            entry["delta_at_interval_ends"] = ends
+            ends = [_difference_at(ratio, runs, base_runs, sorted(values)) for ratio in (entry["low"], entry["high"])]
+            entry["delta_at_interval_ends"] = [None if d is None else d.mean for d in ends]
+            entry["vs_baseline_at_interval_ends"] = [None if d is None else d.to_dict() for d in ends]
+        entry["vs_baseline"] = {**diff.to_dict(), "verdict": equal_time_verdict(diff, ends)}
     return table
+
+
+def _difference_at(ratio: float, runs: dict[int, RunResult], others: dict[int, RunResult],
+                   seeds: list[int]) -> PairedDifference | None:
+    """The validation NLL of ``runs`` minus that of ``others`` at equal time for the step-time ratio ``ratio``,
+    paired by seed over ``seeds``; ``None`` when a seed's reading falls before a validation."""
+    pairs = {s: _read_pair(ratio, runs[s], others[s]) for s in seeds}
+    if any(p[2] is None or p[3] is None for p in pairs.values()):
+        return None
+    return paired_difference({s: p[2] for s, p in pairs.items()}, {s: p[3] for s, p in pairs.items()})
 
 
 def machines(results: list[RunResult]) -> dict[str, list[str]]:
@@ -312,7 +320,7 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
     matched = table.get("attention_macs", "full")
     other = other_convention(matched)
     lines = [f"### {table['name']}: {table['task']}, {table['max_steps']} steps, seeds {table['seeds']}",
-             "",
+             "", *headline_markdown(table), "",
              "#### Equal MACs: which method is better per unit of compute",
              "",
              f"Baseline: **{table['baseline']}** (`{table['baseline_preset']}`); every row's attention MACs within "
@@ -345,6 +353,77 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def headline_markdown(table: dict[str, Any]) -> list[str]:
+    """The report's opening lines, written from its table (never by hand): which row won at equal MACs and at
+    equal time and which rows were better, worse or not separated from the baseline, the controls' verdicts, and
+    how sure that is (the seeds, the equal-time rule, rows with fewer than :data:`FEW_SEEDS` seeds)."""
+    main = "bleu" if "bleu" in table["metrics"] else "valid_nll"
+    base, rows = table["baseline"], table["rows"][1:]
+    lines = ["#### In short (generated from the records)", "",
+             f"- **Equal MACs** (final {main}, each row minus **{base}**): "
+             + _verdicts_text([(r["name"], r["vs_baseline"].get(main)) for r in rows], base, LOWER_IS_BETTER[main])]
+    timed = [r for r in rows if (r.get("equal_time_interleaved") or {}).get("timing")]
+    if timed:
+        devices = sorted({_timing_device(r["equal_time_interleaved"]["timing"]) for r in timed})
+        lines.append(f"- **Equal time** (validation NLL, step times measured side by side on {', '.join(devices)}): "
+                     + _verdicts_text([(r["name"], r["equal_time_interleaved"].get("vs_baseline")) for r in rows],
+                                      base, True))
+    else:
+        lines.append("- **Equal time**: not measured (no row was timed side by side with the baseline).")
+    for c in table.get("controls") or []:
+        verdicts = [f"{where}: {'–' if d is None else d['verdict'].replace(NOT_DECIDED + ': ', 'not decided, ')}"
+                    for where, d in
+                    (("at equal MACs", c.get("equal_macs")), ("at equal time", c.get("equal_time")))]
+        lines.append(f"- **Control**: {c['row']} against {c['control']}, {'; '.join(verdicts)}.")
+    seeds = sorted({len(r["seeds"]) for r in table["rows"] if r["seeds"]})
+    if not seeds:
+        return lines + ["- **How sure**: no run has finished yet."]
+    few = [f"{r['name']} ({len(r['seeds'])})" for r in table["rows"] if 0 < len(r["seeds"]) < FEW_SEEDS]
+    counts = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
+    lines.append(f"- **How sure**: every verdict is a 95% Student-t interval of the difference paired by seed "
+                 f"({counts} seeds per row); at equal time it must hold at the step-time ratio's median and at both "
+                 f"ends of its 95% interval. " + (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: "
+                                  f"{', '.join(few)}." if few else f"Every row has at least {FEW_SEEDS} seeds.")
+                 + ("" if table.get("complete", True) else
+                    " The study is not complete: runs or side-by-side timings are missing."))
+    return lines
+
+
+def _verdicts_text(cells: list[tuple[str, dict[str, Any] | None]], baseline: str, lower_is_better: bool) -> str:
+    """The rows grouped by their verdict against ``baseline``: the winner (the best mean among those better),
+    then better, worse, not separated, not decided (with the reasons)."""
+    groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for name, diff in cells:
+        if diff is None:
+            groups.setdefault("not compared", []).append((name, {}))
+            continue
+        verdict = diff["verdict"]
+        kind = next((k for k in ("better", "worse", "no significant difference", NOT_DECIDED) if verdict.startswith(k)),
+                    "too few seeds for an interval")
+        groups.setdefault(kind, []).append((name, diff))
+
+    def item(name: str, diff: dict[str, Any], reason: bool = False) -> str:
+        text = name if not diff else f"{name} {_delta_text(diff)}"
+        if reason:
+            text += " (" + diff["verdict"].split(": ", 1)[-1] + ")"
+        elif diff and diff.get("n", FEW_SEEDS) < FEW_SEEDS:
+            text += f" ({diff['n']} seeds)"
+        return text
+
+    better = groups.get("better", [])
+    sign = 1 if lower_is_better else -1
+    parts = [f"**{min(better, key=lambda c: sign * c[1]['mean'])[0]}** won." if better else
+             f"no row was shown better than {baseline}."]
+    for kind, label in (("better", f"Better than {baseline}"), ("worse", f"Worse than {baseline}"),
+                        ("no significant difference", "No significant difference"),
+                        (NOT_DECIDED, "Not decided at equal time"), ("too few seeds for an interval",
+                                                                     "Too few seeds for an interval"),
+                        ("not compared", "Not compared")):
+        if groups.get(kind):
+            parts.append(f"{label}: " + ", ".join(item(n, d, kind == NOT_DECIDED) for n, d in groups[kind]) + ".")
+    return " ".join(parts)
+
+
 def interleaved_markdown(table: dict[str, Any]) -> list[str]:
     """The equal-time table from side-by-side timing: what to train on the machine the rows were timed on."""
     head = ["#### Equal time: what to train on this machine", ""]
@@ -360,11 +439,11 @@ def interleaved_markdown(table: dict[str, Any]) -> list[str]:
         f"the baseline's reaches step `s / r` when the baseline reaches `s`; the two are compared at the time the "
         f"faster one needs for the study's steps, read on both validation curves by step (a slower row before its "
         f"end, a faster row at its end against the baseline before its end; never extrapolated). Δ is paired by "
-        f"seed, with its 95% Student-t interval; the last column is the mean Δ read at the two ends of the ratio's "
-        f"interval.",
+        f"seed, with its 95% Student-t interval; the last column is Δ with its interval read at the two ends of the "
+        f"ratio's interval. {EQUAL_TIME_RULE}",
         "",
         "| row | step time vs baseline [95% CI] | read at step (row / baseline) | valid NLL at equal time | "
-        "Δ [95% CI] | verdict | Δ at the ratio's interval ends |",
+        "Δ [95% CI] | verdict | Δ [95% CI] at the ratio's interval ends (low; high) |",
         "|---|---|---|---|---|---|---|"]
     measured = []
     for row in rows:
@@ -384,8 +463,7 @@ def interleaved_markdown(table: dict[str, Any]) -> list[str]:
             diff = e.get("vs_baseline")
             cells += (["–", "baseline" if row is rows[0] else "–"] if diff is None
                       else [_delta_text(diff), diff["verdict"]])
-            ends = e.get("delta_at_interval_ends")
-            cells.append(", ".join("–" if d is None else f"{d:+.3f}" for d in ends) if ends else "–")
+            cells.append(_ends_text(e.get("vs_baseline_at_interval_ends")))
         lines.append("| " + " | ".join(cells) + " |")
         if e.get("timing"):
             t = e["timing"]
@@ -462,6 +540,19 @@ def machines_markdown(table: dict[str, Any]) -> list[str]:
         lines += ["", "**Warning: the runs did not all train on the same machine (or the machine was not recorded "
                       "for some): tokens/s and the equal-time comparison mix machines.**"]
     return lines
+
+
+#: The equal-time rule, as the report states it.
+EQUAL_TIME_RULE = ("A verdict (better or worse) is given only where Δ's 95% interval excludes 0, with one sign, read "
+                   "at the step-time ratio's median and at both ends of the ratio's interval; else \"not decided at "
+                   "equal time\", with the reason. A verdict from fewer than 3 seeds says so.")
+
+
+def _ends_text(ends: list[dict[str, Any] | None] | None) -> str:
+    """The differences read at the step-time ratio's two interval ends, ``low; high`` (``–`` where unread)."""
+    if not ends:
+        return "–"
+    return "; ".join("–" if d is None else _delta_text(d) for d in ends)
 
 
 def _ratio_text(ratio: float | None) -> str:
@@ -682,16 +773,15 @@ def controls(spec: StudySpec, table_rows: list[dict[str, Any]], results: list[Ru
             continue
         entry["ratio"], entry["ratio_range"] = ratio
         runs = {name: {r.seed: r for r in results if r.row == name and r.curve} for name in (routed, control.name)}
-        values, base = {}, {}
-        for seed in sorted(set(runs[routed]) & set(runs[control.name])):
-            _, _, v_row, v_control = _read_pair(entry["ratio"], runs[routed][seed], runs[control.name][seed])
-            if v_row is None or v_control is None:
-                break
-            values[seed], base[seed] = v_row, v_control
-        else:
-            if values:
-                diff = paired_difference(values, base)
-                entry["equal_time"] = {**diff.to_dict(), "verdict": diff.verdict(True, f"{control.name}")}
+        seeds = sorted(set(runs[routed]) & set(runs[control.name]))
+        diff = _difference_at(entry["ratio"], runs[routed], runs[control.name], seeds) if seeds else None
+        if diff is None:
+            continue
+        ends = None if entry["ratio_range"] is None else [
+            _difference_at(r, runs[routed], runs[control.name], seeds) for r in entry["ratio_range"]]
+        entry["equal_time_at_ratio_ends"] = None if ends is None else [None if d is None else d.to_dict()
+                                                                       for d in ends]
+        entry["equal_time"] = {**diff.to_dict(), "verdict": equal_time_verdict(diff, ends, than=control.name)}
     return out
 
 
@@ -741,16 +831,20 @@ def controls_markdown(table: dict[str, Any]) -> list[str]:
                   "Student-t interval (negative: the routed row is better). At equal MACs: the final validation "
                   "NLL. At equal time: both validation curves read by step at the time the faster of the two "
                   "needs for the study's steps; the step-time ratio of the two is the ratio of their side-by-side "
-                  "ratios against the baseline (in brackets: from the ends of those two intervals).", "",
+                  "ratios against the baseline (in brackets: from the ends of those two intervals), and Δ is read "
+                  f"at that ratio and at both ends of its range. {EQUAL_TIME_RULE}", "",
                   "| row | control | Δ valid NLL at equal MACs [95% CI] | verdict | step time, row / control | "
-                  "Δ at equal time [95% CI] | verdict |", "|---|---|---|---|---|---|---|"]
+                  "Δ at equal time [95% CI] | Δ at the ratio's range ends (low; high) | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
         for c in table["controls"]:
             macs, timed = c.get("equal_macs"), c.get("equal_time")
             ratio = "–" if c.get("ratio") is None else f"{c['ratio']:.2f}" + (
                 f" [{c['ratio_range'][0]:.2f}, {c['ratio_range'][1]:.2f}]" if c.get("ratio_range") else "")
+            at_time = ["–", "–", "–"] if timed is None else [
+                _delta_text(timed), _ends_text(c.get("equal_time_at_ratio_ends")), timed["verdict"]]
             lines.append(f"| {c['row']} | {c['control']} | " + " | ".join(
-                ["–", "–"] if macs is None else [_delta_text(macs), macs["verdict"]]) + f" | {ratio} | " + " | ".join(
-                ["–", "–"] if timed is None else [_delta_text(timed), timed["verdict"]]) + " |")
+                ["–", "–"] if macs is None else [_delta_text(macs), macs["verdict"]]) + f" | {ratio} | "
+                + " | ".join(at_time) + " |")
         lines.append("")
     if table.get("causal_selection"):
         lines += ["#### MoSA: causal selection at evaluation", "",

@@ -107,16 +107,68 @@ class PairedDifference:
         return self.low > 0 or self.high < 0
 
     def verdict(self, lower_is_better: bool, than: str = "the baseline") -> str:
-        """What the interval shows: better or worse than ``than`` (the row subtracted), or no difference."""
+        """What the interval shows: better or worse than ``than`` (the row subtracted), or no difference; from
+        fewer than :data:`FEW_SEEDS` pairs it says so (:func:`seeds_note`)."""
         if self.significant is None:
             return "too few seeds for an interval"
         if not self.significant:
-            return "no significant difference"
+            return "no significant difference" + seeds_note(self.n)
+        return self.direction(lower_is_better, than) + seeds_note(self.n)
+
+    def direction(self, lower_is_better: bool, than: str = "the baseline") -> str:
+        """``better than`` or ``worse than`` ``than`` by the sign of the mean alone (the interval not read)."""
         better = (self.mean < 0) == lower_is_better
         return f"better than {than}" if better else f"worse than {than}"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "significant": self.significant}
+
+
+#: A verdict from fewer seeds than this says so: with two seeds the Student-t interval rests on one degree of
+#: freedom (its quantile is 12.7), and its standard deviation is a single difference of two values.
+FEW_SEEDS = 3
+
+
+def seeds_note(n: int) -> str:
+    """What a verdict from ``n`` paired seeds adds: nothing from :data:`FEW_SEEDS` on, else the count."""
+    return "" if n >= FEW_SEEDS else f" ({n} seed{'s' if n != 1 else ''}: fewer than {FEW_SEEDS})"
+
+
+#: Where an equal-time difference is read: at the step-time ratio's median and at the two ends of its 95% interval.
+RATIO_READINGS = ("the median ratio", "the ratio's low end", "the ratio's high end")
+NOT_DECIDED = "not decided at equal time"
+
+
+def equal_time_verdict(at_median: PairedDifference, at_ends: Sequence[PairedDifference | None] | None,
+                       lower_is_better: bool = True, than: str = "the baseline") -> str:
+    """The verdict of an equal-time difference, which depends on the step-time ratio it is read at: "better" or
+    "worse" than ``than`` only when the 95% interval excludes 0 with the same sign read at the ratio's median
+    (``at_median``) and at both ends of the ratio's 95% interval (``at_ends``, low then high); otherwise
+    ``"not decided at equal time: REASON"`` (the ratio has no interval, a reading falls before a validation, the
+    sign of Δ changes within the ratio's interval, or the interval includes 0 at one of the readings). Fewer than
+    :data:`FEW_SEEDS` pairs: said, as in :meth:`PairedDifference.verdict`."""
+    if at_median.significant is None:
+        return "too few seeds for an interval"
+    note = seeds_note(at_median.n)
+    if at_ends is None:
+        return f"{NOT_DECIDED}: the step-time ratio has no interval{note}"
+    if len(at_ends) != 2:
+        raise ValueError(f"at_ends must hold the readings at the ratio's two interval ends, got {len(at_ends)}")
+    readings = [at_median, *at_ends]
+    unread = [where for where, d in zip(RATIO_READINGS, readings) if d is None]
+    if unread:
+        return f"{NOT_DECIDED}: Δ cannot be read at {' and '.join(unread)} (before a validation){note}"
+    means = [d.mean for d in readings]
+    if min(means) < 0 < max(means):
+        return (f"{NOT_DECIDED}: the sign depends on the step-time ratio (mean Δ {min(means):+.3f} to "
+                f"{max(means):+.3f} within its interval){note}")
+    if not at_median.significant:
+        return f"{NOT_DECIDED}: no significant difference at the median ratio{note}"
+    open_at = [where for where, d in zip(RATIO_READINGS[1:], at_ends) if not d.significant]
+    if open_at:
+        where = "both ends of the ratio's interval" if len(open_at) == 2 else open_at[0]
+        return f"{NOT_DECIDED}: Δ's 95% interval includes 0 at {where}{note}"
+    return at_median.direction(lower_is_better, than) + note
 
 
 def paired_difference(row: dict[int, float], baseline: dict[int, float], confidence: float = 0.95) -> PairedDifference:

@@ -84,7 +84,10 @@ class TrainConfig:
     eval_every: int = option(200, "steps between validations")
     save_every: int = option(200, "steps between checkpoints")
     keep_checkpoints: int = option(10, "checkpoints kept (at least --average-last)")
-    average_last: int = option(10, "the final model is the average of the last N checkpoints (the paper's 10)")
+    average_last: int = option(10, "average the last N checkpoints (the paper's 10); the final model is the "
+                                   "average or the last weights, whichever scores better on validation")
+    average_window: float = option(0.1, "only checkpoints from this last fraction of the steps join the "
+                                        "average (0.1: the last tenth; 1: any of the last --average-last)")
     distributed: str = option("ddp", "data parallelism under torchrun", choices=("ddp", "fsdp"))
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     compile: bool = option(False, "torch.compile the model for training (the compile time is reported once and "
@@ -190,6 +193,9 @@ class TrainConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if isinstance(self.average_window, bool) or not isinstance(self.average_window, (int, float)) \
+                or not 0 < self.average_window <= 1:
+            raise ValueError(f"average_window must be a fraction in (0, 1], got {self.average_window!r}")
         _positive("lr", self.lr, allow_none=True)
         _positive("max_time", self.max_time, allow_none=True)
         _positive("eps", self.eps)

@@ -22,6 +22,7 @@ from ..evaluation import validation_loss
 from ..models import build_model, calibrate_mosa, count_parameters
 from ..models.generation import mosa_layers
 from ..runs import Run, average_checkpoints, rng_state, set_rng_state
+from ..runs.checkpoints import averaging_window_start, checkpoint_step
 from .calibrate import calibration_batches
 from .config import IDENTITY, TrainConfig, pick_device
 from .distributed import Parallel, init_distributed
@@ -198,19 +199,23 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         final = par.full_model()
         summary: dict[str, Any] = {}
         if d.main:
-            averaged = run.checkpoints_to_average(cfg.average_last)
-            if len(averaged) > 1:
-                final.load_state_dict(average_checkpoints(averaged), strict=False)
+            window_start = averaging_window_start(step, cfg.average_window)
+            averaged = run.checkpoints_to_average(cfg.average_last, from_step=window_start)
+            valid, final_weights = choose_final_weights(
+                final, averaged, lambda: validation_loss(final, valid_loader, task, device, autocast))
+            final_weights["window_from_step"] = window_start
+            log(final_weights["text"])
             if cfg.task == "lm" and mosa_layers(final):  # generation needs the threshold rule's calibrated thresholds: stored with it
                 calibrate_mosa(final, calibration_batches(task, train_dataset, tok, max_tokens=cfg.max_tokens,
                                                           seed=cfg.seed, device=device))
+                valid = validation_loss(final, valid_loader, task, device, autocast)
             run.save_final_model(final)
-            valid = validation_loss(final, valid_loader, task, device, autocast)
-            metrics.write({"split": "valid", "step": step, "averaged": len(averaged), **_numbers(valid)})
+            averaged_count = len(averaged) if final_weights["final"] == "averaged" else 1
+            metrics.write({"split": "valid", "step": step, "averaged": averaged_count, **_numbers(valid)})
             summary = {"preset": cfg.preset, "task": cfg.task, "steps": step, "tokens": tokens_seen * d.world_size,
-                       "train_seconds": train_seconds, "parameters": params, "averaged_checkpoints": len(averaged),
-                       "stopped_by": stopped_by, "valid": valid, "world_size": d.world_size,
-                       "machine": machine_record(device)}
+                       "train_seconds": train_seconds, "parameters": params, "averaged_checkpoints": averaged_count,
+                       "final_weights": final_weights, "stopped_by": stopped_by, "valid": valid,
+                       "world_size": d.world_size, "machine": machine_record(device)}
             if cfg.compile:
                 summary.update(compile_seconds=compile_seconds, compile_steps=compile_steps)
             if init_record:
@@ -219,6 +224,38 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             log(f"done: {step} steps in {train_seconds:.0f}s, valid loss {valid['loss']:.3f}, ppl {valid['ppl']:.1f}")
         d.barrier()
         return summary
+
+
+def choose_final_weights(model: torch.nn.Module, averaged: list, validate: Callable[[], dict[str, Any]]
+                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The final model: ``model`` holds the last weights; with more than one checkpoint in ``averaged`` (the
+    window's, oldest first) their average is scored too, and the weights with the lower validation loss stay in
+    ``model`` (the last ones on a tie: no averaging without a gain). Returns the validation result of the weights
+    kept and the summary's ``final_weights`` record: ``final`` (``"averaged"`` or ``"last"``), ``valid_loss_last``,
+    ``valid_loss_averaged`` (``None`` without a second checkpoint in the window), ``averaged_steps`` and a
+    ``text`` saying it in one line. ``validate`` scores ``model`` as it is when called (the validation split:
+    the test split never takes part in the choice)."""
+    last = validate()
+    steps = [checkpoint_step(p) for p in averaged]
+    record: dict[str, Any] = {"final": "last", "valid_loss_last": last["loss"], "valid_loss_averaged": None,
+                              "averaged_steps": steps}
+    if len(averaged) < 2:
+        record["text"] = (f"final model: the last weights (valid loss {last['loss']:.4f}); no average: "
+                          f"{len(averaged)} checkpoint{'s' if len(averaged) != 1 else ''} in the averaging window")
+        return last, record
+    last_weights = {name: value.detach().to("cpu", copy=True) for name, value in model.state_dict().items()}
+    model.load_state_dict(average_checkpoints(averaged), strict=False)
+    mean = validate()
+    record["valid_loss_averaged"] = mean["loss"]
+    where = f"the average of the checkpoints at steps {', '.join(map(str, steps))}"
+    if mean["loss"] < last["loss"]:
+        record.update(final="averaged", text=f"final model: {where} (valid loss {mean['loss']:.4f}; the last "
+                                             f"weights {last['loss']:.4f})")
+        return mean, record
+    model.load_state_dict(last_weights)
+    record["text"] = (f"final model: the last weights (valid loss {last['loss']:.4f}), not {where} "
+                      f"({mean['loss']:.4f}: no better on validation)")
+    return last, record
 
 
 def _numbers(result: dict[str, Any]) -> dict[str, Any]:
