@@ -111,8 +111,11 @@ def test_the_comparison_takes_cross_cpu_drift_and_refuses_more():
     """The tolerance itself: the Intel Xeon's final loss passes, a change 10 times the worst drift seen does
     not, nor does a single learning rate off by one ulp."""
     expected = json.loads((GOLDEN / "mlm-tiny-moa.json").read_text())
-    intel = {**expected, "final_valid_loss": 4.392506118194299}  # issue 42's Intel Xeon; stored: 4.39250615195445
-    assert expected["final_valid_loss"] == 4.39250615195445
+    # issue 42's Intel Xeon scored 4.392506118194299 where the AMD EPYC stored 4.39250615195445 (before the
+    # golden files were rewritten for the averaging window): the same relative drift on today's stored value
+    intel_drift = 4.392506118194299 / 4.39250615195445
+    intel = {**expected, "final_valid_loss": expected["final_valid_loss"] * intel_drift}
+    assert intel["final_valid_loss"] != expected["final_valid_loss"]
     assert_same_curve(intel, expected)
     drifted = {**expected, "train_loss": [x + 9.5e-7 for x in expected["train_loss"]]}
     assert_same_curve(drifted, expected)
