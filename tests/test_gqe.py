@@ -305,3 +305,46 @@ def test_config_bad_options_get_one_line_errors(fields, match):
     with pytest.raises(ValueError, match=match) as err:
         AttentionConfig(**fields)
     assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- Hugging Face
+def test_hugging_face_round_trip_and_generate_equal_headmix(tmp_path):
+    """A GQE causal LM through save_pretrained / AutoModelForCausalLM (bit-identical logits), its cache of the G
+    K/V heads, and greedy generate = headmix's greedy decoding."""
+    transformers = pytest.importorskip("transformers")
+    from headmix.hf import HeadmixForCausalLM
+    from headmix.models import build_model, get_config
+    from headmix.models.generation import greedy_decode
+
+    torch.manual_seed(0)
+    att = AttentionConfig(kind="gqe", num_experts=8, kv_heads=4, top_k=1, bias=False, rotary=True)
+    config = get_config("llama-tiny-mha", task="lm", vocab_size=50).replace(decoder_self_attention=att)
+    model = build_model(config).eval()
+    hf = HeadmixForCausalLM.from_headmix(model).eval()
+    assert (hf.config.num_key_value_heads, hf.config.num_attention_heads, hf.config.head_dim) == (4, 5, 8)
+    assert hf.config.aux_loss_weights == {"load_balance_weight": 0.01}
+    hf.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    cache = loaded(ids, use_cache=True).cache
+    assert {c.key.shape[1] for c in cache.state.self_attn} == {4}
+    expected = greedy_decode(model, ids[:, :5], 8).tokens
+    out = loaded.generate(ids[:, :5], max_new_tokens=8, do_sample=False, suppress_tokens=[0])  # headmix never emits pad
+    new = out[:, 5:]
+    assert new.shape[1] > 0 and torch.equal(new, expected[:, :new.shape[1]])
+
+
+def test_study_solver_sizes_a_gqe_row_by_its_head_size():
+    """A GQE row fixes its experts, groups and k and solves ``head_dim`` to the baseline's attention MACs: with 5 of
+    GQA's 8 heads' attention computed (4 slots and the shared head) its heads come out larger than GQA's 16."""
+    from headmix.models import get_config
+    from headmix.models.matching import attention_macs_of, match_attention, with_attention
+
+    base = get_config("llama3-mini-gqa", task="lm")
+    match = match_attention(base, {"kind": "gqe", "num_experts": 8, "kv_heads": 4, "top_k": 1}, ["head_dim"],
+                            prefer={"head_dim": 16}, tgt_len=256)
+    att = match.attention
+    assert (att.kind, att.num_experts, att.kv_heads, att.top_k, att.bias, att.rotary) == ("gqe", 8, 4, 1, False, True)
+    assert att.head_dim > 16 and abs(match.ratio - 1) <= 0.02
+    assert match.macs == attention_macs_of(with_attention(base, att), None, 256)
