@@ -81,7 +81,8 @@ def steps(layers: dict[str, nn.Module], x: torch.Tensor, *, backward: bool, comp
 
 def run_benchmark(*, embed_dim: int, batch: int, seqs: list[int], prefill_seq: int, modes: tuple[str, ...],
                   repeats: int, warmup: int, device: torch.device, dtype: torch.dtype,
-                  clock=time.perf_counter) -> list[dict]:
+                  clock=time.perf_counter, measured: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """The table's rows, each (mode, length) case's rows also passed to ``measured`` as soon as they are timed."""
     layers = build_layers(embed_dim, device, dtype)
     rows = []
     cases = [(f"fwd+bwd {batch}x{t}", batch, t, True) for t in seqs] + [(f"prefill 1x{prefill_seq}", 1, prefill_seq,
@@ -92,8 +93,10 @@ def run_benchmark(*, embed_dim: int, batch: int, seqs: list[int], prefill_seq: i
             x = torch.randn(b, t, embed_dim, device=device, dtype=dtype, requires_grad=backward)
             times = interleaved_timings(steps(layers, x, backward=backward, compiled=mode == "compiled"), repeats,
                                         warmup, device, clock=clock)
-            rows.extend({"mode": mode, "what": what, "layer": name, "ms": 1e3 * s, "ratio": s / times[BASELINE]}
-                        for name, s in times.items())
+            case = [{"mode": mode, "what": what, "layer": name, "ms": 1e3 * s, "ratio": s / times[BASELINE]}
+                    for name, s in times.items()]
+            measured(case)
+            rows.extend(case)
     return rows
 
 
@@ -125,8 +128,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"# headmix bench gqe: {device} ({name}), {dtype}, torch {torch.__version__}, {setup}; d_model "
           f"{args.embed_dim}, heads of {args.embed_dim // 16}; causal; median of {args.repeats} interleaved runs "
           f"after {args.warmup} warm-up; ratios to {BASELINE} in the same run")
-    rows = run_benchmark(embed_dim=args.embed_dim, batch=args.batch, seqs=args.seqs, prefill_seq=args.prefill_seq,
-                         modes=tuple(args.modes), repeats=args.repeats, warmup=args.warmup, device=device,
-                         dtype=dtype, clock=clock)
-    print(format_rows(rows, COLUMNS))
+    header = format_rows([], COLUMNS)
+    print(header, flush=True)
+
+    def measured(rows: list[dict]) -> None:  # each case's rows as soon as they are timed (a long run keeps them)
+        print(format_rows(rows, COLUMNS)[len(header) + 1:], flush=True)
+
+    run_benchmark(embed_dim=args.embed_dim, batch=args.batch, seqs=args.seqs, prefill_seq=args.prefill_seq,
+                  modes=tuple(args.modes), repeats=args.repeats, warmup=args.warmup, device=device, dtype=dtype,
+                  clock=clock, measured=measured)
     return 0
