@@ -358,3 +358,14 @@ def test_study_solver_sizes_a_gqe_row_by_its_head_size():
     assert (att.kind, att.num_experts, att.kv_heads, att.top_k, att.bias, att.rotary) == ("gqe", 8, 4, 1, False, True)
     assert att.head_dim > 16 and abs(match.ratio - 1) <= 0.02
     assert match.macs == attention_macs_of(with_attention(base, att), None, 256)
+
+
+def test_routing_analyses_refuse_gqe_layers_in_one_line():
+    from headmix.analysis import routed_layers
+    from headmix.models import build_model, get_config
+
+    att = AttentionConfig(kind="gqe", num_experts=8, kv_heads=4, bias=False)
+    model = build_model(get_config("llama-tiny-mha", task="lm", vocab_size=50).replace(decoder_self_attention=att))
+    with pytest.raises(ValueError, match=r"^decoder\.layers\.0\.self_attn is Grouped Query Experts") as err:
+        routed_layers(model)
+    assert "\n" not in str(err.value)
