@@ -598,7 +598,7 @@ def test_attention_config_kv_heads():
     assert cfg.build(D).kv_heads == 2
     assert AttentionConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4).build(D).kv_heads == 1
-    with pytest.raises(ValueError, match="attention.kv_heads applies to kind 'moa' / 'mha' / 'moh' / 'talking_heads' only"):
+    with pytest.raises(ValueError, match="attention.kv_heads applies to kind 'moa' / 'mha' / 'moh' / 'talking_heads' / 'gqe' only"):
         AttentionConfig(kind="switchhead", num_heads=4, num_experts=2, top_k=1, kv_heads=2)
     with pytest.raises(ValueError, match="attention.kv_heads must be a positive integer"):
         AttentionConfig(kind="moa", num_experts=4, top_k=2, head_dim=4, kv_heads=0)

@@ -125,6 +125,17 @@ def test_bench_kv_cache_tiny(capsys):
     assert bytes_per_token["MHA, 4 heads"] == 256 and bytes_per_token["MoA 2K4E8D, kv_heads=2"] == 128
 
 
+def test_bench_gqe_tiny_times_each_mode_and_length_against_gqa(capsys):
+    assert main(["bench", "gqe", "--embed-dim", "32", "--seqs", "8", "12", "--prefill-seq", "16", "--modes", "eager",
+                 "--repeats", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "d_model 32, heads of 2" in out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| eager")]
+    assert [(r[1], r[2]) for r in rows] == [(what, layer) for what in ("fwd+bwd 1x8", "fwd+bwd 1x12", "prefill 1x16")
+                                            for layer in ("GQA 16 heads", "GQE 16E on 8 K/V, top 1")]
+    assert [r[4] for r in rows[::2]] == ["1.000"] * 3 and all(float(r[3]) > 0 for r in rows)
+
+
 def test_bench_quick_tiny(capsys):
     """``headmix bench quick`` is ``python -m headmix.bench.quick`` (which the GPU check runs; tests/test_gpu_check.py)."""
     assert main(["bench", "quick", "decode", "--tiny", "--device", "cpu"]) == 0
@@ -146,6 +157,8 @@ def test_bench_quick_tiny(capsys):
     (["quick", "decode", "--batches", "0"], "--batches must be >= 1, got [0]"),
     (["quick", "models", "--device", "gpu"], "device"),
     (["hopper-aot", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["gqe", "--seqs", "0"], "--seqs must be >= 1, got [0]"),
+    (["gqe", "--embed-dim", "40"], "--embed-dim must be a multiple of 16 (16 heads), got 40"),
 ])
 def test_bench_bad_options_are_one_line_errors(argv, message, capsys):
     assert main(["bench", *argv]) == 2

@@ -85,14 +85,19 @@ def test_layer_has_no_graph_break_in_training_or_cached_decoding(variant):
 
     assert explain_breaks(train_step, x, padding) == []
     layer.eval()
+    assert decoding_step_breaks(layer, x[:, :5], x[:, 5:6]) == []
+
+
+def decoding_step_breaks(layer, prompt: torch.Tensor, x_new: torch.Tensor) -> list[str]:
+    """The graph breaks of one cached causal decoding step of ``layer`` after ``prompt`` (none expected)."""
     with torch.no_grad():
-        cache = layer(x[:, :5], is_causal=True, use_cache=True).cache
+        cache = layer(prompt, is_causal=True, use_cache=True).cache
 
         def decode_step(x_new, cache):
             out = layer(x_new, is_causal=True, use_cache=True, cache=cache)
             return out.output, out.cache.key, out.cache.value
 
-        assert explain_breaks(decode_step, x[:, 5:6], cache) == []
+        return explain_breaks(decode_step, x_new, cache)
 
 
 PRESET_MODELS = [(f"llama-tiny-{v}", "lm") for v in LAYER_PRESETS] + [

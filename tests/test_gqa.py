@@ -209,17 +209,23 @@ def test_cached_decoding_step_by_step_equals_full_forward(config):
     assert cache.nbytes == 2 * 7 * layer.kv_heads * (4 + 5) * 8
 
 
-def test_preallocated_cache_decoding_equals_full_forward():
-    layer = gqa_layer(**CONFIGS["elementwise"])
-    x = torch.randn(1, 5, D, dtype=torch.float64)
+def assert_preallocated_decoding_equals_full_forward(layer, x: torch.Tensor, prompt: int = 2, capacity: int = 8):
+    """As :func:`assert_decoding_equals_full_forward`, with the prompt's cache preallocated to ``capacity``
+    positions (fixed shapes, written in place); returns the last cache."""
     full = layer(x, is_causal=True).output
-    out = layer(x[:, :2], is_causal=True, use_cache=True)
-    cache, steps = out.cache.preallocate(8), [out.output]
-    for t in range(2, 5):
+    out = layer(x[:, :prompt], is_causal=True, use_cache=True)
+    cache, steps = out.cache.preallocate(capacity), [out.output]
+    for t in range(prompt, x.shape[1]):
         out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
         steps.append(out.output)
         cache = out.cache
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    return cache
+
+
+def test_preallocated_cache_decoding_equals_full_forward():
+    layer = gqa_layer(**CONFIGS["elementwise"])
+    cache = assert_preallocated_decoding_equals_full_forward(layer, torch.randn(1, 5, D, dtype=torch.float64))
     assert cache.key.shape[1] == 3
 
 

@@ -82,7 +82,7 @@ def test_config_errors_name_the_field(changes, field):
 def test_attention_config_errors():
     with pytest.raises(ValueError, match=r"top_k K=9 exceeds num_experts E=8"):
         AttentionConfig(kind="moa", top_k=9, num_experts=8, head_dim=16)
-    with pytest.raises(ValueError, match="num_experts applies to kind 'moa' / 'switchhead' only"):
+    with pytest.raises(ValueError, match="num_experts applies to kind 'moa' / 'switchhead' / 'gqe' only"):
         AttentionConfig(kind="mha", num_heads=4, num_experts=8)
     with pytest.raises(ValueError, match="kind"):
         AttentionConfig(kind="linear", num_heads=4)

@@ -10,6 +10,7 @@ The layers share one interface (see :mod:`headmix.attention`)::
 
 from .attention import (
     AttentionOutput,
+    GroupedQueryExpertsAttention,
     KVCache,
     MixtureOfAttentionHeads,
     MixtureOfHeadsAttention,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionOutput",
+    "GroupedQueryExpertsAttention",
     "KVCache",
     "MixtureOfAttentionHeads",
     "MixtureOfHeadsAttention",

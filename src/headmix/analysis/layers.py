@@ -28,7 +28,8 @@ from typing import Any, Mapping
 
 from torch import Tensor, nn
 
-from ..attention import AttentionLayer, MixtureOfAttentionHeads, MixtureOfHeadsAttention, SwitchHeadAttention
+from ..attention import (AttentionLayer, GroupedQueryExpertsAttention, MixtureOfAttentionHeads, MixtureOfHeadsAttention,
+                         SwitchHeadAttention)
 from ..attention.switchhead import SwitchHeadRouting
 from ..routing import Routing
 
@@ -157,6 +158,9 @@ def routed_layers(model: nn.Module) -> list[RoutedLayer]:
         elif isinstance(m, MixtureOfHeadsAttention) and m.num_routed_heads > 0:
             out.append(RoutedLayer(len(out), name, "moh", m.num_routed_heads, m.top_k, m.num_shared_heads, m,
                                    m.route_groups, "K/V group" if m.route_per_group else ""))
+        elif isinstance(m, GroupedQueryExpertsAttention):  # per-group softmaxes, slots: not MoA's or MoH's routing
+            raise ValueError(f"{name} is Grouped Query Experts (kind 'gqe'): the routing analyses do not analyse its "
+                             f"per-group routing yet")
         elif isinstance(m, SwitchHeadAttention):
             for side in SWITCHHEAD_SIDES if m.num_experts > 1 else SWITCHHEAD_SIDES[1:]:
                 out.append(RoutedLayer(len(out), name + side, "switchhead", m.num_heads * m.num_experts, m.top_k,

@@ -2,6 +2,7 @@
 returns an :class:`AttentionOutput` (``output``, ``aux_loss``, ``cache``, ``routing``)."""
 
 from .base import AttentionLayer, AttentionOutput, KVCache
+from .gqe import GroupedQueryExpertsAttention
 from .mha import MultiHeadAttention
 from .moa import MixtureOfAttentionHeads
 from .moh import MixtureOfHeadsAttention
@@ -13,6 +14,7 @@ from .talking_heads import TalkingHeadsAttention
 __all__ = [
     "AttentionLayer",
     "AttentionOutput",
+    "GroupedQueryExpertsAttention",
     "KVCache",
     "MultiHeadAttention",
     "MixtureOfAttentionHeads",

@@ -92,7 +92,11 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     kv_heads)``; the sparse path reads the K/V heads in place wherever the shared and routed heads cover
     whole groups (always with ``route_per_group``), and gathers them for the heads that split a group.
 
-    ``route_per_group=True`` (Grouped Query Experts, GQE, arXiv 2606.20945; needs ``kv_heads``): the router
+    ``route_per_group=True`` (MoH routed per K/V group; needs ``kv_heads``; headmix called it GQE before the
+    paper's method was read, but the paper's Grouped Query Experts, arXiv 2606.20945, is
+    :class:`~headmix.attention.GroupedQueryExpertsAttention`, ``kind="gqe"``: hard slots, a weighted-sum slot and
+    a shared head, where this form keeps MoH's weights and per-head output projections, so at ``top_k=1`` with
+    the default ``"renormalized"`` weighting its routed scores get no gradient from the task loss): the router
     works inside each of the ``G = kv_heads`` groups of ``H/G`` query heads sharing a K/V head.
     ``num_shared_heads`` and ``top_k`` then count per group: the first ``num_shared_heads`` heads of each
     group are always on, each token selects ``top_k`` of the group's other ``H/G - num_shared_heads`` heads,

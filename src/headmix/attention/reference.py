@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..routing.random import EVAL_SALT, reference_random_choice
 from .base import is_self_attention
+from .gqe import GroupedQueryExpertsAttention
 from .moa import MixtureOfAttentionHeads
 from .mha import MultiHeadAttention
 from .moh import MixtureOfHeadsAttention
@@ -448,4 +449,79 @@ def reference_mosa(layer: MixtureOfSparseAttention, query: Tensor, *, key_paddin
     if layer.dense is not None:
         y = y + reference_mha(layer.dense, query, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                               is_causal=is_causal)
+    return y
+
+
+def reference_gqe_selection(layer: GroupedQueryExpertsAttention, x: Tensor) -> tuple[Tensor, list]:
+    """GQE's router, token by token and group by group: ``p`` ``(batch, time, G, M)``, the softmax of each group's
+    logits ``x_t W_r^g``, and ``chosen[b][t][g]``, the group's ``k`` selected experts in slot order: decreasing
+    ``p``. The random control: ``p = 1/M`` and the experts of
+    :func:`~headmix.routing.random.reference_random_choice` (an evaluation call), in its order."""
+    b_n, t_n, _ = x.shape
+    groups, per, k = layer.kv_heads, layer.experts_per_group, layer.top_k
+    p = torch.zeros(b_n, t_n, groups, per, dtype=x.dtype)
+    chosen = []
+    for b in range(b_n):
+        rows = []
+        for t in range(t_n):
+            picks = []
+            for g in range(groups):
+                if layer.random_routing:
+                    p[b, t, g] = 1.0 / per
+                    picks.append(reference_random_choice(int(layer.random_router.seed), EVAL_SALT, 0, b, t, g, per, k))
+                    continue
+                logits = x[b, t] @ layer.router_gate.weight[g * per:(g + 1) * per].T
+                p_g = torch.exp(logits - logits.max())
+                p[b, t, g] = p_g / p_g.sum()
+                order = sorted(range(per), key=lambda e: (-float(p[b, t, g, e].detach()), e))
+                picks.append(order[:k])
+            rows.append(picks)
+        chosen.append(rows)
+    return p, chosen
+
+
+def reference_gqe(layer: GroupedQueryExpertsAttention, query: Tensor, key: Tensor | None = None,
+                  value: Tensor | None = None, **masks) -> Tensor:
+    """GQE (arXiv 2606.20945, eq. 6), one token, group and slot at a time: slot ``(g, j)`` is
+    ``o = softmax(q K_g^T / sqrt(d_h)) V_g`` with ``q = x_t W_q^{g,e}`` of the token's ``j``-th selected expert
+    ``e`` in group ``g`` (:func:`reference_gqe_selection`), ``K_g, V_g`` the group's K/V head; the weighted slot
+    ``sum w o`` with ``w = p / sum_selected p`` over all the token's selected heads (or ``p``); the shared head
+    over K/V head 0; ``y_t = Concat(slots, o_bar, s) W_O + b``. Hard slots times ``p`` with
+    ``hard_slot_scale="p"``."""
+    rotary = _self_rotary(layer, query, key, value)
+    key, value = _inputs(query, key, value)
+    b_n, t_n, _ = query.shape
+    groups, per, k, d = layer.kv_heads, layer.experts_per_group, layer.top_k, layer.head_dim
+    keys = reference_rotary(_heads(layer.k_proj(key), groups), rotary)      # (B, G, S, d_h)
+    values = _heads(layer.v_proj(value), groups)
+    allowed, added = reference_mask(b_n, 1, t_n, key.shape[1], **masks)
+    p, chosen = reference_gqe_selection(layer, query)
+    w_q, b_q = layer.q_proj.weight, layer.q_proj.bias
+
+    def head(b: int, t: int, row: int, kv: int) -> Tensor:  # query head `row` of q_proj at token t over K/V kv
+        q = query[b, t] @ w_q[row * d:(row + 1) * d].T + (0 if b_q is None else b_q[row * d:(row + 1) * d])
+        q = reference_rotary(q[None, None, None], rotary, offset=t)
+        o = reference_softmax_attention(q, keys[b:b + 1, kv:kv + 1], values[b:b + 1, kv:kv + 1],
+                                        allowed[b:b + 1, :, t:t + 1], added[b:b + 1, :, t:t + 1], 1.0 / math.sqrt(d))
+        return o[0, 0, 0]
+
+    rows = []
+    for b in range(b_n):
+        for t in range(t_n):
+            outs, probs = [], []
+            for g in range(groups):
+                for e in chosen[b][t][g]:
+                    outs.append(head(b, t, g * per + e, g))
+                    probs.append(p[b, t, g, e])
+            total = sum(probs)
+            hard = [o * pr for o, pr in zip(outs, probs)] if layer.hard_slot_scale == "p" else list(outs)
+            if layer.weighted_slot:
+                weights = [pr / total for pr in probs] if layer.weighted_slot_renormalize else probs
+                hard.append(sum(wt * o for wt, o in zip(weights, outs)))
+            if layer.shared_head:
+                hard.append(head(b, t, layer.num_experts, 0))
+            rows.append(torch.cat(hard))
+    y = torch.stack(rows).view(b_n, t_n, -1) @ layer.out_proj.weight.T
+    if layer.out_proj.bias is not None:
+        y = y + layer.out_proj.bias
     return y

@@ -59,6 +59,12 @@ def _moh(impl: str, **kw) -> Callable[[int, int], AttentionConfig]:
     return config
 
 
+def _gqe(d_model: int, seq: int) -> AttentionConfig:
+    """GQE as its paper's main setting: MHA's heads as query-head experts, two per K/V head, top 1 per group."""
+    heads, size = heads_for(d_model)
+    return AttentionConfig(kind="gqe", num_experts=heads, kv_heads=heads // 2, top_k=1, head_dim=size)
+
+
 def _switchhead(d_model: int, seq: int) -> AttentionConfig:
     # the SwitchHead paper's shape at d_model 512: 2 heads, 4 value/output experts each, top 2, heads of 171
     return AttentionConfig(kind="switchhead", num_heads=2, num_experts=4, top_k=2, head_dim=-(-d_model // 3))
@@ -91,8 +97,9 @@ KINDS: list[Kind] = [
     Kind("MoA kv2", _moa("auto", kv_heads=2)),
     Kind("MoH 2 shared top 3 dense", _moh("dense", num_shared_heads=2, top_k=3)),
     Kind("MoH 2 shared top 3 sparse", _moh("sparse", num_shared_heads=2, top_k=3)),
-    Kind("GQE kv2 1 shared top 1 sparse", _moh("sparse", kv_heads=2, route_per_group=True, num_shared_heads=1,
-                                               top_k=1)),
+    Kind("MoH per K/V group kv2 1 shared top 1 sparse", _moh("sparse", kv_heads=2, route_per_group=True,
+                                                             num_shared_heads=1, top_k=1)),
+    Kind("GQE (paper) top 1 of 2 per K/V head", _gqe),
     Kind("SwitchHead", _switchhead),
     Kind("Talking-Heads", _talking_heads),
     Kind("MoSA at MHA's MACs", _mosa),
@@ -106,6 +113,9 @@ def describe(att: AttentionConfig, d_model: int) -> str:
         return f"{att.top_k}K{att.num_experts}E{size}D"
     if att.kind == "switchhead":
         return f"{att.num_heads}H{att.num_experts}E{att.top_k}K head {size}"
+    if att.kind == "gqe":
+        experts, kv, top_k = att.gqe_sizes()
+        return f"{experts}E on {kv} K/V, top {top_k} per group, head {size}"
     if att.kind == "mosa":
         return f"{att.num_sparse_heads} sparse (1/{att.sparsity:g} of the tokens) + {att.num_dense_heads} dense x {size}"
     return f"{att.num_heads}x{size}"

@@ -6,13 +6,14 @@ import argparse
 
 
 def _modules():
-    from ..bench import (attention, decode, expert_gemm_shapes, gpu_layers, gqa, grouped_matmul, hopper_aot,
+    from ..bench import (attention, decode, expert_gemm_shapes, gpu_layers, gqa, gqe, grouped_matmul, hopper_aot,
                          kv_cache_bytes, models, moh_projections, mosa, quick)
 
     return {"attention": (attention, "MoA and SwitchHead vs torch MHA: time, memory, decoding"),
             "models": (models, "whole-model training steps: MoA vs the MHA model of equal MACs"),
             "decode": (decode, "decoding tokens/s against the memory-bandwidth bound of the expert weights"),
-            "gqa": (gqa, "grouped-query MHA vs torch SDPA enable_gqa, GQE vs grouped MHA, gates and QK-norm"),
+            "gqa": (gqa, "grouped-query MHA vs torch SDPA enable_gqa, MoH per K/V group vs grouped MHA, gates and QK-norm"),
+            "gqe": (gqe, "GQE (the paper's 16 experts on 8 K/V heads, top 1) vs GQA with 16 heads, eager and compiled"),
             "mosa": (mosa, "Mixture of Sparse Attention vs MHA of equal attention MACs: time, memory, KV cache"),
             "layers": (gpu_layers, "the GPU layer table: every attention kind, fwd+bwd, vs torch SDPA MHA"),
             "quick": (quick, "the GPU check's model tables: a Llama training step or greedy decoding per kind"),

@@ -104,24 +104,30 @@ class HeadmixConfig(PretrainedConfig):
 
     @property
     def num_attention_heads(self) -> int:
-        """Query heads a token uses: ``num_heads``; MoA: ``top_k * kv_heads`` (its selected experts)."""
+        """Query heads a token uses: ``num_heads``; MoA: ``top_k * kv_heads`` (its selected experts); GQE: its
+        ``top_k * kv_heads`` slots and the shared head."""
         att = self._attention
         if att["kind"] == "moa":
             return att["top_k"] * (att["kv_heads"] or 1)
+        if att["kind"] == "gqe":
+            gqe = self.model_config().decoder_self_attention
+            _, kv, top_k = gqe.gqe_sizes()
+            return top_k * kv + int(gqe.shared_head is not False)
         return att["num_heads"]
 
     @property
     def num_key_value_heads(self) -> int:
         """Key/value heads in the cache: ``kv_heads`` where set (MoA: 1 by default), else ``num_heads``."""
         att = self._attention
+        if att["kind"] == "gqe":
+            return self.model_config().decoder_self_attention.gqe_sizes()[1]  # unset: the paper's 8
         if att.get("kv_heads") is not None:
             return att["kv_heads"]
         return 1 if att["kind"] == "moa" else att["num_heads"]
 
     @property
     def head_dim(self) -> int:
-        att = self._attention
-        return att["head_dim"] if att["head_dim"] is not None else self.hidden_size // att["num_heads"]
+        return self.model_config().decoder_self_attention.resolved_head_dim(self.hidden_size)
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -131,10 +137,10 @@ class HeadmixConfig(PretrainedConfig):
     @property
     def aux_loss_weights(self) -> dict[str, float]:
         """The weights of the routing losses the model adds to ``loss``: MoA's ``load_balance_weight``
-        (alpha, eq. 17) and ``z_loss_weight`` (beta), MoH's ``load_balance_weight``, and with
+        (alpha, eq. 17) and ``z_loss_weight`` (beta), MoH's and GQE's ``load_balance_weight``, and with
         ``ffn="moe_swiglu"`` the experts' ``ffn_load_balance_weight``; ``{}`` for a model without routing."""
         att, weights = self._attention, {}
-        if att["kind"] in ("moa", "moh"):
+        if att["kind"] in ("moa", "moh", "gqe"):
             weights["load_balance_weight"] = att["load_balance_weight"]
         if att["kind"] == "moa":
             weights["z_loss_weight"] = att["z_loss_weight"]

@@ -21,7 +21,7 @@ from ..kernels import IMPLS
 from ..routing.losses import LOAD_BALANCE_FRACTIONS
 from ..storage.files import atomic_write
 
-ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead", "mosa")
+ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead", "mosa", "gqe")
 TASKS = ("translation", "mlm", "lm")
 NORMS = ("pre", "post")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -36,18 +36,18 @@ EXPERT_IMPLS = IMPLS
 
 # Fields that only mean something for some kinds; they must be None (unset) for the others.
 _KIND_FIELDS = {
-    "num_experts": ("moa", "switchhead"),
-    "kv_heads": ("moa", "mha", "moh", "talking_heads"),
-    "top_k": ("moa", "moh", "switchhead"),
+    "num_experts": ("moa", "switchhead", "gqe"),
+    "kv_heads": ("moa", "mha", "moh", "talking_heads", "gqe"),
+    "top_k": ("moa", "moh", "switchhead", "gqe"),
     "num_shared_heads": ("moh",),
     "num_heads": ("mha", "moh", "talking_heads", "switchhead"),
     "key_dim": ("mha", "talking_heads"),
     "expert_dropout": ("switchhead",),
     "init_scale": ("switchhead",),
     "dropout_on": ("switchhead",),
-    "q_bias": ("mha", "moh", "talking_heads"),
-    "kv_bias": ("mha", "moa", "moh", "talking_heads"),
-    "out_bias": ("mha", "moa", "moh", "talking_heads"),
+    "q_bias": ("mha", "moh", "talking_heads", "gqe"),
+    "kv_bias": ("mha", "moa", "moh", "talking_heads", "gqe"),
+    "out_bias": ("mha", "moa", "moh", "talking_heads", "gqe"),
     "head_weighting": ("moh",),
     "moh_impl": ("moh",),
     "qk_norm": ("mha", "moh", "talking_heads"),
@@ -58,14 +58,18 @@ _KIND_FIELDS = {
     "sparsity": ("mosa",),
     "tokens_per_head": ("mosa",),
     "include_first": ("mosa",),
-    "router": ("moa", "moh", "switchhead"),
+    "router": ("moa", "moh", "switchhead", "gqe"),
     "renormalize": ("moa",),
-    "load_balance_weight": ("moa", "moh"),
+    "load_balance_weight": ("moa", "moh", "gqe"),
     "z_loss_weight": ("moa",),
     "pre_softmax": ("talking_heads",),
     "post_softmax": ("talking_heads",),
     "expert_impl": ("moa", "moh", "switchhead"),
-    "load_balance_fractions": ("moa", "moh"),
+    "load_balance_fractions": ("moa", "moh", "gqe"),
+    "weighted_slot": ("gqe",),
+    "weighted_slot_renormalize": ("gqe",),
+    "shared_head": ("gqe",),
+    "hard_slot_scale": ("gqe",),
 }
 
 #: The value an unset (None) field of :data:`_KIND_FIELDS` takes for the kinds that use it: ``__post_init__``
@@ -91,7 +95,7 @@ _DEFAULT_KINDS = {"router": ("moa",)}
 
 #: The ``router`` values of each kind: its learned router (``None`` = the layer's own) or ``"random"``.
 ROUTER_CHOICES = {"moa": ("softmax", "noisy_topk", "random"), "moh": ("softmax", "random"),
-                  "switchhead": ("sigmoid", "random")}
+                  "switchhead": ("sigmoid", "random"), "gqe": ("softmax", "random")}
 
 
 def _takes_default(field: str, kind: str) -> bool:
@@ -190,6 +194,13 @@ class AttentionConfig:
     Gated Attention's sigmoid gate on each head's output before the output projection (arXiv 2505.06708, G1).
     ``route_per_group`` (MoH; needs ``kv_heads``; unset = off): Grouped Query Experts, routing inside each
     K/V group, with ``num_shared_heads`` and ``top_k`` counted per group (arXiv 2606.20945).
+    - ``"gqe"``: Grouped Query Experts as its paper defines it (arXiv 2606.20945,
+      :class:`~headmix.attention.GroupedQueryExpertsAttention`): ``num_experts`` query-head experts (unset: 16) on
+      ``kv_heads`` K/V heads (unset: 8), ``top_k`` selected per token in each group (unset: 1), heads of
+      ``head_dim`` (unset: ``d_model // num_experts``); output ``Concat(hard slots, weighted slot, shared head)
+      W_O``. The paper's ablations: ``weighted_slot``, ``weighted_slot_renormalize``, ``shared_head`` (unset:
+      true) and ``hard_slot_scale`` (unset: ``"none"``; ``"p"``). ``router`` (``"random"``: the control),
+      ``load_balance_weight`` and ``load_balance_fractions`` as MoH. ``num_heads`` stays unset.
     A field that the chosen ``kind`` does not use must stay unset (``None``): setting it is a ``ValueError``
     naming it (the table ``_KIND_FIELDS`` says which kinds use which field). Unset fields the kind uses take
     their defaults on construction (``_KIND_DEFAULTS``: ``router="softmax"`` (MoA), ``renormalize="detached"``,
@@ -243,6 +254,14 @@ class AttentionConfig:
     """MoSA: each sparse head keeps this many tokens (instead of ``sparsity``)."""
     include_first: bool | None = None
     """MoSA: the first token is always chosen (unset: False)."""
+    weighted_slot: bool | None = None
+    """GQE: the renormalised weighted-sum slot (unset: on)."""
+    weighted_slot_renormalize: bool | None = None
+    """GQE: the weighted slot's weights renormalised over the selected heads (unset: on; off: ``w = p``)."""
+    shared_head: bool | None = None
+    """GQE: the always-on shared head (unset: on)."""
+    hard_slot_scale: str | None = None
+    """GQE: ``"none"`` (unset) or ``"p"``: the hard slots scaled by their router probability."""
 
     def __post_init__(self) -> None:
         self._check_kind_fields("attention")
@@ -278,6 +297,8 @@ class AttentionConfig:
             _choice(f"{name}.router", self.router, ROUTER_CHOICES[self.kind])
         if self.kind == "mosa":
             self._validate_mosa(embed_dim, name)
+        elif self.kind == "gqe":
+            self._validate_gqe(embed_dim, name)
         elif self.kind != "moa":
             if self.num_heads is None:
                 raise ValueError(f"{name}.num_heads is required for kind {self.kind!r}")
@@ -374,6 +395,29 @@ class AttentionConfig:
         if self.bias:
             raise ValueError(f"{name}.bias must be false for kind 'mosa' (the MoSA layer has no biases)")
 
+    def _validate_gqe(self, embed_dim: int | None, name: str) -> None:
+        experts, kv, top_k = self.gqe_sizes()
+        for fname, value in (("num_experts", experts), ("kv_heads", kv), ("top_k", top_k)):
+            _positive_int(f"{name}.{fname}", value)
+        if experts % kv:
+            raise ValueError(f"{name}.kv_heads ({kv}) must divide {name}.num_experts ({experts})")
+        if top_k > experts // kv:
+            raise ValueError(f"{name}.top_k K={top_k} exceeds the {experts // kv} experts per group (num_experts / kv_heads)")
+        for fname in ("weighted_slot", "weighted_slot_renormalize", "shared_head"):
+            if getattr(self, fname) is not None and not isinstance(getattr(self, fname), bool):
+                raise ValueError(f"{name}.{fname} must be true, false or null (on), got {getattr(self, fname)!r}")
+        if self.hard_slot_scale is not None:
+            _choice(f"{name}.hard_slot_scale", self.hard_slot_scale, attention.gqe.HARD_SLOT_SCALES)
+        if self.head_dim is not None:
+            _positive_int(f"{name}.head_dim", self.head_dim)
+        elif embed_dim is not None and embed_dim % experts:
+            raise ValueError(f"{name}.num_experts ({experts}) must divide d_model ({embed_dim}) when {name}.head_dim is not set")
+
+    def gqe_sizes(self) -> tuple[int, int, int]:
+        """GQE's ``(num_experts, kv_heads, top_k)`` with the paper's main setting for unset ones (16, 8, 1)."""
+        return (16 if self.num_experts is None else self.num_experts, 8 if self.kv_heads is None else self.kv_heads,
+                1 if self.top_k is None else self.top_k)
+
     def resolved_biases(self) -> tuple[bool, bool, bool]:
         """``(q_bias, kv_bias, out_bias)`` with unset ones following ``bias`` (``q_bias`` False for MoA)."""
         def pick(value: bool | None) -> bool:
@@ -384,6 +428,8 @@ class AttentionConfig:
         """Value size per head (per expert for MoA)."""
         if self.head_dim is None and self.kind == "mosa":
             return embed_dim // (self.num_sparse_heads + (self.num_dense_heads or 0))
+        if self.head_dim is None and self.kind == "gqe":
+            return embed_dim // self.gqe_sizes()[0]
         return self.head_dim if self.head_dim is not None else embed_dim // self.num_heads
 
     def resolved_key_dim(self, embed_dim: int) -> int:
@@ -392,7 +438,7 @@ class AttentionConfig:
 
     @property
     def routed(self) -> bool:
-        return self.kind in ("moa", "moh", "switchhead", "mosa")
+        return self.kind in ("moa", "moh", "switchhead", "mosa", "gqe")
 
     def build(self, embed_dim: int) -> nn.Module:
         """The attention layer this config describes, for model width ``embed_dim``."""
@@ -425,6 +471,14 @@ class AttentionConfig:
                 load_balance_weight=self.load_balance_weight, head_weighting=self.head_weighting or "renormalized",
                 impl=self.moh_impl or "auto", expert_impl=self.expert_impl,
                 route_per_group=bool(self.route_per_group), router=self.router or "softmax", **common)
+        if self.kind == "gqe":
+            experts, kv, top_k = self.gqe_sizes()
+            return attention.GroupedQueryExpertsAttention(
+                embed_dim, experts, kv, top_k, self.head_dim,
+                weighted_slot=self.weighted_slot is not False,
+                weighted_slot_renormalize=self.weighted_slot_renormalize is not False,
+                shared_head=self.shared_head is not False, hard_slot_scale=self.hard_slot_scale or "none",
+                router=self.router or "softmax", load_balance_weight=self.load_balance_weight, **common)
         if self.kind == "switchhead":
             return attention.SwitchHeadAttention(
                 embed_dim, self.num_heads, self.num_experts, self.top_k, self.head_dim, bias=self.bias,

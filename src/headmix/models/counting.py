@@ -31,6 +31,10 @@ Three numbers per model:
   kv_heads d_h`` MACs; ``output_gate``: its projection ``T d_m H`` (headwise) or ``T d_m H d_h``
   (elementwise) for every head; ``qk_norm`` is element-wise (0 MACs, ``2 d_k`` parameters). The ``paper``
   column stays eq. 19-20 as printed (every head with its own K/V, no gates).
+- GQE (arXiv 2606.20945, ``kind="gqe"``): the ``full`` count is what it computes (:func:`gqe_macs`): every
+  expert's query (one dense projection, then each token's ``k G`` gathered), ``k G + 1`` attention heads (the
+  slots and the shared head), ``W_O`` of ``(k G + 2) d_h`` inputs; the ``paper`` column is eq. 19 for its
+  ``num_experts`` heads. Both ``attention`` conventions apply to its ``k G + 1`` heads.
 - MoSA (arXiv 2505.00315) has no formula in the MoA paper; both columns count what it computes
   (:func:`mosa_macs`): per sparse head the router ``T d_m``, the chosen tokens' Q, K, V and output projections
   ``4 k d_m d_h`` and the attention among them ``2 k^2 d_h`` (``k = T // sparsity``, at least 2, at most
@@ -152,6 +156,8 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
                 + k * t * dh * d)    # expert output projections (eq. 12)
         paper = k * t * s * dh + 2 * (k + 1) * t * dh * d  # eq. 18
         return full, paper
+    if att.kind == "gqe":
+        return gqe_macs(att, d, t, s, pairs)
     if att.kind == "switchhead":
         h, e, k, dh = att.num_heads, att.num_experts, att.top_k, att.resolved_head_dim(d)
         products = h * (t * d * dh + s * d * dh + k * s * d * dh + k * t * dh * d + 2 * t * s * dh)
@@ -179,6 +185,37 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     if att.kind == "moh":
         full += t * d * _moh_router_width(att, h, groups) * _learned(att)
     return full, paper
+
+
+def gqe_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: int, pairs: int) -> tuple[int, int]:
+    """``(full, paper)`` MACs of one GQE layer (``pairs``: the (query, key) pairs of each attention head). ``full``,
+    as the layer computes them: the router ``T d_m E`` (none for the random control), every expert's query and
+    the shared head's in one projection ``T d_m (E + 1) d_h`` (all ``E`` are computed, then each token's
+    ``k G`` gathered), the ``G`` K/V heads ``2 S d_m G d_h``, the attention of the ``k G`` slots and the shared head
+    ``(k G + 1) 2 pairs d_h``, and ``W_O`` over its ``(k G + 2) d_h`` inputs ``T (k G + 2) d_h d_m`` (the weighted
+    sum is element-wise). ``paper``: eq. 19 for ``E`` heads of ``d_h`` (GQE's paper has no MACs formula)."""
+    d, t, s = d_model, tgt_len, src_len
+    experts, kv, top_k = att.gqe_sizes()
+    dh, shared = att.resolved_head_dim(d), int(att.shared_head is not False)
+    slots = top_k * kv + int(att.weighted_slot is not False) + shared
+    full = (t * d * experts * _learned(att) + t * d * (experts + shared) * dh + 2 * s * d * kv * dh
+            + (top_k * kv + shared) * pairs * 2 * dh + t * slots * dh * d)
+    paper = t * s * experts * dh + 4 * t * d * experts * dh
+    return full, paper
+
+
+def gqe_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
+    """``(full, paper)`` parameters of one GQE layer: ``W_q`` of the ``E`` experts and the shared head, the ``G``
+    K/V heads' ``W_k, W_v``, ``W_O`` of ``(k G + 2) d_h`` inputs, the router ``d_m E`` (none for the random
+    control) and the biases; ``paper``: eq. 20 for ``E`` heads of ``d_h``."""
+    d = d_model
+    experts, kv, top_k = att.gqe_sizes()
+    dh, shared = att.resolved_head_dim(d), int(att.shared_head is not False)
+    slots = top_k * kv + int(att.weighted_slot is not False) + shared
+    q_bias, kv_bias, out_bias = att.resolved_biases()
+    full = ((experts + shared) * dh * (d + q_bias) + 2 * kv * dh * (d + kv_bias) + slots * dh * d + d * out_bias
+            + d * experts * _learned(att))
+    return full, 4 * d * experts * dh
 
 
 def _learned(att: AttentionConfig) -> int:
@@ -238,6 +275,8 @@ def attention_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
         _, kv_bias, out_bias = att.resolved_biases()
         bias = 2 * dh * kv_bias + d * out_bias
         return paper + router + bias, paper
+    if att.kind == "gqe":
+        return gqe_parameters(att, d)
     if att.kind == "switchhead":
         h, e, dh = att.num_heads, att.num_experts, att.resolved_head_dim(d)
         paper = 2 * h * (e + 1) * dh * d

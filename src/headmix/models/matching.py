@@ -18,8 +18,11 @@ tolerance and the row's kind has a separate query/key size, a finer step is take
 
 Rows may fix (or solve, ``kv_heads``) the grouped-query options too: ``kv_heads`` (fewer K/V projections),
 ``output_gate`` (its projection is counted) and ``qk_norm`` (element-wise, no MACs) are counted by
-:func:`headmix.models.counting.attention_macs` as the layer computes them, as is GQE's ``route_per_group``
-(its shared and selected heads per group, with ``moh_impl="sparse"``).
+:func:`headmix.models.counting.attention_macs` as the layer computes them, as is MoH's ``route_per_group``
+(its shared and selected heads per group, with ``moh_impl="sparse"``). A GQE row (``kind="gqe"``) fixes
+``num_experts``, ``kv_heads`` and ``top_k`` (the paper's 16 on 8, top 1) and solves ``head_dim``: it computes
+``k G + 1`` of the baseline's attention heads but every expert's query and a ``W_O`` of ``(k G + 2) d_h``
+inputs, and its head size is what brings that to the baseline's MACs.
 """
 
 from __future__ import annotations
@@ -222,7 +225,8 @@ def _step_note(counted: list[tuple[dict[str, Any], Match]], solve: tuple[str, ..
 
 def _describe(att: AttentionConfig) -> str:
     keys = ("kind", "num_heads", "num_experts", "top_k", "head_dim", "key_dim", "num_shared_heads", "kv_heads",
-            "route_per_group", "qk_norm", "output_gate", "num_sparse_heads", "num_dense_heads", "sparsity")
+            "route_per_group", "qk_norm", "output_gate", "num_sparse_heads", "num_dense_heads", "sparsity",
+            "weighted_slot", "shared_head", "hard_slot_scale")
     return ", ".join(f"{k}={getattr(att, k)}" for k in keys if getattr(att, k, None) is not None)
 
 

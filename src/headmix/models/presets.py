@@ -314,13 +314,13 @@ _PRESETS = [
     Preset("llama3-tiny-gated", ("lm",), 1000, _llama3(LLAMA3_GATED, 64, 2, 256),
            "Llama-3-style d 64, 2 layers, GQA 8 on 2 K/V heads with QK-norm and an elementwise output gate"),
     Preset("llama3-tiny-gqe", ("lm",), 1000, _llama3(LLAMA3_GQE, 64, 2, 256),
-           "Llama-3-style d 64, 2 layers, GQE: 8 heads on 2 K/V heads, per group 1 shared + top 2 of 3"),
+           "Llama-3-style d 64, 2 layers, MoH routed per K/V group (route_per_group; not the paper's GQE, kind 'gqe'): 8 heads on 2 K/V heads, per group 1 shared + top 2 of 3"),
     Preset("llama3-mini-gqa", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_GQA, 128, 3, 512),
            "Llama-3-style d 128, SwiGLU 352, 3 layers, MHA 8 heads of 16 on 2 K/V heads"),
     Preset("llama3-mini-gated", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_GATED, 128, 3, 512),
            "Llama-3-style d 128, 3 layers, GQA 8 on 2 K/V heads with QK-norm and an elementwise output gate"),
     Preset("llama3-mini-gqe", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_GQE, 128, 3, 512),
-           "Llama-3-style d 128, 3 layers, GQE: 8 heads on 2 K/V heads, per group 1 shared + top 2 of 3"),
+           "Llama-3-style d 128, 3 layers, MoH routed per K/V group (route_per_group; not the paper's GQE, kind 'gqe'): 8 heads on 2 K/V heads, per group 1 shared + top 2 of 3"),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
 
