@@ -93,13 +93,16 @@ def lm_en_llama() -> StudySpec:
 #: Llama 3's 4 query heads per K/V head), each sized to its attention MACs (head size 16 preferred).
 _CONTENDERS_PREFER = {"head_dim": 16}
 _GQA = {"num_heads": 8, "kv_heads": 2}
+#: The paper's GQE (arXiv 2606.20945) at the paper's main setting per K/V group (2 query-head experts per K/V head,
+#: top 1: half of the routed experts active), on the baseline's 2 K/V heads: 2 hard slots + the weighted slot +
+#: the shared head; its head size solved to the baseline's MACs.
+_GQE = {"kind": "gqe", "num_experts": 4, "kv_heads": 2, "top_k": 1}
 
 
 def _contender_rows() -> list[RowSpec]:
     return [RowSpec("GQA"),
             RowSpec("Gated", {"kind": "mha", **_GQA, "output_gate": "headwise"}, ["head_dim"], _CONTENDERS_PREFER),
-            RowSpec("GQE", {"kind": "moh", **_GQA, "route_per_group": True, "num_shared_heads": 1, "top_k": 1,
-                            "moh_impl": "sparse"}, ["head_dim"], _CONTENDERS_PREFER),
+            RowSpec("GQE", dict(_GQE), ["head_dim"], _CONTENDERS_PREFER),
             RowSpec("MoA kv2", {"kind": "moa", "num_experts": 8, "top_k": 4, "kv_heads": 2}, ["head_dim"],
                     _CONTENDERS_PREFER),
             RowSpec("MoSA", {"kind": "mosa", "num_dense_heads": 2, "head_dim": 16, "sparsity": 8},
