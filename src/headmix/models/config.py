@@ -19,6 +19,8 @@ from torch import nn
 from .. import attention
 from ..kernels import IMPLS
 from ..routing.losses import LOAD_BALANCE_FRACTIONS
+from ..routing.task_gradient import (ALLOW_FLAG, check_router_learns, moa_router_without_task_gradient,
+                                     moh_router_without_task_gradient)
 from ..storage.files import atomic_write
 
 ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead", "mosa")
@@ -66,6 +68,7 @@ _KIND_FIELDS = {
     "post_softmax": ("talking_heads",),
     "expert_impl": ("moa", "moh", "switchhead"),
     "load_balance_fractions": ("moa", "moh"),
+    ALLOW_FLAG: ("moa", "moh"),
 }
 
 #: The value an unset (None) field of :data:`_KIND_FIELDS` takes for the kinds that use it: ``__post_init__``
@@ -105,6 +108,27 @@ def without_foreign_defaults(data: dict[str, Any]) -> dict[str, Any]:
     kind = data.get("kind", "mha")
     return {k: v for k, v in data.items()
             if not (k in _KIND_DEFAULTS and not _takes_default(k, kind) and _same_value(v, _KIND_DEFAULTS[k]))}
+
+
+#: Keys that every attention config dict headmix has written holds (``dataclasses.asdict`` writes every field;
+#: these exist since the first stored configs): a dict with them is a stored config, not one written by hand.
+_STORED_KEYS = ("dropout", "bias", "rotary_base", "zero_padded_queries")
+
+
+def marked_as_trained(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored attention config dict (one that holds :data:`_STORED_KEYS`) without the key
+    ``allow_router_without_task_gradient`` (written before the rule that refuses a learned router without a
+    task-loss gradient), with the key set true where the rule would refuse it: such a config was trained as
+    that ablation, and loads and evaluates as it. Any other dict is returned as it is (a dict written by hand
+    is refused as a new one would be)."""
+    if ALLOW_FLAG in data or data.get("kind") not in _KIND_FIELDS[ALLOW_FLAG] or not all(k in data for k in _STORED_KEYS):
+        return data
+    marked = {**data, ALLOW_FLAG: True}
+    try:
+        refused = AttentionConfig(**marked).router_without_task_gradient() is not None
+    except (TypeError, ValueError):  # not a complete config: its own errors are reported where it is built
+        refused = False
+    return marked if refused else data
 
 
 def field_applies(field: str, kind: str) -> bool:
@@ -190,6 +214,12 @@ class AttentionConfig:
     Gated Attention's sigmoid gate on each head's output before the output projection (arXiv 2505.06708, G1).
     ``route_per_group`` (MoH; needs ``kv_heads``; unset = off): Grouped Query Experts, routing inside each
     K/V group, with ``num_shared_heads`` and ``top_k`` counted per group (arXiv 2606.20945).
+    ``allow_router_without_task_gradient`` (MoA, MoH; unset = off): a learned router that would get no gradient
+    from the task loss with the options given (MoH/GQE ``head_weighting="renormalized"`` with ``top_k=1``, one
+    routed head; MoA ``top_k=1`` with ``renormalize="live"`` or ``router="noisy_topk"``, one expert: see
+    :mod:`headmix.routing.task_gradient`) is refused unless this is true, which asks for it as an ablation;
+    study reports label such rows. A config stored before this rule (every field but this one) that the rule
+    refuses reads as that ablation (:meth:`from_dict`), the way it was trained.
     A field that the chosen ``kind`` does not use must stay unset (``None``): setting it is a ``ValueError``
     naming it (the table ``_KIND_FIELDS`` says which kinds use which field). Unset fields the kind uses take
     their defaults on construction (``_KIND_DEFAULTS``: ``router="softmax"`` (MoA), ``renormalize="detached"``,
@@ -243,6 +273,8 @@ class AttentionConfig:
     """MoSA: each sparse head keeps this many tokens (instead of ``sparsity``)."""
     include_first: bool | None = None
     """MoSA: the first token is always chosen (unset: False)."""
+    allow_router_without_task_gradient: bool | None = None
+    """MoA, MoH: allow a learned router that gets no task-loss gradient with these options, as an ablation."""
 
     def __post_init__(self) -> None:
         self._check_kind_fields("attention")
@@ -348,6 +380,22 @@ class AttentionConfig:
             v = getattr(self, fname)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}.{fname} must be a non-negative number, got {v!r}")
+        allowed = self.allow_router_without_task_gradient
+        if allowed is not None and not isinstance(allowed, bool):
+            raise ValueError(f"{name}.{ALLOW_FLAG} must be true, false or null (off), got {allowed!r}")
+        check_router_learns(self.router_without_task_gradient(), bool(allowed), name, f"{name}.{ALLOW_FLAG}")
+
+    def router_without_task_gradient(self) -> tuple[str, str] | None:
+        """``(why, alternatives)`` when this config's learned router gets no gradient from the task loss
+        (:mod:`headmix.routing.task_gradient`), else None (it learns, or there is no learned router)."""
+        if self.kind == "moa":
+            return moa_router_without_task_gradient(self.num_experts, self.top_k, self.router, self.renormalize)
+        if self.kind == "moh":
+            group = self.num_heads // self.kv_heads if self.route_per_group else self.num_heads
+            return moh_router_without_task_gradient(group - self.num_shared_heads, self.top_k,
+                                                    self.head_weighting or "renormalized", self.router or "softmax",
+                                                    bool(self.route_per_group))
+        return None
 
     def _validate_mosa(self, embed_dim: int | None, name: str) -> None:
         if self.num_sparse_heads is None:
@@ -418,13 +466,15 @@ class AttentionConfig:
             return attention.MixtureOfAttentionHeads(
                 embed_dim, self.num_experts, self.top_k, self.head_dim, router=self.router,
                 renormalize=self.renormalize, load_balance_weight=self.load_balance_weight,
-                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, kv_heads=self.kv_heads or 1, **common)
+                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, kv_heads=self.kv_heads or 1,
+                allow_router_without_task_gradient=bool(self.allow_router_without_task_gradient), **common)
         if self.kind == "moh":
             return attention.MixtureOfHeadsAttention(
                 embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,
                 load_balance_weight=self.load_balance_weight, head_weighting=self.head_weighting or "renormalized",
                 impl=self.moh_impl or "auto", expert_impl=self.expert_impl,
-                route_per_group=bool(self.route_per_group), router=self.router or "softmax", **common)
+                route_per_group=bool(self.route_per_group), router=self.router or "softmax",
+                allow_router_without_task_gradient=bool(self.allow_router_without_task_gradient), **common)
         if self.kind == "switchhead":
             return attention.SwitchHeadAttention(
                 embed_dim, self.num_heads, self.num_experts, self.top_k, self.head_dim, bias=self.bias,
@@ -445,11 +495,14 @@ class AttentionConfig:
         """Build from a dict; errors name the field as ``name.field`` (e.g. ``cross_attention.top_k``).
 
         A MoH config saved before ``head_weighting`` existed (the key absent) reads as ``"scaled"``, the
-        weighting its weights were trained with; a saved ``null`` means the current default."""
+        weighting its weights were trained with; a saved ``null`` means the current default. A config saved
+        before ``allow_router_without_task_gradient`` existed (every field written but that one) whose router
+        gets no task gradient reads as that ablation (:func:`marked_as_trained`)."""
         _check_keys(cls, data, name)
         data = without_foreign_defaults(data)
         if data.get("kind") == "moh" and "head_weighting" not in data:
             data = {**data, "head_weighting": "scaled"}
+        data = marked_as_trained(data)
         try:
             return cls(**data)
         except ValueError as err:

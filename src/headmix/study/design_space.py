@@ -57,7 +57,10 @@ def _moh(**kw) -> AttentionConfig:
 
 
 def _gqe(**kw) -> AttentionConfig:
-    return _moh(kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=1, moh_impl="sparse", **kw)
+    # 1 shared + top 1 per group, "renormalized": its router gets no task-loss gradient (headmix.routing.task_gradient);
+    # marked as that ablation, as the studies it cites ran it, until the paper's GQE replaces it
+    learned = {} if kw.get("router") == "random" else {"allow_router_without_task_gradient": True}
+    return _moh(kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=1, moh_impl="sparse", **learned, **kw)
 
 
 def _switchhead(**kw) -> AttentionConfig:
