@@ -77,13 +77,13 @@ def test_moh_from_dense_with_every_head_active_is_the_dense_layer(shared, weight
 def test_moh_from_dense_with_fewer_heads_drops_exactly_the_unselected_heads():
     torch.manual_seed(0)
     mha = MultiHeadAttention(32, 4).double()
-    moh = moh_from_dense(mha, num_shared_heads=1, top_k=1)
+    moh = moh_from_dense(mha, num_shared_heads=1, top_k=2)
     x = torch.randn(2, 6, 32, dtype=torch.float64)
     with torch.no_grad():
         out = moh(x, is_causal=True)
     active = torch.zeros(2 * 6, 4, dtype=torch.float64)
     active[:, 0] = 1  # the shared head
-    active.scatter_(1, 1 + out.routing.expert_index, 1.0)  # one routed head per token
+    active.scatter_(1, 1 + out.routing.expert_index, 1.0)  # two of the three routed heads per token
     expected = (dense_heads(mha, x, is_causal=True) * active.view(2, 6, 4, 1)).sum(2) + mha.out_proj.bias
     torch.testing.assert_close(out.output, expected)
 

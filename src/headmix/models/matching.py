@@ -140,13 +140,15 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
     target = attention_macs_of(baseline, src_len, tgt_len, attention=attention)
     best: tuple[tuple, Match] | None = None
     closest: Match | None = None
+    refused: Exception | None = None  # why the first candidate was refused, when none can be built
     inherited = {**inherited_options(baseline), **conventions_for(fixed.get("kind", "mha"), baseline)}
     for values in itertools.product(*(_candidates(f, fixed, baseline.d_model) for f in solve)):
         fields = {**inherited, **fixed, **dict(zip(solve, values))}
         try:
             att = AttentionConfig(**fields)
             model = with_attention(baseline, att)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError) as err:
+            refused = refused or err
             continue
         match = Match(att, attention_macs_of(model, src_len, tgt_len, moh_count, attention), target)
         gap = abs(match.ratio - 1)
@@ -159,7 +161,8 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
         if best is None or key < best[0]:
             best = (key, match)
     if best is None:
-        near = f"; the closest is {closest.ratio:.3f}x ({_describe(closest.attention)})" if closest else ""
+        near = (f"; the closest is {closest.ratio:.3f}x ({_describe(closest.attention)})" if closest
+                else f"; every candidate is refused, e.g. {refused}" if refused else "")
         raise ValueError(f"no attention with {fixed} and {list(solve)} solved is within {tolerance:.0%} of the "
                          f"baseline's attention MACs ({target:,}){near}")
     return best[1]
