@@ -153,10 +153,11 @@ def test_every_head_shared_has_no_router_and_is_not_refused():
 
 @pytest.mark.parametrize("make", [
     lambda: MixtureOfAttentionHeads(D, 4, 1, 4, router="random"),
+    lambda: MixtureOfAttentionHeads(D, 1, 1, 4, router="random"),
     lambda: MixtureOfHeadsAttention(D, 8, 1, 1, 4, router="random", kv_heads=2, route_per_group=True),
     lambda: MixtureOfHeadsAttention(D, 4, 0, 1, 4, router="random"),
     lambda: SwitchHeadAttention(D, 2, 4, 1, 8, router="random"),
-], ids=["moa", "gqe", "moh", "switchhead"])
+], ids=["moa", "moa-one-expert", "gqe", "moh", "switchhead"])
 def test_the_random_control_has_no_router_and_is_never_refused(make):
     layer = make()
     assert not any(n.endswith(ROUTING) for n, _ in layer.named_parameters())
@@ -296,6 +297,20 @@ def test_a_hugging_face_config_written_before_the_rule_loads():
     stored.pop("headmix_version", None)
     config = HeadmixConfig(headmix=stored)
     assert config.headmix["decoder_self_attention"][ALLOW_FLAG] is True
+
+
+def test_a_study_row_whose_router_cannot_learn_is_refused_with_the_reason():
+    from headmix.study import plan
+    from headmix.study.spec import RowSpec, StudySpec
+
+    row = {"kind": "moh", "num_heads": 4, "num_shared_heads": 1, "top_k": 1}
+    spec = StudySpec(name="s", task="lm", baseline="llama-tiny-mha", seeds=[1], max_steps=1,
+                     rows=[RowSpec("MHA"), RowSpec("MoH", row, ["head_dim"])])
+    with pytest.raises(ValueError, match=f"^row 'MoH': .*; every candidate is refused, e.g. attention: the learned "
+                                         f"router {REFUSED} with head_weighting='renormalized' and top_k=1"):
+        plan(spec)
+    spec.rows[1] = RowSpec("MoH", {**row, ALLOW_FLAG: True}, ["head_dim"])
+    assert plan(spec)[1].config.decoder_self_attention.allow_router_without_task_gradient is True
 
 
 # --- What will be trained: every preset and every built-in study row -----------------------------------------
