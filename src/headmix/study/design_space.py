@@ -120,7 +120,8 @@ ENTRIES: list[Entry] = [
     Entry("MoH", "`MixtureOfHeadsAttention(d, 8, 2, 3)`", _moh(num_shared_heads=2, top_k=3),
           "whole heads: shared heads always, routed heads chosen", TOKEN_TOP_K + " (two-stage head weights)",
           exact=(MOH_AUTHORS,), studies=(("lm-en", "MoH"), ("lm-en-llama", "MoH"))),
-    Entry("GQE (MoH per K/V group)", "`MixtureOfHeadsAttention(d, 8, 1, 1, kv_heads=2, route_per_group=True)`", _gqe(),
+    Entry("GQE (MoH per K/V group)", "`MixtureOfHeadsAttention(d, 8, 1, 1, kv_heads=2, route_per_group=True, "
+          "allow_router_without_task_gradient=True)`", _gqe(),
           "whole query heads inside each K/V group", "token choice: top-k per K/V group of a learned router",
           studies=(("lm-en-contenders", "GQE"), ("lm-en-contenders-long", "GQE"))),
     Entry("GQE, random control", '`route_per_group=True, router="random"`', _gqe(router="random"),
