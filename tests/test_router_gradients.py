@@ -186,6 +186,44 @@ def test_mosa_router_learns_under_the_causal_threshold_rule():
     assert_learns(routing_gradients(layer, causal=False), "router.weight", True)
 
 
+# --- the mixture-of-experts feed-forward (ffn="moe_swiglu"): w = softmax over the kept logits ----------------
+
+def _moe_ffn_config(experts: int, top_k: int, **kw) -> ModelConfig:
+    return ModelConfig(task="lm", vocab_size=50, d_model=D, ffn_dim=8, encoder_layers=0, decoder_layers=1,
+                       ffn="moe_swiglu", ffn_experts=experts, ffn_top_k=top_k, dropout=0.0, **kw)
+
+
+@pytest.mark.parametrize("experts,top_k", [(4, 1), (4, 2), (1, 1)])
+def test_the_feed_forward_router_learns_or_is_refused(experts, top_k):
+    from headmix.models.transformer import MixtureOfSwiGLUExperts
+
+    learns = experts > 1 and top_k > 1  # a softmax over one kept logit (or one expert) is the constant 1
+    if learns:
+        config = _moe_ffn_config(experts, top_k)
+    else:
+        with pytest.raises(ValueError, match=f"^ffn: the learned router {REFUSED} .*, or set "
+                                             f"ffn_allow_router_without_task_gradient=True"):
+            _moe_ffn_config(experts, top_k)
+        config = _moe_ffn_config(experts, top_k, ffn_allow_router_without_task_gradient=True)
+    torch.manual_seed(0)
+    layer = MixtureOfSwiGLUExperts(config).double()
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    (layer(x).output @ torch.randn(D, dtype=torch.float64)).square().mean().backward()
+    norms = {n: p.grad.norm().item() for n, p in layer.named_parameters()}
+    scale = sum(v for n, v in norms.items() if n != "router.gate.weight") / (len(norms) - 1)
+    assert_learns({"router.gate.weight": norms["router.gate.weight"] / scale}, "router.gate.weight", learns)
+
+
+def test_a_feed_forward_config_stored_before_the_rule_loads_as_the_ablation():
+    stored = _moe_ffn_config(4, 1, ffn_allow_router_without_task_gradient=True).to_dict()
+    del stored["ffn_allow_router_without_task_gradient"]
+    assert ModelConfig.from_dict(stored).ffn_allow_router_without_task_gradient is True
+    hand_written = {k: stored[k] for k in ("task", "vocab_size", "d_model", "ffn_dim", "encoder_layers",
+                                           "decoder_layers", "ffn", "ffn_experts", "ffn_top_k")}
+    with pytest.raises(ValueError, match=f"^ffn: the learned router {REFUSED}"):
+        ModelConfig.from_dict(hand_written)
+
+
 # --- AttentionConfig: the same rule, the same flag, and stored configs ---------------------------------------
 
 CONFIG_CASES = [
@@ -341,6 +379,8 @@ def test_every_presets_routers_get_a_task_gradient():
     for name, preset in PRESETS.items():
         for task in preset.tasks:
             config = get_config(name, task, 100)
+            if config.ffn == "moe_swiglu":
+                assert not config.ffn_allow_router_without_task_gradient, f"preset {name}: its FFN router cannot learn"
             for role, att in _layers_of(config):
                 if att.routed:
                     _check_trained_config(f"preset {name} ({task}) {role}", att, config.d_model)

@@ -19,8 +19,8 @@ from torch import nn
 from .. import attention
 from ..kernels import IMPLS
 from ..routing.losses import LOAD_BALANCE_FRACTIONS
-from ..routing.task_gradient import (ALLOW_FLAG, check_router_learns, moa_router_without_task_gradient,
-                                     moh_router_without_task_gradient)
+from ..routing.task_gradient import (ALLOW_FLAG, check_router_learns, ffn_router_without_task_gradient,
+                                     moa_router_without_task_gradient, moh_router_without_task_gradient)
 from ..storage.files import atomic_write
 
 ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead", "mosa")
@@ -532,7 +532,10 @@ class ModelConfig:
     ``down(silu(gate x) * up x)``) or ``"moe_swiglu"``: a mixture of ``ffn_experts`` SwiGLU experts of width
     ``ffn_dim``, ``ffn_top_k`` per token (JetMoE's MoE layer; router weights ``softmax`` over the top-k logits,
     load-balancing loss weighted by ``ffn_load_balance_weight`` with ``ffn_load_balance_fractions`` as the
-    attention's ``load_balance_fractions``, grouped kernel ``ffn_expert_impl``).
+    attention's ``load_balance_fractions``, grouped kernel ``ffn_expert_impl``); its router gets no task-loss
+    gradient with ``ffn_top_k=1`` or one expert (a softmax over one logit), which is refused unless
+    ``ffn_allow_router_without_task_gradient`` asks for it as an ablation (:mod:`headmix.routing.task_gradient`;
+    a config stored before this rule reads as that ablation).
     ``bias``: biases of the feed-forward linears (for ``moe_swiglu`` one output bias, as JetMoE) and of
     LayerNorm (Llama has none); the attention layers' biases are set in each ``AttentionConfig``.
     ``scale_embeddings`` multiplies token embeddings by ``sqrt(d_model)`` (fairseq); ``embedding_norm``
@@ -565,6 +568,8 @@ class ModelConfig:
     ffn_load_balance_weight: float = 0.01
     ffn_load_balance_fractions: str = "normalized"
     ffn_expert_impl: str = "auto"
+    #: ``moe_swiglu``: allow a router without a task-loss gradient (``ffn_top_k=1``, one expert), as an ablation
+    ffn_allow_router_without_task_gradient: bool = False
     bias: bool = True
     scale_embeddings: bool = True
     embedding_norm: bool = False
@@ -661,6 +666,11 @@ class ModelConfig:
             raise ValueError(f"ffn_load_balance_weight must be a non-negative number, got {v!r}")
         _choice("ffn_load_balance_fractions", self.ffn_load_balance_fractions, LOAD_BALANCE_FRACTIONS)
         _choice("ffn_expert_impl", self.ffn_expert_impl, EXPERT_IMPLS)
+        if self.ffn == "moe_swiglu":
+            check_router_learns(ffn_router_without_task_gradient(self.ffn_experts, self.ffn_top_k),
+                                self.ffn_allow_router_without_task_gradient, "ffn", FFN_ALLOW_FLAG)
+        elif not isinstance(self.ffn_allow_router_without_task_gradient, bool):
+            raise ValueError(f"{FFN_ALLOW_FLAG} must be true or false, got {self.ffn_allow_router_without_task_gradient!r}")
         _fraction("dropout", self.dropout)
         _fraction("activation_dropout", self.activation_dropout)
         _fraction("label_smoothing", self.label_smoothing)
@@ -694,6 +704,10 @@ class ModelConfig:
         data = dict(data)
         check_written_by(data.pop(VERSION_FIELD, None), source)
         _check_keys(cls, data, "model config")
+        stored = FFN_ALLOW_FLAG not in data and all(k in data for k in _STORED_MODEL_KEYS)
+        if stored and data.get("ffn") == "moe_swiglu" and ffn_router_without_task_gradient(data["ffn_experts"],
+                                                                                           data["ffn_top_k"]):
+            data[FFN_ALLOW_FLAG] = True  # stored before the rule: the ablation it was trained as (marked_as_trained)
         for role in ("encoder_self_attention", "decoder_self_attention", "cross_attention"):
             if isinstance(data.get(role), dict):
                 data[role] = AttentionConfig.from_dict(data[role], role)
@@ -723,6 +737,11 @@ class ModelConfig:
                              f"or convert it with headmix.interop.from_pretrained")
         return cls.from_dict(data, str(path))
 
+
+#: The model config's option that allows a feed-forward router without a task-loss gradient (an ablation).
+FFN_ALLOW_FLAG = "ffn_" + ALLOW_FLAG
+#: Keys every model config dict headmix has written with ``ffn="moe_swiglu"`` holds: a stored config.
+_STORED_MODEL_KEYS = ("ffn_experts", "ffn_top_k", "ffn_load_balance_weight", "ffn_expert_impl", "label_smoothing")
 
 #: The field of a saved ``config.json`` (headmix's own, and a Hugging Face export's) naming the headmix that wrote it.
 VERSION_FIELD = "headmix_version"

@@ -13,7 +13,10 @@ z-loss), if any, moves them. This happens, with any inputs, in exactly these cas
 - MoA with ``top_k=1`` and ``renormalize="live"``: ``w_i = p_i / sum_{j in G} p_j = p_i / p_i = 1``;
 - MoA with ``top_k=1`` and ``router="noisy_topk"``: ``w = softmax`` over the one kept logit, the constant 1
   (the noise weights ``W_noise`` get none either);
-- MoA with ``num_experts=1``: ``p = softmax`` over one expert is the constant 1.
+- MoA with ``num_experts=1``: ``p = softmax`` over one expert is the constant 1;
+- the mixture-of-experts feed-forward (``ffn="moe_swiglu"``, weights ``softmax`` over the kept logits, i.e.
+  ``renormalize="live"``) with ``ffn_top_k=1`` or ``ffn_experts=1``: the constant 1 (the model config's
+  ``ffn_allow_router_without_task_gradient`` asks for it).
 
 Everything else learns: MoA's default ``renormalize="detached"`` at ``top_k=1`` weighs ``p_i / Detach(p_i)``,
 1 in value but with the gradient of ``p_i``; ``renormalize="none"`` weighs ``p_i``; MoH's ``"paper"`` and
@@ -44,6 +47,16 @@ def moa_router_without_task_gradient(num_experts: int, top_k: int, router: str, 
     if top_k == 1 and renormalize == "live":
         return ("renormalize='live' and top_k=1 (w_i = p_i / sum_TopK p = p_i / p_i = 1)",
                 "top_k >= 2, or renormalize 'detached' (the paper's) or 'none'")
+    return None
+
+
+def ffn_router_without_task_gradient(experts: int, top_k: int) -> tuple[str, str] | None:
+    """``(why, alternatives)`` when the mixture-of-SwiGLU-experts feed-forward's router (a softmax over the kept
+    logits) gets no task-loss gradient, else None."""
+    if experts == 1:
+        return ("ffn_experts=1 (p = softmax over one expert is the constant 1)", "ffn_experts >= 2")
+    if top_k == 1:
+        return ("ffn_top_k=1 (the weight is a softmax over the one kept logit, the constant 1)", "ffn_top_k >= 2")
     return None
 
 
