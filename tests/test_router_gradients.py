@@ -173,8 +173,8 @@ def test_switchhead_selectors_always_learn(num_experts, top_k):
         assert_learns(grads, "value_selector.weight", True)
 
 
-@pytest.mark.parametrize("options", [dict(tokens_per_head=3), dict(tokens_per_head=7), dict(sparsity=2, include_first=True),
-                                     dict(tokens_per_head=2, num_dense_heads=1)])
+@pytest.mark.parametrize("options", [dict(tokens_per_head=3), dict(tokens_per_head=7),
+                                     dict(sparsity=2, include_first=True), dict(tokens_per_head=2, num_dense_heads=1)])
 def test_mosa_router_always_learns(options):
     assert_learns(routing_gradients(MixtureOfSparseAttention(D, 2, 8, **options), causal=False), "router.weight", True)
 

@@ -121,7 +121,8 @@ def marked_as_trained(data: dict[str, Any]) -> dict[str, Any]:
     task-loss gradient), with the key set true where the rule would refuse it: such a config was trained as
     that ablation, and loads and evaluates as it. Any other dict is returned as it is (a dict written by hand
     is refused as a new one would be)."""
-    if ALLOW_FLAG in data or data.get("kind") not in _KIND_FIELDS[ALLOW_FLAG] or not all(k in data for k in _STORED_KEYS):
+    stored = all(k in data for k in _STORED_KEYS)
+    if ALLOW_FLAG in data or data.get("kind") not in _KIND_FIELDS[ALLOW_FLAG] or not stored:
         return data
     marked = {**data, ALLOW_FLAG: True}
     try:
@@ -670,7 +671,8 @@ class ModelConfig:
             check_router_learns(ffn_router_without_task_gradient(self.ffn_experts, self.ffn_top_k),
                                 self.ffn_allow_router_without_task_gradient, "ffn", FFN_ALLOW_FLAG)
         elif not isinstance(self.ffn_allow_router_without_task_gradient, bool):
-            raise ValueError(f"{FFN_ALLOW_FLAG} must be true or false, got {self.ffn_allow_router_without_task_gradient!r}")
+            raise ValueError(f"{FFN_ALLOW_FLAG} must be true or false, "
+                             f"got {self.ffn_allow_router_without_task_gradient!r}")
         _fraction("dropout", self.dropout)
         _fraction("activation_dropout", self.activation_dropout)
         _fraction("label_smoothing", self.label_smoothing)

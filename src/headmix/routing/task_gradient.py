@@ -35,7 +35,8 @@ from __future__ import annotations
 ALLOW_FLAG = "allow_router_without_task_gradient"
 
 
-def moa_router_without_task_gradient(num_experts: int, top_k: int, router: str, renormalize: str) -> tuple[str, str] | None:
+def moa_router_without_task_gradient(num_experts: int, top_k: int, router: str,
+                                     renormalize: str) -> tuple[str, str] | None:
     """``(why, alternatives)`` when MoA's learned router gets no task-loss gradient with these options, else None."""
     if router not in ("softmax", "noisy_topk"):  # the random control has no router to learn
         return None

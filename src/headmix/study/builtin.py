@@ -14,8 +14,9 @@
 - ``lm-en-contenders``: ``lm-en``'s data and training on the Llama-3-style decoder with grouped-query attention
   (``llama3-mini-gqa``: 8 query heads of 16 on 2 K/V heads); this year's contenders at its attention MACs:
   headwise-gated GQA (Gated Attention), GQE (MoH routed inside each K/V group: 1 shared + top 1 of 3, sparse;
-  its router gets no task-loss gradient, so the row is marked as that ablation, as it was trained), MoA with 2 K/V heads (top 4 of 8), MoSA (2 dense heads and sparse heads of 16 keeping 1/8 of the tokens,
-  their number solved) and SwitchHead; and the controls: GQE and MoA kv2 with random routing
+  its router gets no task-loss gradient, so the row is marked as that ablation, as it was trained), MoA with
+  2 K/V heads (top 4 of 8), MoSA (2 dense heads and sparse heads of 16 keeping 1/8 of the tokens, their number
+  solved) and SwitchHead; and the controls: GQE and MoA kv2 with random routing
   (``router="random"``), GQE's static twin (grouped-query attention with GQE's 2 active query heads per K/V
   head, no router) and MoSA evaluated with the causal threshold rule as well as top-k.
 - ``lm-en-contenders-long``: the baseline and the two best rows of ``lm-en-contenders`` (Gated, GQE) once more
