@@ -44,7 +44,7 @@ P = causal_pairs(T)  # the (query, key) pairs computed causally
     (AttentionConfig(kind="switchhead", num_heads=2, num_experts=4, top_k=2, head_dim=16),
      lambda pairs: 2 * 2 * pairs * 16),
     (AttentionConfig(kind="moh", num_heads=8, head_dim=8, kv_heads=2, route_per_group=True, num_shared_heads=1,
-                     top_k=1, moh_impl="sparse"), lambda pairs: 2 * (1 + 1) * pairs * 16),
+                     top_k=1, head_weighting="scaled", moh_impl="sparse"), lambda pairs: 2 * (1 + 1) * pairs * 16),
 ])
 def test_each_kind_counts_its_attention_products_causally_and_nothing_else(att, attention_products):
     """The causal count is the full count with the score and weights x values products over the causal pairs:

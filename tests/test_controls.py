@@ -152,7 +152,7 @@ def test_cached_decoding_chooses_what_the_full_forward_chooses(kind):
 
 
 RANDOM_CONFIGS = {"moa": dict(kind="moa", num_experts=8, top_k=4, kv_heads=2, head_dim=16),
-                  "moh": dict(kind="moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=1,
+                  "moh": dict(kind="moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
                               head_dim=16, moh_impl="dense"),
                   "switchhead": dict(kind="switchhead", num_heads=2, num_experts=4, top_k=2, head_dim=16, bias=False)}
 
@@ -226,8 +226,9 @@ def test_the_static_control_of_gqe_is_gqa_with_its_active_query_heads_at_equal_m
 def test_a_study_with_controls_and_causal_mosa_reports_them(tmp_path, docs_file):
     """A tiny study with a routed row, its random twin, its static control and a MoSA row evaluated both ways:
     the report has the controls table (routed minus control, paired by seed) and the causal-selection gap."""
-    moh_row = {"kind": "moh", "num_heads": 4, "kv_heads": 2, "route_per_group": True, "num_shared_heads": 1,
-               "top_k": 1}
+    # per K/V group the top 1 of 2 heads, "scaled" (a router that learns: headmix.routing.task_gradient)
+    moh_row = {"kind": "moh", "num_heads": 4, "kv_heads": 2, "route_per_group": True, "num_shared_heads": 0,
+               "top_k": 1, "head_weighting": "scaled"}
     rows = [RowSpec("MHA"), RowSpec("GQE", moh_row, ["head_dim"]),
             RowSpec("GQE random", {**moh_row, "router": "random"}, ["head_dim"], control_of="GQE"),
             RowSpec("GQE static", {"kind": "mha", "num_heads": 2, "kv_heads": 2}, ["head_dim"], control_of="GQE"),
@@ -265,7 +266,7 @@ def test_a_study_folder_takes_new_rows_but_not_changed_ones(tmp_path):
 
     spec = StudySpec(name="s", task="lm", baseline="llama-tiny-mha", rows=[RowSpec("MHA")], max_steps=3)
     _write_plan(spec, plan(spec), tmp_path)
-    spec.rows.append(RowSpec("MoH", {"kind": "moh", "num_heads": 4, "num_shared_heads": 1, "top_k": 1},
+    spec.rows.append(RowSpec("MoH", {"kind": "moh", "num_heads": 4, "num_shared_heads": 1, "top_k": 2},
                              ["head_dim"], control_of="MHA"))
     check_plan(spec, plan(spec), tmp_path)
     spec.rows[0] = RowSpec("MHA", control_of="MoH")

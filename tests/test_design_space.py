@@ -55,14 +55,15 @@ def test_the_code_cell_prints_the_whole_config_and_reads_back_equal():
 def test_every_attention_kind_and_routing_option_has_a_row():
     configs = [e.config for e in design_space.ENTRIES]
     kinds = {c.kind for c in configs}
-    assert kinds == {"mha", "moa", "moh", "switchhead", "talking_heads", "mosa"}
+    assert kinds == {"mha", "moa", "moh", "switchhead", "talking_heads", "mosa", "gqe"}
     for kind, routers in ROUTER_CHOICES.items():
         for router in routers:  # an unset router is the kind's learned one, the first of its choices
             assert any(c.kind == kind and (c.router or routers[0]) == router for c in configs), (kind, router)
     options = {"kv_heads": lambda c: (c.kv_heads or 1) > 1, "qk_norm": lambda c: bool(c.qk_norm),
                "headwise gate": lambda c: c.output_gate == "headwise",
                "elementwise gate": lambda c: c.output_gate == "elementwise", "key_dim": lambda c: c.key_dim is not None,
-               "moa kv_heads": lambda c: c.kind == "moa" and (c.kv_heads or 1) > 1}
+               "moa kv_heads": lambda c: c.kind == "moa" and (c.kv_heads or 1) > 1,
+               "gqe hard slots only": lambda c: c.kind == "gqe" and c.weighted_slot is False}
     for per_group in (False, True):  # MoH and MoH routed per K/V group, each computed sparse and dense
         for impl in ("dense", "sparse"):
             options[f"moh {impl} per_group={per_group}"] = \
@@ -92,11 +93,14 @@ def test_every_control_row_is_labelled_by_the_row_it_controls_and_is_its_configu
             controls += 1
         if entry.name.endswith(": static control"):
             learned = by_name[entry.name.removesuffix(": static control")].config
-            groups = learned.kv_heads if learned.route_per_group else 1
+            groups = learned.kv_heads if learned.route_per_group or learned.kind == "gqe" else 1
+            # MoH: its shared and top-k routed heads; GQE: its top-k slots and its shared head (rounded up to a
+            # whole head per K/V group)
+            per_group = learned.top_k + (1 if learned.kind == "gqe" else learned.num_shared_heads)
             assert (entry.config.kind, entry.config.num_heads, entry.config.kv_heads, entry.config.head_dim) == \
-                ("mha", groups * (learned.num_shared_heads + learned.top_k), learned.kv_heads, learned.head_dim)
+                ("mha", groups * per_group, learned.kv_heads, learned.head_dim)
             controls += 1
-    assert controls == 5
+    assert controls == 7
 
 
 def test_every_named_test_exists():
@@ -178,7 +182,7 @@ def test_a_kind_the_page_does_not_describe_needs_its_description_given():
     how (``Entry(routed=..., rule=...)``)."""
     from types import SimpleNamespace
 
-    new = SimpleNamespace(kind="gqe", router=None, route_per_group=None, output_gate=None, top_k=2)
+    new = SimpleNamespace(kind="a_new_kind", router=None, route_per_group=None, output_gate=None, top_k=2)
     with pytest.raises(ValueError, match="routed="):
         design_space.what_is_routed(new)
     with pytest.raises(ValueError, match="rule="):

@@ -453,13 +453,13 @@ def test_talking_heads_options_match_reference(config):
 
 @pytest.mark.parametrize("kind", ["mha", "moh", "talking_heads"])
 def test_config_builds_the_options(kind):
-    extra = dict(num_shared_heads=1, top_k=1, route_per_group=True) if kind == "moh" else {}
+    extra = dict(num_shared_heads=1, top_k=2, route_per_group=True) if kind == "moh" else {}
     cfg = AttentionConfig(kind=kind, num_heads=8, kv_heads=2, qk_norm=True, output_gate="elementwise", **extra)
     layer = cfg.build(32)
     assert layer.kv_heads == 2 and layer.q_norm is not None and layer.output_gate == "elementwise"
     assert tuple(layer.k_proj.weight.shape) == (8, 32) and tuple(layer.gate_proj.weight.shape) == (32, 32)
     if kind == "moh":
-        assert layer.route_per_group and layer.top_k == 1
+        assert layer.route_per_group and layer.top_k == 2
     assert AttentionConfig.from_dict(cfg.to_dict()) == cfg
     plain = AttentionConfig(kind=kind, num_heads=8, **({k: v for k, v in extra.items() if k != "route_per_group"}))
     layer = plain.build(32)
@@ -507,9 +507,9 @@ def _with_decoder_attention(name: str, **changes):
     dict(kind="mha", kv_heads=2), dict(kind="mha", kv_heads=1, qk_norm=True, output_gate="elementwise"),
     dict(kind="talking_heads", kv_heads=2, output_gate="headwise"),
     dict(kind="moh", num_shared_heads=1, top_k=2, kv_heads=2, qk_norm=True, output_gate="headwise"),
-    # GQE, sparse: 2 groups of 2 heads, 1 shared + the 1 routed per group (every routed head in use, so the
-    # padded sparse layout computes no padding rows and the measured count is the selected heads')
-    dict(kind="moh", num_shared_heads=1, top_k=1, kv_heads=2, route_per_group=True, moh_impl="sparse",
+    # GQE, sparse: 2 groups of 2 heads, both routed and both selected per group (every routed head in use, so
+    # the padded sparse layout computes no padding rows and the measured count is the selected heads')
+    dict(kind="moh", num_shared_heads=0, top_k=2, kv_heads=2, route_per_group=True, moh_impl="sparse",
          output_gate="elementwise"),
 ])
 def test_counts_are_exact_for_the_options(changes):

@@ -21,7 +21,7 @@ CONFIGS = {
     "paper": dict(num_experts=6, kv_heads=3, top_k=1),
     "top2": dict(num_experts=8, kv_heads=2, top_k=2),
     "top2_rotary_half": dict(num_experts=8, kv_heads=2, top_k=2, rotary=True, rotary_fraction=0.5),
-    "hard_only": dict(num_experts=6, kv_heads=3, top_k=1, weighted_slot=False),
+    "hard_only": dict(num_experts=6, kv_heads=3, top_k=1, weighted_slot=False, allow_router_without_task_gradient=True),
     "no_shared": dict(num_experts=8, kv_heads=2, top_k=2, shared_head=False),
     "unnormalized_p_scaled": dict(num_experts=8, kv_heads=2, top_k=2, weighted_slot_renormalize=False,
                                   hard_slot_scale="p", bias=False),
@@ -121,8 +121,24 @@ def test_router_gets_a_task_gradient_at_top1_with_the_weighted_slot():
 def test_router_gets_no_task_gradient_from_hard_slots_only(shared_head):
     """The paper's "hard concat only" ablation: the top-k choice is not differentiable and the unscaled hard
     slots carry no ``p``, so the task loss gives the router nothing."""
-    layer = gqe_layer(num_experts=16, kv_heads=8, top_k=1, head_dim=4, weighted_slot=False, shared_head=shared_head)
+    layer = gqe_layer(num_experts=16, kv_heads=8, top_k=1, head_dim=4, weighted_slot=False, shared_head=shared_head,
+                      allow_router_without_task_gradient=True)
     assert _task_gradient_of_router(layer) is None
+
+
+def test_hard_slots_only_is_refused_unless_asked_for_as_the_ablation():
+    """The rule of issue 42 (``headmix.routing.task_gradient``): the layer and the config refuse the hard-only
+    router in one line naming the flag; the flag builds it; the random control needs none."""
+    for build in (lambda **kw: GroupedQueryExpertsAttention(D, 6, 3, 1, 5, weighted_slot=False, **kw),
+                  lambda **kw: AttentionConfig(kind="gqe", num_experts=6, kv_heads=3, top_k=1, head_dim=5,
+                                               weighted_slot=False, **kw).build(D)):
+        with pytest.raises(ValueError, match="allow_router_without_task_gradient") as err:
+            build()
+        assert "\n" not in str(err.value)
+        build(allow_router_without_task_gradient=True)
+        build(router="random")
+    with pytest.raises(ValueError, match="one expert per K/V group"):
+        GroupedQueryExpertsAttention(D, 3, 3, 1, 5)
 
 
 def test_hard_slots_scaled_by_p_give_the_router_a_task_gradient():
@@ -271,7 +287,8 @@ def test_per_head_attn_mask_is_refused_in_one_line():
 # --------------------------------------------------------------------------- config and counts
 GQE_CONFIGS = [
     dict(kind="gqe"),
-    dict(kind="gqe", num_experts=8, kv_heads=2, top_k=2, weighted_slot=False, shared_head=False, bias=False),
+    dict(kind="gqe", num_experts=8, kv_heads=2, top_k=2, weighted_slot=False, shared_head=False, bias=False,
+         allow_router_without_task_gradient=True),
     dict(kind="gqe", router="random", hard_slot_scale="p", weighted_slot_renormalize=False),
 ]
 

@@ -530,7 +530,7 @@ def test_the_recipe_example_runs_at_a_tiny_size(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("In the beginning was the word, and the word was with the text. " * 40)
     result = example.main(["--out", str(tmp_path / "out"), "--text", str(text), "--steps", "3", "--d-model", "32",
-                           "--heads", "4", "--kv-heads", "2", "--shared-heads", "1", "--top-k", "1", "--block", "32",
+                           "--heads", "8", "--kv-heads", "2", "--shared-heads", "1", "--top-k", "2", "--block", "32",
                            "--batch", "4", "--route-per-group"])
     assert len(result["losses"]) == 3
     saved = json.loads((tmp_path / "out" / "config.json").read_text())

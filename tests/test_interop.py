@@ -74,21 +74,25 @@ def test_moh_from_dense_with_every_head_active_is_the_dense_layer(shared, weight
         torch.testing.assert_close(gb, ga)  # zero routers: no input gradient through them either
 
 
-def test_moh_from_dense_with_fewer_heads_drops_exactly_the_unselected_heads():
+@pytest.mark.parametrize("top_k,options", [(2, {}), (1, {"head_weighting": "scaled"})])
+def test_moh_from_dense_with_fewer_heads_drops_exactly_the_unselected_heads(top_k, options):
     torch.manual_seed(0)
     mha = MultiHeadAttention(32, 4).double()
-    moh = moh_from_dense(mha, num_shared_heads=1, top_k=1)
+    moh = moh_from_dense(mha, num_shared_heads=1, top_k=top_k, **options)
     x = torch.randn(2, 6, 32, dtype=torch.float64)
     with torch.no_grad():
         out = moh(x, is_causal=True)
     active = torch.zeros(2 * 6, 4, dtype=torch.float64)
     active[:, 0] = 1  # the shared head
-    active.scatter_(1, 1 + out.routing.expert_index, 1.0)  # one routed head per token
+    active.scatter_(1, 1 + out.routing.expert_index, 1.0)  # top_k of the three routed heads per token
     expected = (dense_heads(mha, x, is_causal=True) * active.view(2, 6, 4, 1)).sum(2) + mha.out_proj.bias
     torch.testing.assert_close(out.output, expected)
 
 
 def test_moh_from_dense_errors():
+    with pytest.raises(ValueError, match="^MoH: the learned router gets no gradient from the task loss with "
+                                         "head_weighting='renormalized' and top_k=1"):
+        moh_from_dense(MultiHeadAttention(32, 4), 1, 1)
     with pytest.raises(ValueError, match="key_dim 8 != head_dim 16"):
         moh_from_dense(MultiHeadAttention(32, 2, key_dim=8), 1, 1)
     with pytest.raises(ValueError, match="must be a headmix MultiHeadAttention"):

@@ -185,11 +185,11 @@ def test_llama_expand_kv_repeats_the_heads_same_logits_and_h_over_g_times_the_ca
 
 
 @pytest.mark.parametrize("options", [dict(num_shared_heads=1, top_k=3),
-                                     dict(num_shared_heads=1, top_k=1, route_per_group=True)],
+                                     dict(num_shared_heads=0, top_k=2, route_per_group=True)],
                          ids=["global", "per-group"])
 def test_llama_gqa_to_moh_with_every_head_active_keeps_logits_and_kv_heads(options):
     """MoH of the same 4 query heads on the source's 2 K/V heads (globally routed, and GQE-routed within each
-    group: one shared and one routed head per group), every head active: the logits are Llama's."""
+    group: both heads of each group routed and selected), every head active: the logits are Llama's."""
     hf = hf_llama(num_key_value_heads=2)
     ours = causal_lm_from_llama(hf, attention="moh", **options).eval()
     layer = ours.decoder.layers[0].self_attn
@@ -255,7 +255,7 @@ def test_qwen3_left_padding_equals_hf_attention_mask(gate):
 
 
 @pytest.mark.parametrize("options", [dict(num_shared_heads=2, top_k=2),
-                                     dict(num_shared_heads=1, top_k=1, route_per_group=True)],
+                                     dict(num_shared_heads=0, top_k=2, route_per_group=True)],
                          ids=["global", "per-group"])
 def test_qwen3_to_moh_with_every_head_active_keeps_logits(options):
     hf = hf_qwen3()
@@ -312,7 +312,7 @@ def test_gated_qwen3_to_mha_and_moh_equal_logits_decoding_and_cache_bytes(gate, 
     assert_same_logits(ours, hf, tokens(2, 9), tol=1e-5)
     assert_same_greedy(ours, hf, tokens(2, 4, seed=3))
     assert_same_cache_bytes(ours, hf, 2, 16)
-    moh = causal_lm_from_qwen3(hf, attention="moh", num_shared_heads=1, top_k=1, route_per_group=True).eval()
+    moh = causal_lm_from_qwen3(hf, attention="moh", num_shared_heads=0, top_k=2, route_per_group=True).eval()
     assert_same_logits(moh, hf, tokens(2, 9), tol=1e-5)
     # their checkpoint folder (config with the gate flag, the wider q_proj): read without their code
     hf.save_pretrained(tmp_path)
@@ -329,7 +329,7 @@ def test_moh_from_dense_keeps_kv_heads_qk_norm_and_gate():
     mha = MultiHeadAttention(32, 4, kv_heads=2, qk_norm=True, output_gate="elementwise", rotary=True).double()
     spread(mha)
     x = torch.randn(2, 7, 32, dtype=torch.float64)
-    for options in (dict(num_shared_heads=1, top_k=3), dict(num_shared_heads=1, top_k=1, route_per_group=True)):
+    for options in (dict(num_shared_heads=1, top_k=3), dict(num_shared_heads=0, top_k=2, route_per_group=True)):
         moh = moh_from_dense(mha, **options)
         assert moh.k_proj.weight.shape == mha.k_proj.weight.shape and moh.gate_proj.weight.shape == mha.gate_proj.weight.shape
         torch.testing.assert_close(moh(x, is_causal=True).output, mha(x, is_causal=True).output)

@@ -125,7 +125,7 @@ def test_sparse_equals_dense_in_cross_attention(monkeypatch):
 def test_a_head_no_token_selects(monkeypatch):
     """Routed head 0 never wins the top-k: its query/output weights get zero gradient in both paths."""
     SparseSpy(monkeypatch)
-    layer = make(top_k=1)
+    layer = make(top_k=1, allow_router_without_task_gradient=True)  # the sparse path's top 1, as the ablation
     with torch.no_grad():
         layer.routed_gate.weight[0] = -100.0 * layer.routed_gate.weight[1:].abs().sum(0)
 
@@ -256,7 +256,8 @@ def test_study_sizes_sparse_moh_by_either_count(moh_count):
     from headmix.study import plan
     from headmix.study.spec import RowSpec, StudySpec
 
-    moh = {"kind": "moh", "num_heads": 4, "num_shared_heads": 1, "top_k": 1}
+    # top 1 of 3 (most heads skipped); "scaled" so that its router learns (headmix.routing.task_gradient)
+    moh = {"kind": "moh", "num_heads": 4, "num_shared_heads": 1, "top_k": 1, "head_weighting": "scaled"}
     spec = StudySpec(name="s", task="lm", baseline="tiny-mha", seeds=[1], max_steps=1, moh_count=moh_count,
                      rows=[RowSpec("MHA"), RowSpec("MoH", moh, ["head_dim"]),
                            RowSpec("MoH sparse", {**moh, "moh_impl": "sparse"}, ["head_dim"])])

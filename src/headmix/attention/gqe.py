@@ -26,6 +26,7 @@ from ..routing import Routing, load_balancing_loss
 from ..routing.losses import check_fractions
 from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
+from ..routing.task_gradient import check_router_learns, gqe_router_without_task_gradient
 from .base import (AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, check_mask_dtype,
                    check_positive, scaled_dot_product, zero_loss)
 from .mha import resolve_bias, split_heads
@@ -60,7 +61,9 @@ class GroupedQueryExpertsAttention(AttentionLayer):
       (the gradient flows through the denominator too) and ``s_t`` the shared head's output.
 
     Options (the paper's Table 2 ablations): ``weighted_slot=False`` drops ``o_bar`` (hard slots only: then the
-    router gets no gradient from the task loss, as the paper finds); ``weighted_slot_renormalize=False`` takes
+    router gets no gradient from the task loss, as the paper finds, so with unscaled hard slots it is refused
+    unless ``allow_router_without_task_gradient=True`` asks for it as an ablation,
+    :mod:`headmix.routing.task_gradient`); ``weighted_slot_renormalize=False`` takes
     ``w = p`` (the weighted slot without renormalisation); ``shared_head=False`` drops ``s``;
     ``hard_slot_scale="p"`` multiplies each hard slot by its ``p``. ``W_O`` has ``(k G + [weighted_slot] +
     [shared_head]) d_h`` inputs.
@@ -101,7 +104,7 @@ class GroupedQueryExpertsAttention(AttentionLayer):
                  dropout: float = 0.0, rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0,
                  rotary_fraction: float = 1.0, router: str = "softmax", router_seed: int | None = None,
                  load_balance_weight: float = 0.01, load_balance_fractions: str = "normalized",
-                 zero_padded_queries: bool = False):
+                 zero_padded_queries: bool = False, allow_router_without_task_gradient: bool = False):
         super().__init__(embed_dim)
         check_positive("num_experts", num_experts)
         check_positive("kv_heads", kv_heads)
@@ -130,6 +133,8 @@ class GroupedQueryExpertsAttention(AttentionLayer):
             raise ValueError(f"load_balance_weight must be a non-negative number, got {load_balance_weight!r}")
         check_fractions(load_balance_fractions)
         self.random_routing = check_random_router(router, GQE_ROUTERS)
+        check_router_learns(gqe_router_without_task_gradient(per_group, weighted_slot, hard_slot_scale, router),
+                            allow_router_without_task_gradient, "GQE")
         self.num_experts, self.kv_heads, self.top_k, self.head_dim = num_experts, kv_heads, top_k, head_dim
         self.experts_per_group = per_group
         self.hard_slot_scale, self.dropout = hard_slot_scale, dropout

@@ -9,6 +9,7 @@ from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
 from ..routing import ROUTERS, TopKRouter, routing_losses
 from ..routing.random import RandomRouter, check_random_router, uniform_routing
 from ..routing.losses import check_fractions
+from ..routing.task_gradient import check_router_learns, moa_router_without_task_gradient
 from .base import AttentionLayer, AttentionOutput, KVCache, attention_bias, check_experts, check_positive, scaled_dot_product, zero_loss
 from .mha import resolve_bias, split_heads
 from .padding import check_flag, real_token_mask, zero_padded_queries
@@ -57,6 +58,11 @@ class MixtureOfAttentionHeads(AttentionLayer):
     self-attention only (``key=None`` or the query itself as key), keys cached after rotation, see
     :class:`MultiHeadAttention`.
 
+    A learned router that would get no gradient from the task loss (``top_k=1`` with ``renormalize="live"``
+    or ``router="noisy_topk"``, whose weight is then the constant 1; ``num_experts=1``) is refused with a
+    ``ValueError`` unless ``allow_router_without_task_gradient=True`` asks for it as an ablation (see
+    :mod:`headmix.routing.task_gradient`); the default ``renormalize="detached"`` learns at every ``top_k``.
+
     ``expert_impl`` picks the kernel of the grouped expert projections (``"auto"``, ``"reference"``,
     ``"dense"``, ``"sorted"``, ``"gather"``, ``"bag"``, ``"triton"``; see :mod:`headmix.kernels`).
     """
@@ -69,7 +75,7 @@ class MixtureOfAttentionHeads(AttentionLayer):
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
                  kv_heads: int = 1, kv_bias: bool | None = None, out_bias: bool | None = None,
                  load_balance_fractions: str = "normalized", zero_padded_queries: bool = False,
-                 router_seed: int | None = None):
+                 router_seed: int | None = None, allow_router_without_task_gradient: bool = False):
         super().__init__(embed_dim)
         check_experts(num_experts, top_k)
         check_positive("head_dim", head_dim)
@@ -89,6 +95,8 @@ class MixtureOfAttentionHeads(AttentionLayer):
         self.load_balance_fractions = load_balance_fractions
         self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
         self.random_routing = check_random_router(router, ROUTERS + ("random",))
+        check_router_learns(moa_router_without_task_gradient(num_experts, top_k, router, renormalize),
+                            allow_router_without_task_gradient, "MoA")
         if self.random_routing:
             if renormalize != "detached":
                 raise ValueError(f"renormalize applies to learned routers; router='random' weights every expert 1/k, "

@@ -11,6 +11,7 @@ from ..routing import Routing, load_balancing_loss
 from ..routing.losses import check_fractions
 from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
+from ..routing.task_gradient import check_router_learns, moh_router_without_task_gradient
 from .base import AttentionOutput, KVCache, attention_bias, query_offset, scaled_dot_product, zero_loss
 from .mha import MultiHeadAttention, merge_heads, split_heads
 from .moa import autocast_dtype
@@ -107,6 +108,13 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     With ``kv_heads=1`` it is the global layer above, parameter for parameter. ``routing.expert_index``
     numbers the routed heads group by group (routed head ``r`` is in group ``r // (H/G - S)``).
 
+    A learned router that would get no gradient from the task loss is refused with a ``ValueError`` unless
+    ``allow_router_without_task_gradient=True`` asks for it as an ablation (:mod:`headmix.routing.task_gradient`):
+    ``head_weighting="renormalized"`` with ``top_k=1`` (the selected head weighs ``a_r * k * p_i / sum_TopK p =
+    a_r``: the probabilities cancel; use ``top_k >= 2`` or ``"paper"`` / ``"scaled"``), and one routed head (per
+    group), whose softmax is the constant 1. One shared head is allowed: its softmax ``s`` is also the constant 1
+    (``W_s`` gets no gradient), but that head is always on and ``[a_s, a_r]`` still learns: harmless.
+
     ``router="random"`` is the random-routing control (:mod:`headmix.routing.random`): each token's ``top_k``
     routed heads (per group with ``route_per_group``) drawn uniformly at random (``router_seed``, or a seed drawn
     at construction), the weights ``head_weighting`` gives at equal router scores (``W_r = W_s = W_h = 0``:
@@ -124,7 +132,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                  zero_padded_queries: bool = False, impl: str = "auto", expert_impl: str = "auto",
                  kv_heads: int | None = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
                  output_gate: str | None = None, route_per_group: bool = False, router: str = "softmax",
-                 router_seed: int | None = None):
+                 router_seed: int | None = None, allow_router_without_task_gradient: bool = False):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, bias=bias, dropout=dropout,
                          q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
                          rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries,
@@ -158,6 +166,9 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             raise ValueError(f"load_balance_weight must be >= 0, got {load_balance_weight}")
         if head_weighting not in HEAD_WEIGHTINGS:
             raise ValueError(f"head_weighting must be one of {HEAD_WEIGHTINGS}, got {head_weighting!r}")
+        check_router_learns(moh_router_without_task_gradient(routed_per_group, top_k, head_weighting, router,
+                                                             route_per_group),
+                            allow_router_without_task_gradient, "GQE" if route_per_group else "MoH")
         check_fractions(load_balance_fractions)
         if impl not in MOH_IMPLS:
             raise ValueError(f"impl must be one of {MOH_IMPLS}, got {impl!r}")

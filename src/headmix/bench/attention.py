@@ -179,7 +179,9 @@ def bench_moh_curve(*, embed_dim: int, heads: int, shared: int, seq: int, batch:
     layers = {"MHA": MultiHeadAttention(embed_dim, heads)}
     for k in range(1, routed + 1):
         for impl in ("sparse", "dense"):
-            layers[f"{impl} {k}"] = MixtureOfHeadsAttention(embed_dim, heads, shared, k, impl=impl)
+            # timed, not trained: top 1 (no router task gradient, headmix.routing.task_gradient) costs the same
+            layers[f"{impl} {k}"] = MixtureOfHeadsAttention(embed_dim, heads, shared, k, impl=impl,
+                                                            allow_router_without_task_gradient=True)
     for layer in layers.values():
         layer.to(device, dtype)
     x = torch.randn(batch, seq, embed_dim, device=device, dtype=dtype, requires_grad=True)

@@ -97,8 +97,11 @@ KINDS: list[Kind] = [
     Kind("MoA kv2", _moa("auto", kv_heads=2)),
     Kind("MoH 2 shared top 3 dense", _moh("dense", num_shared_heads=2, top_k=3)),
     Kind("MoH 2 shared top 3 sparse", _moh("sparse", num_shared_heads=2, top_k=3)),
+    # the shape the lm-en-contenders rows of MoH routed per K/V group ran before the paper's GQE replaced them
+    # (its router gets no task-loss gradient: timed as that ablation)
     Kind("MoH per K/V group kv2 1 shared top 1 sparse", _moh("sparse", kv_heads=2, route_per_group=True,
-                                                             num_shared_heads=1, top_k=1)),
+                                                             num_shared_heads=1, top_k=1,
+                                                             allow_router_without_task_gradient=True)),
     Kind("GQE (paper) top 1 of 2 per K/V head", _gqe),
     Kind("SwitchHead", _switchhead),
     Kind("Talking-Heads", _talking_heads),

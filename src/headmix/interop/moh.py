@@ -17,6 +17,11 @@ weighting is refused. Hence:
   the heads not selected for it (``sum_{i active} H^i W_O^i``); at zero router weights the top-k choice
   among equal scores is a tie, broken by ``torch.topk``. Continue-tuning learns the router from there.
 
+A router that would get no gradient from the task loss is refused as in any MoH layer
+(:mod:`headmix.routing.task_gradient`): ``top_k=1`` with the default ``"renormalized"`` weighting (the selected
+head weighs ``a_r``, whatever the scores), and one routed head (per group). ``top_k=1`` with
+``head_weighting="scaled"`` starts from the dense layer as well and its router learns.
+
 The auxiliary load-balancing loss of the new layer is not part of the dense model (it is 1 at uniform
 routing, times ``load_balance_weight``).
 """

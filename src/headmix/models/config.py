@@ -19,6 +19,9 @@ from torch import nn
 from .. import attention
 from ..kernels import IMPLS
 from ..routing.losses import LOAD_BALANCE_FRACTIONS
+from ..routing.task_gradient import (ALLOW_FLAG, check_router_learns, ffn_router_without_task_gradient,
+                                     gqe_router_without_task_gradient, moa_router_without_task_gradient,
+                                     moh_router_without_task_gradient)
 from ..storage.files import atomic_write
 
 ATTENTION_KINDS = ("mha", "moa", "moh", "talking_heads", "switchhead", "mosa", "gqe")
@@ -70,6 +73,7 @@ _KIND_FIELDS = {
     "weighted_slot_renormalize": ("gqe",),
     "shared_head": ("gqe",),
     "hard_slot_scale": ("gqe",),
+    ALLOW_FLAG: ("moa", "moh", "gqe"),
 }
 
 #: The value an unset (None) field of :data:`_KIND_FIELDS` takes for the kinds that use it: ``__post_init__``
@@ -109,6 +113,28 @@ def without_foreign_defaults(data: dict[str, Any]) -> dict[str, Any]:
     kind = data.get("kind", "mha")
     return {k: v for k, v in data.items()
             if not (k in _KIND_DEFAULTS and not _takes_default(k, kind) and _same_value(v, _KIND_DEFAULTS[k]))}
+
+
+#: Keys that every attention config dict headmix has written holds (``dataclasses.asdict`` writes every field;
+#: these exist since the first stored configs): a dict with them is a stored config, not one written by hand.
+_STORED_KEYS = ("dropout", "bias", "rotary_base", "zero_padded_queries")
+
+
+def marked_as_trained(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored attention config dict (one that holds :data:`_STORED_KEYS`) without the key
+    ``allow_router_without_task_gradient`` (written before the rule that refuses a learned router without a
+    task-loss gradient), with the key set true where the rule would refuse it: such a config was trained as
+    that ablation, and loads and evaluates as it. Any other dict is returned as it is (a dict written by hand
+    is refused as a new one would be)."""
+    stored = all(k in data for k in _STORED_KEYS)
+    if ALLOW_FLAG in data or data.get("kind") not in _KIND_FIELDS[ALLOW_FLAG] or not stored:
+        return data
+    marked = {**data, ALLOW_FLAG: True}
+    try:
+        refused = AttentionConfig(**marked).router_without_task_gradient() is not None
+    except (TypeError, ValueError):  # not a complete config: its own errors are reported where it is built
+        refused = False
+    return marked if refused else data
 
 
 def field_applies(field: str, kind: str) -> bool:
@@ -201,6 +227,12 @@ class AttentionConfig:
       W_O``. The paper's ablations: ``weighted_slot``, ``weighted_slot_renormalize``, ``shared_head`` (unset:
       true) and ``hard_slot_scale`` (unset: ``"none"``; ``"p"``). ``router`` (``"random"``: the control),
       ``load_balance_weight`` and ``load_balance_fractions`` as MoH. ``num_heads`` stays unset.
+    ``allow_router_without_task_gradient`` (MoA, MoH, GQE; unset = off): a learned router that would get no gradient
+    from the task loss with the options given (MoH/GQE ``head_weighting="renormalized"`` with ``top_k=1``, one
+    routed head; MoA ``top_k=1`` with ``renormalize="live"`` or ``router="noisy_topk"``, one expert; GQE ``weighted_slot=False`` with unscaled hard slots: see
+    :mod:`headmix.routing.task_gradient`) is refused unless this is true, which asks for it as an ablation;
+    study reports label such rows. A config stored before this rule (every field but this one) that the rule
+    refuses reads as that ablation (:meth:`from_dict`), the way it was trained.
     A field that the chosen ``kind`` does not use must stay unset (``None``): setting it is a ``ValueError``
     naming it (the table ``_KIND_FIELDS`` says which kinds use which field). Unset fields the kind uses take
     their defaults on construction (``_KIND_DEFAULTS``: ``router="softmax"`` (MoA), ``renormalize="detached"``,
@@ -262,6 +294,8 @@ class AttentionConfig:
     """GQE: the always-on shared head (unset: on)."""
     hard_slot_scale: str | None = None
     """GQE: ``"none"`` (unset) or ``"p"``: the hard slots scaled by their router probability."""
+    allow_router_without_task_gradient: bool | None = None
+    """MoA, MoH, GQE: allow a learned router that gets no task-loss gradient with these options, as an ablation."""
 
     def __post_init__(self) -> None:
         self._check_kind_fields("attention")
@@ -369,6 +403,27 @@ class AttentionConfig:
             v = getattr(self, fname)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}.{fname} must be a non-negative number, got {v!r}")
+        allowed = self.allow_router_without_task_gradient
+        if allowed is not None and not isinstance(allowed, bool):
+            raise ValueError(f"{name}.{ALLOW_FLAG} must be true, false or null (off), got {allowed!r}")
+        check_router_learns(self.router_without_task_gradient(), bool(allowed), name, f"{name}.{ALLOW_FLAG}")
+
+    def router_without_task_gradient(self) -> tuple[str, str] | None:
+        """``(why, alternatives)`` when this config's learned router gets no gradient from the task loss
+        (:mod:`headmix.routing.task_gradient`), else None (it learns, or there is no learned router)."""
+        if self.kind == "moa":
+            return moa_router_without_task_gradient(self.num_experts, self.top_k, self.router, self.renormalize)
+        if self.kind == "moh":
+            group = self.num_heads // self.kv_heads if self.route_per_group else self.num_heads
+            return moh_router_without_task_gradient(group - self.num_shared_heads, self.top_k,
+                                                    self.head_weighting or "renormalized", self.router or "softmax",
+                                                    bool(self.route_per_group))
+        if self.kind == "gqe":
+            experts, kv, _ = self.gqe_sizes()
+            return gqe_router_without_task_gradient(experts // kv if kv and experts % kv == 0 else 2,
+                                                    self.weighted_slot is not False, self.hard_slot_scale or "none",
+                                                    self.router or "softmax")
+        return None
 
     def _validate_mosa(self, embed_dim: int | None, name: str) -> None:
         if self.num_sparse_heads is None:
@@ -464,13 +519,15 @@ class AttentionConfig:
             return attention.MixtureOfAttentionHeads(
                 embed_dim, self.num_experts, self.top_k, self.head_dim, router=self.router,
                 renormalize=self.renormalize, load_balance_weight=self.load_balance_weight,
-                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, kv_heads=self.kv_heads or 1, **common)
+                z_loss_weight=self.z_loss_weight, expert_impl=self.expert_impl, kv_heads=self.kv_heads or 1,
+                allow_router_without_task_gradient=bool(self.allow_router_without_task_gradient), **common)
         if self.kind == "moh":
             return attention.MixtureOfHeadsAttention(
                 embed_dim, self.num_heads, self.num_shared_heads, self.top_k, self.head_dim,
                 load_balance_weight=self.load_balance_weight, head_weighting=self.head_weighting or "renormalized",
                 impl=self.moh_impl or "auto", expert_impl=self.expert_impl,
-                route_per_group=bool(self.route_per_group), router=self.router or "softmax", **common)
+                route_per_group=bool(self.route_per_group), router=self.router or "softmax",
+                allow_router_without_task_gradient=bool(self.allow_router_without_task_gradient), **common)
         if self.kind == "gqe":
             experts, kv, top_k = self.gqe_sizes()
             return attention.GroupedQueryExpertsAttention(
@@ -478,7 +535,8 @@ class AttentionConfig:
                 weighted_slot=self.weighted_slot is not False,
                 weighted_slot_renormalize=self.weighted_slot_renormalize is not False,
                 shared_head=self.shared_head is not False, hard_slot_scale=self.hard_slot_scale or "none",
-                router=self.router or "softmax", load_balance_weight=self.load_balance_weight, **common)
+                router=self.router or "softmax", load_balance_weight=self.load_balance_weight,
+                allow_router_without_task_gradient=bool(self.allow_router_without_task_gradient), **common)
         if self.kind == "switchhead":
             return attention.SwitchHeadAttention(
                 embed_dim, self.num_heads, self.num_experts, self.top_k, self.head_dim, bias=self.bias,
@@ -499,11 +557,14 @@ class AttentionConfig:
         """Build from a dict; errors name the field as ``name.field`` (e.g. ``cross_attention.top_k``).
 
         A MoH config saved before ``head_weighting`` existed (the key absent) reads as ``"scaled"``, the
-        weighting its weights were trained with; a saved ``null`` means the current default."""
+        weighting its weights were trained with; a saved ``null`` means the current default. A config saved
+        before ``allow_router_without_task_gradient`` existed (every field written but that one) whose router
+        gets no task gradient reads as that ablation (:func:`marked_as_trained`)."""
         _check_keys(cls, data, name)
         data = without_foreign_defaults(data)
         if data.get("kind") == "moh" and "head_weighting" not in data:
             data = {**data, "head_weighting": "scaled"}
+        data = marked_as_trained(data)
         try:
             return cls(**data)
         except ValueError as err:
@@ -533,7 +594,10 @@ class ModelConfig:
     ``down(silu(gate x) * up x)``) or ``"moe_swiglu"``: a mixture of ``ffn_experts`` SwiGLU experts of width
     ``ffn_dim``, ``ffn_top_k`` per token (JetMoE's MoE layer; router weights ``softmax`` over the top-k logits,
     load-balancing loss weighted by ``ffn_load_balance_weight`` with ``ffn_load_balance_fractions`` as the
-    attention's ``load_balance_fractions``, grouped kernel ``ffn_expert_impl``).
+    attention's ``load_balance_fractions``, grouped kernel ``ffn_expert_impl``); its router gets no task-loss
+    gradient with ``ffn_top_k=1`` or one expert (a softmax over one logit), which is refused unless
+    ``ffn_allow_router_without_task_gradient`` asks for it as an ablation (:mod:`headmix.routing.task_gradient`;
+    a config stored before this rule reads as that ablation).
     ``bias``: biases of the feed-forward linears (for ``moe_swiglu`` one output bias, as JetMoE) and of
     LayerNorm (Llama has none); the attention layers' biases are set in each ``AttentionConfig``.
     ``scale_embeddings`` multiplies token embeddings by ``sqrt(d_model)`` (fairseq); ``embedding_norm``
@@ -566,6 +630,8 @@ class ModelConfig:
     ffn_load_balance_weight: float = 0.01
     ffn_load_balance_fractions: str = "normalized"
     ffn_expert_impl: str = "auto"
+    #: ``moe_swiglu``: allow a router without a task-loss gradient (``ffn_top_k=1``, one expert), as an ablation
+    ffn_allow_router_without_task_gradient: bool = False
     bias: bool = True
     scale_embeddings: bool = True
     embedding_norm: bool = False
@@ -662,6 +728,12 @@ class ModelConfig:
             raise ValueError(f"ffn_load_balance_weight must be a non-negative number, got {v!r}")
         _choice("ffn_load_balance_fractions", self.ffn_load_balance_fractions, LOAD_BALANCE_FRACTIONS)
         _choice("ffn_expert_impl", self.ffn_expert_impl, EXPERT_IMPLS)
+        if self.ffn == "moe_swiglu":
+            check_router_learns(ffn_router_without_task_gradient(self.ffn_experts, self.ffn_top_k),
+                                self.ffn_allow_router_without_task_gradient, "ffn", FFN_ALLOW_FLAG)
+        elif not isinstance(self.ffn_allow_router_without_task_gradient, bool):
+            raise ValueError(f"{FFN_ALLOW_FLAG} must be true or false, "
+                             f"got {self.ffn_allow_router_without_task_gradient!r}")
         _fraction("dropout", self.dropout)
         _fraction("activation_dropout", self.activation_dropout)
         _fraction("label_smoothing", self.label_smoothing)
@@ -695,6 +767,10 @@ class ModelConfig:
         data = dict(data)
         check_written_by(data.pop(VERSION_FIELD, None), source)
         _check_keys(cls, data, "model config")
+        stored = FFN_ALLOW_FLAG not in data and all(k in data for k in _STORED_MODEL_KEYS)
+        if stored and data.get("ffn") == "moe_swiglu" and ffn_router_without_task_gradient(data["ffn_experts"],
+                                                                                           data["ffn_top_k"]):
+            data[FFN_ALLOW_FLAG] = True  # stored before the rule: the ablation it was trained as (marked_as_trained)
         for role in ("encoder_self_attention", "decoder_self_attention", "cross_attention"):
             if isinstance(data.get(role), dict):
                 data[role] = AttentionConfig.from_dict(data[role], role)
@@ -724,6 +800,11 @@ class ModelConfig:
                              f"or convert it with headmix.interop.from_pretrained")
         return cls.from_dict(data, str(path))
 
+
+#: The model config's option that allows a feed-forward router without a task-loss gradient (an ablation).
+FFN_ALLOW_FLAG = "ffn_" + ALLOW_FLAG
+#: Keys every model config dict headmix has written with ``ffn="moe_swiglu"`` holds: a stored config.
+_STORED_MODEL_KEYS = ("ffn_experts", "ffn_top_k", "ffn_load_balance_weight", "ffn_expert_impl", "label_smoothing")
 
 #: The field of a saved ``config.json`` (headmix's own, and a Hugging Face export's) naming the headmix that wrote it.
 VERSION_FIELD = "headmix_version"

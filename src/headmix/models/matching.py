@@ -149,13 +149,15 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
     prefer = prefer or {}
     target = attention_macs_of(baseline, src_len, tgt_len, attention=attention)
+    refused: list[Exception] = []  # why candidates were refused, for the error when none can be built
     inherited = {**inherited_options(baseline), **conventions_for(fixed.get("kind", "mha"), baseline)}
 
     def count(fields: dict[str, Any]) -> Match | None:
         try:
             att = AttentionConfig(**fields)
             model = with_attention(baseline, att)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError) as err:
+            refused.append(err)
             return None
         return Match(att, attention_macs_of(model, src_len, tgt_len, moh_count, attention), target)
 
@@ -170,7 +172,8 @@ def match_attention(baseline: ModelConfig, fixed: dict[str, Any], solve: Iterabl
         best = _finer_step_match(counted, tolerance, preference, count)
     if best is None:
         closest = min((m for _, m in counted), key=lambda m: abs(m.ratio - 1), default=None)
-        near = f"; the closest is {closest.ratio:.3f}x ({_describe(closest.attention)})" if closest else ""
+        near = (f"; the closest is {closest.ratio:.3f}x ({_describe(closest.attention)})" if closest
+                else f"; every candidate is refused, e.g. {refused[0]}" if refused else "")
         raise ValueError(f"no attention with {fixed} and {list(solve)} solved is within {tolerance:.0%} of the "
                          f"baseline's attention MACs ({target:,}){near}{_step_note(counted, solve, tolerance)}")
     return best

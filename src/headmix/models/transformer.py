@@ -239,8 +239,10 @@ class MixtureOfSwiGLUExperts(nn.Module):
     2017): a router picks ``ffn_top_k`` of ``ffn_experts`` experts per token,
     ``y_t = sum_{i in G(x_t)} w_{i,t} W2^i (silu(x_t W1^i) * x_t W3^i) (+ b)``, with
     ``w = softmax`` over the selected logits (:class:`~headmix.routing.TopKRouter` with ``renormalize="live"``,
-    which equals ``p_i / sum_{j in G} p_j``). ``input_experts[i]`` is ``[W1^i | W3^i]`` (``d_model x 2 ffn_dim``),
-    ``output_experts[i]`` is ``W2^i`` (``ffn_dim x d_model``); the grouped matmuls are
+    which equals ``p_i / sum_{j in G} p_j``; with ``ffn_top_k=1`` that is the constant 1 and the router gets no
+    task-loss gradient: :class:`~headmix.models.ModelConfig` refuses it unless asked for as an ablation).
+    ``input_experts[i]`` is ``[W1^i | W3^i]`` (``d_model x 2 ffn_dim``), ``output_experts[i]`` is ``W2^i``
+    (``ffn_dim x d_model``); the grouped matmuls are
     :func:`headmix.kernels.expert_map` / :func:`~headmix.kernels.expert_reduce`, as MoA's, so each token
     costs ``3 k d_model ffn_dim`` MACs. The auxiliary loss is the load-balancing loss (MoA eq. 13-15) weighted
     by ``ffn_load_balance_weight`` (``ffn_load_balance_fractions="per_token"``: JetMoe's fractions, ``k`` times

@@ -75,12 +75,18 @@ def random_control(learned: Entry, *studies: Study) -> Entry:
 
 def static_control(learned: Entry, *studies: Study) -> Entry:
     """The static control of a MoH row ``learned``: grouped-query attention with the query heads a token of it
-    uses (its shared and ``top_k`` routed heads, per K/V group with ``route_per_group``), no router."""
+    uses (its shared and ``top_k`` routed heads, per K/V group with ``route_per_group``), no router; of a GQE
+    row: its ``k G`` slots and its shared head rounded up to whole K/V groups, ``(k + 1) G`` query heads."""
     att = learned.config
-    active = (att.kv_heads if att.route_per_group else 1) * (att.num_shared_heads + att.top_k)
+    if att.kind == "gqe":  # k G slots and the shared head, rounded up to whole K/V groups: (k + 1) G query heads
+        active = att.kv_heads * (att.top_k + 1)
+    else:
+        active = (att.kv_heads if att.route_per_group else 1) * (att.num_shared_heads + att.top_k)
     config = AttentionConfig(kind="mha", num_heads=active, kv_heads=att.kv_heads, head_dim=att.head_dim)
-    return Entry(f"{learned.name}: static control", config, studies=studies,
-                 routed=f"nothing: the {active} query heads a token of \"{learned.name}\" uses, always the same")
+    uses = (f"{active} query heads, the {att.kv_heads * att.top_k + 1} a token of \"{learned.name}\" computes (its "
+            f"slots and shared head) rounded up to whole K/V groups" if att.kind == "gqe" else
+            f"the {active} query heads a token of \"{learned.name}\" uses")
+    return Entry(f"{learned.name}: static control", config, studies=studies, routed=f"nothing: {uses}, always the same")
 
 
 def _mha(**kw) -> AttentionConfig:
@@ -126,6 +132,8 @@ MOH_SPARSE_DENSE = ("dense MoH (every head computed, then weighted)",
 MOH_REFERENCE = ("a plain MoH reference, per K/V group", "tests/test_gqa.py::test_moh_options_match_reference")
 SWITCHHEAD_AUTHORS = ("the SwitchHead authors' module", "tests/test_switchhead.py::test_matches_the_authors_module")
 MOSA_AUTHORS = ("the MoSA authors' pure and hybrid MoSA", "tests/test_mosa.py::test_matches_the_authors_pure_and_hybrid_mosa")
+GQE_REFERENCE = ("a plain reference written from the paper's equations (eq. 6)",
+                 "tests/test_gqe.py::test_layer_matches_reference_outputs_and_gradients")
 RANDOM_REFERENCE = ("a plain reference (integer hash)", "tests/test_controls.py::test_random_layers_match_the_plain_reference")
 
 CONTENDERS = "lm-en-contenders"
@@ -133,8 +141,16 @@ MOA = Entry("MoA", _moa(), exact=(JETMOE,),
             studies=(Study("lm-en", "MoA E=32"), Study("translation-en-de", "MoA E=32"), Study("lm-en-llama", "MoA E=8")))
 MOA_KV = Entry("MoA with grouped K/V (JetMoE)", _moa(kv_heads=2), exact=(JETMOE,), studies=(Study(CONTENDERS, "MoA kv2"),))
 MOH_PER_GROUP = Entry("MoH routed per K/V group, sparse", _moh("sparse", per_group=True),
-                      exact=(MOH_REFERENCE, MOH_SPARSE_DENSE),
-                      studies=(Study(CONTENDERS, "GQE"), Study("lm-en-contenders-long", "GQE")))
+                      exact=(MOH_REFERENCE, MOH_SPARSE_DENSE))
+#: The paper's GQE at the shape lm-en-contenders runs it (2 experts per K/V head, top 1: the paper's main setting
+#: per group) with the page's head size.
+GQE = Entry("GQE (Grouped Query Experts)", AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
+                                                           head_dim=HEAD_DIM), exact=(GQE_REFERENCE,))
+GQE_HARD_ONLY = Entry("GQE, hard slots only (the paper's ablation)",
+                      replace(GQE.config, weighted_slot=False, allow_router_without_task_gradient=True),
+                      exact=(GQE_REFERENCE,),
+                      rule="token choice: top-k per K/V group of a router that gets no task gradient (only the "
+                           "load-balancing loss trains it)")
 SWITCHHEAD = Entry("SwitchHead", _switchhead(), exact=(SWITCHHEAD_AUTHORS,),
                    studies=(Study("lm-en-llama", "SwitchHead"), Study(CONTENDERS, "SwitchHead")))
 
@@ -157,8 +173,12 @@ ENTRIES: list[Entry] = [
     Entry("MoH, sparse", _moh("sparse"), exact=(MOH_SPARSE_DENSE,), studies=(Study("lm-en-moh-sparse", "MoH sparse"),)),
     Entry("MoH routed per K/V group, dense", _moh("dense", per_group=True), exact=(MOH_REFERENCE,)),
     MOH_PER_GROUP,
-    random_control(MOH_PER_GROUP, Study(CONTENDERS, "GQE random")),
-    static_control(MOH_PER_GROUP, Study(CONTENDERS, "GQE static")),
+    random_control(MOH_PER_GROUP),
+    static_control(MOH_PER_GROUP),
+    GQE,
+    random_control(GQE),
+    static_control(GQE),
+    GQE_HARD_ONLY,
     SWITCHHEAD,
     random_control(SWITCHHEAD),
     Entry("MoSA", _mosa(), exact=(MOSA_AUTHORS,),
@@ -218,6 +238,12 @@ def what_is_routed(att: AttentionConfig) -> str:
         computed = {"sparse": "only those heads computed", "dense": "every head computed, then weighted"}
         return (f"whole query heads{where}: {att.num_shared_heads} shared always, {att.top_k} of the "
                 f"{att.num_heads // groups - att.num_shared_heads} routed; {computed[att.moh_impl]}")
+    if att.kind == "gqe":
+        experts, kv, top_k = att.gqe_sizes()
+        slots = [n for n, on in (("the weighted-sum slot", att.weighted_slot is not False),
+                                 ("the shared head", att.shared_head is not False)) if on]
+        return (f"query heads: {top_k} of the {experts // kv} expert query heads of each of {kv} K/V groups "
+                f"(hard slots){''.join(', ' + n for n in slots)}; only those computed")
     if att.kind == "switchhead":
         return f"value and output projections: {att.top_k} of {att.num_experts} experts per head and side"
     if att.kind == "mosa":
@@ -240,10 +266,14 @@ def what_is_routed(att: AttentionConfig) -> str:
 
 RANDOM_RULES = {"moa": "{k} experts uniformly at random per token, uniform weights, no router",
                 "moh": "{k} routed heads uniformly at random per token{group}, uniform weights, no router",
-                "switchhead": "{k} experts per head and side uniformly at random, no selector"}
+                "switchhead": "{k} experts per head and side uniformly at random, no selector",
+                "gqe": "{k} experts per K/V group uniformly at random per token, the weighted slot their mean, no "
+                       "router"}
 LEARNED_RULES = {("moa", "softmax"): "token choice: each token's top-k of a learned router (softmax, eq. 7-9)",
                  ("moa", "noisy_topk"): "token choice: top-k of router logits plus learned noise in training (eq. 2-3)",
                  ("moh", None): "token choice: each token's top-k of a learned router{group} (two-stage head weights)",
+                 ("gqe", None): "token choice: each token's top-k per K/V group of a learned router (softmax); "
+                                "the renormalised weighted-sum slot carries p (eq. 6)",
                  ("switchhead", None): "token choice: top-k of a sigmoid selector per head, on each side, no "
                                        "renormalisation",
                  ("mosa", None): "expert choice: each sparse head's top T/{sparsity:g} tokens by `sigmoid(x W_r)` "

@@ -26,6 +26,8 @@ from typing import Any
 from ..storage.files import atomic_output, atomic_write
 from ..training.machine import describe_machine
 from ..models.counting import ATTENTION_MACS, FLASH_TILE
+from ..models.config import AttentionConfig
+from ..routing.task_gradient import ALLOW_FLAG
 from .matching import attention_macs_of
 from .runner import (PlannedRow, RunResult, finished_results, interpolate, macs_lengths, slug, study_complete,
                      study_lock)
@@ -577,7 +579,8 @@ def _delta_text(diff: dict[str, Any]) -> str:
 
 def _attention_text(att: dict[str, Any]) -> str:
     """The row's attention in a few words: its kind and sizes, then grouped K/V heads, per-group routing (GQE),
-    the random-routing control, QK-norm and an output gate where set."""
+    the random-routing control, QK-norm and an output gate where set, and a router trained without a task-loss
+    gradient (an ablation: :mod:`headmix.routing.task_gradient`)."""
     extras = []
     if att.get("kv_heads") and att["kv_heads"] != att.get("num_heads"):
         extras.append(f"{att['kv_heads']} K/V heads")
@@ -589,6 +592,8 @@ def _attention_text(att: dict[str, Any]) -> str:
         extras.append("QK-norm")
     if att.get("output_gate"):
         extras.append(f"{att['output_gate']} gate")
+    if att.get(ALLOW_FLAG) and AttentionConfig(**att).router_without_task_gradient():
+        extras.append("ablation: router without task gradient")
     return ", ".join([_attention_sizes(att), *extras])
 
 
