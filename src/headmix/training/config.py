@@ -92,9 +92,11 @@ class TrainConfig:
     init_from: str | None = option(None, "start from these weights (and their model): a finished headmix run "
                                          "folder (its tokenizer too, unless --tokenizer), or a local Hugging Face "
                                          "folder converted by headmix.interop.from_pretrained", metavar="RUN_DIR|HF_FOLDER")
-    init_options: str | None = option(None, "with a Hugging Face --init-from: a JSON object of keyword options of "
-                                            "the conversion, e.g. '{\"attention\": \"moh\", \"num_shared_heads\": "
-                                            "2, \"top_k\": 2}'", metavar="JSON")
+    init_options: str | None = option(None, "convert the --init-from model (upcycling, any source): a JSON object, "
+                                            "e.g. '{\"attention\": \"moh\", \"num_shared_heads\": 2, \"top_k\": "
+                                            "2, \"router\": \"query_norm\"}' or the pruning control '{\"attention\": "
+                                            "\"mha\", \"keep_heads\": 2}' (docs/hf.md, \"From a checkpoint to a "
+                                            "routed model\")", metavar="JSON")
 
     def __post_init__(self) -> None:
         if self.preset is None and self.init_from is None:
@@ -136,9 +138,8 @@ class TrainConfig:
             raise ValueError(f"init_options must be a JSON object, got {self.init_options!r} ({err})") from None
         if not isinstance(options, dict):
             raise ValueError(f"init_options must be a JSON object, got {self.init_options!r}")
-        if self.init_from is None or is_headmix_folder(self.init_from):
-            raise ValueError("init_options apply to a Hugging Face init_from only (a model headmix wrote is used as "
-                             "it is)")
+        if self.init_from is None:
+            raise ValueError("init_options apply to an init_from (the model they convert)")
         return options
 
     @property
@@ -244,6 +245,13 @@ class TrainConfig:
             if is_headmix_run(source) and not (source / "model.safetensors").is_file():
                 raise FileNotFoundError(f"init_from {source} is a headmix run without its final model "
                                         f"(model.safetensors): finish it first (run its command again)")
+            if self.init_options is not None:  # an impossible upcycling is refused before anything is written
+                from ..interop.upcycle import check_upcycle
+
+                try:
+                    check_upcycle(source, self.resolved_init_options)
+                except ValueError as err:
+                    raise ValueError(f"init_options: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
