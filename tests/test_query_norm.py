@@ -108,10 +108,11 @@ def test_equal_norms_and_a_single_routed_head():
     torch.testing.assert_close(out.output, reference_moh(single, x, is_causal=True), rtol=0, atol=1e-12)
 
 
-def test_the_norm_is_taken_before_qk_norm():
-    """With QK-norm every normalised query has the norm of its weight vector: the rule must read the raw ones.
-    Scaling one routed head's query projection up makes it every token's first choice."""
-    layer = make(heads=6, shared=2, top_k=1, qk_norm=True, bias=False)
+@pytest.mark.parametrize("impl", ["dense", "sparse"])
+def test_the_norm_is_taken_before_qk_norm(impl):
+    """With QK-norm every normalised query has about the same norm: the rule must read the raw ones. Scaling one
+    routed head's query projection up makes it every token's first choice."""
+    layer = make(heads=6, shared=2, top_k=1, qk_norm=True, bias=False, impl=impl)
     with torch.no_grad():
         layer.q_proj.weight[5 * 4:6 * 4] *= 100.0
     x = torch.randn(2, 4, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
@@ -199,3 +200,22 @@ def test_the_hugging_face_wrapper_and_export_hf_keep_the_rule(tmp_path):
 
     auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     torch.testing.assert_close(auto(ids).logits, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("route_per_group", [False, True])
+def test_moh_from_dense_with_the_rule_is_the_dense_layer_when_every_head_is_active(route_per_group):
+    """The conversion of one dense layer (headmix.interop.moh_from_dense) with router='query_norm': no router to
+    zero, the dense layer's output when top_k is every routed head, the reference's when it is fewer."""
+    from headmix.attention import MultiHeadAttention
+    from headmix.interop import moh_from_dense
+
+    torch.manual_seed(0)
+    dense = MultiHeadAttention(D, 8, kv_heads=2, rotary=True, qk_norm=True).double().eval()
+    x = torch.randn(2, 6, D, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    shared = 1 if route_per_group else 2
+    routed = 3 if route_per_group else 6
+    every = moh_from_dense(dense, shared, routed, router="query_norm", route_per_group=route_per_group).eval()
+    torch.testing.assert_close(every(x, is_causal=True).output, dense(x, is_causal=True).output, rtol=0, atol=1e-12)
+    fewer = moh_from_dense(dense, shared, 1, router="query_norm", route_per_group=route_per_group).eval()
+    torch.testing.assert_close(fewer(x, is_causal=True).output, reference_moh(fewer, x, is_causal=True),
+                               rtol=1e-6, atol=2e-6)

@@ -192,6 +192,8 @@ def test_pruning_keeps_the_most_important_heads_and_drops_the_others_exactly(kv_
     (dict(attention="moh", num_shared_heads=1, top_k=1, router="noisy"), r"^router must be one of"),
     (dict(attention="moa"), r"^attention must be one of \('moh', 'mha'\)"),
     (dict(attention="mha", router="query_norm"), r"^router applies to attention 'moh'"),
+    (dict(attention="moh", num_shared_heads=1, top_k=1, kv_heads=1), r"^'kv_heads' is not an upcycling option"),
+    (dict(attention="moh", num_shared_heads=1, top_k=1, topk=1), r"^'topk' is not an upcycling option"),
 ])
 def test_impossible_requests_are_refused_in_one_line_naming_the_option(options, message):
     with pytest.raises(ValueError, match=message) as err:

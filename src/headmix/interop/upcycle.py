@@ -56,6 +56,8 @@ ROUTERS = ("softmax", "query_norm", "random")
 #: The options :func:`upcycle` and ``headmix train --init-options`` take beyond the target's attention fields.
 OPTIONS = ("attention", "num_shared_heads", "top_k", "router", "route_per_group", "keep_heads",
            "calibration_batches")
+#: Attention fields the upcycled model takes from its source (not options).
+SOURCE_FIELDS = ("kind", "num_heads", "head_dim", "key_dim", "kv_heads", "num_experts", "qk_norm", "output_gate")
 #: Calibration batches of the pruning control when ``calibration_batches`` is not given.
 CALIBRATION_BATCHES = 8
 
@@ -83,6 +85,11 @@ def upcycled_config(config: ModelConfig, *, attention: str = "moh", num_shared_h
     naming the option. ``attention_options``: further fields of the target's :class:`AttentionConfig` (e.g.
     ``load_balance_weight`` or ``moh_impl`` for MoH)."""
     att = dense_source(config)
+    fields = {f.name for f in dataclasses.fields(AttentionConfig)} - set(SOURCE_FIELDS) - set(OPTIONS)
+    for name in attention_options:
+        if name not in fields:
+            raise ValueError(f"{name!r} is not an upcycling option: expected {', '.join(OPTIONS)} or a field of the "
+                             f"target's attention config ({', '.join(sorted(fields))})")
     heads, groups = att.num_heads, att.kv_heads or att.num_heads
     head_dim = att.resolved_head_dim(config.d_model)
     if attention not in TARGETS:
