@@ -52,12 +52,12 @@ HF_SOURCES = {"llama": lambda: hf_llama(), "qwen3": lambda: hf_qwen3(), "gated-q
 @pytest.mark.parametrize("router", ROUTERS)
 def test_hugging_face_folders_with_every_head_active_keep_the_logits(source, router, tmp_path):
     """Llama, Qwen3 and gated Qwen3 folders (4 query heads on 2 K/V heads) -> MoH, global (1 shared + top 3) and
-    per K/V group (1 shared + top 1 of 1), through ``from_pretrained`` and ``upcycle``: the source's logits."""
+    per K/V group (top 2 of 2), through ``from_pretrained`` and ``upcycle``: the source's logits."""
     hf = HF_SOURCES[source]()
     hf.save_pretrained(tmp_path)
     ids = tokens(2, 9)
     expected = logits(hf, ids)
-    for options in (dict(num_shared_heads=1, top_k=3), dict(num_shared_heads=1, top_k=1, route_per_group=True)):
+    for options in (dict(num_shared_heads=1, top_k=3), dict(num_shared_heads=0, top_k=2, route_per_group=True)):
         for model in (from_pretrained(tmp_path, attention="moh", router=router, **options),
                       upcycle(tmp_path, attention="moh", router=router, **options)):
             att = model.config.decoder_self_attention
