@@ -18,6 +18,7 @@ from headmix.models import build_model, get_config, load_pretrained
 
 transformers = pytest.importorskip("transformers")
 
+from test_bench_commands import one_thread_after  # noqa: E402,F401  (a fixture)
 from test_first_hour import lm_args  # noqa: E402
 from test_hf import tiny_run  # noqa: E402
 from test_interop import hf_llama, tokens  # noqa: E402
@@ -282,3 +283,15 @@ def test_train_refuses_a_source_that_is_not_dense_before_writing(docs_file, tmp_
     assert main(continue_args(out, docs_file, source, {"attention": "moh", "num_shared_heads": 1, "top_k": 1})) == 2
     assert "the source's attention is 'moa'" in capsys.readouterr().err and not out.exists()
 
+
+
+def test_the_upcycle_benchmark_command_prints_every_row(capsys, one_thread_after):
+    """``headmix bench upcycle`` at a tiny size: a row per upcycling target beside the dense baseline (what it
+    measures is checked by reading it, not by timing here)."""
+    from headmix.bench.upcycle import ROWS
+    from headmix.cli.main import main
+
+    assert main(["bench", "upcycle", "--d-model", "32", "--layers", "1", "--ffn-dim", "32", "--vocab-size", "50",
+                 "--batch", "1", "--length", "8", "--repeats", "1", "--calibration-batches", "1", "--threads", "1"]) == 0
+    rows = [line.split(" | ")[0].lstrip("| ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["dense (baseline)", *ROWS]
