@@ -84,6 +84,8 @@ MOH_AUTHORS = ("the MoH authors' head weighting (SkyworkAI/MoH)",
 SWITCHHEAD_AUTHORS = ("the SwitchHead authors' module", "tests/test_switchhead.py::test_matches_the_authors_module")
 MOSA_AUTHORS = ("the MoSA authors' pure and hybrid MoSA", "tests/test_mosa.py::test_matches_the_authors_pure_and_hybrid_mosa")
 RANDOM_REFERENCE = ("a plain reference (integer hash)", "tests/test_controls.py::test_random_layers_match_the_plain_reference")
+QUERY_NORM_REFERENCE = ("a plain reference of the MoH authors' MoH-LLaMA3 rule",
+                        "tests/test_query_norm.py::test_outputs_and_gradients_match_the_plain_reference")
 
 TOKEN_TOP_K = "token choice: each token's top-k of a learned router"
 
@@ -117,6 +119,10 @@ ENTRIES: list[Entry] = [
     Entry("MoH", "`MixtureOfHeadsAttention(d, 8, 2, 3)`", _moh(num_shared_heads=2, top_k=3),
           "whole heads: shared heads always, routed heads chosen", TOKEN_TOP_K + " (two-stage head weights)",
           exact=(MOH_AUTHORS,), studies=(("lm-en", "MoH"), ("lm-en-llama", "MoH"))),
+    Entry("MoH, query-norm router (MoH-LLaMA3)", '`router="query_norm"`', _moh(num_shared_heads=4, top_k=2,
+                                                                              router="query_norm"),
+          "as MoH", "token choice: each token's top-k routed heads by query norm, no router parameters, weights 1",
+          exact=(QUERY_NORM_REFERENCE,)),
     Entry("GQE (MoH per K/V group)", "`MixtureOfHeadsAttention(d, 8, 1, 1, kv_heads=2, route_per_group=True)`", _gqe(),
           "whole query heads inside each K/V group", "token choice: top-k per K/V group of a learned router",
           studies=(("lm-en-contenders", "GQE"), ("lm-en-contenders-long", "GQE"))),
