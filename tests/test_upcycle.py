@@ -295,3 +295,11 @@ def test_the_upcycle_benchmark_command_prints_every_row(capsys, one_thread_after
                  "--batch", "1", "--length", "8", "--repeats", "1", "--calibration-batches", "1", "--threads", "1"]) == 0
     rows = [line.split(" | ")[0].lstrip("| ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["dense (baseline)", *ROWS]
+
+
+def test_a_hugging_face_source_that_is_not_dense_is_refused_before_its_weights_are_read(tmp_path):
+    from test_interop import hf_jetmoe_model
+
+    hf_jetmoe_model().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^init_from: the source's attention is 'moa'"):
+        upcycle(tmp_path, attention="moh", num_shared_heads=1, top_k=1, expand_kv=True)

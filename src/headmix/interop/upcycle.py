@@ -36,6 +36,7 @@ another shape than a dense layer's (not one block per query head), so it is not 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -47,6 +48,7 @@ from torch import Tensor
 from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..attention.base import scaled_dot_product
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
+from ..models.transformer import is_headmix_folder
 from .moh import zero_moh_routers
 
 #: The targets of an upcycling: MoH, or dense attention (with ``keep_heads``: statically pruned).
@@ -280,19 +282,12 @@ def _head_slices(prefix: str, source: MultiHeadAttention, kept: list[int], group
     return out
 
 
-def is_headmix_source(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds a model headmix wrote (a run, ``save_pretrained``, ``export-hf``), read as JSON."""
-    from ..training.config import is_headmix_folder
-
-    return is_headmix_folder(path)
-
-
 def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None = None) -> ModelConfig:
     """The dense headmix config of a source folder, read without loading its weights: a headmix folder's own, or
     a Hugging Face folder's as :func:`headmix.interop.from_pretrained` converts it (``loader_options``: its
     ``pad_id``, ``expand_kv``)."""
     folder = Path(path)
-    if is_headmix_source(folder):
+    if is_headmix_folder(folder):
         from ..models.transformer import read_folder_config
 
         return read_folder_config(folder)[0]
@@ -303,7 +298,9 @@ def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None
     if hf_config.model_type not in CONFIGS:
         raise ValueError(f"init_from {folder} is a {hf_config.model_type!r} checkpoint; headmix converts "
                          f"{sorted(CONFIGS)}")
-    return CONFIGS[hf_config.model_type](hf_config, **(loader_options or {}))
+    mapping = CONFIGS[hf_config.model_type]
+    taken = inspect.signature(mapping).parameters  # JetMoe's mapping has no expand_kv (its source is refused anyway)
+    return mapping(hf_config, **{k: v for k, v in (loader_options or {}).items() if k in taken})
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -318,7 +315,7 @@ def check_upcycle(path: str | os.PathLike, options: dict[str, Any]) -> ModelConf
     source's config alone: what ``headmix train --init-from PATH --init-options JSON`` checks before it writes
     anything."""
     upcycling, loader = split_options(options)
-    if loader and is_headmix_source(path):
+    if loader and is_headmix_folder(path):
         raise ValueError(f"init_options {sorted(loader)} apply to a Hugging Face init_from only")
     return upcycled_config(source_config(path, {k: v for k, v in loader.items() if k != "torch_dtype"}), **upcycling)
 
@@ -332,7 +329,7 @@ def upcycle(path: str | os.PathLike, *, batches: Iterable[Tensor] | None = None,
     ``torch_dtype``."""
     check_upcycle(path, options)  # every refusal before the weights are read
     upcycling, loader = split_options(options)
-    if is_headmix_source(path):
+    if is_headmix_folder(path):
         from ..models import load_pretrained
 
         model = load_pretrained(path)

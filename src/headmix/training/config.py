@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..data.tokenizer import SPECIAL_TOKENS
+from ..models.transformer import is_headmix_folder, is_headmix_run  # noqa: F401  (setup imports them from here)
 from ..tasks import TASKS, get_task
 from .schedule import SCHEDULES
 
@@ -261,11 +262,6 @@ class TrainConfig:
 DEFAULT_PRESET = "tiny-moa"
 
 
-def is_headmix_run(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a headmix run folder (it holds ``train_config.json``), not a Hugging Face folder."""
-    return (Path(path) / "train_config.json").is_file()
-
-
 def headmix_tokenizer_of(path: str | os.PathLike) -> str:
     """The tokenizer of a folder headmix wrote: a run's ``tokenizer/``, an ``export-hf`` folder's own
     ``tokenizer.json``; a one-line error for a folder without one (a ``Trainer`` checkpoint saved without its
@@ -276,19 +272,6 @@ def headmix_tokenizer_of(path: str | os.PathLike) -> str:
             return str(candidate)
     raise ValueError(f"init_from {folder} has no tokenizer (tokenizer/tokenizer.json or tokenizer.json): give "
                      f"--tokenizer, the folder of the tokenizer its model was trained with")
-
-
-def is_headmix_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds a model headmix wrote: a run folder, a ``save_pretrained`` folder (headmix's own
-    ``config.json``), or a Hugging Face folder of a headmix model (``export-hf``, ``HeadmixForCausalLM``'s
-    ``save_pretrained``, a ``Trainer`` checkpoint: ``model_type`` ``"headmix"``); read as JSON, no code run."""
-    if is_headmix_run(path):
-        return True
-    try:
-        data = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("model_type", "headmix") == "headmix"
 
 
 #: ``vocab_size`` when neither the option nor a JSON preset gives one.
