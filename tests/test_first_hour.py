@@ -583,7 +583,9 @@ def test_init_from_a_headmix_run_starts_from_its_weights_and_tokenizer(lm_run, d
         torch.testing.assert_close(after[name], before[name], atol=1e-6, rtol=0)
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (lm_run / "tokenizer" / "tokenizer.json").read_bytes()
     summary = json.loads((out / "summary.json").read_text())
+    start = summary["init_from"].pop("valid_at_start")  # the loaded model's validation, before the first step
     assert summary["init_from"] == {"path": str(lm_run.resolve()), "kind": "headmix run"} and summary["preset"] is None
+    assert start["loss"] == pytest.approx(json.loads((lm_run / "summary.json").read_text())["valid"]["loss"], abs=1e-5)
     assert json.loads((out / "train_config.json").read_text())["init_from"] == str(lm_run)
 
 
@@ -610,13 +612,15 @@ def test_init_from_a_hugging_face_llama_folder_converts_it(docs_file, tmp_path):
     assert converted.keys() == after.keys()
     for name in converted:
         torch.testing.assert_close(after[name], converted[name], atol=1e-6, rtol=0)
-    assert json.loads((out / "summary.json").read_text())["init_from"] == {
-        "path": str(folder.resolve()), "kind": "hugging face", "options": options}
+    init = json.loads((out / "summary.json").read_text())["init_from"]
+    assert init.pop("valid_at_start")["loss"] > 0
+    assert init == {"path": str(folder.resolve()), "kind": "hugging face", "options": options}
 
 
 @pytest.mark.parametrize("extra,message", [
     (["--preset", "tiny-moa"], "--preset 'tiny-moa' and init_from"),
-    (["--init-options", "{\"attention\": \"moh\"}"], "--init-options apply to a Hugging Face init_from only"),
+    (["--init-options", "{\"attention\": \"moh\"}"],
+     "num_shared_heads must be a non-negative integer for attention 'moh', got None"),
 ])
 def test_init_from_refuses_contradictions_before_writing(lm_run, docs_file, tmp_path, capsys, extra, message):
     from headmix.cli.main import main

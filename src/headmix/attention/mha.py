@@ -200,10 +200,11 @@ class MultiHeadAttention(AttentionLayer):
         k = split_heads(self.k_proj(key), self.kv_heads)
         return (k if self.k_norm is None else self.k_norm(k)), split_heads(self.v_proj(value), self.kv_heads)
 
-    def _project_queries(self, query: Tensor) -> Tensor:
+    def _project_queries(self, query: Tensor, projected: Tensor | None = None) -> Tensor:
         """``(batch, num_heads, time, key_dim)`` queries, each head RMS-normalised with ``qk_norm`` (before the
-        rotary positions, which the caller applies)."""
-        q = split_heads(self.q_proj(query), self.num_heads)
+        rotary positions, which the caller applies); ``projected``: ``q_proj(query)`` when the caller has it
+        already (MoH's query-norm router reads it)."""
+        q = split_heads(self.q_proj(query) if projected is None else projected, self.num_heads)
         return q if self.q_norm is None else self.q_norm(q)
 
     def output_gates(self, query: Tensor) -> Tensor | None:
@@ -221,12 +222,14 @@ class MultiHeadAttention(AttentionLayer):
 
     def _heads_and_masks(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
                          key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
-                         cache: KVCache | None) -> tuple[Tensor, Tensor, Tensor, KVCache | None, tuple]:
+                         cache: KVCache | None, projected_queries: Tensor | None = None,
+                         ) -> tuple[Tensor, Tensor, Tensor, KVCache | None, tuple]:
         """Queries, keys and values split into heads (keys and values from the cache where it has them),
-        the new cache, and the masks combined by :func:`attention_bias` as ``(bias, empty_rows, causal)``."""
+        the new cache, and the masks combined by :func:`attention_bias` as ``(bias, empty_rows, causal)``.
+        ``projected_queries``: ``q_proj(query)``, when the caller computed it already."""
         query, key, value = self._check_inputs(query, key, value)
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
-        q = self._rotate_queries(self._project_queries(query), key, cache, past_len)
+        q = self._rotate_queries(self._project_queries(query, projected_queries), key, cache, past_len)
         batch, _, tgt, _ = q.shape
         masks = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
                                attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,

@@ -22,6 +22,9 @@ from .rotary import RotaryEmbedding
 
 HEAD_WEIGHTINGS = ("renormalized", "paper", "scaled")
 
+#: MoH's routers: the learned one (``"softmax"``), the random-routing control, MoH-LLaMA3's query-norm rule.
+ROUTERS = ("softmax", "random", "query_norm")
+
 #: How MoH computes its heads: ``"dense"`` every head, then weights (the MoH authors' code); ``"sparse"`` only
 #: the shared heads and each token's selected routed heads; ``"auto"`` picks (see :func:`choose_moh_impl`).
 MOH_IMPLS = ("auto", "dense", "sparse")
@@ -120,6 +123,22 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     at construction), the weights ``head_weighting`` gives at equal router scores (``W_r = W_s = W_h = 0``:
     with the default ``"renormalized"`` every active head, shared or routed, weighs 1), no router parameters and
     no auxiliary loss (``aux_loss`` zero, ``losses`` empty).
+
+    ``router="query_norm"`` is the router of the MoH authors' MoH-LLaMA3 (SkyworkAI/MoH,
+    ``MoH-LLaMA3/Inference_code/modeling_llama.py``), which has no parameters: for each token, routed head
+    ``i``'s score is the L2 norm of its query ``||x W_q^i + b_q^i||`` (the query projection's output, before
+    rotary and before any QK-norm) divided by the unbiased standard deviation of those norms over the token's
+    routed heads (of its group with ``route_per_group``); ``p`` is the softmax of the scores over the routed
+    heads and the ``top_k`` largest are selected; every active head, shared or selected, weighs 1 (a 0/1 mask,
+    so no gradient reaches the rule) and there is no auxiliary loss. Dividing by a positive per-token constant
+    keeps the order and the softmax is monotone, so the selection is the top ``k`` of the norms themselves,
+    which is what the layer computes (``routing.logits`` holds the scores, ``routing.probs`` their softmax).
+    Fewer than 2 routed heads (per group) have no standard deviation, and equal norms a zero one: the scores
+    are then 0 (``p`` uniform), and the choice among equal norms is ``torch.topk``'s (by position). The rule
+    reads every routed head's query, so the sparse path computes the whole query projection and skips only
+    the unselected heads' attention rows and output projections. Its weights are fixed at 1, which is
+    ``head_weighting="renormalized"`` at equal scores; ``"paper"`` and ``"scaled"`` would rescale the heads by
+    constants that the rule does not have, and are refused.
     """
 
     repr_sizes = ("embed_dim", "num_heads", "num_shared_heads", "top_k", "head_dim", "key_dim")
@@ -180,10 +199,15 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         self.load_balance_weight = load_balance_weight
         self.head_weighting, self.load_balance_fractions = head_weighting, load_balance_fractions
         self.routed_gate = self.shared_gate = self.group_gate = self.random_router = None
-        self.random_routing = check_random_router(router, ("softmax", "random"))
+        self.random_routing = check_random_router(router, ROUTERS)
+        #: MoH-LLaMA3's parameter-free rule (see the class docstring): no router parameters, weights 0/1.
+        self.query_norm_routing = router == "query_norm"
+        if self.query_norm_routing and head_weighting != "renormalized":
+            raise ValueError(f"head_weighting must be 'renormalized' with router='query_norm' (the rule weighs every "
+                             f"active head 1), got {head_weighting!r}")
         if routed and self.random_routing:
             self.random_router = RandomRouter(routed_per_group, top_k, self.route_groups, router_seed)
-        elif routed:
+        elif routed and not self.query_norm_routing:
             self.routed_gate = nn.Linear(embed_dim, routed, bias=False)
             nn.init.normal_(self.routed_gate.weight, std=embed_dim ** -0.5 * 0.1)
             if num_shared_heads:
@@ -192,14 +216,14 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                 nn.init.zeros_(self.shared_gate.weight)
                 nn.init.zeros_(self.group_gate.weight)
 
-    def head_weights(self, x: Tensor, token_mask: Tensor | None,
-                     offset: int | Tensor = 0) -> tuple[Tensor | None, Routing | None]:
+    def head_weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
+                     routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing | None]:
         """Per-token head weights ``g`` ``(batch, time, num_heads)`` and the routing of the routed heads
         (``expert_index`` counts routed heads from 0, ``gates`` are the selected routed heads' ``g``), or
-        ``(None, None)`` when every head is shared."""
+        ``(None, None)`` when every head is shared. ``routed_queries``: see :meth:`_weights`."""
         if not self.num_routed_heads:
             return None, None
-        shared, routing = self._weights(x, token_mask, offset)
+        shared, routing = self._weights(x, token_mask, offset, routed_queries)
         with torch.autocast(device_type=x.device.type, enabled=False):
             g_routed = routing.probs.new_zeros(routing.probs.shape).scatter(1, routing.expert_index, routing.gates.to(
                 routing.probs.dtype))
@@ -211,12 +235,17 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                                g_routed.view(n, groups, self.num_routed_per_group)], dim=2)
         return g.to(x.dtype).view(*x.shape[:2], self.num_heads), routing
 
-    def _weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0) -> tuple[Tensor | None, Routing]:
+    def _weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
+                 routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing]:
         """The shared heads' weights ``(N, num_shared_heads)`` (None without shared heads) and the routing,
         whose ``gates`` ``(N, top_k)`` are the selected routed heads' weights (eq. 5-6, or the authors' code's
         form, per ``head_weighting``); with ``route_per_group`` each group's (eq. 5-6 within the group), the
         shared weights ``(N, G S)`` and the gates ``(N, G top_k)`` group by group. ``router="random"``: the routed
-        heads drawn at random (the tokens at positions ``offset ..``) and every score equal (zero logits)."""
+        heads drawn at random (the tokens at positions ``offset ..``) and every score equal (zero logits).
+        ``router="query_norm"``: :meth:`_query_norm_weights` of ``routed_queries`` (the routed heads' queries
+        ``(N, R, key_dim)``, before rotary and QK-norm; projected here when not given)."""
+        if self.query_norm_routing:
+            return self._query_norm_weights(x, token_mask, routed_queries)
         batch, time, dim = x.shape
         flat32 = x.reshape(batch * time, dim).to(router_dtype(x))
         n, route_groups = batch * time, self.route_groups
@@ -245,12 +274,50 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                     groups, shared = 2.0 * groups, shared * self.num_shared_heads
                 routed = groups[..., 1:] * routed
                 shared = (groups[..., :1] * shared).view(n, route_groups * self.num_shared_heads)
-            if route_groups > 1:  # routed heads numbered group by group
-                index = index + self.num_routed_per_group * torch.arange(route_groups, device=x.device)[:, None]
+        return shared, self._routing(x, token_mask, logits, probs, index, routed)
+
+    def _routing(self, x: Tensor, token_mask: Tensor | None, logits: Tensor, probs: Tensor, index: Tensor,
+                 routed: Tensor) -> Routing:
+        """The :class:`Routing` of a call from the per-group ``probs`` ``(N, G, R/G)``, ``index`` and weights
+        ``routed`` ``(N, G, top_k)`` (group-local head numbers, renumbered here group by group)."""
+        batch, time, _ = x.shape
+        n, route_groups = batch * time, self.route_groups
+        if route_groups > 1:  # routed heads numbered group by group
+            index = index + self.num_routed_per_group * torch.arange(route_groups, device=x.device)[:, None]
         mask = None if token_mask is None else token_mask.reshape(-1)
         slots = route_groups * self.top_k
-        return shared, Routing(logits, probs.view(n, self.num_routed_heads), index.view(n, slots),
-                               routed.view(n, slots).to(x.dtype), mask, (batch, time))
+        return Routing(logits.reshape(n, self.num_routed_heads), probs.reshape(n, self.num_routed_heads),
+                       index.reshape(n, slots), routed.reshape(n, slots).to(x.dtype), mask, (batch, time))
+
+    def routed_queries(self, x: Tensor) -> Tensor:
+        """The routed heads' queries ``x W_q^i + b_q^i`` ``(N, R, key_dim)`` (``N = batch * time``), heads in
+        :attr:`routed_head_ids` order: what ``router="query_norm"`` reads (before rotary and QK-norm)."""
+        w_q, b_q = self.q_proj.weight, self.q_proj.bias
+        rows = _head_block(w_q, self.routed_head_ids, self.key_dim, 0)
+        bias = None if b_q is None else _head_block(b_q, self.routed_head_ids, self.key_dim, 0)
+        return F.linear(x.reshape(-1, x.shape[-1]), rows, bias).view(-1, self.num_routed_heads, self.key_dim)
+
+    def _query_norm_weights(self, x: Tensor, token_mask: Tensor | None,
+                            routed_queries: Tensor | None) -> tuple[Tensor | None, Routing]:
+        """``router="query_norm"`` (MoH-LLaMA3's rule, class docstring): per token and router group, the scores
+        ``||q_i|| / std_j ||q_j||`` over the routed heads (0 where the standard deviation is 0 or undefined),
+        the ``top_k`` largest norms selected (the same heads as the largest scores), every active head weighted
+        1. The rule is piecewise constant: nothing of it carries a gradient."""
+        n, route_groups, per = x.shape[0] * x.shape[1], self.route_groups, self.num_routed_per_group
+        if routed_queries is None:
+            routed_queries = self.routed_queries(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            norms = routed_queries.detach().to(router_dtype(x)).norm(dim=-1).view(n, route_groups, per)
+            if per > 1:
+                std = norms.std(dim=-1, keepdim=True)
+                logits = torch.where(std > 0, norms / torch.where(std > 0, std, 1.0), 0.0)
+            else:  # one routed head: no standard deviation; it is always selected
+                logits = torch.zeros_like(norms)
+            probs = logits.softmax(-1)
+            index = norms.topk(self.top_k, dim=-1).indices
+            routed = norms.new_ones(n, route_groups, self.top_k)
+            shared = norms.new_ones(n, route_groups * self.num_shared_heads) if self.num_shared_heads else None
+        return shared, self._routing(x, token_mask, logits, probs, index, routed)
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
@@ -270,12 +337,16 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             return self._forward_sparse(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                         is_causal=is_causal, use_cache=use_cache, cache=cache,
                                         query_padding_mask=query_padding_mask)
+        projected = routed_q = None
+        if self.query_norm_routing and self.num_routed_heads:  # the rule reads the query projection's output
+            projected = self.q_proj(query)
+            routed_q = projected.view(-1, self.num_heads, self.key_dim)[:, self.routed_head_ids]
         q, k, v, new_cache, (bias, empty, causal) = self._heads_and_masks(
             query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
-            use_cache=use_cache, cache=cache)
+            use_cache=use_cache, cache=cache, projected_queries=projected)
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
-        g, routing = self.head_weights(query, token_mask, query_offset(cache))
+        g, routing = self.head_weights(query, token_mask, query_offset(cache), routed_q)
         o = self._gate_heads(o, query)
         if g is not None:
             o = o * g.transpose(1, 2).unsqueeze(-1)
@@ -288,8 +359,8 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
 
     def _output(self, y: Tensor, cache: KVCache | None, routing: Routing) -> AttentionOutput:
         """The layer's output with its auxiliary loss: the load-balancing loss (MoA eq. 13-15) over the routed
-        heads, weighted by ``load_balance_weight``; none (zero) with ``router="random"``."""
-        if self.random_routing:
+        heads, weighted by ``load_balance_weight``; none (zero) with ``router="random"`` or ``"query_norm"``."""
+        if self.random_routing or self.query_norm_routing:
             return AttentionOutput(y, zero_loss(y), cache, routing)
         lb = self._load_balance(routing)
         return AttentionOutput(y, self.load_balance_weight * lb, cache, routing, {"load_balance": lb})
@@ -316,7 +387,10 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         batch, tgt, dim = query.shape
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
-        shared_w, routing = self._weights(query, token_mask, past_len)
+        compute = autocast_dtype(query) or query.dtype
+        # router="query_norm" reads every routed head's query: the routed projection is computed whole, once
+        routed_q = self.routed_queries(query.to(compute)) if self.query_norm_routing else None
+        shared_w, routing = self._weights(query, token_mask, past_len, routed_q)
         bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=k.dtype, device=k.device)
@@ -343,13 +417,15 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             y = F.linear(merge_heads(o_s), _head_block(w_o, shared_ids, dv, 1))
         n, routed, index = batch * tgt, self.num_routed_heads, routing.expert_index
         slots_per_token = index.shape[1]  # top_k, times the groups with route_per_group
-        compute = autocast_dtype(query) or query.dtype
         w_q_rows = _head_block(w_q, routed_ids, dk, 0)  # the routed heads' W_q^i, (R d_k, d_model)
         w_o_cols = _head_block(w_o, routed_ids, dv, 1)  # their W_o^i, (d_model, R d_v)
         w_q_routed = w_q_rows.view(routed, dk, dim)  # head i's W_q^i, (d_k, d_model) rows
         w_o_routed = w_o_cols.reshape(dim, routed, dv).permute(1, 0, 2)  # head i's W_o^i, (d_model, d_v)
         decoding = tgt == 1
-        if decoding:
+        info = None if decoding else expert_routing(index, routed, check_range=False)
+        if routed_q is not None:  # query_norm: the selected heads' queries (biases included) from the router's
+            q_r = routed_q.gather(1, index[..., None].expand(n, slots_per_token, dk))
+        elif decoding:
             # One query per sequence: the routed projection is a matrix-vector product per token, which reads
             # every routed head's weights whichever heads it keeps, so it runs as one GEMM and keeps the
             # selected heads; the attention below reads only the selected heads' cache slices.
@@ -357,10 +433,9 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             q_r = q_all.gather(1, index[..., None].expand(n, slots_per_token, dk))
         else:
             # The routed heads as experts of the grouped kernels (MoA eq. 10 with E = routed heads).
-            info = expert_routing(index, routed, check_range=False)
             q_r = expert_map(query.reshape(n, dim).to(compute), w_q_routed.transpose(1, 2).contiguous().to(compute),
                              info, impl=self.expert_impl)
-        if b_q is not None:
+        if b_q is not None and routed_q is None:
             q_r = q_r + _head_block(b_q, routed_ids, dk, 0).view(routed, dk).to(q_r.dtype)[index]
         if self.q_norm is not None:
             q_r = self.q_norm(q_r)

@@ -257,7 +257,9 @@ def reference_moh_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
     top-k, with ``S``, ``k`` and ``R`` counted in the group.
 
     The random control (``router="random"``): every router logit 0, the routed heads selected at random
-    (:func:`reference_random_selection`)."""
+    (:func:`reference_random_selection`). ``router="query_norm"``: :func:`reference_query_norm_weights`."""
+    if layer.query_norm_routing:
+        return reference_query_norm_weights(layer, x)
     x = x.double()
     groups = layer.kv_heads if layer.route_per_group else 1
     shared_per = layer.num_shared_heads
@@ -292,6 +294,41 @@ def reference_moh_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
             a, s = 2 * a, shared_per * s
         out.append(torch.cat([a[..., :1] * s, a[..., 1:] * routed], -1))
     return torch.cat(out, -1)
+
+
+def reference_query_norm_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
+    """MoH-LLaMA3's parameter-free router (SkyworkAI/MoH, ``MoH-LLaMA3/Inference_code/modeling_llama.py``) as
+    head weights ``(batch, time, num_heads)``, one token and one router group at a time: the shared heads weigh
+    1; routed head ``i``'s score is the L2 norm of its query ``x W_q^i + b_q^i`` (no rotary, no QK-norm) divided
+    by the unbiased standard deviation of the group's routed heads' norms (score 0 where that is 0 or, with one
+    routed head, undefined), a softmax over the group's routed heads, and the ``top_k`` largest probabilities
+    weigh 1, the others 0 (equal probabilities: ``torch.topk`` picks by position)."""
+    x = x.double()
+    groups = layer.kv_heads if layer.route_per_group else 1
+    per_group = layer.num_heads // groups
+    shared, dk = layer.num_shared_heads, layer.key_dim
+    w_q = layer.q_proj.weight.double()
+    b_q = None if layer.q_proj.bias is None else layer.q_proj.bias.double()
+    g = torch.zeros(*x.shape[:2], layer.num_heads, dtype=torch.float64)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            for j in range(groups):
+                heads = range(j * per_group, (j + 1) * per_group)
+                norms = []
+                for h in heads[shared:]:
+                    q = w_q[h * dk:(h + 1) * dk] @ x[b, t]
+                    if b_q is not None:
+                        q = q + b_q[h * dk:(h + 1) * dk]
+                    norms.append(torch.sqrt((q * q).sum()))
+                norms = torch.stack(norms)
+                std = norms.std() if len(norms) > 1 else torch.zeros((), dtype=torch.float64)
+                scores = norms / std if std > 0 else torch.zeros_like(norms)
+                p = torch.softmax(scores, dim=0)
+                for h in heads[:shared]:
+                    g[b, t, h] = 1.0
+                for r in p.topk(layer.top_k).indices.tolist():
+                    g[b, t, heads[shared + r]] = 1.0
+    return g
 
 
 def reference_moh(layer: MixtureOfHeadsAttention, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,

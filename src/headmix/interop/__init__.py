@@ -13,6 +13,9 @@
   ``load_jetmoe``).
 - :func:`from_pretrained`: a Llama, Qwen3 or JetMoe checkpoint (Hub name or local folder), converted by its
   ``model_type``.
+- :mod:`.upcycle`: any dense model headmix reads (a Hugging Face folder, a headmix run, ``save_pretrained`` or
+  ``export-hf`` folder) -> MoH with a learned, query-norm or random router, or the statically pruned dense
+  control (``upcycle``, ``upcycle_model``, ``head_importance``).
 
 docs/implementations.md ("Models and conversions") says what each conversion preserves.
 """
@@ -33,9 +36,12 @@ from .llama import attention_from_llama, causal_lm_from_llama, causal_lm_to_llam
 from ._hf import require_transformers
 from .moh import moh_from_dense, zero_moh_routers
 from .qwen3 import causal_lm_from_qwen3, causal_lm_to_qwen3, config_from_qwen3, load_qwen3
+from .upcycle import head_importance, upcycle, upcycle_model, upcycled_config
 
 #: The Hugging Face ``model_type`` values :func:`from_pretrained` converts, and their loaders.
 LOADERS = {"llama": load_llama, "jetmoe": load_jetmoe, "qwen3": load_qwen3}
+#: Their config mappings (a Hugging Face config -> the headmix :class:`~headmix.models.ModelConfig`).
+CONFIGS = {"llama": config_from_llama, "jetmoe": config_from_jetmoe, "qwen3": config_from_qwen3}
 
 
 def from_pretrained(name_or_path: str | os.PathLike, **options):
@@ -48,7 +54,9 @@ def from_pretrained(name_or_path: str | os.PathLike, **options):
         raise ValueError(f"{name_or_path} is a {model_type!r} checkpoint; headmix converts {sorted(LOADERS)}")
     return LOADERS[model_type](name_or_path, **options)
 
+
 __all__ = ["attention_from_llama", "causal_lm_from_llama", "config_from_llama", "load_llama", "moh_from_dense", "zero_moh_routers",
            "moa_from_jetmoe_attention", "jetmoe_attention_from_moa", "config_from_jetmoe", "causal_lm_from_jetmoe",
            "causal_lm_to_jetmoe", "load_jetmoe", "from_pretrained", "causal_lm_from_qwen3", "config_from_qwen3",
-           "load_qwen3", "causal_lm_to_llama", "causal_lm_to_qwen3"]
+           "load_qwen3", "causal_lm_to_llama", "causal_lm_to_qwen3", "upcycle", "upcycle_model", "upcycled_config",
+           "head_importance"]

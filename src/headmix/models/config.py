@@ -97,8 +97,9 @@ _KIND_DEFAULTS = {
 #: the random-routing control.
 _DEFAULT_KINDS = {"router": ("moa",)}
 
-#: The ``router`` values of each kind: its learned router (``None`` = the layer's own) or ``"random"``.
-ROUTER_CHOICES = {"moa": ("softmax", "noisy_topk", "random"), "moh": ("softmax", "random"),
+#: The ``router`` values of each kind: its learned router (``None`` = the layer's own) or ``"random"``; MoH also
+#: ``"query_norm"``, the MoH authors' parameter-free rule of MoH-LLaMA3.
+ROUTER_CHOICES = {"moa": ("softmax", "noisy_topk", "random"), "moh": ("softmax", "random", "query_norm"),
                   "switchhead": ("sigmoid", "random"), "gqe": ("softmax", "random")}
 
 
@@ -177,6 +178,9 @@ class AttentionConfig:
       router): the random-routing control, the same number of experts or heads per token chosen uniformly at
       random, with the weights the layer gives at equal router scores, no router parameters and no auxiliary
       loss (:mod:`headmix.routing.random`).
+    - ``router="query_norm"`` (MoH): MoH-LLaMA3's parameter-free rule, each token's ``top_k`` routed heads with
+      the largest query norms, every active head weighted 1, no auxiliary loss; ``head_weighting`` must stay
+      unset or ``"renormalized"`` (see :class:`~headmix.attention.MixtureOfHeadsAttention`).
     - ``"moh"``: Mixture-of-Head attention: ``num_heads`` heads, ``num_shared_heads`` always on, ``top_k``
       of the others routed per token.
     - ``"talking_heads"``: ``num_heads`` heads mixed by learned ``h x h`` maps before (``pre_softmax``)
@@ -383,6 +387,9 @@ class AttentionConfig:
                 raise ValueError(f"{name}.{fname} must be true, false or null (follow bias), got {getattr(self, fname)!r}")
         if self.head_weighting is not None:
             _choice(f"{name}.head_weighting", self.head_weighting, attention.moh.HEAD_WEIGHTINGS)
+            if self.router == "query_norm" and self.head_weighting != "renormalized":
+                raise ValueError(f"{name}.head_weighting must be 'renormalized' (or unset) with router 'query_norm', "
+                                 f"which weighs every active head 1; got {self.head_weighting!r}")
         if self.moh_impl is not None:
             _choice(f"{name}.moh_impl", self.moh_impl, attention.moh.MOH_IMPLS)
         if self.load_balance_fractions is not None:

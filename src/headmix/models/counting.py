@@ -26,7 +26,9 @@ Three numbers per model:
 - Sparse MoH (``moh_impl="sparse"``): the ``full`` count is what it computes, the shared and the
   ``top_k`` selected heads' query projections, attention and output projections per query token (per K/V
   group with ``route_per_group``, GQE: ``kv_heads (num_shared_heads + top_k)`` heads), and every
-  head's keys and values; dense MoH (and ``auto``, whatever it picks at run time) counts every head.
+  head's keys and values; dense MoH (and ``auto``, whatever it picks at run time) counts every head. With
+  ``router="query_norm"`` (MoH-LLaMA3's rule, which reads every routed head's query) the query projection
+  of every head is counted; the norms are element-wise work, and the rule has no router projection.
 - ``kv_heads`` (MHA, MoH, Talking-Heads): the K/V projections make ``kv_heads`` heads, ``2 S d_m
   kv_heads d_h`` MACs; ``output_gate``: its projection ``T d_m H`` (headwise) or ``T d_m H d_h``
   (elementwise) for every head; ``qk_norm`` is element-wise (0 MACs, ``2 d_k`` parameters). The ``paper``
@@ -177,7 +179,10 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     # or with sparse MoH the shared heads and the top_k selected ones (per group with route_per_group; keys
     # and values stay dense).
     active = groups * (att.num_shared_heads + att.top_k) if att.kind == "moh" and att.moh_impl == "sparse" else h
-    full = t * d * active * dk + s * d * kv * (dk + dv) + active * pairs * (dk + dv) + t * active * dv * d
+    # MoH's query-norm router reads every routed head's query: the query projection stays whole (its norms are
+    # element-wise work, not counted, as RMSNorm)
+    queried = h if att.kind == "moh" and att.router == "query_norm" else active
+    full = t * d * queried * dk + s * d * kv * (dk + dv) + active * pairs * (dk + dv) + t * active * dv * d
     paper = t * s * h * dk + 2 * t * d * h * dk + 2 * t * d * h * dv  # eq. 19 (= T^2 d_m + 4 T d_m^2)
     full += t * d * _output_gates(att, h, dv)  # Gated Attention's gate projection, every head (QK-norm: element-wise)
     if att.kind == "talking_heads":
@@ -219,9 +224,9 @@ def gqe_parameters(att: AttentionConfig, d_model: int) -> tuple[int, int]:
 
 
 def _learned(att: AttentionConfig) -> int:
-    """1 for a layer with a learned router, 0 for the random-routing control (``router="random"``: no router
-    projection to compute or store)."""
-    return int(att.router != "random")
+    """1 for a layer with a learned router, 0 for the random-routing control (``router="random"``) and MoH's
+    query-norm rule (``router="query_norm"``): no router projection to compute or store."""
+    return int(att.router not in ("random", "query_norm"))
 
 
 def _route_groups(att: AttentionConfig) -> int:

@@ -748,6 +748,24 @@ def read_folder_config(directory: Path) -> tuple[ModelConfig, bool]:
     return ModelConfig.from_dict(data["headmix"], str(path)), True
 
 
+def is_headmix_run(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a headmix run folder (it holds ``train_config.json``), not a Hugging Face folder."""
+    return (Path(path) / "train_config.json").is_file()
+
+
+def is_headmix_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a model headmix wrote: a run folder, a ``save_pretrained`` folder (headmix's own
+    ``config.json``), or a Hugging Face folder of a headmix model (``export-hf``, ``HeadmixForCausalLM``'s
+    ``save_pretrained``, a ``Trainer`` checkpoint: ``model_type`` ``"headmix"``); read as JSON, no code run."""
+    if is_headmix_run(path):
+        return True
+    try:
+        data = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("model_type", "headmix") == "headmix"
+
+
 def load_pretrained(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PreTrainedModel:
     """Load a model headmix wrote: ``save_pretrained`` (a run's final model), or a Hugging Face folder of a
     headmix model (``export-hf``, ``HeadmixForCausalLM.save_pretrained``, a ``Trainer`` checkpoint), read as

@@ -135,6 +135,8 @@ MOSA_AUTHORS = ("the MoSA authors' pure and hybrid MoSA", "tests/test_mosa.py::t
 GQE_REFERENCE = ("a plain reference written from the paper's equations (eq. 6)",
                  "tests/test_gqe.py::test_layer_matches_reference_outputs_and_gradients")
 RANDOM_REFERENCE = ("a plain reference (integer hash)", "tests/test_controls.py::test_random_layers_match_the_plain_reference")
+QUERY_NORM_REFERENCE = ("a plain reference of the MoH authors' MoH-LLaMA3 rule",
+                        "tests/test_query_norm.py::test_outputs_and_gradients_match_the_plain_reference")
 
 CONTENDERS = "lm-en-contenders"
 MOA = Entry("MoA", _moa(), exact=(JETMOE,),
@@ -172,6 +174,11 @@ ENTRIES: list[Entry] = [
     Entry("MoH, dense", _moh("dense"), exact=(MOH_AUTHORS,), studies=(Study("lm-en", "MoH"), Study("lm-en-llama", "MoH"))),
     Entry("MoH, sparse", _moh("sparse"), exact=(MOH_SPARSE_DENSE,), studies=(Study("lm-en-moh-sparse", "MoH sparse"),)),
     Entry("MoH routed per K/V group, dense", _moh("dense", per_group=True), exact=(MOH_REFERENCE,)),
+    Entry("MoH, query-norm router (MoH-LLaMA3)",
+          AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, num_shared_heads=4, top_k=2,
+                          router="query_norm", moh_impl="sparse"), exact=(QUERY_NORM_REFERENCE,),
+          rule="token choice: each token's top-k routed heads by the norm of their queries (before rotary), no "
+               "router parameters, every active head weighs 1"),
     MOH_PER_GROUP,
     random_control(MOH_PER_GROUP),
     static_control(MOH_PER_GROUP),

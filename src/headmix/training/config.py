@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..data.tokenizer import SPECIAL_TOKENS
+from ..models.transformer import is_headmix_folder, is_headmix_run  # noqa: F401  (setup imports them from here)
 from ..tasks import TASKS, get_task
 from .schedule import SCHEDULES
 
@@ -96,9 +97,11 @@ class TrainConfig:
     init_from: str | None = option(None, "start from these weights (and their model): a finished headmix run "
                                          "folder (its tokenizer too, unless --tokenizer), or a local Hugging Face "
                                          "folder converted by headmix.interop.from_pretrained", metavar="RUN_DIR|HF_FOLDER")
-    init_options: str | None = option(None, "with a Hugging Face --init-from: a JSON object of keyword options of "
-                                            "the conversion, e.g. '{\"attention\": \"moh\", \"num_shared_heads\": "
-                                            "2, \"top_k\": 2}'", metavar="JSON")
+    init_options: str | None = option(None, "convert the --init-from model (upcycling, any source): a JSON object, "
+                                            "e.g. '{\"attention\": \"moh\", \"num_shared_heads\": 2, \"top_k\": "
+                                            "2, \"router\": \"query_norm\"}' or the pruning control '{\"attention\": "
+                                            "\"mha\", \"keep_heads\": 2}' (docs/hf.md, \"From a checkpoint to a "
+                                            "routed model\")", metavar="JSON")
 
     def __post_init__(self) -> None:
         if self.preset is None and self.init_from is None:
@@ -140,9 +143,8 @@ class TrainConfig:
             raise ValueError(f"init_options must be a JSON object, got {self.init_options!r} ({err})") from None
         if not isinstance(options, dict):
             raise ValueError(f"init_options must be a JSON object, got {self.init_options!r}")
-        if self.init_from is None or is_headmix_folder(self.init_from):
-            raise ValueError("init_options apply to a Hugging Face init_from only (a model headmix wrote is used as "
-                             "it is)")
+        if self.init_from is None:
+            raise ValueError("init_options apply to an init_from (the model they convert)")
         return options
 
     @property
@@ -251,6 +253,13 @@ class TrainConfig:
             if is_headmix_run(source) and not (source / "model.safetensors").is_file():
                 raise FileNotFoundError(f"init_from {source} is a headmix run without its final model "
                                         f"(model.safetensors): finish it first (run its command again)")
+            if self.init_options is not None:  # an impossible upcycling is refused before anything is written
+                from ..interop.upcycle import check_upcycle
+
+                try:
+                    check_upcycle(source, self.resolved_init_options)
+                except ValueError as err:
+                    raise ValueError(f"init_options: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -258,11 +267,6 @@ class TrainConfig:
 
 #: ``preset`` when none is given (and no ``init_from``).
 DEFAULT_PRESET = "tiny-moa"
-
-
-def is_headmix_run(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a headmix run folder (it holds ``train_config.json``), not a Hugging Face folder."""
-    return (Path(path) / "train_config.json").is_file()
 
 
 def headmix_tokenizer_of(path: str | os.PathLike) -> str:
@@ -275,19 +279,6 @@ def headmix_tokenizer_of(path: str | os.PathLike) -> str:
             return str(candidate)
     raise ValueError(f"init_from {folder} has no tokenizer (tokenizer/tokenizer.json or tokenizer.json): give "
                      f"--tokenizer, the folder of the tokenizer its model was trained with")
-
-
-def is_headmix_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds a model headmix wrote: a run folder, a ``save_pretrained`` folder (headmix's own
-    ``config.json``), or a Hugging Face folder of a headmix model (``export-hf``, ``HeadmixForCausalLM``'s
-    ``save_pretrained``, a ``Trainer`` checkpoint: ``model_type`` ``"headmix"``); read as JSON, no code run."""
-    if is_headmix_run(path):
-        return True
-    try:
-        data = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("model_type", "headmix") == "headmix"
 
 
 #: ``vocab_size`` when neither the option nor a JSON preset gives one.

@@ -226,29 +226,43 @@ def model_config(cfg: TrainConfig, tok: Tokenizer) -> ModelConfig:
     return mcfg.replace(**changes)
 
 
-def initial_model(cfg: TrainConfig, tok: Tokenizer, log: Callable[[str], None]) -> tuple[ModelConfig, dict | None, dict]:
+def initial_model(cfg: TrainConfig, tok: Tokenizer, log: Callable[[str], None],
+                  calibration: Callable[[int], list[torch.Tensor]] | None = None) -> tuple[ModelConfig, dict | None, dict]:
     """The model config of the run and, with ``cfg.init_from``, the weights to start from and a record of their
     source (for ``summary.json``): a finished headmix run folder's final model, or a Hugging Face folder
-    converted by :func:`headmix.interop.from_pretrained` (with ``cfg.init_options``). Without it, the preset's
-    config (:func:`model_config`), no weights, and ``{}``."""
+    converted by :func:`headmix.interop.from_pretrained`; with ``cfg.init_options``, upcycled
+    (:func:`headmix.interop.upcycle`: MoH or the pruning control, whose heads are ranked on
+    ``calibration(count)``, that many batches of the run's training data). Without it, the preset's config
+    (:func:`model_config`), no weights, and ``{}``."""
     if cfg.init_from is None:
         return model_config(cfg, tok), None, {}
     from .config import is_headmix_folder, is_headmix_run
 
     source = Path(cfg.init_from).expanduser().resolve()
-    if is_headmix_folder(source):  # read as JSON and safetensors: no prompt, no code from the folder
+    options = cfg.resolved_init_options
+    headmix_source = is_headmix_folder(source)
+    kind = ("headmix run" if is_headmix_run(source) else "headmix folder") if headmix_source else "hugging face"
+    if options:
+        from ..interop.upcycle import CALIBRATION_BATCHES, upcycle
+
+        batches = None
+        if options.get("keep_heads") is not None:
+            if calibration is None:
+                raise ValueError("init_options.keep_heads needs the run's calibration batches")
+            batches = calibration(options.get("calibration_batches") or CALIBRATION_BATCHES)
+        model = upcycle(source, batches=batches, **options)
+    elif headmix_source:  # read as JSON and safetensors: no prompt, no code from the folder
         from ..models import load_pretrained
 
         try:
             model = load_pretrained(source)
         except (ValueError, FileNotFoundError) as err:
             raise ValueError(f"init_from: {err}") from None
-        record = {"path": str(source), "kind": "headmix run" if is_headmix_run(source) else "headmix folder"}
     else:
         from ..interop import from_pretrained
 
-        model = from_pretrained(source, **cfg.resolved_init_options)
-        record = {"path": str(source), "kind": "hugging face", "options": cfg.resolved_init_options}
+        model = from_pretrained(source)
+    record = {"path": str(source), "kind": kind, **({"options": options} if options else {})}
     config = model.config
     if config.task != cfg.task:
         raise ValueError(f"init_from {source} holds a {config.task!r} model; this run's task is {cfg.task!r}")

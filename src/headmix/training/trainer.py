@@ -68,15 +68,17 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         d.barrier()
         parts, tok = prepare_data(cfg, run, log)  # every rank reads the stored splits and tokenizer
 
-        mcfg, initial_weights, init_record = initial_model(cfg, tok, log)
+        tok_file = run.tokenizer_dir / "tokenizer.json"
+        train_dataset = cached_dataset(cfg, "train", parts["train"], tok, tok_file)
+        mcfg, initial_weights, init_record = initial_model(
+            cfg, tok, log, lambda count: calibration_batches(task, train_dataset, tok, max_tokens=cfg.max_tokens,
+                                                             seed=cfg.seed, device="cpu", limit=count))
         torch.manual_seed(cfg.seed)
         model = build_model(mcfg)
         if initial_weights is not None:
             model.load_state_dict(initial_weights)
         model = model.to(device)
         params = count_parameters(model)
-        tok_file = run.tokenizer_dir / "tokenizer.json"
-        train_dataset = cached_dataset(cfg, "train", parts["train"], tok, tok_file)
         train_loader = task.loader(train_dataset, tok,
                                    max_tokens=cfg.max_tokens, train=True, seed=cfg.seed, rank=d.rank,
                                    world_size=d.world_size)
@@ -122,6 +124,11 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             if d.main:
                 run.save_checkpoint(step, full, state, {"tokens": tokens_seen, "train_seconds": seconds()},
                                     reason=reason, keep=max(cfg.keep_checkpoints, cfg.average_last))
+
+        if init_record and resumed is None:
+            # the model as converted from init_from, before any step: what the conversion cost, beside the curve
+            valid = validation_loss(model, valid_loader, task, device, autocast)
+            metrics.write({"split": "valid", "step": 0, **_numbers(valid), "time": 0.0})
 
         # ----------------------------------------------------------------------------------- the loop
         model.train()
@@ -219,7 +226,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             if cfg.compile:
                 summary.update(compile_seconds=compile_seconds, compile_steps=compile_steps)
             if init_record:
-                summary["init_from"] = init_record
+                summary["init_from"] = {**init_record, "valid_at_start": _valid_at_start(run.path)}
             run.write_summary(summary)
             log(f"done: {step} steps in {train_seconds:.0f}s, valid loss {valid['loss']:.3f}, ppl {valid['ppl']:.1f}")
         d.barrier()
@@ -256,6 +263,14 @@ def choose_final_weights(model: torch.nn.Module, averaged: list, validate: Calla
     record["text"] = (f"final model: the last weights (valid loss {last['loss']:.4f}), not {where} "
                       f"({mean['loss']:.4f}: no better on validation)")
     return last, record
+
+
+def _valid_at_start(folder) -> dict[str, Any] | None:
+    """The validation of a run's initial model (step 0, written before its first step), from ``metrics.jsonl``."""
+    from .metrics import read_metrics
+
+    found = [r for r in read_metrics(folder) if r.get("split") == "valid" and r.get("step") == 0]
+    return {k: v for k, v in found[-1].items() if k not in ("split", "step", "time")} if found else None
 
 
 def _numbers(result: dict[str, Any]) -> dict[str, Any]:
