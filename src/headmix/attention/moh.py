@@ -36,27 +36,29 @@ SPARSE_MAX_ACTIVE_FRACTION = 0.5
 
 def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int, slot_form: bool = False) -> str:
     """The ``auto`` rule. ``routed``: the routed heads ``top_k`` picks from (per group with ``route_per_group``);
-    ``slot_form``: the layer's selected heads are query heads of grouped-query attention
-    (:attr:`MixtureOfHeadsAttention.slot_form`: ``route_per_group``, or one K/V head).
+    ``tgt``: queries per sequence in the call; ``slot_form``: the layer's selected heads are query heads of
+    grouped-query attention (:attr:`MixtureOfHeadsAttention.slot_form`: ``route_per_group``, or one K/V head).
 
-    - ``dense`` without routed heads.
-    - ``slot_form``: ``sparse`` when ``top_k / routed <= SPARSE_MAX_ACTIVE_FRACTION``, on every device, compiled
-      or not, for training, prefill and decoding steps. Its attention is one grouped-query call over the
-      selected heads only (``moh_sparse``, ``grouped_query``): static shapes, no host read, so nothing makes it
-      costlier off the CPU or under compile; measured in docs/performance.md, "Sparse MoH".
-    - otherwise (global routing over several K/V heads) ``sparse`` on the CPU for calls of more than one query
-      per sequence when ``top_k / routed <= SPARSE_MAX_ACTIVE_FRACTION`` and the call is not being compiled
-      (the ``heads`` layout reads group sizes back to the host); ``dense`` for one-query decoding steps (on the
-      CPU the sparse step's gathered cache slices cost as much as the skipped heads save: docs/performance.md)
-      and on other devices and under compile: there the sparse path must keep static shapes and pads every
-      (row, head) group to the sequence length (``moh_sparse``, ``padded``), so its attention is as large as
-      dense's and only the routed projections are saved."""
-    if routed == 0:
+    - ``dense`` without routed heads, and for one-query decoding steps: their projections are one GEMM of every
+      head either way and the sparse step adds routing work (CPU, batch 8 after 512 tokens: sparse 0.97-1.28x
+      dense in the slot form; with global routing the gathered cache slices cost as much as the skipped heads
+      save: docs/performance.md, "Sparse MoH").
+    - ``slot_form``: ``sparse`` when ``top_k / routed <= SPARSE_MAX_ACTIVE_FRACTION``, on every device and
+      under ``torch.compile``. Its attention is one grouped-query call of the selected heads only
+      (``moh_sparse``'s ``grouped_query`` layout): static shapes and no host read, so it is the same path
+      off the CPU and compiled. Measured on the CPU (fp32, one thread, forward+backward, batch 2 x 512 and
+      x 1024): 0.61-0.71x dense MoH's time (docs/performance.md, "Sparse MoH"); not yet on a GPU.
+    - otherwise (global routing over several K/V heads) ``sparse`` on the CPU when ``top_k / routed <=
+      SPARSE_MAX_ACTIVE_FRACTION`` and the call is not being compiled (the ``heads`` layout reads group sizes
+      back to the host); ``dense`` on other devices and under compile: there the sparse path must keep static
+      shapes and pads every (row, head) group to the sequence length (``padded``), so its attention is as
+      large as dense's and only the routed projections are saved."""
+    if routed == 0 or tgt == 1:
         return "dense"
     few_active = top_k <= SPARSE_MAX_ACTIVE_FRACTION * routed
     if slot_form:
         return "sparse" if few_active else "dense"
-    if tgt == 1 or torch.compiler.is_compiling() or device.type != "cpu":
+    if torch.compiler.is_compiling() or device.type != "cpu":
         return "dense"
     return "sparse" if few_active else "dense"
 
@@ -100,8 +102,13 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     the query projection, the attention rows and the head's slice of the output projection only for the
     tokens that selected it (:mod:`headmix.attention.moh_sparse`; the routed heads' projections run on the
     grouped expert kernels of :mod:`headmix.kernels`, ``expert_impl``). Keys and values are computed for every
-    head (any query may pick any head), and a cached decoding step reads only its active heads' slices of the
-    cache. Both give the same outputs, losses and gradients, and have the same parameters.
+    head (any query may pick any head). With ``route_per_group`` or one K/V head (:attr:`slot_form`) a token's
+    ``j``-th selected head of group ``g`` always reads K/V head ``g``, so the selected heads are the query heads
+    of one grouped-query attention call: the attention skipped on every device and under ``torch.compile``
+    (``fullgraph=True``, no host read). With global routing over several K/V heads the selected heads fall in
+    any group: the skipping layout reads group sizes back to the host, so on CUDA and under compile the sparse
+    path pads each head's rows to the sequence length and skips no attention (:mod:`~headmix.attention.moh_sparse`).
+    Both impls give the same outputs, losses and gradients, and have the same parameters.
 
     ``kv_heads``, ``qk_norm`` and ``output_gate`` as :class:`MultiHeadAttention` (grouped K/V heads, QK-norm,
     Gated Attention's G1 gate on each head's output, before the head weight ``g_i`` and ``W_O^i``; the two

@@ -65,10 +65,13 @@ def routed_layout(slot_form: bool, tgt: int, t: Tensor) -> str:
     """The layout of the routed heads' attention (:data:`ROUTED_LAYOUTS`) for a call of ``tgt`` queries per
     batch row on ``t``'s device. ``slot_form``: each token selects the same number of routed heads in every
     K/V group (MoH with ``route_per_group``, or with one K/V head), so the slots are query heads of
-    grouped-query attention: ``grouped_query`` on every device, compiled or not, and for decoding. It is also
-    the eager CPU choice over ``heads``: ``CHANGELOG``/docs/performance.md, "Sparse MoH" (GQE, fp32, two
-    threads, forward+backward at T 512 and 1024: ``grouped_query`` faster at both). Otherwise ``slots`` for
-    one query per row, ``padded`` where a host read would be a sync (:func:`static_shapes`), else ``heads``."""
+    grouped-query attention: ``grouped_query`` on every device, compiled or not, and for decoding steps. On
+    the CPU in eager mode it is also faster than the ``heads`` layout, which could run there: fp32,
+    forward+backward, batch 2, causal, d_model 512, 8 heads of 64 (GQE on 2 K/V heads, top 2 of 4 or 1 shared
+    + top 1 of 3 per group; one K/V head, 2 shared + top 2 of 6), ``heads`` took 1.06-1.15x ``grouped_query``'s
+    time at T 512 and 1.15-1.25x at T 1024 (one thread, CPU time; AMD EPYC, 2 cores shared, load average
+    7-11, commit 404ede2; docs/performance.md, "Sparse MoH"). Otherwise ``slots`` for one query per row,
+    ``padded`` where a host read would be a sync (:func:`static_shapes`), else ``heads``."""
     if slot_form:
         return "grouped_query"
     if tgt == 1:
