@@ -234,8 +234,9 @@ def test_auto_rule():
     assert choose_moh_impl(cpu, 0, 0, 512) == "dense"
 
 
-@pytest.mark.parametrize("grouping", [{}, {"kv_heads": 2, "route_per_group": True}, {"kv_heads": 1}],
-                         ids=["global", "per_group", "one_kv_head"])  # the padded / heads layouts, the slot form
+@pytest.mark.parametrize("grouping", [{}, {"kv_heads": 2, "route_per_group": True, "shared": 0},
+                                      {"kv_heads": 1, "shared": 0}],
+                         ids=["global", "per_group", "one_kv_head"])  # the heads layout; the slot form alone
 def test_sparse_dropout_applies_in_training_only(grouping):
     layer = make(dropout=0.5, **grouping)
     layer.impl = "sparse"
