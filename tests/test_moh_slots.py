@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 import headmix.attention.moh as moh_module
 from headmix.attention import moh_sparse
@@ -193,13 +192,10 @@ def test_slot_form_compiles_fullgraph_forward_and_backward_equal_to_eager(form, 
     want = grads(loss_of(x, padding))
     layer.impl = "auto"
     assert spy.slots == 0
-    explained = torch._dynamo.explain(loss_of)(x, padding)
+    explained = torch._dynamo.explain(loss_of)(x, padding)  # one graph, no break
     assert explained.graph_break_count == 0 and explained.graph_count == 1
-    counter = CompileCounter()
-    torch.compile(loss_of, backend=counter, fullgraph=True, dynamic=False)(x, padding)
-    assert counter.frame_count == 1
     got = grads(torch.compile(loss_of, backend="aot_eager", fullgraph=True, dynamic=False)(x, padding))
-    assert spy.slots >= 3 and spy.other == 0  # traced through the slot form each time, never another layout
+    assert spy.slots >= 2 and spy.other == 0  # traced through the slot form each time, never another layout
     for a, b in zip(got, want):
         assert (a is None) == (b is None)
         if b is not None:
