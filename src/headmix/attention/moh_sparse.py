@@ -89,7 +89,6 @@ def slot_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, *, bias: Tens
     ``bias`` and ``empty_rows``: :func:`~headmix.attention.base.attention_bias`'s masks of the routed heads,
     broadcastable to ``(B, R, T, S)`` and ``(B, R, T, 1)`` (head dimension 1, or ``R``: then each slot reads
     the rows of the head it selected), or None; ``causal``: the only mask is a plain causal one."""
-    batch, tgt, slots, _ = q.shape
     bias, empty_rows = _slot_rows(bias, index), _slot_rows(empty_rows, index)
     o = scaled_dot_product(q.transpose(1, 2), k, v, bias, empty_rows, dropout, causal=causal)
     return o.transpose(1, 2)
