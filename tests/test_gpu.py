@@ -245,6 +245,31 @@ def test_training_step_has_no_host_sync(kind):
         torch.cuda.set_sync_debug_mode(0)
 
 
+@needs_cuda
+@pytest.mark.parametrize("grouping", [{"kv_heads": 2, "route_per_group": True}, {"kv_heads": 1}],
+                         ids=["gqe", "one_kv_head"])
+def test_moh_slot_form_compiled_step_has_no_host_sync(grouping):
+    """Sparse MoH's slot form (GQE, one K/V head) compiled with ``fullgraph=True``: a bf16 training step (the
+    grouped_mm projections, SDPA over the slots) under CUDA's sync debug mode, equal to the eager step."""
+    from headmix.attention import MixtureOfHeadsAttention
+
+    torch.manual_seed(0)
+    layer = MixtureOfHeadsAttention(256, 8, 1, 1, impl="sparse", **grouping).to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, 128, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    want = outputs_and_grads(layer, x, is_causal=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    outputs_and_grads(compiled, x, is_causal=True)  # warm-up: compilation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = outputs_and_grads(compiled, x, is_causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relative_error(a, b) <= 2e-2, f"tensor {i}: {relative_error(a, b):.3g}"
+
+
 def test_switchhead_triton_matches_reference():
     """SwitchHead's value mixing (gates in the kernel epilogue) and output reduce (the expanded attention
     output read in place) against the reference loop, odd head size, cross-attention with padding."""

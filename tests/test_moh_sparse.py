@@ -106,19 +106,21 @@ def test_sparse_equals_dense_with_attention_masks(mask, monkeypatch):
     assert spy.calls == 1
 
 
+def cross_attention(m):
+    """A cross-attention call of 2 x 7 queries over 2 x 5 memory tokens (the memory of row 0 padded after 3), as
+    :func:`both` takes it."""
+    memory_mask = torch.zeros(2, 5, dtype=torch.bool)
+    memory_mask[0, 3:] = True
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 7, D, dtype=torch.double, generator=g, requires_grad=True)
+    memory = torch.randn(2, 5, D, dtype=torch.double, generator=g, requires_grad=True)
+    return m(x, memory, key_padding_mask=memory_mask), [x, memory]
+
+
 def test_sparse_equals_dense_in_cross_attention(monkeypatch):
     spy = SparseSpy(monkeypatch)
     layer = make(rotary=True)  # cross-attention is not rotated, in either path
-    memory_mask = torch.zeros(2, 5, dtype=torch.bool)
-    memory_mask[0, 3:] = True
-
-    def call(m):
-        g = torch.Generator().manual_seed(4)
-        x = torch.randn(2, 7, D, dtype=torch.double, generator=g, requires_grad=True)
-        memory = torch.randn(2, 5, D, dtype=torch.double, generator=g, requires_grad=True)
-        return m(x, memory, key_padding_mask=memory_mask), [x, memory]
-
-    assert_same(*both(layer, call))
+    assert_same(*both(layer, cross_attention))
     assert spy.calls == 1
 
 
@@ -152,14 +154,20 @@ def test_sparse_cached_decoding_equals_the_full_causal_forward(preallocated, sha
     layer.impl = "dense"
     full = layer(x, is_causal=True).output
     layer.impl = "sparse"
-    out = layer(x[:, :3], is_causal=True, use_cache=True)
-    cache, steps = (out.cache.preallocate(12) if preallocated else out.cache), [out.output]
-    for t in range(3, 9):
+    torch.testing.assert_close(decode_in_steps(layer, x, preallocated), full, rtol=0, atol=1e-12)
+    assert spy.calls == 7
+
+
+def decode_in_steps(layer: MixtureOfHeadsAttention, x: torch.Tensor, preallocated: bool, prompt: int = 3) -> torch.Tensor:
+    """``layer``'s causal outputs for ``x`` with a cache: the first ``prompt`` tokens in one call, then one per step
+    (``preallocated``: on a cache preallocated for 3 more positions than ``x`` has)."""
+    out = layer(x[:, :prompt], is_causal=True, use_cache=True)
+    cache, steps = (out.cache.preallocate(x.shape[1] + 3) if preallocated else out.cache), [out.output]
+    for t in range(prompt, x.shape[1]):
         out = layer(x[:, t:t + 1], is_causal=True, use_cache=True, cache=cache)
         cache = out.cache
         steps.append(out.output)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
-    assert spy.calls == 7
+    return torch.cat(steps, dim=1)
 
 
 def test_decoding_step_reads_only_the_selected_heads_of_the_cache(monkeypatch):
@@ -226,8 +234,11 @@ def test_auto_rule():
     assert choose_moh_impl(cpu, 0, 0, 512) == "dense"
 
 
-def test_sparse_dropout_applies_in_training_only():
-    layer = make(dropout=0.5)
+@pytest.mark.parametrize("grouping", [{}, {"kv_heads": 2, "route_per_group": True, "shared": 0},
+                                      {"kv_heads": 1, "shared": 0}],
+                         ids=["global", "per_group", "one_kv_head"])  # the heads layout; the slot form alone
+def test_sparse_dropout_applies_in_training_only(grouping):
+    layer = make(dropout=0.5, **grouping)
     layer.impl = "sparse"
     x = torch.randn(2, 8, D, dtype=torch.double)
     layer.eval()

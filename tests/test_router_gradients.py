@@ -94,7 +94,7 @@ def test_moa_router_learns_or_is_refused(num_experts, top_k, router, renormalize
         assert_learns(grads, "router.noise.weight", learns)
 
 
-# --- MoH / GQE ---------------------------------------------------------------------------------------------
+# --- MoH (global and per K/V group) ------------------------------------------------------------------------------------------
 
 def moh_learns(routed_per_group: int, top_k: int, head_weighting: str) -> bool:
     """From MoH eq. 5-6 and the authors' weighting: ``"renormalized"`` at k = 1 weighs ``a_r k p_i / p_i = a_r``
@@ -120,7 +120,7 @@ def _check_moh(heads: int, shared: int, top_k: int, weighting: str, per_group: b
     if learns:
         layer = _moh(heads, shared, top_k, weighting, per_group, impl)
     else:
-        with pytest.raises(ValueError, match=f"^{'GQE' if per_group else 'MoH'}: the learned router {REFUSED}"):
+        with pytest.raises(ValueError, match=f"^{'MoH routed per K/V group' if per_group else 'MoH'}: the learned router {REFUSED}"):
             _moh(heads, shared, top_k, weighting, per_group, impl)
         layer = _moh(heads, shared, top_k, weighting, per_group, impl, allow_router_without_task_gradient=True)
     grads = routing_gradients(layer)
@@ -285,7 +285,7 @@ def _stored_gqe_configs() -> list[Path]:
 
 
 def test_the_committed_gqe_configs_are_the_ablation_they_were_trained_as():
-    """The committed studies' GQE configs (1 shared + top 1 per group, written before the rule) load, build and run
+    """The committed studies. MoH-per-K/V-group configs (1 shared + top 1 per group, written before the rule) load, build and run
     as the ablation; a dict written by hand with the same options is refused as a new config is."""
     stored = _stored_gqe_configs()
     assert len(stored) >= 2, stored
@@ -311,7 +311,7 @@ def test_the_committed_gqe_configs_are_the_ablation_they_were_trained_as():
 
 
 def test_a_model_saved_before_the_rule_loads_and_evaluates(tmp_path):
-    """A GQE top-1 model folder (weights and config.json) whose config lacks the flag, as written before the rule,
+    """A top-1 MoH-per-K/V-group model folder (weights and config.json) whose config lacks the flag, as written before the rule,
     loads and gives the outputs it gave when saved."""
     from headmix.models import build_model, load_pretrained
 

@@ -15,7 +15,7 @@ from ..routing.task_gradient import check_router_learns, moh_router_without_task
 from .base import AttentionOutput, KVCache, attention_bias, query_offset, scaled_dot_product, zero_loss
 from .mha import MultiHeadAttention, merge_heads, split_heads
 from .moa import autocast_dtype
-from .moh_sparse import routed_heads_attention
+from .moh_sparse import routed_heads_attention, routed_layout, slot_attention
 from .padding import check_flag, real_token_mask, zero_padded_queries
 from .rotary import RotaryEmbedding
 
@@ -35,17 +35,33 @@ MOH_IMPLS = ("auto", "dense", "sparse")
 SPARSE_MAX_ACTIVE_FRACTION = 0.5
 
 
-def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int) -> str:
-    """The ``auto`` rule: ``sparse`` on the CPU for calls of more than one query per sequence (training,
-    prefill) when ``top_k / routed <= SPARSE_MAX_ACTIVE_FRACTION`` and the call is not being compiled (the
-    sparse path reads group sizes back to the host); ``dense`` for one-query decoding steps (on the CPU the
-    sparse step's gathered cache slices cost as much as the skipped heads save: docs/performance.md) and on
-    other devices until the sparse path is measured there: off the CPU (and compiled) the sparse path has no
-    host sync but pads every (row, head) group to the sequence length (``moh_sparse.static_shapes``), so its
-    attention is as large as dense's and only the routed projections are saved."""
-    if routed == 0 or tgt == 1 or torch.compiler.is_compiling() or device.type != "cpu":
+def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int, slot_form: bool = False) -> str:
+    """The ``auto`` rule. ``routed``: the routed heads ``top_k`` picks from (per group with ``route_per_group``);
+    ``tgt``: queries per sequence in the call; ``slot_form``: the layer's selected heads are query heads of
+    grouped-query attention (:attr:`MixtureOfHeadsAttention.slot_form`: ``route_per_group``, or one K/V head).
+
+    - ``dense`` without routed heads, and for one-query decoding steps: their projections are one GEMM of every
+      head either way and the sparse step adds routing work (CPU, batch 8 after 512 tokens: sparse 0.97-1.28x
+      dense in the slot form; with global routing the gathered cache slices cost as much as the skipped heads
+      save: docs/performance.md, "Sparse MoH").
+    - ``slot_form``: ``sparse`` when ``top_k / routed <= SPARSE_MAX_ACTIVE_FRACTION``, on every device and
+      under ``torch.compile``. Its attention is one grouped-query call of the selected heads only
+      (``moh_sparse``'s ``grouped_query`` layout): static shapes and no host read, so it is the same path
+      off the CPU and compiled. Measured on the CPU (fp32, one thread, forward+backward, batch 2 x 512 and
+      x 1024): 0.61-0.71x dense MoH's time (docs/performance.md, "Sparse MoH"); not yet on a GPU.
+    - otherwise (global routing over several K/V heads) ``sparse`` on the CPU when ``top_k / routed <=
+      SPARSE_MAX_ACTIVE_FRACTION`` and the call is not being compiled (the ``heads`` layout reads group sizes
+      back to the host); ``dense`` on other devices and under compile: there the sparse path must keep static
+      shapes and pads every (row, head) group to the sequence length (``padded``), so its attention is as
+      large as dense's and only the routed projections are saved."""
+    if routed == 0 or tgt == 1:
         return "dense"
-    return "sparse" if top_k <= SPARSE_MAX_ACTIVE_FRACTION * routed else "dense"
+    few_active = top_k <= SPARSE_MAX_ACTIVE_FRACTION * routed
+    if slot_form:
+        return "sparse" if few_active else "dense"
+    if torch.compiler.is_compiling() or device.type != "cpu":
+        return "dense"
+    return "sparse" if few_active else "dense"
 
 
 class MixtureOfHeadsAttention(MultiHeadAttention):
@@ -87,8 +103,13 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
     the query projection, the attention rows and the head's slice of the output projection only for the
     tokens that selected it (:mod:`headmix.attention.moh_sparse`; the routed heads' projections run on the
     grouped expert kernels of :mod:`headmix.kernels`, ``expert_impl``). Keys and values are computed for every
-    head (any query may pick any head), and a cached decoding step reads only its active heads' slices of the
-    cache. Both give the same outputs, losses and gradients, and have the same parameters.
+    head (any query may pick any head). With ``route_per_group`` or one K/V head (:attr:`slot_form`) a token's
+    ``j``-th selected head of group ``g`` always reads K/V head ``g``, so the selected heads are the query heads
+    of one grouped-query attention call: the attention skipped on every device and under ``torch.compile``
+    (``fullgraph=True``, no host read). With global routing over several K/V heads the selected heads fall in
+    any group: the skipping layout reads group sizes back to the host, so on CUDA and under compile the sparse
+    path pads each head's rows to the sequence length and skips no attention (:mod:`~headmix.attention.moh_sparse`).
+    Both impls give the same outputs, losses and gradients, and have the same parameters.
 
     ``kv_heads``, ``qk_norm`` and ``output_gate`` as :class:`MultiHeadAttention` (grouped K/V heads, QK-norm,
     Gated Attention's G1 gate on each head's output, before the head weight ``g_i`` and ``W_O^i``; the two
@@ -187,7 +208,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             raise ValueError(f"head_weighting must be one of {HEAD_WEIGHTINGS}, got {head_weighting!r}")
         check_router_learns(moh_router_without_task_gradient(routed_per_group, top_k, head_weighting, router,
                                                              route_per_group),
-                            allow_router_without_task_gradient, "GQE" if route_per_group else "MoH")
+                            allow_router_without_task_gradient, "MoH routed per K/V group" if route_per_group else "MoH")
         check_fractions(load_balance_fractions)
         if impl not in MOH_IMPLS:
             raise ValueError(f"impl must be one of {MOH_IMPLS}, got {impl!r}")
@@ -215,6 +236,13 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                 self.group_gate = nn.Linear(embed_dim, 2 * self.route_groups, bias=False)
                 nn.init.zeros_(self.shared_gate.weight)
                 nn.init.zeros_(self.group_gate.weight)
+
+    @property
+    def slot_form(self) -> bool:
+        """Whether every token selects the same number of routed heads in each K/V group (``route_per_group``,
+        or one K/V head), so that the sparse path runs the selected heads as the query heads of one
+        grouped-query attention call (:func:`~headmix.attention.moh_sparse.routed_layout`)."""
+        return bool(self.route_per_group or self.kv_heads == 1)
 
     def head_weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
                      routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing | None]:
@@ -331,7 +359,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         ``query_padding_mask`` ``(B, T)``, with ``torch.nn.MultiheadAttention``'s conventions (``True`` =
         padding / forbidden; see :mod:`headmix.attention.base`); ``use_cache`` returns the new ``cache``."""
         query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
-        impl = (choose_moh_impl(query.device, self.top_k, self.num_routed_per_group, query.shape[1])
+        impl = (choose_moh_impl(query.device, self.top_k, self.num_routed_per_group, query.shape[1], self.slot_form)
                 if self.impl == "auto" else self.impl)  # top_k of each router group's routed heads
         if impl == "sparse" and self.num_routed_heads:
             return self._forward_sparse(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
@@ -443,14 +471,14 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
             positions = (torch.arange(n, device=query.device) % tgt + past_len)[:, None].expand(n, slots_per_token)
             q_r = self.rotary.rotate_at(q_r, positions)
         k_r, v_r = _kv_of_heads(k, v, routed_ids, self.num_heads)
-        if (self.route_per_group or self.kv_heads == 1) and _head_free(bias) and _head_free(empty):
-            # Each token's j-th slot of group g attends with K/V head g whichever head it selected (GQE: top_k
-            # slots per group; one K/V head: every slot), and the masks are the same for every head: the slots
-            # are query heads of grouped-query attention, (batch, groups * top_k, T, d_k) against the K/V heads,
-            # every row a real (token, selected head) pair: no sorting, no padding, the plain causal kernel.
-            q_slots = q_r.to(k.dtype).view(batch, tgt, slots_per_token, dk).transpose(1, 2)
-            o_r = scaled_dot_product(q_slots, k_r, v_r, bias, empty, dropout, causal=causal)
-            o_r = o_r.transpose(1, 2).reshape(n, slots_per_token, dv)
+        layout = routed_layout(self.slot_form, tgt, query)
+        if layout == "grouped_query":
+            # Each token's j-th slot of group g attends with K/V head g whichever head it selected: the slots are
+            # the query heads of grouped-query attention (moh_sparse, "grouped_query").
+            o_r = slot_attention(q_r.to(k.dtype).view(batch, tgt, slots_per_token, dk), k_r, v_r,
+                                 index.view(batch, tgt, slots_per_token), bias=_heads(bias, routed_ids),
+                                 empty_rows=_heads(empty, routed_ids), causal=causal, dropout=dropout)
+            o_r = o_r.reshape(n, slots_per_token, dv)
         else:
             o_r = routed_heads_attention(q_r.to(k.dtype), k_r, v_r, index, batch, tgt,
                                          bias=_heads(bias, routed_ids), empty_rows=_heads(empty, routed_ids),
@@ -494,11 +522,6 @@ def _heads(mask: Tensor | None, heads: list[int]) -> Tensor | None:
     if _consecutive(heads):
         return mask[:, heads[0]:heads[0] + len(heads)]
     return mask[:, heads]
-
-
-def _head_free(mask: Tensor | None) -> bool:
-    """A mask (from :func:`attention_bias`) that is the same for every head, or none."""
-    return mask is None or mask.dim() < 4 or mask.shape[1] == 1
 
 
 def _consecutive(heads: list[int]) -> bool:

@@ -6,24 +6,37 @@ head (its K/V are computed for all tokens, since any later query may pick the he
 skipped is the unselected heads' queries, attention rows and output projections. This module computes the
 attention rows of the selected (token, head) slots only.
 
-A slot ``s = n k + j`` is token ``n = b T + t`` with its ``j``-th selected routed head ``r``. Two layouts:
+A slot ``s = n k + j`` is token ``n = b T + t`` with its ``j``-th selected routed head ``r``. Four layouts
+(:data:`ROUTED_LAYOUTS`; :func:`routed_layout` picks one):
 
-- ``heads`` (training, prefill): the slots are grouped by (batch row, head), ordered by position inside a
-  group, and padded to the largest group ``c``: queries ``(B, R, c, d)`` against the routed heads' own keys
-  ``(B, R, S, d)`` in one attention call, with each row's mask read at its original position. With a
-  plain causal mask the rows are split into position chunks, and a chunk attends only to the keys up to its
-  last position, which recovers most of the causal half that a full row would waste.
-- ``slots`` (one query per batch row, i.e. cached decoding): each slot is its own attention row against
-  its head's keys, gathered from the cache; only the selected heads' slices of the cache are read.
+- ``grouped_query`` (the slot form; MoH routed per K/V group, GQE, and MoH with one K/V head): every token
+  selects exactly ``k`` routed heads in each of the ``G`` K/V groups, so its slot ``g k + j`` reads K/V head
+  ``g`` whichever head it selected. The slots are then the ``G k`` query heads of ordinary grouped-query
+  attention, ``(B, G k, T, d)`` against the ``G`` K/V heads (:func:`slot_attention`): one
+  ``scaled_dot_product_attention`` call with the plain causal kernel (flash on CUDA), every row a real
+  (token, selected head) pair, no sorting, no padding, shapes that depend on the sizes only (no host read,
+  ``torch.compile(fullgraph=True)``), at ``k / (H/G - S)`` of the routed heads' dense attention. A per-head
+  mask is gathered per slot (row ``t`` of slot ``j`` is row ``t`` of the head that token selected). Used on
+  every device, compiled or not, for training, prefill and cached decoding.
+- ``heads`` (global routing over several K/V heads; training, prefill, eager on the CPU): the slots are
+  grouped by (batch row, head), ordered by position inside a group, and padded to the largest group ``c``:
+  queries ``(B, R, c, d)`` against the routed heads' own keys ``(B, R, S, d)`` in one attention call, with
+  each row's mask read at its original position. With a plain causal mask the rows are split into position
+  chunks, and a chunk attends only to the keys up to its last position, which recovers most of the causal
+  half that a full row would waste. The largest group ``c`` and the chunks' key bounds are read back to the
+  host.
+- ``padded`` (the same, where a host read would be a sync: any device but the CPU, and under
+  ``torch.compile``, :func:`static_shapes`): every group is padded to the static capacity ``c = T`` (a token
+  selects a head at most once) and the causal mask is applied to whole rows, so no shape depends on the
+  routing: it compiles with ``fullgraph=True`` and can be captured in a CUDA graph, but its attention is as
+  large as dense MoH's routed heads' (only the routed projections stay sparse). A token's selected heads fall
+  in any K/V group, so no static layout of fewer rows holds them all: global-top-k MoH's attention is not
+  skipped on CUDA or under compile.
+- ``slots`` (global routing, one query per batch row, i.e. cached decoding): each slot is its own attention
+  row against its head's keys, gathered from the cache; only the selected heads' slices of the cache are read.
 
-Both give exactly what dense MoH gives for the selected heads (the unselected heads contribute 0 there).
-Group sizes come from device offsets (a sort and a ``searchsorted``, no ``bincount``). In eager execution on
-the CPU the largest group ``c`` and the causal chunks' key bounds are read back to the host; where that would
-be a host sync (any other device, or under ``torch.compile``: :func:`static_shapes`) every group is padded
-to the static capacity ``c = T`` (a token selects a head at most once) and the causal mask is applied to
-whole rows, so no shape depends on the routing: the path compiles with ``fullgraph=True`` and can be
-captured in a CUDA graph, at the cost of an attention as large as dense MoH's routed heads' (the routed
-projections stay sparse).
+Every layout gives exactly what dense MoH gives for the selected heads (the unselected heads contribute 0
+there). Group sizes come from device offsets (a sort and a ``searchsorted``, no ``bincount``).
 """
 
 from __future__ import annotations
@@ -42,6 +55,54 @@ def static_shapes(t: Tensor) -> bool:
     """Whether the ``heads`` layout must keep routing-independent shapes (no host sync): on every device but
     the CPU, and under ``torch.compile``."""
     return t.device.type != "cpu" or torch.compiler.is_compiling()
+
+
+#: How the routed heads' attention rows are laid out (module docstring); :func:`routed_layout` picks one.
+ROUTED_LAYOUTS = ("grouped_query", "heads", "padded", "slots")
+
+
+def routed_layout(slot_form: bool, tgt: int, t: Tensor) -> str:
+    """The layout of the routed heads' attention (:data:`ROUTED_LAYOUTS`) for a call of ``tgt`` queries per
+    batch row on ``t``'s device. ``slot_form``: each token selects the same number of routed heads in every
+    K/V group (MoH with ``route_per_group``, or with one K/V head), so the slots are query heads of
+    grouped-query attention: ``grouped_query`` on every device, compiled or not, and for decoding steps. On
+    the CPU in eager mode it is also faster than the ``heads`` layout, which could run there: fp32,
+    forward+backward, batch 2, causal, d_model 512, 8 heads of 64 (GQE on 2 K/V heads, top 2 of 4 or 1 shared
+    + top 1 of 3 per group; one K/V head, 2 shared + top 2 of 6), ``heads`` took 1.06-1.15x ``grouped_query``'s
+    time at T 512 and 1.15-1.25x at T 1024 (one thread, CPU time; AMD EPYC, 2 cores shared, load average
+    7-11, commit 404ede2; docs/performance.md, "Sparse MoH"). Otherwise ``slots`` for one query per row,
+    ``padded`` where a host read would be a sync (:func:`static_shapes`), else ``heads``."""
+    if slot_form:
+        return "grouped_query"
+    if tgt == 1:
+        return "slots"
+    return "padded" if static_shapes(t) else "heads"
+
+
+def slot_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, *, bias: Tensor | None,
+                   empty_rows: Tensor | None, causal: bool, dropout: float) -> Tensor:
+    """The ``grouped_query`` layout: attention outputs ``(B, T, C, d_v)`` of the ``C`` slots per token.
+
+    ``q`` ``(B, T, C, d)``: each slot's query (rotated already), slot ``c`` of a token reading K/V head
+    ``c // (C / G)`` of ``k``/``v`` ``(B, G, S, d)`` (grouped-query attention: ``C = G k`` with
+    ``route_per_group``, any ``C`` with ``G = 1``); ``index`` ``(B, T, C)``: the routed head of each slot;
+    ``bias`` and ``empty_rows``: :func:`~headmix.attention.base.attention_bias`'s masks of the routed heads,
+    broadcastable to ``(B, R, T, S)`` and ``(B, R, T, 1)`` (head dimension 1, or ``R``: then each slot reads
+    the rows of the head it selected), or None; ``causal``: the only mask is a plain causal one."""
+    bias, empty_rows = _slot_rows(bias, index), _slot_rows(empty_rows, index)
+    o = scaled_dot_product(q.transpose(1, 2), k, v, bias, empty_rows, dropout, causal=causal)
+    return o.transpose(1, 2)
+
+
+def _slot_rows(mask: Tensor | None, index: Tensor) -> Tensor | None:
+    """A mask broadcastable to ``(B, R, T, X)`` laid out for the slots: itself when it is the same for every
+    head, else ``mask[b, index[b, t, c], t]`` as ``(B, C, T, X)``."""
+    if mask is None or mask.dim() < 4 or mask.shape[1] == 1:
+        return mask
+    batch, tgt, slots = index.shape
+    full = mask.expand(batch, mask.shape[1], tgt, mask.shape[3])
+    rows = index.transpose(1, 2)[..., None].expand(batch, slots, tgt, mask.shape[3])
+    return torch.gather(full, 1, rows)
 
 
 def routed_heads_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, batch: int, tgt: int, *,

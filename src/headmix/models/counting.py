@@ -27,6 +27,11 @@ Three numbers per model:
   ``top_k`` selected heads' query projections, attention and output projections per query token (per K/V
   group with ``route_per_group``, GQE: ``kv_heads (num_shared_heads + top_k)`` heads), and every
   head's keys and values; dense MoH (and ``auto``, whatever it picks at run time) counts every head. With
+  ``route_per_group`` or one K/V head this is exactly the slot form's grouped-query attention of
+  ``G (S + k)`` query heads, on every device and compiled; global-top-k MoH over several K/V heads computes it
+  on the eager CPU (up to the padding of each head's rows to its largest group), while off the CPU and under
+  ``torch.compile`` its padded layout computes every routed head's attention rows (the count, from the config
+  alone, does not follow the device). With
   ``router="query_norm"`` (MoH-LLaMA3's rule, which reads every routed head's query) the query projection
   of every head is counted; the norms are element-wise work, and the rule has no router projection.
 - ``kv_heads`` (MHA, MoH, Talking-Heads): the K/V projections make ``kv_heads`` heads, ``2 S d_m

@@ -6,9 +6,9 @@ scores, the router's parameters get no gradient from the task, and only an auxil
 z-loss), if any, moves them. This happens, with any inputs, in exactly these cases (measured per option by
 ``tests/test_router_gradients.py``):
 
-- MoH / GQE with ``head_weighting="renormalized"`` and ``top_k=1``: the selected routed head weighs
+- MoH (also routed per K/V group) with ``head_weighting="renormalized"`` and ``top_k=1``: the selected routed head weighs
   ``a_r * k * p_i / sum_{j in TopK} p_j = a_r * p_i / p_i = a_r``: the routing probabilities cancel;
-- MoH / GQE with one routed head (per group with ``route_per_group``), any ``head_weighting``: ``p =
+- MoH with one routed head (per group with ``route_per_group``), any ``head_weighting``: ``p =
   softmax`` over one head is the constant 1;
 - MoA with ``top_k=1`` and ``renormalize="live"``: ``w_i = p_i / sum_{j in G} p_j = p_i / p_i = 1``;
 - MoA with ``top_k=1`` and ``router="noisy_topk"``: ``w = softmax`` over the one kept logit, the constant 1
