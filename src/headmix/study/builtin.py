@@ -13,14 +13,20 @@
   projections (:data:`headmix.study.matching.INHERITED`).
 - ``lm-en-contenders``: ``lm-en``'s data and training on the Llama-3-style decoder with grouped-query attention
   (``llama3-mini-gqa``: 8 query heads of 16 on 2 K/V heads); this year's contenders at its attention MACs:
-  headwise-gated GQA (Gated Attention), GQE (MoH routed inside each K/V group: 1 shared + top 1 of 3, sparse;
-  its router gets no task-loss gradient, so the row is marked as that ablation, as it was trained), MoA with
-  2 K/V heads (top 4 of 8), MoSA (2 dense heads and sparse heads of 16 keeping 1/8 of the tokens, their number
-  solved) and SwitchHead; and the controls: GQE and MoA kv2 with random routing
-  (``router="random"``), GQE's static twin (grouped-query attention with GQE's 2 active query heads per K/V
-  head, no router) and MoSA evaluated with the causal threshold rule as well as top-k.
+  headwise-gated GQA (Gated Attention), GQE as its paper defines it (``kind="gqe"``, arXiv 2606.20945: 2
+  query-head experts per K/V head, top 1, with the weighted-sum slot and the shared head: the paper's main
+  setting per group), MoA with 2 K/V heads (top 4 of 8), MoSA (2 dense heads and sparse heads of 16 keeping
+  1/8 of the tokens, their number solved) and SwitchHead; and the controls: GQE and MoA kv2 with random routing
+  (``router="random"``), GQE's static twin (grouped-query attention with 4 query heads on the 2 K/V heads: the
+  3 query heads a GQE token computes, its 2 slots and its shared head, rounded up to whole K/V groups; no
+  router), GQE without its weighted slot (the paper's Table 2 "hard concat only", whose router gets no task
+  gradient: asked for as that ablation) and MoSA evaluated with the causal threshold rule as well as top-k.
+  Until 2026-11-27 the GQE rows were MoH routed per K/V group with 1 shared + top 1 of 3, whose router got no
+  gradient from the task loss (issue 42); their records were removed when the paper's GQE replaced them.
 - ``lm-en-contenders-long``: the baseline and the two best rows of ``lm-en-contenders`` (Gated, GQE) once more
-  with four times the training tokens (1600 steps, three seeds), to show the trend with training length.
+  with four times the training tokens (1600 steps, three seeds), to show the trend with training length. Its
+  GQE row is the paper's GQE since 2026-11-27 and is still to be run (the MoH-per-group row it replaced had a
+  router without a task gradient).
 
 A row's free fields (``solve``) are sized to the baseline's attention MACs within 2%
 (:mod:`headmix.study.matching`), preferring the baseline's head size of 32.
@@ -39,8 +45,9 @@ Studies that want a GPU (``headmix study --list`` says how long a row takes on o
 - ``lm-en-gpu-contenders``: ``lm-en-contenders``' rows at GPU scale, in runs that fit a short loan of one H100: a
   Llama-3-style decoder of d_model 512, 8 layers, GQA 8 query heads of 64 on 2 K/V heads (rotary base 500000),
   blocks of 1024 tokens, 400 steps of 16 x 1024 tokens (6.6M tokens per run), lr 1.5e-3 (as ``lm-en-gpu``, not
-  tuned), bf16 on CUDA, 3 seeds; rows GQA, Gated, GQE, GQE with a random router (``router="random"``: the
-  control of GQE's learned one), MoA with 2 K/V heads (top 4 of 8) and MoSA (2 dense heads of 64 and sparse heads
+  tuned), bf16 on CUDA, 3 seeds; rows GQA, Gated, GQE (the paper's, as in ``lm-en-contenders``), GQE with a
+  random router (``router="random"``: the control of GQE's learned one), its static control and its
+  hard-slots-only ablation, MoA with 2 K/V heads (top 4 of 8) and MoSA (2 dense heads of 64 and sparse heads
   of 64 keeping 1/8 of the tokens, their number solved). Rows are matched on the ``causal`` MAC count (what a
   causal flash kernel computes on the GPU; the report shows the ``full`` ratio beside it). Its data is the token
   pack committed in ``studies/lm-en-gpu-contenders/pack/`` (:data:`GPU_CONTENDERS_PACK`: ``en-docs.jsonl.gz``
