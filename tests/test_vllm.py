@@ -75,16 +75,17 @@ KINDS = {
     # Llama-3 style: GQA with QK-norm and the elementwise output gate; RMSNorm, SwiGLU, untied output
     "gqa-gated": (_llama(_attention("mha", num_heads=4, kv_heads=2, qk_norm=True, output_gate="elementwise",
                                     rotary_base=500000.0)), 0, "hf"),
-    # the CPU presets' options: pre-norm LayerNorm, sinusoidal positions, ReLU MLP, scaled and tied embeddings,
-    # biases; MHA with the headwise output gate
+    # the CPU presets' options: pre-norm LayerNorm, sinusoidal positions, ReLU MLP, scaled embeddings, biases;
+    # MHA with the headwise output gate
     "mha-headwise": (_classic(_attention("mha", num_heads=2, output_gate="headwise"), norm="pre",
-                              positions="sinusoidal", activation="relu"), 0, "hf"),
+                              positions="sinusoidal", activation="relu", share_embeddings=False), 0, "hf"),
     # MoA with one shared K/V head, the noisy router (noise-free at inference), half of each head rotated
     "moa": (_llama(_attention("moa", num_experts=4, top_k=2, router="noisy_topk", rotary_fraction=0.5)), 1, "native"),
     # JetMoE: MoA on 2 grouped K/V heads and a mixture of SwiGLU experts, tied output
     "jetmoe": (jetmoe_model(VOCAB, d_model=D_MODEL, layers=LAYERS, max_positions=MAX_POSITIONS, top_k=2,
                             num_experts=4, head_dim=64, kv_heads=2), 1, "hf"),
-    # global MoH (shared heads, the paper's weighting): post-norm, learned positions, embedding norm, GELU MLP
+    # global MoH (shared heads, the paper's weighting): post-norm, learned positions, embedding norm, GELU MLP,
+    # tied output
     "moh": (_classic(_attention("moh", num_heads=4, num_shared_heads=1, top_k=2, head_weighting="paper"),
                      norm="post", positions="learned", activation="gelu", embedding_norm=True,
                      scale_embeddings=False), 1, "hf"),
@@ -97,16 +98,24 @@ KINDS = {
 
 #: The softmax routers' weights (SwitchHead's selectors are left as built: see the module docstring).
 ROUTER_WEIGHTS = ("router.gate.weight", "routed_gate.weight", "shared_gate.weight", "group_gate.weight")
+#: The sublayers' output projections, times SUBLAYER_SCALE: at headmix's initial scale the residual stream stays
+#: close to the token's own embedding, which a tied output projection copies (greedy decoding then repeats the
+#: last prompt token, and a wrong attention or feed-forward would go unseen).
+SUBLAYER_OUTPUTS = ("self_attn.out_proj.weight", "ffn.fc2.weight", "ffn.down_proj.weight", "ffn.output_experts")
+SUBLAYER_SCALE = 6.0
 
 
 def build_tiny(config: ModelConfig, seed: int = 0):
-    """A tiny model with decisive routing (router weights times ROUTER_SCALE), in eval mode."""
+    """A tiny model with decisive routing (router weights times ROUTER_SCALE) and sublayers that change its
+    predictions (SUBLAYER_SCALE), in eval mode."""
     torch.manual_seed(seed)
     model = build_model(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(ROUTER_WEIGHTS):
                 p.mul_(ROUTER_SCALE)
+            elif name.endswith(SUBLAYER_OUTPUTS):
+                p.mul_(SUBLAYER_SCALE)
     return model
 
 
@@ -203,6 +212,7 @@ def test_greedy_tokens_equal_headmix(served):
     for prompt, output in zip(PROMPTS, served["outputs"]):
         tokens, gaps = headmix_greedy(model, prompt)
         assert min(gaps) > TIE, f"a greedy step of {served['kind']} is a near tie: the fixture is not decisive"
+        assert len(set(tokens)) >= 3, f"{served['kind']} repeats itself: equal tokens would show little"
         assert list(output.outputs[0].token_ids) == tokens, f"{served['kind']}, prompt {prompt}"
         assert len(tokens) == NEW_TOKENS and PAD not in tokens
 

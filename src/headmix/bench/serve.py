@@ -1,7 +1,8 @@
 """``headmix bench serve``: serving headmix causal LMs with vLLM (docs/serving.md), offline, on this machine.
 
 1. Throughput: the same GQA model (8 query heads of 64 on 2 K/V heads) and the same prompts, greedy, ``--new-tokens``
-   new tokens per prompt (end-of-sequence ignored where the engine allows it; each row counts the tokens it got),
+   new tokens per prompt (the models' ``eos_id`` is their padding id, which is never generated, so every engine
+   generates them all; each row counts the tokens it got),
    at each ``--batches`` size: vLLM (``LLM.generate``, one call for the batch), headmix's own decoding
    (:func:`headmix.models.greedy_decode`, its KV cache) and transformers' ``generate`` through
    :class:`headmix.hf.HeadmixForCausalLM` (greedy, ``min_new_tokens`` = ``max_new_tokens``).
@@ -54,8 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_config(attention: AttentionConfig, args: argparse.Namespace) -> ModelConfig:
+    """A Llama-style decoder whose ``eos_id`` is its padding id, which headmix's decoding never generates: every
+    engine then generates all ``--new-tokens`` tokens of every prompt (the same work for each)."""
     return llama_model(attention, args.vocab, d_model=args.d_model, layers=args.layers,
-                       max_positions=args.prompt + args.new_tokens + 16)
+                       max_positions=args.prompt + args.new_tokens + 16, pad_id=0, eos_id=0)
 
 
 def _timed(fn) -> tuple[float, object]:
