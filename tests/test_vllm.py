@@ -250,6 +250,40 @@ def test_padding_would_win_without_the_rule():
     assert hits > 0
 
 
+def test_export_hf_folder_serves_text_prompts(engine_env, tmp_path):
+    """``headmix export-hf``'s folder, tokenizer included, served as it is: a text prompt is encoded with ``bos``
+    first, as headmix's own generation does, and vLLM's greedy tokens and text are headmix's."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from headmix.hf import run_to_hf
+
+    config, _, _ = KINDS["gqe"]
+    model = build_tiny(config)
+    run = tmp_path / "run"
+    model.save_pretrained(run)
+    words = Tokenizer(WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}},
+                                unk_token="<pad>"))
+    words.pre_tokenizer = WhitespaceSplit()
+    (run / "tokenizer").mkdir()
+    words.save(str(run / "tokenizer" / "tokenizer.json"))
+    folder = run_to_hf(run, tmp_path / "hf")
+    text = " ".join(f"w{i}" for i in PROMPTS[0][1:])
+    llm = start(folder, skip_tokenizer_init=False)
+    output = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                          use_tqdm=False)[0]
+    stop(llm)
+    expected = headmix_greedy(model, PROMPTS[0])[0]
+    assert list(output.prompt_token_ids) == PROMPTS[0]
+    assert list(output.outputs[0].token_ids) == expected
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # the continuation's text: the whole minus the prompt's
+    whole, prompt = (tokenizer.decode(ids, skip_special_tokens=True) for ids in (PROMPTS[0] + expected, PROMPTS[0]))
+    assert output.outputs[0].text == whole[len(prompt):] and output.outputs[0].text.split() == [f"w{i}" for i in expected]
+
+
 def test_importing_headmix_does_not_import_vllm():
     code = ("import sys, headmix, headmix.serving, headmix.serving.support, headmix.serving.plugin; "
             "sys.exit('vllm' in sys.modules)")
