@@ -10,8 +10,8 @@ the ``mlp`` (ReLU / GELU), ``swiglu`` and ``moe_swiglu`` (JetMoE) feed-forwards,
 
 Refused, naming what to use instead: Talking-Heads (it mixes attention scores across heads, which paged
 attention never forms), MoSA (each head attends to its own subset of tokens, chosen from the whole sequence),
-a decoupled key size (``key_dim`` unlike ``head_dim``: one paged cache entry per head holds keys and values of
-one size), the random-routing controls (their draws are keyed on the batch row and position of a fixed batch,
+a decoupled key size (``key_dim`` unlike ``head_dim``: the model caches keys and values of one head size, the only
+form vLLM's CPU attention takes), the random-routing controls (their draws are keyed on the batch row and position of a fixed batch,
 which continuous batching does not keep), and a head size the attention backend refuses (checked where the
 model is built, against the backend's own list).
 """
@@ -57,8 +57,8 @@ def check_servable(config: ModelConfig) -> None:
                                f"keep: {ELSEWHERE}")
     if att.key_dim is not None and att.key_dim != att.resolved_head_dim(config.d_model):
         raise NotServableError(f"a decoupled key size (decoder_self_attention.key_dim={att.key_dim}, head_dim="
-                               f"{att.resolved_head_dim(config.d_model)}) is not served: vLLM's paged cache holds "
-                               f"keys and values of one head size; {ELSEWHERE}")
+                               f"{att.resolved_head_dim(config.d_model)}) is not served: headmix's vLLM model caches keys "
+                               f"and values of one head size (vLLM's CPU attention has no other); {ELSEWHERE}")
 
 
 def check_head_size(size: int, accepted: list[int] | tuple[int, ...], backend: str) -> None:
