@@ -284,6 +284,27 @@ def test_export_hf_folder_serves_text_prompts(engine_env, tmp_path):
     assert output.outputs[0].text == whole[len(prompt):] and output.outputs[0].text.split() == [f"w{i}" for i in expected]
 
 
+def test_the_plugin_registers_once_however_often_vllm_calls_it(tmp_path):
+    """vLLM calls its plugins in every process, maybe more than once: the registrations stay one each, and the
+    "headmix" config format reads headmix's own folders."""
+    from vllm import ModelRegistry
+    from vllm.transformers_utils.config import get_config_parser
+
+    from headmix.serving import plugin
+
+    plugin.register()
+    parser = get_config_parser(plugin.CONFIG_FORMAT)
+    plugin.register()
+    assert type(get_config_parser(plugin.CONFIG_FORMAT)) is type(parser)
+    assert "HeadmixForCausalLM" in ModelRegistry.get_supported_archs()
+    config, _, _ = KINDS["moa"]
+    build_tiny(config).save_pretrained(tmp_path)
+    _, hf_config = parser.parse(tmp_path, trust_remote_code=False)
+    assert hf_config.architectures == ["HeadmixForCausalLM"] and hf_config.model_config() == config
+    with pytest.raises(ValueError, match="config_format 'headmix' reads a local folder"):
+        parser.parse(tmp_path / "missing", trust_remote_code=False)
+
+
 def test_importing_headmix_does_not_import_vllm():
     code = ("import sys, headmix, headmix.serving, headmix.serving.support, headmix.serving.plugin; "
             "sys.exit('vllm' in sys.modules)")
