@@ -305,6 +305,16 @@ def test_the_plugin_registers_once_however_often_vllm_calls_it(tmp_path):
         parser.parse(tmp_path / "missing", trust_remote_code=False)
 
 
+def test_the_plugin_never_stops_vllm(monkeypatch, caplog):
+    """Where headmix.hf cannot be imported (transformers older than 5.17), the plugin, which vLLM calls for every
+    model, warns once and registers nothing instead of raising."""
+    from headmix.serving import plugin
+
+    monkeypatch.setitem(sys.modules, "headmix.hf", None)  # `import headmix.hf` raises ImportError
+    plugin.register()
+    assert "headmix's vLLM plugin registers nothing" in caplog.text
+
+
 def test_importing_headmix_does_not_import_vllm():
     code = ("import sys, headmix, headmix.serving, headmix.serving.support, headmix.serving.plugin; "
             "sys.exit('vllm' in sys.modules)")

@@ -19,6 +19,7 @@ vLLM is imported here only inside :func:`register`: importing headmix never impo
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,18 @@ CONFIG_FORMAT = "headmix"
 
 
 def register() -> None:
-    """The plugin entry point: register the model, the ``AutoConfig`` and the config format (module docstring)."""
+    """The plugin entry point: register the model, the ``AutoConfig`` and the config format (module docstring).
+
+    vLLM calls every installed plugin whatever model it serves: where ``headmix.hf`` cannot be imported (a
+    ``transformers`` older than 5.17), this logs one warning and registers nothing, rather than stop vLLM."""
     from vllm import ModelRegistry
 
-    import headmix.hf  # noqa: F401  (registers model_type "headmix" with AutoConfig)
-
+    try:
+        import headmix.hf  # noqa: F401  (registers model_type "headmix" with AutoConfig)
+    except ImportError as err:
+        logging.getLogger(__name__).warning("headmix's vLLM plugin registers nothing (headmix models will not "
+                                            "load): %s", err)
+        return
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     _register_config_format()
