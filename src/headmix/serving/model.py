@@ -1,0 +1,398 @@
+"""A headmix causal language model inside vLLM: :class:`VllmHeadmixForCausalLM` (docs/serving.md).
+
+The decoder is headmix's (:class:`headmix.models.transformer.CausalLanguageModel`), rebuilt from vLLM's layers:
+``Attention`` (the paged KV cache, continuous batching), ``get_rope`` (RoFormer's rotation, half-split as
+headmix's, ``rotary_fraction`` of each head), ``RMSNorm`` / ``LayerNorm``, ``ReplicatedLinear``,
+``VocabParallelEmbedding`` / ``ParallelLMHead`` and ``LogitsProcessor``. vLLM hands the model the tokens of all
+its running sequences flattened, ``(tokens, d_model)``, with each token's position; every routing decision
+headmix makes is per token, so it is the same in any batch.
+
+The routers are headmix's own code, called on the modules here, which hold the same parameters under the same
+names: MoA's and the expert feed-forward's :class:`~headmix.routing.TopKRouter` (eq. 7-9; the noisy router
+without its noise, which is training-only), MoH's head weights
+(:meth:`~headmix.attention.MixtureOfHeadsAttention.head_weights`, eq. 5-6 or the authors' form) and SwitchHead's
+selectors (:meth:`~headmix.attention.SwitchHeadAttention.select`); the grouped expert projections are headmix's
+kernels (:func:`~headmix.kernels.expert_map`, :func:`~headmix.kernels.expert_reduce`). So vLLM computes what
+headmix computes, up to the order of float operations.
+
+What the paged cache holds per token and layer: MHA/MoH ``kv_heads`` heads (``num_heads`` without GQA), MoA its
+``kv_heads`` shared K/V heads (the selected experts' ``top_k * kv_heads`` queries are the attention's query
+heads, query head ``g * top_k + j`` reading K/V head ``g``, as in headmix), SwitchHead its ``num_heads`` keys and
+expert-mixed values.
+
+The weights load from headmix's safetensors names (a Hugging Face folder's ``model.`` prefix dropped, a tied
+output projection stored once). The padding token (``pad_id``) is never generated: its logit is ``-inf``, as
+headmix's decoding removes it, so vLLM's log-probabilities are over the tokens the model can emit (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from ..attention import MixtureOfHeadsAttention, SwitchHeadAttention
+from ..kernels import expert_map, expert_map_weighted, expert_reduce, expert_routing
+from ..models.config import AttentionConfig, ModelConfig
+from ..models.transformer import HF_PREFIX, MixtureOfSwiGLUExperts, sinusoidal_table
+from ..routing import TopKRouter
+from .support import check_head_size, check_servable
+
+#: HeadRMSNorm's epsilon (QK-norm; headmix's layers use the default, configs do not set it).
+QK_NORM_EPS = 1e-6
+
+
+def _linear(d_in: int, d_out: int, bias: bool, prefix: str) -> ReplicatedLinear:
+    return ReplicatedLinear(d_in, d_out, bias=bias, prefix=prefix)
+
+
+def _norm(config: ModelConfig, size: int | None = None) -> nn.Module:
+    """headmix's :func:`~headmix.models.transformer.make_norm` from vLLM's layers."""
+    size = config.d_model if size is None else size
+    if config.norm_type == "rmsnorm":
+        return RMSNorm(size, eps=config.norm_eps)
+    return LayerNorm(size, eps=config.norm_eps, bias=config.bias)
+
+
+def _rope(att: AttentionConfig, head_size: int, max_positions: int) -> nn.Module | None:
+    """vLLM's rotary embedding for ``att`` (None without rotary): half-split pairs (``is_neox_style``), the first
+    ``int(head_size * rotary_fraction)`` dimensions rounded down to even rotated, as headmix's RotaryEmbedding."""
+    if not att.rotary:
+        return None
+    rotary_dim = int(head_size * att.rotary_fraction) // 2 * 2
+    return get_rope(head_size, max_position=max_positions, is_neox_style=True,
+                    rope_parameters={"rope_theta": float(att.rotary_base), "rope_dim": rotary_dim},
+                    dtype=torch.float32)
+
+
+def _paged_attention(vllm_config: VllmConfig, heads: int, head_size: int, kv_heads: int, prefix: str) -> Attention:
+    """vLLM's paged attention, refused in one line for a head size its backend does not take."""
+    attn = Attention(heads, head_size, head_size ** -0.5, num_kv_heads=kv_heads,
+                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+    backend = attn.attn_backend
+    check_head_size(head_size, backend.get_supported_head_sizes(), backend.get_name())
+    return attn
+
+
+class _Rotated(nn.Module):
+    """The shared part of the attention modules: rotary positions on queries and keys, then paged attention."""
+
+    rotary_emb: nn.Module | None
+    attn: Attention
+
+    def _attend(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
+        return self.attn(q, k, v)
+
+
+class HeadsAttention(_Rotated):
+    """Multi-head attention (:class:`~headmix.attention.MultiHeadAttention`): GQA / MQA (``kv_heads``), QK-norm
+    (an RMSNorm over each head's queries and keys before rotary) and Gated Attention's G1 output gate
+    (``sigmoid(x W_theta)`` per head or per element, before ``out_proj``)."""
+
+    def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
+        super().__init__()
+        att, d = config.decoder_self_attention, config.d_model
+        q_bias, kv_bias, out_bias = att.resolved_biases()
+        self.num_heads, self.head_dim = att.num_heads, att.resolved_head_dim(d)
+        self.kv_heads = att.kv_heads or att.num_heads
+        h, g, dh = self.num_heads, self.kv_heads, self.head_dim
+        self.q_proj = _linear(d, h * dh, q_bias, f"{prefix}.q_proj")
+        self.k_proj = _linear(d, g * dh, kv_bias, f"{prefix}.k_proj")
+        self.v_proj = _linear(d, g * dh, kv_bias, f"{prefix}.v_proj")
+        self.out_proj = _linear(h * dh, d, out_bias, f"{prefix}.out_proj")
+        self.q_norm = self.k_norm = self.gate_proj = None
+        if att.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(dh, eps=QK_NORM_EPS), RMSNorm(dh, eps=QK_NORM_EPS)
+        if att.output_gate is not None:
+            gates = h if att.output_gate == "headwise" else h * dh
+            self.gate_proj = _linear(d, gates, q_bias, f"{prefix}.gate_proj")
+        self.rotary_emb = _rope(att, dh, config.max_positions)
+        self.attn = _paged_attention(vllm_config, h, dh, g, prefix)
+
+    def _heads_norm(self, x: Tensor, norm: nn.Module | None) -> Tensor:
+        if norm is None:
+            return x
+        return norm(x.reshape(-1, self.head_dim)).view(x.shape)
+
+    def head_outputs(self, positions: Tensor, x: Tensor) -> Tensor:
+        """The gated attention output of every head, ``(tokens, num_heads, head_dim)``."""
+        q = self._heads_norm(self.q_proj(x)[0], self.q_norm)
+        k = self._heads_norm(self.k_proj(x)[0], self.k_norm)
+        v = self.v_proj(x)[0]
+        o = self._attend(positions, q, k, v).view(-1, self.num_heads, self.head_dim)
+        if self.gate_proj is not None:
+            o = o * torch.sigmoid(self.gate_proj(x)[0]).view(x.shape[0], self.num_heads, -1)
+        return o
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        return self.out_proj(self.head_outputs(positions, x).flatten(1))[0]
+
+
+class MixtureOfHeads(HeadsAttention):
+    """MoH (:class:`~headmix.attention.MixtureOfHeadsAttention`, Jin et al. 2024, eq. 3): every head's attention
+    weighted by headmix's head weights ``g`` (0 for the routed heads a token did not select; eq. 5-6, or the
+    authors' form per ``head_weighting``; per K/V group with ``route_per_group``), then ``out_proj``. The weights
+    are headmix's own methods, run on this module's gates (``routed_gate``, ``shared_gate``, ``group_gate``)."""
+
+    head_weights = MixtureOfHeadsAttention.head_weights
+    _weights = MixtureOfHeadsAttention._weights
+
+    def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
+        super().__init__(vllm_config, config, prefix)
+        att, d = config.decoder_self_attention, config.d_model
+        self.route_groups = self.kv_heads if att.route_per_group else 1
+        group_heads = self.num_heads // self.route_groups
+        self.num_shared_heads, self.top_k = att.num_shared_heads, att.top_k
+        self.num_routed_per_group = group_heads - att.num_shared_heads
+        self.num_routed_heads = self.num_routed_per_group * self.route_groups
+        self.head_weighting = att.head_weighting or "renormalized"
+        self.random_router = None  # refused by check_servable
+        self.routed_gate = nn.Linear(d, self.num_routed_heads, bias=False)
+        self.shared_gate = self.group_gate = None
+        if self.num_shared_heads:
+            self.shared_gate = nn.Linear(d, self.num_shared_heads * self.route_groups, bias=False)
+            self.group_gate = nn.Linear(d, 2 * self.route_groups, bias=False)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        o = self.head_outputs(positions, x)
+        g, _ = self.head_weights(x[None], None)
+        o = o * g[0].unsqueeze(-1).to(o.dtype)
+        return self.out_proj(o.flatten(1))[0]
+
+
+class MixtureOfAttentionHeads(_Rotated):
+    """MoA (:class:`~headmix.attention.MixtureOfAttentionHeads`, Zhang et al. 2022, eq. 6-12): headmix's router
+    picks ``top_k`` of ``num_experts`` experts per token; their queries ``x W_q^i`` (``kv_heads`` heads each) are
+    the query heads of one grouped-query paged attention over the ``kv_heads`` shared K/V heads, and
+    ``y = sum_i w_i o_i W_o^i`` (+ the output bias)."""
+
+    def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
+        super().__init__()
+        att, d = config.decoder_self_attention, config.d_model
+        _, kv_bias, out_bias = att.resolved_biases()
+        self.num_experts, self.top_k, self.head_dim = att.num_experts, att.top_k, att.head_dim
+        self.kv_heads, self.expert_impl = att.kv_heads or 1, att.expert_impl
+        e, k, g, dh = self.num_experts, self.top_k, self.kv_heads, self.head_dim
+        self.router = TopKRouter(d, e, k, router=att.router, renormalize=att.renormalize)
+        self.query_experts = nn.Parameter(torch.empty(e, d, g * dh))
+        self.output_experts = nn.Parameter(torch.empty(e, g * dh, d))
+        self.k_proj = _linear(d, g * dh, kv_bias, f"{prefix}.k_proj")
+        self.v_proj = _linear(d, g * dh, kv_bias, f"{prefix}.v_proj")
+        self.out_bias = nn.Parameter(torch.empty(d)) if out_bias else None
+        self.rotary_emb = _rope(att, dh, config.max_positions)
+        self.attn = _paged_attention(vllm_config, k * g, dh, g, prefix)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        n, k, g, dh = x.shape[0], self.top_k, self.kv_heads, self.head_dim
+        routing = self.router(x[None])
+        info = expert_routing(routing.expert_index, self.num_experts, check_range=False)
+        # query head g * k + j: expert slot j's query for K/V head g (headmix's order)
+        q = expert_map(x, self.query_experts, info, impl=self.expert_impl).view(n, k, g, dh).transpose(1, 2)
+        o = self._attend(positions, q.reshape(n, g * k * dh), self.k_proj(x)[0], self.v_proj(x)[0])
+        o = o.view(n, g, k, dh).transpose(1, 2).reshape(n, k, g * dh)
+        y = expert_reduce(o, self.output_experts, routing.gates.to(o.dtype), info, impl=self.expert_impl)
+        return y if self.out_bias is None else y + self.out_bias
+
+
+class SwitchHead(_Rotated):
+    """SwitchHead (:class:`~headmix.attention.SwitchHeadAttention`, Csordás et al., arXiv 2312.07987): per head
+    ``top_k`` value experts mixed by the value-side sigmoid selector (cached mixed), ``top_k`` output experts by
+    the output-side one; the selectors are headmix's :meth:`~headmix.attention.SwitchHeadAttention.select`."""
+
+    select = SwitchHeadAttention.select
+
+    def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
+        super().__init__()
+        att, d = config.decoder_self_attention, config.d_model
+        self.num_heads, self.num_experts, self.top_k = att.num_heads, att.num_experts, att.top_k
+        self.head_dim, self.expert_impl = att.resolved_head_dim(d), att.expert_impl
+        self.expert_dropout, self.random_router = 0.0, None  # training-only; random routing refused
+        h, e, dh = self.num_heads, self.num_experts, self.head_dim
+        self.q_proj = _linear(d, h * dh, att.bias, f"{prefix}.q_proj")
+        self.k_proj = _linear(d, h * dh, att.bias, f"{prefix}.k_proj")
+        self.value_experts = nn.Parameter(torch.empty(h * e, d, dh))
+        self.output_experts = nn.Parameter(torch.empty(h * e, dh, d))
+        self.value_selector = nn.Linear(d, h * e, bias=False) if e > 1 else None
+        self.output_selector = nn.Linear(d, h * e, bias=False)
+        self.out_bias = nn.Parameter(torch.empty(d)) if att.bias else None
+        self.rotary_emb = _rope(att, dh, config.max_positions)
+        self.attn = _paged_attention(vllm_config, h, dh, h, prefix)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        n, h, k, dh = x.shape[0], self.num_heads, self.top_k, self.head_dim
+        space = h * self.num_experts
+        if self.value_selector is None:  # one expert per head: no value selector
+            v = expert_map(x, self.value_experts, expert_routing(torch.arange(h, device=x.device).expand(n, h), space,
+                                                                 check_range=False), impl=self.expert_impl)
+        else:
+            routing = self.select(x[None], self.value_selector, None)
+            info = expert_routing(routing.expert_index, space, check_range=False)
+            v = expert_map_weighted(x, self.value_experts, routing.gates.to(x.dtype), info, h, impl=self.expert_impl)
+        o = self._attend(positions, self.q_proj(x)[0], self.k_proj(x)[0], v.reshape(n, h * dh))
+        routing = self.select(x[None], self.output_selector, None, stream=1)
+        info = expert_routing(routing.expert_index, space, check_range=False)
+        o = o.view(n, h, 1, dh).expand(n, h, k, dh)
+        y = expert_reduce(o, self.output_experts, routing.gates.to(o.dtype), info, impl=self.expert_impl)
+        return y if self.out_bias is None else y + self.out_bias
+
+
+ATTENTION = {"mha": HeadsAttention, "moh": MixtureOfHeads, "moa": MixtureOfAttentionHeads, "switchhead": SwitchHead}
+
+
+class DenseFeedForward(nn.Module):
+    """headmix's ``mlp`` (``fc2(act(fc1 x))``, ReLU or GELU) or ``swiglu`` (``down(silu(gate x) * up x)``)."""
+
+    def __init__(self, config: ModelConfig, prefix: str):
+        super().__init__()
+        d, f, b = config.d_model, config.ffn_dim, config.bias
+        self.swiglu = config.ffn == "swiglu"
+        if self.swiglu:
+            self.gate_proj = _linear(d, f, b, f"{prefix}.gate_proj")
+            self.up_proj = _linear(d, f, b, f"{prefix}.up_proj")
+            self.down_proj = _linear(f, d, b, f"{prefix}.down_proj")
+        else:
+            self.fc1 = _linear(d, f, b, f"{prefix}.fc1")
+            self.fc2 = _linear(f, d, b, f"{prefix}.fc2")
+            self.activation = F.relu if config.activation == "relu" else F.gelu
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
+        return self.fc2(self.activation(self.fc1(x)[0]))[0]
+
+
+class ExpertFeedForward(MixtureOfSwiGLUExperts):
+    """JetMoE's mixture of SwiGLU experts: headmix's own module (router, grouped kernels), on ``(tokens, d)``."""
+
+    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+        return super().forward(x[None]).output[0]
+
+
+class SublayerNorm(nn.Module):
+    """headmix's ``ResidualNorm``: pre-norm ``x + f(norm(x))`` or post-norm ``norm(x + f(x))``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = _norm(config)
+        self.pre_norm = config.norm == "pre"
+
+    def input(self, x: Tensor) -> Tensor:
+        return self.norm(x) if self.pre_norm else x
+
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        x = x + y
+        return x if self.pre_norm else self.norm(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
+        super().__init__()
+        self.self_attn = ATTENTION[config.decoder_self_attention.kind](vllm_config, config, f"{prefix}.self_attn")
+        self.self_attn_norm = SublayerNorm(config)
+        self.ffn = ExpertFeedForward(config) if config.ffn == "moe_swiglu" else DenseFeedForward(config, f"{prefix}.ffn")
+        self.ffn_norm = SublayerNorm(config)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        x = self.self_attn_norm.add(x, self.self_attn(positions, self.self_attn_norm.input(x)))
+        return self.ffn_norm.add(x, self.ffn(self.ffn_norm.input(x)))
+
+
+class Embeddings(nn.Module):
+    """Token embedding (times ``sqrt(d_model)`` with ``scale_embeddings``), plus learned or sinusoidal positions
+    (none with rotary), then the optional embedding norm: headmix's ``Embeddings`` at vLLM's positions."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.tokens = VocabParallelEmbedding(config.vocab_size, config.d_model)
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
+        self.positions = None
+        if config.positions == "learned":
+            self.positions = VocabParallelEmbedding(config.max_positions, config.d_model)
+        table = sinusoidal_table(config.max_positions, config.d_model) if config.positions == "sinusoidal" else None
+        self.register_buffer("sinusoids", table, persistent=False)
+        self.norm = _norm(config) if config.embedding_norm else None
+
+    def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
+        x = self.tokens(ids) * self.scale
+        if self.positions is not None:
+            x = x + self.positions(positions)
+        elif self.sinusoids is not None:
+            x = x + self.sinusoids[positions].to(x.dtype)
+        return x if self.norm is None else self.norm(x)
+
+
+class Decoder(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
+        super().__init__()
+        self.embed = Embeddings(config)
+        self.layers = nn.ModuleList(DecoderLayer(vllm_config, config, f"{prefix}.layers.{i}")
+                                    for i in range(config.decoder_layers))
+        self.final_norm = _norm(config) if config.norm == "pre" else None
+
+    def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
+        x = self.embed(ids, positions)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return x if self.final_norm is None else self.final_norm(x)
+
+
+class VllmHeadmixForCausalLM(nn.Module):
+    """A headmix causal LM as a vLLM text-generation model (module docstring); built from
+    ``vllm_config.model_config.hf_config`` (a :class:`~headmix.hf.HeadmixConfig`), refused in one line
+    (:func:`~headmix.serving.support.check_servable`) when vLLM cannot compute what headmix computes."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        hf_config = vllm_config.model_config.hf_config
+        config = hf_config.model_config()
+        check_servable(config)
+        self.config = hf_config
+        self.headmix_config = config
+        self.decoder = Decoder(vllm_config, config, f"{prefix}decoder")
+        self.output_proj = ParallelLMHead(config.vocab_size, config.d_model, prefix=f"{prefix}output_proj")
+        if config.share_embeddings:
+            self.output_proj = self.output_proj.tie_weights(self.decoder.embed.tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        return self.decoder.embed.tokens(input_ids)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, intermediate_tensors=None,
+                inputs_embeds: Tensor | None = None, **kwargs) -> Tensor:
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds is not supported: headmix models embed token ids themselves")
+        return self.decoder(input_ids, positions)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor | None:
+        logits = self.logits_processor(self.output_proj, hidden_states)
+        pad = self.headmix_config.pad_id
+        if logits is not None and pad is not None:
+            logits[:, pad] = float("-inf")  # never generated (headmix's decoding removes it too)
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Copy headmix's tensors (names as headmix saves them; ``model.`` of a Hugging Face folder dropped)."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name.startswith(HF_PREFIX) and name[len(HF_PREFIX):] in params:
+                name = name[len(HF_PREFIX):]
+            if name not in params:
+                raise ValueError(f"the weights hold {name!r}, which the model its config describes does not have")
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,79 @@
+"""headmix's vLLM plugin: :func:`register`, the ``vllm.general_plugins`` entry point of headmix's package metadata
+(``pyproject.toml``), which vLLM calls in each of its processes before it reads a model.
+
+It makes three registrations, each once per process (vLLM may call it several times):
+
+- the vLLM model :class:`headmix.serving.model.VllmHeadmixForCausalLM` under the architecture
+  ``HeadmixForCausalLM`` (``vllm.ModelRegistry.register_model``, by name: the model module is imported when a
+  headmix model is loaded, not before);
+- headmix's Hugging Face config with ``transformers``' ``AutoConfig`` (``import headmix.hf``), so the
+  ``config.json`` of an ``export-hf`` folder (``model_type`` ``"headmix"``, with an ``auto_map``) is read by the
+  installed headmix, without ``trust_remote_code`` and without running code from the folder;
+- the config format ``"headmix"`` (``vllm serve FOLDER --config-format headmix``, ``LLM(FOLDER,
+  config_format="headmix")``) for the folders headmix writes in its own form (a run's final model,
+  ``CausalLanguageModel.save_pretrained``), whose ``config.json`` has no ``model_type``; it reads Hugging Face
+  folders of headmix models too.
+
+vLLM is imported here only inside :func:`register`: importing headmix never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from .support import ARCHITECTURE
+
+#: The vLLM model class, as ``module:class`` (imported by vLLM when a headmix model is loaded).
+MODEL_CLASS = "headmix.serving.model:VllmHeadmixForCausalLM"
+#: The config format of headmix's own folders (``--config-format headmix``).
+CONFIG_FORMAT = "headmix"
+
+
+def register() -> None:
+    """The plugin entry point: register the model, the ``AutoConfig`` and the config format (module docstring).
+
+    vLLM calls every installed plugin whatever model it serves: where ``headmix.hf`` cannot be imported (a
+    ``transformers`` older than 5.17), this logs one warning and registers nothing, rather than stop vLLM."""
+    from vllm import ModelRegistry
+
+    try:
+        import headmix.hf  # noqa: F401  (registers model_type "headmix" with AutoConfig)
+    except ImportError as err:
+        logging.getLogger(__name__).warning("headmix's vLLM plugin registers nothing (headmix models will not "
+                                            "load): %s", err)
+        return
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    _register_config_format()
+
+
+def hf_config_of_folder(folder: str | Path) -> Any:
+    """The :class:`~headmix.hf.HeadmixConfig` (``architectures`` ``["HeadmixForCausalLM"]``) of a folder headmix
+    wrote, in its own form or as a Hugging Face folder, read as JSON (no code from the folder runs)."""
+    from headmix.hf import HeadmixConfig
+    from headmix.models.transformer import read_folder_config
+
+    config, _ = read_folder_config(Path(folder))
+    return HeadmixConfig(headmix=config, architectures=[ARCHITECTURE], name_or_path=str(folder))
+
+
+def _register_config_format() -> None:
+    from vllm.transformers_utils import config as vllm_config
+    from vllm.transformers_utils.config_parser_base import ConfigParserBase
+
+    if CONFIG_FORMAT in vllm_config._CONFIG_FORMAT_TO_CONFIG_PARSER:
+        return
+
+    class HeadmixConfigParser(ConfigParserBase):
+        """``config_format="headmix"``: the config of a folder headmix wrote (:func:`hf_config_of_folder`)."""
+
+        def parse(self, model: str | Path, trust_remote_code: bool, revision: str | None = None,
+                  code_revision: str | None = None, **kwargs: Any) -> tuple[dict, Any]:
+            if not Path(model).is_dir():
+                raise ValueError(f"config_format 'headmix' reads a local folder headmix wrote, got {model!r}")
+            config = hf_config_of_folder(model)
+            return config.to_dict(), config
+
+    vllm_config.register_config_parser(CONFIG_FORMAT)(HeadmixConfigParser)

