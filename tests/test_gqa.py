@@ -631,7 +631,8 @@ def test_routing_analyses_take_moh_per_kv_group_and_the_papers_gqe_per_kv_group(
     gqe = config.replace(decoder_self_attention=AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
                                                                  bias=False, rotary=True))
     papers = routed_layers(build_model(gqe))
-    assert [(l.kind, l.num_experts, l.top_k, l.num_groups, l.group_kind) for l in papers] == [("gqe", 4, 1, 2, "K/V group")] * 2
+    described = [(l.kind, l.num_experts, l.top_k, l.num_groups, l.group_kind) for l in papers]
+    assert described == [("gqe", 4, 1, 2, "K/V group")] * 2
     assert papers[0].expert_labels == ["g0.E0", "g0.E1", "g1.E0", "g1.E1"]
 
 

@@ -3,8 +3,9 @@
 The analyses of the MoA paper (Zhang et al. 2022, arXiv 2210.05144), for any headmix model:
 
 - :func:`expert_load` -> :class:`LoadReport`: the share of routing slots each expert (MoA, SwitchHead, GQE's
-  query-head experts per K/V group) or routed head (MoH) receives, per layer, with max/min share, coefficient of variation and entropy
-  (Figure 3, Appendix A: on WMT14 the most used expert took about 5% of the tokens, the least about 1%).
+  query-head experts per K/V group) or routed head (MoH) receives, per layer, with max/min share,
+  coefficient of variation and entropy (Figure 3, Appendix A: on WMT14 the most used expert took about 5% of
+  the tokens, the least about 1%).
 - :func:`position_load` -> :class:`PositionLoadReport`: for Mixture of Sparse Attention (heads that choose
   their tokens), how often each sparse head chooses each token position.
 - :func:`token_expert_pmi` -> :class:`PMIReport`: the top tokens per expert by

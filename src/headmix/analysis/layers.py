@@ -193,8 +193,8 @@ def require_routed(model: nn.Module, what: str = "this analysis") -> list[Routed
     """The routed layers, or a ``ValueError`` naming the attention layers the model has instead."""
     layers = routed_layers(model)
     if not layers:
-        raise ValueError(f"{what} needs a routed attention layer (MoA, SwitchHead, GQE, or MoH with routed heads), but this "
-                         f"model has none; its attention layers are: {describe_attention(model)}")
+        raise ValueError(f"{what} needs a routed attention layer (MoA, SwitchHead, GQE, or MoH with routed heads), "
+                         f"but this model has none; its attention layers are: {describe_attention(model)}")
     return layers
 
 

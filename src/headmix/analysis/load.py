@@ -26,8 +26,9 @@ SwitchHead (arXiv 2312.07987) layers appear twice, ``<module>:value`` and ``<mod
 and ``mean_prob`` the mean sigmoid ``s`` (not a distribution). MoH routed per K/V group has a group per K/V
 head, its routed heads labelled ``g{group}.h{head}``; ``mean_prob`` sums to 1 within each group. So does Grouped
 Query Experts (``kind="gqe"``, arXiv 2606.20945), a group per K/V head, its query-head experts labelled
-``g{group}.E{e}``: its gate weights are the weighted slot's ``w`` (normalised over all ``k G`` selected heads,
-eq. 6), so a group's ``gate_fraction`` is its part of the weighted slot and ``gate_share`` each expert's within it.
+``g{group}.E{e}``: its gate weights are the weighted slot's ``w`` (eq. 6: ``p`` normalised over all ``k G``
+selected heads; ``p`` with ``weighted_slot_renormalize=False``), so a group's ``gate_fraction`` is its part of
+the weighted slot and ``gate_share`` each expert's within it.
 """
 
 from __future__ import annotations

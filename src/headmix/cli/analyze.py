@@ -39,8 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                           description="Fraction of routing slots each MoA expert, MoH routed head (per K/V group "
                                       "when routed per group), GQE query-head expert (per K/V group, with each "
                                       "group's share of the weighted slot's w) or SwitchHead expert (per head, value "
-                                      "and output sides) receives, per layer: load.json, load.md, load.png (all layers), load_summary.png (max/min "
-                                      "share, CV, entropy per layer) and load_layers/NN_<layer>.png.")
+                                      "and output sides) receives, per layer: load.json, load.md, load.png (all "
+                                      "layers), load_summary.png (max/min share, CV, entropy per layer) and "
+                                      "load_layers/NN_<layer>.png.")
     _data_options(load)
 
     pmi = sub.add_parser("pmi", help="top tokens per expert by PMI (paper Table 4)",
