@@ -40,7 +40,7 @@ from headmix.data import (
     write_jsonl_documents,
     write_tsv_pairs,
 )
-from headmix.models import build_model, get_config
+from headmix.models import AttentionConfig, build_model, get_config
 from headmix.routing import Routing
 from headmix.training import TrainConfig, train
 
@@ -435,13 +435,19 @@ def test_gqe_layers_are_routed_layers_with_a_group_per_kv_head():
     assert layer.expert_labels == ["g0.h1", "g0.h2", "g0.h3", "g1.h5", "g1.h6", "g1.h7"]
 
 
-def test_gqe_expert_load_per_kv_group_is_the_models_routing():
-    model, ids = gqe_model(), gqe_ids()
+def load_beside_routing(model) -> tuple[LoadReport, dict[str, Routing], torch.Tensor]:
+    """The expert load of ``model`` on :func:`gqe_ids` with one sequence's tail padded, the model's own
+    routing of the same ids per layer name, and the real (non-padding) tokens' mask ``(B*T,)``."""
+    ids = gqe_ids()
     ids[1, 7:] = 0  # padding: never counted
     report = expert_load(model, [ids])
     with torch.no_grad():
         routing = dict(model.decoder(ids).routing)
-    real = ids.reshape(-1) != PAD
+    return report, routing, ids.reshape(-1) != PAD
+
+
+def test_gqe_expert_load_per_kv_group_is_the_models_routing():
+    report, routing, real = load_beside_routing(gqe_model())
     for layer in report.layers:
         expected = torch.bincount(routing[layer.name].expert_index[real].reshape(-1), minlength=6)
         assert layer.counts == expected.tolist() and layer.num_tokens == int(real.sum())
@@ -507,6 +513,96 @@ def test_gqe_token_expert_pmi_shares_per_kv_group():
         assert [t.pmi for t in e.tokens] == pytest.approx([float(pmi[t.id, e.expert]) for t in e.tokens], rel=1e-12)
     md = report.to_markdown()
     assert "top-2 in each of 2 K/V groups" in md and "| Routed head | Share of its group |" in md and "| g1.h7 |" in md
+
+
+# ------------------------------------------------------------ the paper's Grouped Query Experts (kind "gqe")
+#: 6 query-head experts on 2 K/V heads: per group the top 2 of 3 (k > 1, so slot order and groups both show).
+PAPERS_GQE = AttentionConfig(kind="gqe", num_experts=6, kv_heads=2, top_k=2, head_dim=8, bias=False, rotary=True)
+
+
+def papers_gqe_config(vocab: int = 60):
+    return get_config("llama3-tiny-gqe", task="lm", vocab_size=vocab).replace(decoder_self_attention=PAPERS_GQE)
+
+
+def papers_gqe_model():
+    """``llama3-tiny-gqe`` with the paper's GQE as its self-attention; the routers (near uniform at
+    initialisation) drawn large so that the experts' loads and the two groups differ."""
+    torch.manual_seed(0)
+    model = build_model(papers_gqe_config()).double().eval()
+    with torch.no_grad():
+        for layer in routed_layers(model):
+            layer.module.router_gate.weight.normal_(0, 0.5)
+    return model
+
+
+def test_papers_gqe_layers_are_routed_layers_with_a_group_per_kv_head():
+    from headmix.analysis.layers import describe_routed
+
+    layers = routed_layers(papers_gqe_model())
+    layer = layers[0]
+    assert (layer.kind, layer.num_experts, layer.top_k) == ("gqe", 6, 2)
+    assert (layer.num_groups, layer.group_kind) == (2, "K/V group")
+    assert layer.slots_per_token == 4 and [layer.group_of(e) for e in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert layer.expert_labels == ["g0.E0", "g0.E1", "g0.E2", "g1.E0", "g1.E1", "g1.E2"]
+    assert describe_routed(layers).startswith("2 routed GQE layers: [0] decoder.layers.0.self_attn")
+
+
+def test_papers_gqe_expert_load_per_kv_group_is_the_models_routing():
+    report, routing, real = load_beside_routing(papers_gqe_model())
+    for layer in report.layers:
+        r = routing[layer.name]
+        expected = torch.bincount(r.expert_index[real].reshape(-1), minlength=6)
+        assert layer.counts == expected.tolist() and layer.num_tokens == int(real.sum())
+        assert (layer.kind, layer.num_groups, layer.top_k) == ("gqe", 2, 2) and len(layer.groups) == 2
+        gates = torch.zeros(6, dtype=torch.float64).index_add_(0, r.expert_index[real].reshape(-1),
+                                                                r.gates[real].reshape(-1).double())
+        for g, group in enumerate(layer.groups):
+            c_g, w_g = expected.view(2, 3)[g].double(), gates.view(2, 3)[g]
+            assert int(c_g.sum()) == 2 * layer.num_tokens  # top 2 in each group, every token
+            assert group["label"] == f"g{g}" and group["share"] == pytest.approx((c_g / c_g.sum()).tolist(), rel=1e-12)
+            assert group["max_share"] == pytest.approx(float(c_g.max() / c_g.sum()), rel=1e-12)
+            assert group["gate_share"] == pytest.approx((w_g / w_g.sum()).tolist(), rel=1e-9)
+            assert group["gate_fraction"] == pytest.approx(float(w_g.sum() / layer.num_tokens), rel=1e-9)  # w sums to 1
+        assert layer.groups[0]["share"] != pytest.approx(layer.groups[1]["share"], abs=1e-3)
+        assert layer.mean_prob == pytest.approx(r.probs[real].mean(0).tolist(), rel=1e-9)
+        assert sum(layer.mean_prob) == pytest.approx(2.0)  # a softmax per group
+    md = report.to_markdown()
+    assert "| layer | uniform | g0.E0 | g0.E1 | g0.E2 | g1.E0 | g1.E1 | g1.E2 |" in md
+    assert "| 0 | decoder.layers.0.self_attn | gqe | 6 | 2 |" in md
+    row = report.layers[1].groups[1]
+    assert f"| decoder.layers.1.self_attn | g1 | 3 | {100 * row['max_share']:.2f}% |" in md
+    assert md.split("\n")[-2].endswith(f" | {100 * row['gate_fraction']:.1f}% |")
+    fig = report.layer_figure(0)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["g0", "g1"] and fig.axes[0].get_xlabel() == "expert"
+
+
+def test_papers_gqe_token_expert_pmi_shares_per_kv_group():
+    model, ids = papers_gqe_model(), gqe_ids()
+    report = token_expert_pmi(model, [ids], layer=1, min_count=1, top=3)
+    counts = collect_routing(model, [ids], layers=[report.name], cooccurrence=[report.name]).counts[report.name]
+    with torch.no_grad():
+        index = dict(model.decoder(ids).routing)[report.name].expert_index
+    cooc = torch.zeros(60, 6, dtype=torch.long).index_put_((ids.reshape(-1, 1).expand_as(index), index),
+                                                           torch.tensor(1), accumulate=True)
+    assert torch.equal(counts.cooc, cooc)
+    pmi, _ = pmi_matrix(cooc, torch.bincount(ids.reshape(-1), minlength=60))
+    slots = cooc.sum(0).view(2, 3).double()
+    assert [e.group for e in report.experts] == [0, 0, 0, 1, 1, 1]
+    assert [e.label for e in report.experts] == ["g0.E0", "g0.E1", "g0.E2", "g1.E0", "g1.E1", "g1.E2"]
+    assert [e.share for e in report.experts] == pytest.approx((slots / slots.sum(1, keepdim=True)).reshape(-1).tolist())
+    for e in report.experts:
+        assert [t.pmi for t in e.tokens] == pytest.approx([float(pmi[t.id, e.expert]) for t in e.tokens], rel=1e-12)
+    md = report.to_markdown()
+    assert "GQE layer with 6 experts, top-2 in each of 2 K/V groups" in md
+    assert "| Expert | Share of its group |" in md and "| g1.E2 |" in md
+
+
+def test_papers_gqe_head_utilities_refused_in_one_line_naming_load_and_pmi():
+    with pytest.raises(ValueError, match=r"Grouped Query Experts layers decoder\.layers\.0\.self_attn, "
+                                         r"decoder\.layers\.1\.self_attn have no MoH head weights: use "
+                                         r"`headmix analyze load` .* `headmix analyze pmi`") as err:
+        head_utilities(papers_gqe_model(), [gqe_ids()])
+    assert "\n" not in str(err.value)
 
 
 def test_load_plots_draw_the_shares(tmp_path):
@@ -624,10 +720,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     docs = load_embedded_documents(sources="kjv-bible")[:8]
     for name, preset, task in (("talking", "tiny-talking-heads", "translation"), ("lm", "tiny-moa", "lm"),
                                ("mlm", "tiny-moa", "mlm"), ("switchhead", "tiny-switchhead", "translation"),
-                               ("gqe", "llama3-tiny-gqe", "lm")):
+                               ("gqe", "llama3-tiny-gqe", "lm"), ("papers-gqe", None, "lm")):
         run = root / name
         torch.manual_seed(0)
-        build_model(get_config(preset, task=task, vocab_size=tok.vocab_size)).save_pretrained(run)
+        config = papers_gqe_config(tok.vocab_size) if preset is None else get_config(preset, task=task,
+                                                                                     vocab_size=tok.vocab_size)
+        build_model(config).save_pretrained(run)
         shutil.copytree(out["tiny-moa"] / "tokenizer", run / "tokenizer")
         (run / "data").mkdir()
         if task == "translation":
@@ -742,6 +840,24 @@ def test_language_model_runs(runs, tmp_path):
     assert main(["analyze", "load", str(runs["lm"]), "--out", str(tmp_path / "lm")]) == 0
     data = json.loads((tmp_path / "lm" / "load.json").read_text())
     assert [l["name"] for l in data["layers"]] == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
+
+
+def test_cli_analyses_a_papers_gqe_run_per_kv_group(runs, tmp_path, capsys):
+    """The paper's GQE (kind "gqe"): load and PMI per K/V group; the MoH head utilities refused, naming them."""
+    out = tmp_path / "papers-gqe"
+    assert main(["analyze", "load", str(runs["papers-gqe"]), "--out", str(out)]) == 0
+    data = json.loads((out / "load.json").read_text())
+    assert [(l["kind"], len(l["groups"])) for l in data["layers"]] == [("gqe", 2)] * 2
+    assert all(math.isclose(sum(g["share"]), 1.0, rel_tol=1e-9) for l in data["layers"] for g in l["groups"])
+    assert all(math.isclose(sum(g["gate_fraction"] for g in l["groups"]), 1.0, rel_tol=1e-6) for l in data["layers"])
+    assert "Per K/V group" in (out / "load.md").read_text() and is_png(out / "load.png")
+    assert main(["analyze", "pmi", str(runs["papers-gqe"]), "--min-count", "1", "--out", str(out)]) == 0
+    pmi = json.loads((out / "pmi.json").read_text())
+    assert [e["label"] for e in pmi["experts"]] == ["g0.E0", "g0.E1", "g0.E2", "g1.E0", "g1.E1", "g1.E2"]
+    assert is_png(out / "pmi.png")
+    capsys.readouterr()
+    assert main(["analyze", "heads", str(runs["papers-gqe"]), "--out", str(out)]) == 2
+    assert "have no MoH head weights: use `headmix analyze load`" in capsys.readouterr().err
 
 
 def test_cli_analyses_a_run_routed_per_kv_group(runs, tmp_path, capsys):

@@ -621,7 +621,7 @@ def test_bench_gqa_cli_prints_every_comparison_against_its_baseline(capsys):
     assert "--kv-heads must divide --heads" in capsys.readouterr().err
 
 
-def test_routing_analyses_take_moh_per_kv_group_and_refuse_the_papers_gqe_in_one_line():
+def test_routing_analyses_take_moh_per_kv_group_and_the_papers_gqe_per_kv_group():
     from headmix.analysis import routed_layers
 
     assert [l.kind for l in routed_layers(build_model(get_config("tiny-moh", task="lm")))] == ["moh", "moh"]
@@ -630,9 +630,10 @@ def test_routing_analyses_take_moh_per_kv_group_and_refuse_the_papers_gqe_in_one
     config = get_config("llama3-tiny-gqe")
     gqe = config.replace(decoder_self_attention=AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
                                                                  bias=False, rotary=True))
-    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.self_attn is Grouped Query Experts") as err:
-        routed_layers(build_model(gqe))
-    assert "\n" not in str(err.value)
+    papers = routed_layers(build_model(gqe))
+    described = [(l.kind, l.num_experts, l.top_k, l.num_groups, l.group_kind) for l in papers]
+    assert described == [("gqe", 4, 1, 2, "K/V group")] * 2
+    assert papers[0].expert_labels == ["g0.E0", "g0.E1", "g1.E0", "g1.E1"]
 
 
 @pytest.mark.slow

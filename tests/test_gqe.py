@@ -377,12 +377,13 @@ def test_study_solver_sizes_a_gqe_row_by_its_head_size():
     assert match.macs == attention_macs_of(with_attention(base, att), None, 256)
 
 
-def test_routing_analyses_refuse_gqe_layers_in_one_line():
+def test_routing_analyses_take_gqe_layers_per_kv_group():
+    """The analyses' side (load, PMI per K/V group) is tested in tests/test_analysis.py."""
     from headmix.analysis import routed_layers
     from headmix.models import build_model, get_config
 
     att = AttentionConfig(kind="gqe", num_experts=8, kv_heads=4, bias=False)
     model = build_model(get_config("llama-tiny-mha", task="lm", vocab_size=50).replace(decoder_self_attention=att))
-    with pytest.raises(ValueError, match=r"^decoder\.layers\.0\.self_attn is Grouped Query Experts") as err:
-        routed_layers(model)
-    assert "\n" not in str(err.value)
+    layer = routed_layers(model)[0]
+    assert (layer.name, layer.kind, layer.num_experts, layer.top_k) == ("decoder.layers.0.self_attn", "gqe", 8, 1)
+    assert (layer.num_groups, layer.group_kind, layer.slots_per_token) == (4, "K/V group", 4)

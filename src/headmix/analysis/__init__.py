@@ -2,16 +2,19 @@
 
 The analyses of the MoA paper (Zhang et al. 2022, arXiv 2210.05144), for any headmix model:
 
-- :func:`expert_load` -> :class:`LoadReport`: the share of routing slots each expert (MoA) or routed
-  head (MoH) receives, per layer, with max/min share, coefficient of variation and entropy
-  (Figure 3, Appendix A: on WMT14 the most used expert took about 5% of the tokens, the least about 1%).
+- :func:`expert_load` -> :class:`LoadReport`: the share of routing slots each expert (MoA, SwitchHead, GQE's
+  query-head experts per K/V group) or routed head (MoH) receives, per layer, with max/min share,
+  coefficient of variation and entropy (Figure 3, Appendix A: on WMT14 the most used expert took about 5% of
+  the tokens, the least about 1%).
 - :func:`position_load` -> :class:`PositionLoadReport`: for Mixture of Sparse Attention (heads that choose
   their tokens), how often each sparse head chooses each token position.
 - :func:`token_expert_pmi` -> :class:`PMIReport`: the top tokens per expert by
   ``PMI(token, expert) = p(token, expert) / (p(token) p(expert))`` (Table 4, first encoder layer).
 - :func:`head_utilities` -> :class:`HeadUtilityReport`: MoH head weights, activation rates and the
-  shared/routed balance (per K/V group for MoH routed per group, GQE: every analysis reports layers whose
-  experts fall into groups group by group, see :mod:`headmix.analysis.layers`); :func:`talking_heads_matrices` -> :class:`TalkingHeadsReport`: the learned
+  shared/routed balance (per K/V group for MoH routed per group: every analysis reports layers whose
+  experts fall into groups group by group, see :mod:`headmix.analysis.layers`; GQE, ``kind="gqe"``, has no
+  head weights and is refused here, its load and PMI are per K/V group); :func:`talking_heads_matrices` ->
+  :class:`TalkingHeadsReport`: the learned
   Talking-Heads mixing matrices.
 
 Every report has ``to_json()``, ``to_markdown()`` and ``plot(path)``. The data is streamed: per batch

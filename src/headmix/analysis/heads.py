@@ -17,7 +17,10 @@ layer, over the real tokens of a dataset, :func:`head_utilities` reports
 MoH routed per K/V group (``route_per_group=True``, Grouped Query Experts) is one MoH per K/V group (its own
 shared heads, router and ``[a_s, a_r]``): ``groups`` then lists, per group, its heads, its mean group
 weights, its shared heads' share of the group's ``g`` and its routed heads' shares of the group's slots;
-the layer-wide ``group_weights`` are the mean over the groups. The figure marks the groups.
+the layer-wide ``group_weights`` are the mean over the groups. The figure marks the groups. Grouped Query
+Experts (``kind="gqe"``) has no shared/routed head weights ``g`` to report: a model whose only routed layers are
+GQE is refused with a pointer to the expert load (each expert's share and the weighted slot's ``w`` per K/V group,
+:mod:`headmix.analysis.load`) and the token-expert PMI; in a model with both, only the MoH layers are reported.
 
 Talking-Heads attention (Shazeer et al. 2020) mixes the heads' attention logits with a learned
 ``h x h`` matrix before the softmax, and the attention weights with another after it;
@@ -163,6 +166,16 @@ def moh_layers(model: nn.Module) -> list:
     return [l for l in routed_layers(model) if l.kind == "moh"]
 
 
+def gqe_hint(model: nn.Module) -> str:
+    """What to use instead of the head utilities for GQE layers (no shared heads, no head weights ``g``:
+    ``" (GQE layers: ...)"``), or ``""`` when the model has none."""
+    gqe = [l.name for l in routed_layers(model) if l.kind == "gqe"]
+    if not gqe:
+        return ""
+    return (f" (Grouped Query Experts layers {', '.join(gqe)} have no MoH head weights: use `headmix analyze load` "
+            "for each expert's share and the weighted slot's w per K/V group, `headmix analyze pmi` for its tokens)")
+
+
 def head_utilities(model: nn.Module, batches: Iterable[Any], *, source: str | None = None) -> HeadUtilityReport:
     """How every MoH layer (with routed heads) uses its heads over ``batches`` (streamed; per-head sums
     only): mean weights, activation rates, routed-head shares and the shared/routed balance (the mean
@@ -170,7 +183,7 @@ def head_utilities(model: nn.Module, batches: Iterable[Any], *, source: str | No
     layers = moh_layers(model)
     if not layers:
         raise ValueError("head utilities need a MoH layer with routed heads, but this model has none; its attention "
-                         f"layers are: {describe_attention(model)}")
+                         f"layers are: {describe_attention(model)}{gqe_hint(model)}")
     stats = collect_routing(model, batches, layers=[l.name for l in layers], heads=True)
     out = []
     for l in layers:

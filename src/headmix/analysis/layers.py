@@ -14,10 +14,13 @@ and ``<module>:output`` (the output-side selection over the query tokens), each 
 ``num_heads * num_experts`` experts ``h * E + e`` with ``top_k`` slots per head.
 
 *Routing groups*: a layer whose experts fall into ``G`` equal groups, each token choosing ``top_k`` in
-every group, is described by ``num_groups = G`` and ``group_kind``: SwitchHead (a group per head, ``"head"``)
-and MoH routed per K/V group (``route_per_group=True``, Grouped Query Experts: a group per K/V head,
-``"K/V group"``; its routed heads are numbered group by group, as ``routing.expert_index`` numbers them).
-The load, head-utility and PMI reports then give each group's own shares beside the layer's
+every group, is described by ``num_groups = G`` and ``group_kind``: SwitchHead (a group per head, ``"head"``),
+MoH routed per K/V group (``route_per_group=True``: a group per K/V head, ``"K/V group"``; its routed heads are
+numbered group by group, as ``routing.expert_index`` numbers them) and Grouped Query Experts
+(:class:`~headmix.attention.GroupedQueryExpertsAttention`, ``kind="gqe"``, arXiv 2606.20945: a softmax router per
+K/V group over that group's ``M`` query-head experts, the top ``k`` kept; a ``"K/V group"`` per K/V head, its
+experts ``g M + e`` labelled ``g{g}.E{e}``, its gate weights the weighted slot's ``w``).
+The load, head-utility (MoH only) and PMI reports then give each group's own shares beside the layer's
 (:attr:`RoutedLayer.group_of`); another kind with groups of experts needs only its ``RoutedLayer`` here.
 """
 
@@ -33,7 +36,7 @@ from ..attention import (AttentionLayer, GroupedQueryExpertsAttention, MixtureOf
 from ..attention.switchhead import SwitchHeadRouting
 from ..routing import Routing
 
-KIND_NAMES = {"moa": "MoA", "moh": "MoH", "switchhead": "SwitchHead"}
+KIND_NAMES = {"moa": "MoA", "moh": "MoH", "switchhead": "SwitchHead", "gqe": "GQE"}
 #: The two routed sides of a SwitchHead layer, as name suffixes.
 SWITCHHEAD_SIDES = (":value", ":output")
 
@@ -41,14 +44,16 @@ SWITCHHEAD_SIDES = (":value", ":output")
 @dataclass(frozen=True)
 class RoutedLayer:
     """One routed layer: ``index`` in the model's routed-layer order, module ``name``, ``kind``
-    (``"moa"`` or ``"moh"``), ``num_experts`` (MoA experts ``E``, or MoH routed heads ``R``), ``top_k``
+    (``"moa"``, ``"moh"``, ``"switchhead"`` or ``"gqe"``), ``num_experts`` (MoA experts ``E``, MoH routed heads
+    ``R``, GQE's query-head experts ``G M``), ``top_k``
     (per group) and, for MoH, ``num_shared_heads`` (per group: each group's shared heads come first, so
     without groups routed head ``i`` is head ``num_shared_heads + i`` of the layer).
 
     ``num_groups`` ``G`` and ``group_kind``: the experts fall into ``G`` equal consecutive groups and a token
     fills ``top_k`` slots in each (module docstring): SwitchHead (``kind="switchhead"``, one routed layer
-    per side; ``num_experts`` is ``num_heads * E``, a group per head) and MoH routed per K/V group (a group
-    per K/V head). ``G = 1`` for every other layer."""
+    per side; ``num_experts`` is ``num_heads * E``, a group per head), MoH routed per K/V group and GQE
+    (``kind="gqe"``, ``num_experts`` all ``G M`` query-head experts; both a group per K/V head). ``G = 1`` for
+    every other layer."""
 
     index: int
     name: str
@@ -105,7 +110,8 @@ class RoutedLayer:
     def expert_labels(self) -> list[str]:
         """Axis labels: ``E0 .. E{E-1}`` for MoA experts; for MoH the routed heads' indices in the
         layer (``h1 .. h3`` with one shared head), with their K/V group in front when routed per group
-        (``g1.h5``); for SwitchHead the head and its expert (``h0.E2``)."""
+        (``g1.h5``); for SwitchHead the head and its expert (``h0.E2``); for GQE the K/V group and its expert
+        (``g1.E0``: expert ``M + 0``)."""
         groups = self.group_labels
         if self.kind == "moh":
             heads = [f"h{h}" for h in self.routed_head_ids]
@@ -149,7 +155,7 @@ def describe_attention(model: nn.Module) -> str:
 
 
 def routed_layers(model: nn.Module) -> list[RoutedLayer]:
-    """The model's routed layers (MoA, and MoH with routed heads), in the order the model reports
+    """The model's routed layers (MoA, MoH with routed heads, SwitchHead's sides, GQE), in the order the model reports
     their routing (encoder layers, then each decoder layer's self- then cross-attention)."""
     out: list[RoutedLayer] = []
     for name, m in _unwrap(model).named_modules():
@@ -158,9 +164,8 @@ def routed_layers(model: nn.Module) -> list[RoutedLayer]:
         elif isinstance(m, MixtureOfHeadsAttention) and m.num_routed_heads > 0:
             out.append(RoutedLayer(len(out), name, "moh", m.num_routed_heads, m.top_k, m.num_shared_heads, m,
                                    m.route_groups, "K/V group" if m.route_per_group else ""))
-        elif isinstance(m, GroupedQueryExpertsAttention):  # per-group softmaxes, slots: not MoA's or MoH's routing
-            raise ValueError(f"{name} is Grouped Query Experts (kind 'gqe'): the routing analyses do not analyse its "
-                             f"per-group routing yet")
+        elif isinstance(m, GroupedQueryExpertsAttention):  # a softmax router per K/V group over its M experts
+            out.append(RoutedLayer(len(out), name, "gqe", m.num_experts, m.top_k, 0, m, m.kv_heads, "K/V group"))
         elif isinstance(m, SwitchHeadAttention):
             for side in SWITCHHEAD_SIDES if m.num_experts > 1 else SWITCHHEAD_SIDES[1:]:
                 out.append(RoutedLayer(len(out), name + side, "switchhead", m.num_heads * m.num_experts, m.top_k,
@@ -188,8 +193,8 @@ def require_routed(model: nn.Module, what: str = "this analysis") -> list[Routed
     """The routed layers, or a ``ValueError`` naming the attention layers the model has instead."""
     layers = routed_layers(model)
     if not layers:
-        raise ValueError(f"{what} needs a routed attention layer (MoA, SwitchHead, or MoH with routed heads), but this "
-                         f"model has none; its attention layers are: {describe_attention(model)}")
+        raise ValueError(f"{what} needs a routed attention layer (MoA, SwitchHead, GQE, or MoH with routed heads), "
+                         f"but this model has none; its attention layers are: {describe_attention(model)}")
     return layers
 
 

@@ -19,11 +19,16 @@ dataset (a token routed to ``k`` experts fills ``k`` slots):
 Layers with routing groups (:mod:`headmix.analysis.layers`: experts in ``G`` equal groups, ``k`` slots per
 token in each) get the load inside each group, which is what each group's router balances: ``groups``
 lists, per group, its ``label``, the shares of its experts among that group's slots and their summaries
-(the layer-wide ``share`` is then ``1 / G`` of the group's share; its uniform is ``1 / (G R)``).
+(the layer-wide ``share`` is then ``1 / G`` of the group's share; its uniform is ``1 / (G R)``), each expert's
+``gate_share`` of the group's summed gate weights and the group's ``gate_fraction`` of the layer's.
 SwitchHead (arXiv 2312.07987) layers appear twice, ``<module>:value`` and ``<module>:output``, each over the
 ``H * E`` experts ``h{h}.E{e}``, a group per head; ``gate_share`` is the share of the summed sigmoid weights
-and ``mean_prob`` the mean sigmoid ``s`` (not a distribution). MoH routed per K/V group (GQE) has a group
-per K/V head, its routed heads labelled ``g{group}.h{head}``; ``mean_prob`` sums to 1 within each group.
+and ``mean_prob`` the mean sigmoid ``s`` (not a distribution). MoH routed per K/V group has a group per K/V
+head, its routed heads labelled ``g{group}.h{head}``; ``mean_prob`` sums to 1 within each group. So does Grouped
+Query Experts (``kind="gqe"``, arXiv 2606.20945), a group per K/V head, its query-head experts labelled
+``g{group}.E{e}``: its gate weights are the weighted slot's ``w`` (eq. 6: ``p`` normalised over all ``k G``
+selected heads; ``p`` with ``weighted_slot_renormalize=False``), so a group's ``gate_fraction`` is its part of
+the weighted slot and ``gate_share`` each expert's within it.
 """
 
 from __future__ import annotations
@@ -75,10 +80,13 @@ class LayerLoad:
         gates = float(counts.gate_sum.sum())
         summary = load_summary(counts.counts)
         groups = []
-        for g, (label, c_g) in enumerate(zip(layer.group_labels, counts.counts.view(layer.num_groups, -1))):
-            total_g = float(c_g.sum())
+        for g, (label, c_g, w_g) in enumerate(zip(layer.group_labels, counts.counts.view(layer.num_groups, -1),
+                                                  counts.gate_sum.view(layer.num_groups, -1))):
+            total_g, gates_g = float(c_g.sum()), float(w_g.sum())
             groups.append({"group": g, "label": label,
                            "share": (c_g.double() / total_g).tolist() if total_g else [0.0] * len(c_g),
+                           "gate_share": (w_g / gates_g).tolist() if gates_g else [0.0] * len(w_g),
+                           "gate_fraction": gates_g / gates if gates else 0.0,
                            **load_summary(c_g)})
         return cls(
             name=layer.name, kind=layer.kind, role=layer.role, num_experts=layer.num_experts,
@@ -148,12 +156,13 @@ class LoadReport:
         if grouped:
             kinds = " / ".join(dict.fromkeys(l.group_kind for l in grouped))
             lines += ["", f"Per {kinds} (shares of the group's own slots):", "",
-                      "| layer | group | experts | max share | min share | CV | entropy/log E |",
-                      "|---|---|---|---|---|---|---|"]
+                      "| layer | group | experts | max share | min share | CV | entropy/log E | share of gates |",
+                      "|---|---|---|---|---|---|---|---|"]
             for l in grouped:
                 for g in l.groups:
                     lines.append(f"| {l.name} | {g['label']} | {len(g['share'])} | {100 * g['max_share']:.2f}% | "
-                                 f"{100 * g['min_share']:.2f}% | {g['cv']:.3f} | {g['norm_entropy']:.3f} |")
+                                 f"{100 * g['min_share']:.2f}% | {g['cv']:.3f} | {g['norm_entropy']:.3f} | "
+                                 f"{100 * g['gate_fraction']:.1f}% |")
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------------------------- plots

@@ -20,7 +20,8 @@ for a token the expert prefers; ``log PMI`` is reported next to it (0 = independ
 get extreme ratios from few observations, so tokens seen fewer than ``min_count`` times are not
 ranked. Ranking: PMI descending, then the joint count, then the token id.
 
-Layers with routing groups (SwitchHead's heads, MoH routed per K/V group; :mod:`headmix.analysis.layers`)
+Layers with routing groups (SwitchHead's heads, MoH routed per K/V group, GQE's K/V groups;
+:mod:`headmix.analysis.layers`)
 fill ``k`` slots in each group, so an expert's PMI is the same whether ``p`` is taken over all slots or over
 its group's: ``c[v, e] N / (n_v c_e)`` either way. What differs is ``p(expert)``: ``share`` is then the
 expert's share of its group's slots, and the tables and the figure name each expert's group.

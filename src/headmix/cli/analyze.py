@@ -37,10 +37,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     load = sub.add_parser("load", help="share of tokens routed to each expert/head, per layer (paper Figure 3)",
                           description="Fraction of routing slots each MoA expert, MoH routed head (per K/V group "
-                                      "when routed per group, GQE) or SwitchHead expert (per head, value and output "
-                                      "sides) receives, per "
-                                      "layer: load.json, load.md, load.png (all layers), load_summary.png (max/min "
-                                      "share, CV, entropy per layer) and load_layers/NN_<layer>.png.")
+                                      "when routed per group), GQE query-head expert (per K/V group, with each "
+                                      "group's share of the weighted slot's w) or SwitchHead expert (per head, value "
+                                      "and output sides) receives, per layer: load.json, load.md, load.png (all "
+                                      "layers), load_summary.png (max/min share, CV, entropy per layer) and "
+                                      "load_layers/NN_<layer>.png.")
     _data_options(load)
 
     pmi = sub.add_parser("pmi", help="top tokens per expert by PMI (paper Table 4)",
@@ -59,7 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                        "the mean group weights (moh_heads.json/.md/.png, needs data). Talking-Heads "
                                        "layers: the pre- and post-softmax mixing matrices as heatmaps "
                                        "(talking_heads.json/.md/.png, and talking_heads_deviation.png showing M - I; "
-                                       "no data needed).")
+                                       "no data needed). GQE layers have no head weights: use `load` and `pmi`.")
     _data_options(heads)
     return p
 
@@ -91,7 +92,7 @@ def _written(paths: list[Path]) -> None:
 def run(args) -> int:
     from ..analysis import (expert_load, head_utilities, load_analysis_run, routed_layers, talking_heads_matrices,
                             token_expert_pmi)
-    from ..analysis.heads import moh_layers
+    from ..analysis.heads import gqe_hint, moh_layers
     from ..analysis.layers import describe_attention, require_routed
 
     model, tok = load_analysis_run(args.run, pick_device(args.device))
@@ -132,7 +133,7 @@ def run(args) -> int:
     except ValueError:
         talking = None
     if not moh and talking is None:
-        hint = " (use `headmix analyze load` for MoA experts)" if routed_layers(model) else ""
+        hint = gqe_hint(model) or (" (use `headmix analyze load` for MoA experts)" if routed_layers(model) else "")
         raise ValueError("`analyze heads` needs MoH layers with routed heads or Talking-Heads layers, but this model "
                          f"has neither; its attention layers are: {describe_attention(model)}{hint}")
     out.mkdir(parents=True, exist_ok=True)
