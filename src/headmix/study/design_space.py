@@ -147,10 +147,11 @@ MOH_PER_GROUP = Entry("MoH routed per K/V group, sparse", _moh("sparse", per_gro
 #: The paper's GQE at the shape lm-en-contenders runs it (2 experts per K/V head, top 1: the paper's main setting
 #: per group) with the page's head size.
 GQE = Entry("GQE (Grouped Query Experts)", AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
-                                                           head_dim=HEAD_DIM), exact=(GQE_REFERENCE,))
+                                                           head_dim=HEAD_DIM), exact=(GQE_REFERENCE,),
+            studies=(Study(CONTENDERS, "GQE"),))
 GQE_HARD_ONLY = Entry("GQE, hard slots only (the paper's ablation)",
                       replace(GQE.config, weighted_slot=False, allow_router_without_task_gradient=True),
-                      exact=(GQE_REFERENCE,),
+                      exact=(GQE_REFERENCE,), studies=(Study(CONTENDERS, "GQE hard-only"),),
                       rule="token choice: top-k per K/V group of a router that gets no task gradient (only the "
                            "load-balancing loss trains it)")
 SWITCHHEAD = Entry("SwitchHead", _switchhead(), exact=(SWITCHHEAD_AUTHORS,),
@@ -183,8 +184,8 @@ ENTRIES: list[Entry] = [
     random_control(MOH_PER_GROUP),
     static_control(MOH_PER_GROUP),
     GQE,
-    random_control(GQE),
-    static_control(GQE),
+    random_control(GQE, Study(CONTENDERS, "GQE random")),
+    static_control(GQE, Study(CONTENDERS, "GQE static")),
     GQE_HARD_ONLY,
     SWITCHHEAD,
     random_control(SWITCHHEAD),
