@@ -70,13 +70,17 @@ def test_noisy_router_is_served():
                                                rotary=True)))
 
 
-def test_the_papers_gqe_and_the_query_norm_router_are_refused_until_served():
+def test_the_query_norm_router_is_served():
+    """MoH-LLaMA3's parameter-free rule, globally and routed per K/V group (tests/test_vllm.py runs it in vLLM)."""
+    check_servable(_with_attention("llama-tiny-moh", router="query_norm"))
+    check_servable(_with_attention("llama3-tiny-gqe", router="query_norm", top_k=2, num_shared_heads=0))
+
+
+def test_the_papers_gqe_is_refused_until_served():
     config = get_config("llama3-tiny-gqe", task="lm")
     gqe = config.replace(decoder_self_attention=AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
                                                                 bias=False, rotary=True))
-    query_norm = _with_attention("llama3-tiny-gqe", router="query_norm", top_k=2, num_shared_heads=0)
-    for model, what in ((gqe, "the paper's GQE"), (query_norm, "query-norm router")):
-        with pytest.raises(NotServableError) as caught:
-            check_servable(model)
-        message = str(caught.value)
-        assert what in message and "headmix generate" in message and "\n" not in message
+    with pytest.raises(NotServableError) as caught:
+        check_servable(gqe)
+    message = str(caught.value)
+    assert "the paper's GQE" in message and "headmix generate" in message and "\n" not in message

@@ -7,7 +7,10 @@ a time, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with a 1 GiB KV 
 How the routing is made decisive: the tiny models' softmax routers (MoA's, MoH's, the expert feed-forward's) have
 their weights multiplied by :data:`ROUTER_SCALE`, so their logits spread (a fresh router's are nearly equal: headmix
 starts it at std ``0.1 / sqrt(d_model)``); SwitchHead's sigmoid selectors start spread already (std
-``1 / sqrt(d_model)``) and stay as built (scaled, their sigmoids would saturate to exact ties at 1.0). The
+``1 / sqrt(d_model)``) and stay as built (scaled, their sigmoids would saturate to exact ties at 1.0); MoH's
+query-norm router has no weights: its scores are the routed heads' query norms over their standard deviation,
+which the seed-0 query projections already separate (the top ``k`` from the next by at least 0.02 in those units
+at every prompt position, against a tie threshold of 1e-4), so they stay as built. The
 log-probability at a position is compared when every routing decision up to it (every routed layer and router
 group: the gap between the lowest selected and the highest unselected router logit) clears :data:`TIE` (the other
 positions are counted, and must stay few), and the greedy test asserts that each step's top two log-probabilities
@@ -92,6 +95,11 @@ KINDS = {
     # GQE: MoH routed inside each of 2 K/V groups, with QK-norm and the headwise gate
     "gqe": (_llama(_attention("moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
                               qk_norm=True, output_gate="headwise")), 2, "hf"),
+    # MoH-LLaMA3's parameter-free query-norm router, routed inside each of 2 K/V groups (each group's shared head
+    # first, its 3 routed heads after: the rule must read those heads' queries), with QK-norm (the rule reads the
+    # queries before it)
+    "moh-query-norm": (_llama(_attention("moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1,
+                                         top_k=2, router="query_norm", qk_norm=True)), 2, "hf"),
     "switchhead": (_llama(_attention("switchhead", num_heads=2, num_experts=4, top_k=2, bias=False,
                                      rotary_fraction=0.5)), 2, "hf"),
 }

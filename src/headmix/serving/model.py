@@ -127,9 +127,10 @@ class HeadsAttention(_Rotated):
             return x
         return norm(x.reshape(-1, self.head_dim)).view(x.shape)
 
-    def head_outputs(self, positions: Tensor, x: Tensor) -> Tensor:
-        """The gated attention output of every head, ``(tokens, num_heads, head_dim)``."""
-        q = self._heads_norm(self.q_proj(x)[0], self.q_norm)
+    def head_outputs(self, positions: Tensor, x: Tensor, queries: Tensor | None = None) -> Tensor:
+        """The gated attention output of every head, ``(tokens, num_heads, head_dim)``; ``queries``: ``q_proj``'s
+        output ``(tokens, num_heads * head_dim)`` when the caller has it already (projected here when not)."""
+        q = self._heads_norm(self.q_proj(x)[0] if queries is None else queries, self.q_norm)
         k = self._heads_norm(self.k_proj(x)[0], self.k_norm)
         v = self.v_proj(x)[0]
         o = self._attend(positions, q, k, v).view(-1, self.num_heads, self.head_dim)
@@ -145,10 +146,14 @@ class MixtureOfHeads(HeadsAttention):
     """MoH (:class:`~headmix.attention.MixtureOfHeadsAttention`, Jin et al. 2024, eq. 3): every head's attention
     weighted by headmix's head weights ``g`` (0 for the routed heads a token did not select; eq. 5-6, or the
     authors' form per ``head_weighting``; per K/V group with ``route_per_group``), then ``out_proj``. The weights
-    are headmix's own methods, run on this module's gates (``routed_gate``, ``shared_gate``, ``group_gate``)."""
+    are headmix's own methods, run on this module's gates (``routed_gate``, ``shared_gate``, ``group_gate``), or
+    with ``router="query_norm"`` (MoH-LLaMA3's parameter-free rule: no gates) on the routed heads' raw queries,
+    ``q_proj``'s output before QK-norm and rotary, in headmix's ``routed_head_ids`` order."""
 
     head_weights = MixtureOfHeadsAttention.head_weights
     _weights = MixtureOfHeadsAttention._weights
+    _routing = MixtureOfHeadsAttention._routing
+    _query_norm_weights = MixtureOfHeadsAttention._query_norm_weights
 
     def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
         super().__init__(vllm_config, config, prefix)
@@ -160,16 +165,26 @@ class MixtureOfHeads(HeadsAttention):
         self.num_routed_heads = self.num_routed_per_group * self.route_groups
         self.head_weighting = att.head_weighting or "renormalized"
         self.random_router = None  # refused by check_servable
-        self.routed_gate = nn.Linear(d, self.num_routed_heads, bias=False)
-        self.shared_gate = self.group_gate = None
-        if self.num_shared_heads:
-            self.shared_gate = nn.Linear(d, self.num_shared_heads * self.route_groups, bias=False)
-            self.group_gate = nn.Linear(d, 2 * self.route_groups, bias=False)
+        self.query_norm_routing = att.router == "query_norm"
+        #: The routed heads (each group's heads after its shared ones), in headmix's order.
+        self.routed_head_ids = [g * group_heads + j for g in range(self.route_groups)
+                                for j in range(self.num_shared_heads, group_heads)]
+        self.routed_gate = self.shared_gate = self.group_gate = None
+        if self.num_routed_heads and not self.query_norm_routing:
+            self.routed_gate = nn.Linear(d, self.num_routed_heads, bias=False)
+            if self.num_shared_heads:
+                self.shared_gate = nn.Linear(d, self.num_shared_heads * self.route_groups, bias=False)
+                self.group_gate = nn.Linear(d, 2 * self.route_groups, bias=False)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        o = self.head_outputs(positions, x)
-        g, _ = self.head_weights(x[None], None)
-        o = o * g[0].unsqueeze(-1).to(o.dtype)
+        queries = self.q_proj(x)[0]
+        routed_queries = None
+        if self.query_norm_routing:  # the rule reads the raw queries of the routed heads
+            routed_queries = queries.view(-1, self.num_heads, self.head_dim)[:, self.routed_head_ids]
+        o = self.head_outputs(positions, x, queries)
+        g, _ = self.head_weights(x[None], None, routed_queries=routed_queries)
+        if g is not None:
+            o = o * g[0].unsqueeze(-1).to(o.dtype)
         return self.out_proj(o.flatten(1))[0]
 
 

@@ -4,13 +4,13 @@ This module does not import vLLM: the refusals are checked (and tested) without 
 
 Served: causal LMs (task ``"lm"``) with MHA / GQA / MQA (``kv_heads``; QK-norm; ``output_gate`` headwise or
 elementwise), MoA with any ``kv_heads`` and router ``softmax`` or ``noisy_topk`` (its noise is training-only),
-MoH with every ``head_weighting`` and a learned router, with or without ``route_per_group``, and SwitchHead; pre- or post-norm,
+MoH with every ``head_weighting`` and a learned router, or MoH-LLaMA3's parameter-free ``router="query_norm"``,
+with or without ``route_per_group``, and SwitchHead; pre- or post-norm,
 RMSNorm or LayerNorm, rotary (any ``rotary_base`` and ``rotary_fraction``), learned or sinusoidal positions,
 the ``mlp`` (ReLU / GELU), ``swiglu`` and ``moe_swiglu`` (JetMoE) feed-forwards, tied or untied output.
 
 Refused, naming what to use instead: the paper's GQE (``kind="gqe"``: its shared head and slots are not yet
-laid out on vLLM's paged attention), MoH's parameter-free ``router="query_norm"`` (not yet wired into the vLLM
-model, which computes MoH's learned head weights), Talking-Heads (it mixes attention scores across heads, which paged
+laid out on vLLM's paged attention), Talking-Heads (it mixes attention scores across heads, which paged
 attention never forms), MoSA (each head attends to its own subset of tokens, chosen from the whole sequence),
 a decoupled key size (``key_dim`` unlike ``head_dim``: the model caches keys and values of one head size, the only
 form vLLM's CPU attention takes), the random-routing controls (their draws are keyed on the batch row and position of a fixed batch,
@@ -50,9 +50,6 @@ def check_servable(config: ModelConfig) -> None:
     if att.kind == "gqe":
         raise NotServableError("the paper's GQE (decoder_self_attention.kind='gqe') is not served yet: headmix's vLLM "
                                f"model does not lay out its slots and shared head on the paged attention; {ELSEWHERE}")
-    if att.kind == "moh" and att.router == "query_norm":
-        raise NotServableError("MoH's query-norm router (decoder_self_attention.router='query_norm') is not served "
-                               f"yet: headmix's vLLM model computes MoH's learned head weights only; {ELSEWHERE}")
     if att.kind == "talking_heads":
         raise NotServableError("Talking-Heads mixes the attention scores across heads, which vLLM's paged attention "
                                f"never forms: {ELSEWHERE}")
