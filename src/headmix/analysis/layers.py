@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ..attention import (AttentionLayer, GroupedQueryExpertsAttention, MixtureOfAttentionHeads, MixtureOfHeadsAttention,
                          SwitchHeadAttention)
+from ..attention.moh import head_ids
 from ..attention.switchhead import SwitchHeadRouting
 from ..routing import Routing
 
@@ -92,14 +93,12 @@ class RoutedLayer:
     @property
     def shared_head_ids(self) -> list[int]:
         """MoH: the layer's indices of the shared heads (each group's first ``num_shared_heads`` heads)."""
-        size = self.num_shared_heads + self.experts_per_group
-        return [g * size + j for g in range(self.num_groups) for j in range(self.num_shared_heads)]
+        return head_ids(self.num_groups, self.num_shared_heads + self.experts_per_group, self.num_shared_heads)[0]
 
     @property
     def routed_head_ids(self) -> list[int]:
         """MoH: the layer's index of each routed head, in routing order (group by group)."""
-        size, s = self.num_shared_heads + self.experts_per_group, self.num_shared_heads
-        return [g * size + s + j for g in range(self.num_groups) for j in range(self.experts_per_group)]
+        return head_ids(self.num_groups, self.num_shared_heads + self.experts_per_group, self.num_shared_heads)[1]
 
     @property
     def role(self) -> str:

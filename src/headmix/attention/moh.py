@@ -35,6 +35,15 @@ MOH_IMPLS = ("auto", "dense", "sparse")
 SPARSE_MAX_ACTIVE_FRACTION = 0.5
 
 
+def head_ids(groups: int, group_heads: int, num_shared_heads: int) -> tuple[list[int], list[int]]:
+    """MoH's head numbering: the layer's indices of the shared heads and of the routed heads, in routing order.
+    Each of the ``groups`` router groups (the K/V groups with ``route_per_group``, else one) holds ``group_heads``
+    consecutive query heads, its first ``num_shared_heads`` shared, the rest routed."""
+    shared = [g * group_heads + j for g in range(groups) for j in range(num_shared_heads)]
+    routed = [g * group_heads + j for g in range(groups) for j in range(num_shared_heads, group_heads)]
+    return shared, routed
+
+
 def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int, slot_form: bool = False) -> str:
     """The ``auto`` rule. ``routed``: the routed heads ``top_k`` picks from (per group with ``route_per_group``);
     ``tgt``: queries per sequence in the call; ``slot_form``: the layer's selected heads are query heads of
@@ -199,9 +208,7 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
                 f"top_k must be between 1 and the number of routed heads{where}, {group_heads} - num_shared_heads "
                 f"{num_shared_heads} = {routed_per_group}; got {top_k}")
         #: Query heads in the order the sparse path and the weights use them: shared ones, routed ones.
-        self.shared_head_ids = [g * group_heads + j for g in range(self.route_groups) for j in range(num_shared_heads)]
-        self.routed_head_ids = [g * group_heads + j for g in range(self.route_groups)
-                                for j in range(num_shared_heads, group_heads)]
+        self.shared_head_ids, self.routed_head_ids = head_ids(self.route_groups, group_heads, num_shared_heads)
         if load_balance_weight < 0:
             raise ValueError(f"load_balance_weight must be >= 0, got {load_balance_weight}")
         if head_weighting not in HEAD_WEIGHTINGS:

@@ -427,7 +427,7 @@ class AttentionConfig:
                                                     bool(self.route_per_group))
         if self.kind == "gqe":
             experts, kv, _ = self.gqe_sizes()
-            return gqe_router_without_task_gradient(experts // kv if kv and experts % kv == 0 else 2,
+            return gqe_router_without_task_gradient(experts // kv,  # validate checked that kv divides experts
                                                     self.weighted_slot is not False, self.hard_slot_scale or "none",
                                                     self.router or "softmax")
         return None

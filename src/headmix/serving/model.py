@@ -43,6 +43,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from ..attention import MixtureOfHeadsAttention, SwitchHeadAttention
+from ..attention.moh import head_ids
 from ..kernels import expert_map, expert_map_weighted, expert_reduce, expert_routing
 from ..models.config import AttentionConfig, ModelConfig
 from ..models.transformer import HF_PREFIX, MixtureOfSwiGLUExperts, sinusoidal_table
@@ -167,8 +168,7 @@ class MixtureOfHeads(HeadsAttention):
         self.random_router = None  # refused by check_servable
         self.query_norm_routing = att.router == "query_norm"
         #: The routed heads (each group's heads after its shared ones), in headmix's order.
-        self.routed_head_ids = [g * group_heads + j for g in range(self.route_groups)
-                                for j in range(self.num_shared_heads, group_heads)]
+        _, self.routed_head_ids = head_ids(self.route_groups, group_heads, self.num_shared_heads)
         self.routed_gate = self.shared_gate = self.group_gate = None
         if self.num_routed_heads and not self.query_norm_routing:
             self.routed_gate = nn.Linear(d, self.num_routed_heads, bias=False)
