@@ -128,8 +128,12 @@ def format_plan(spec, planned) -> str:
     right = {2, 3, 4, 5}
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
              for r in table]
-    return "\n".join([f"study {spec.name}: {spec.task}, baseline {spec.baseline_name}; every row's attention MACs "
-                      f"within {spec.tolerance:.0%} of the baseline's, counted at {lengths} tokens"] + lines)
+    sizing = (f"every row's attention MACs within {spec.tolerance:.0%} of the baseline's" if spec.matching == "macs"
+              else "rows not matched to the baseline's MACs (matching none): each keeps its shape")
+    parent = (f"; every run continues one parent (the baseline trained {spec.parent.max_steps} steps, seed "
+              f"{spec.parent.seed}) for {spec.max_steps} steps, converted as its row says" if spec.parent else "")
+    return "\n".join([f"study {spec.name}: {spec.task}, baseline {spec.baseline_name}; {sizing}, counted at "
+                      f"{lengths} tokens{parent}"] + lines)
 
 
 def list_studies() -> None:

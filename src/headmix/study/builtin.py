@@ -28,6 +28,18 @@
   GQE row is the paper's GQE since 2026-11-27 and is still to be run (the MoH-per-group row it replaced had a
   router without a task gradient).
 
+- ``lm-en-upcycle``: from a trained dense model to head routing (issue 44). The parent is ``lm-en-contenders``'
+  baseline (``llama3-mini-gqa``, 8 query heads on 2 K/V heads) trained once for 1600 steps with the contenders'
+  training (seed 1); every row continues it for 400 steps on the same batches (the parent's tokenizer and split:
+  validation stays unseen) with a fresh AdamW and the same short schedule (:data:`UPCYCLE_TRAINING`: peak lr
+  1e-3 after 20 warm-up steps, linear to 0). Rows keep the parent's shape (``matching = "none"``): dense
+  continued (the baseline); MoH-LLaMA3's parameter-free query-norm rule at 75% of the heads active (4 shared +
+  top 2 of 4) and at 50% (2 shared + top 2 of 6); MoH's learned router (zero-initialised) at 75% and 50%; MoH
+  routed per K/V group at 50% (top 2 of 4 per group, learned) and its random-routing twin; static pruning to
+  75% and 50% (3 and 2 query heads kept per K/V group, ranked by the mean norm of each head's contribution on 8
+  calibration batches). Routed rows run sparse MoH (the unselected heads' attention and output projection
+  skipped). One parent: the intervals hold the continuations' seeds, not parent-to-parent variance.
+
 A row's free fields (``solve``) are sized to the baseline's attention MACs within 2%
 (:mod:`headmix.study.matching`), preferring the baseline's head size of 32.
 
@@ -65,7 +77,7 @@ import os
 from ..models import analytic_macs
 from ..models.presets import llama_model, mha
 from ..routing.task_gradient import ALLOW_FLAG
-from .spec import RowSpec, StudySpec
+from .spec import ParentSpec, RowSpec, StudySpec
 
 _PREFER = {"head_dim": 32}
 
@@ -154,6 +166,37 @@ def lm_en_contenders_long() -> StudySpec:
     rows = [row for row in _contender_rows() if row.name in LONG_CONTENDERS]
     return StudySpec(name="lm-en-contenders-long", task="lm", baseline="llama3-mini-gqa", rows=rows, seeds=[1, 2, 3],
                      max_steps=1600, training=dict(_LM_TRAINING))
+
+
+#: ``lm-en-upcycle``'s continuation, the same for every row: a fresh optimizer, a short warm-up to half the
+#: parent's peak learning rate, linear decay to 0 over the 400 steps; no checkpoint averaging.
+UPCYCLE_TRAINING = {**_LM_TRAINING, "lr": 1e-3, "warmup_steps": 20}
+#: MoH rows of ``lm-en-upcycle`` skip the unselected heads' work (sparse MoH), so their MACs are what they compute.
+_SPARSE = {"attention": "moh", "moh_impl": "sparse"}
+
+
+def upcycle_rows() -> list[RowSpec]:
+    """``lm-en-upcycle``'s rows: how each converts the parent (:mod:`headmix.interop.upcycle`)."""
+    def moh(shared: int, top_k: int, **more) -> dict:
+        return {**_SPARSE, "num_shared_heads": shared, "top_k": top_k, **more}
+
+    return [RowSpec("dense continued"),
+            RowSpec("query-norm 75%", init_options=moh(4, 2, router="query_norm")),
+            RowSpec("query-norm 50%", init_options=moh(2, 2, router="query_norm")),
+            RowSpec("learned 75%", init_options=moh(4, 2)),
+            RowSpec("learned 50%", init_options=moh(2, 2)),
+            RowSpec("learned per group 50%", init_options=moh(0, 2, route_per_group=True)),
+            RowSpec("per group 50% random", init_options=moh(0, 2, route_per_group=True, router="random"),
+                    control_of="learned per group 50%"),
+            RowSpec("pruned 75%", init_options={"attention": "mha", "keep_heads": 3}, control_of="learned 75%"),
+            RowSpec("pruned 50%", init_options={"attention": "mha", "keep_heads": 2}, control_of="learned 50%")]
+
+
+def lm_en_upcycle() -> StudySpec:
+    return StudySpec(name="lm-en-upcycle", task="lm", baseline="llama3-mini-gqa", rows=upcycle_rows(),
+                     seeds=[1, 2, 3], max_steps=400, training=dict(UPCYCLE_TRAINING), matching="none",
+                     parent=ParentSpec(max_steps=1600, seed=1, training={"lr": _LM_TRAINING["lr"],
+                                                                         "warmup_steps": _LM_TRAINING["warmup_steps"]}))
 
 
 def translation_en_de() -> StudySpec:
@@ -291,6 +334,7 @@ def lm_en_gpu_contenders() -> StudySpec:
 
 BUILTIN = {"lm-en": lm_en, "translation-en-de": translation_en_de, "lm-en-llama": lm_en_llama,
            "lm-en-contenders": lm_en_contenders, "lm-en-contenders-long": lm_en_contenders_long,
+           "lm-en-upcycle": lm_en_upcycle,
            "lm-en-gpu": lm_en_gpu, "lm-en-gpu-large": lm_en_gpu_large, "lm-en-gpu-contenders": lm_en_gpu_contenders}
 
 

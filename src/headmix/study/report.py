@@ -224,6 +224,10 @@ def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResul
         extra["controls"] = controls(spec, rows, results, timings or {})
     if any(r.causal_eval for r in spec.rows):
         extra["causal_selection"] = causal_selection(spec, results)
+    if spec.parent is not None:
+        extra["continuation"] = continuation(spec, planned, results)
+    if spec.matching != "macs":  # (absent: matched, as every report before this field was)
+        extra["matching"] = spec.matching
     return {**extra, "name": spec.name, "task": spec.task, "baseline": baseline, "baseline_preset": spec.baseline_name,
             "max_steps": spec.max_steps, "seeds": spec.seeds, "tolerance": spec.tolerance,
             "moh_count": spec.moh_count, "attention_macs": spec.attention_macs,
@@ -231,6 +235,49 @@ def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResul
             "metrics": metric_names, "rows": rows, "machines_differ": len(recorded) > 1,
             "curves": {r.name: _curves(results, r.name) for r in planned},
             "curve_times": {r.name: _curves(results, r.name, times=True) for r in planned}}
+
+
+def continuation(spec: StudySpec, planned: list[PlannedRow], results: list[RunResult]) -> dict[str, Any]:
+    """A continuation study's own reading (``StudySpec.parent``): per row, how the parent was converted
+    (``init_options``), its attention MACs per token in both conventions, the validation NLL of the converted
+    model before its first step (what the conversion cost) and after the continuation, each with its difference
+    from the baseline row (the dense continuation) paired by seed; and the parent's weights as every run
+    recorded them (sha256 of ``model.safetensors``: one parent)."""
+    src_len, tgt_len = macs_lengths(spec, planned[0].config)
+    per_token = (tgt_len or src_len or 1)
+    options = {r.name: r.init_options for r in spec.rows}
+    at_start: dict[str, dict[int, float]] = {}
+    after: dict[str, dict[int, float]] = {}
+    hashes, folders = set(), set()
+    for res in results:
+        start = (res.summary.get("init_from") or {})
+        if (start.get("valid_at_start") or {}).get("nll") is not None:
+            at_start.setdefault(res.row, {})[res.seed] = start["valid_at_start"]["nll"]
+        after.setdefault(res.row, {})[res.seed] = res.summary["valid"]["nll"]
+        if start.get("sha256"):
+            hashes.add(start["sha256"])
+        if start.get("path"):
+            folders.add(Path(start["path"]).name)
+    base = planned[0].name
+    rows = []
+    for row in planned:
+        entry: dict[str, Any] = {"name": row.name, "init_options": options.get(row.name, {}),
+                                 "attention_macs_per_token": {
+                                     c: attention_macs_of(row.config, src_len, tgt_len, spec.moh_count, c) / per_token
+                                     for c in ATTENTION_MACS}}
+        for key, values in (("at_conversion", at_start), ("after", after)):
+            seeds = values.get(row.name, {})
+            entry[key] = summarize([seeds[s] for s in sorted(seeds)]).to_dict() if seeds else None
+            entry[f"{key}_vs_baseline"] = None
+            if row.name != base and seeds and values.get(base):
+                try:
+                    diff = paired_difference(seeds, values[base])
+                except ValueError:
+                    continue
+                entry[f"{key}_vs_baseline"] = {**diff.to_dict(), "verdict": diff.verdict(True)}
+        rows.append(entry)
+    return {"parent_steps": spec.parent.max_steps, "parent_seed": spec.parent.seed,
+            "parent_sha256": sorted(hashes), "rows": rows}
 
 
 def other_convention(attention: str) -> str:
@@ -321,13 +368,20 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
     compared = [main] + (["valid_nll"] if main != "valid_nll" and "valid_nll" in table["metrics"] else [])
     matched = table.get("attention_macs", "full")
     other = other_convention(matched)
+    matched_text = (f"every row's attention MACs within {table['tolerance']:.0%} of its, counted `{matched}` "
+                    f"({_CONVENTION_TEXT[matched]}); beside it the ratio counted `{other}` ({_CONVENTION_TEXT[other]})"
+                    if table.get("matching", "macs") == "macs" else
+                    f"the rows are not matched to its MACs (`matching = \"none\"`): each keeps its shape, and its "
+                    f"attention MACs are stated, counted `{matched}` ({_CONVENTION_TEXT[matched]}), with the ratio "
+                    f"counted `{other}` ({_CONVENTION_TEXT[other]}) beside them")
+    title = ("#### Equal MACs: which method is better per unit of compute" if table.get("matching", "macs") == "macs"
+             else "#### Equal steps: every row the same steps, at its own MACs")
     lines = [f"### {table['name']}: {table['task']}, {table['max_steps']} steps, seeds {table['seeds']}",
-             "", *headline_markdown(table), "",
-             "#### Equal MACs: which method is better per unit of compute",
+             "", *headline_markdown(table), "", *continuation_markdown(table),
+             title,
              "",
-             f"Baseline: **{table['baseline']}** (`{table['baseline_preset']}`); every row's attention MACs within "
-             f"{table['tolerance']:.0%} of its, counted `{matched}` ({_CONVENTION_TEXT[matched]}); beside it the ratio "
-             f"counted `{other}` ({_CONVENTION_TEXT[other]}). Every run the same steps. "
+             f"Baseline: **{table['baseline']}** (`{table['baseline_preset']}`); {matched_text}. Every run the same "
+             f"steps. "
              f"Mean ± standard deviation over seeds; Δ is "
              f"the row minus the baseline, paired by seed, with its 95% Student-t interval."
              + (f" {machine}" if machine else "")
@@ -361,8 +415,9 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
     how sure that is (the seeds, the equal-time rule, rows with fewer than :data:`FEW_SEEDS` seeds)."""
     main = "bleu" if "bleu" in table["metrics"] else "valid_nll"
     base, rows = table["baseline"], table["rows"][1:]
+    equal = "Equal MACs" if table.get("matching", "macs") == "macs" else "Equal steps"
     lines = ["#### In short (generated from the records)", "",
-             f"- **Equal MACs** (final {main}, each row minus **{base}**): "
+             f"- **{equal}** (final {main}, each row minus **{base}**): "
              + _verdicts_text([(r["name"], r["vs_baseline"].get(main)) for r in rows], base, LOWER_IS_BETTER[main])]
     timed = [r for r in rows if (r.get("equal_time_interleaved") or {}).get("timing")]
     if timed:
@@ -389,6 +444,53 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
                  + ("" if table.get("complete", True) else
                     " The study is not complete: runs or side-by-side timings are missing."))
     return lines
+
+
+def continuation_markdown(table: dict[str, Any]) -> list[str]:
+    """A continuation study's table (:func:`continuation`): the parent, and per row its conversion, MACs per
+    token in both conventions, the loss at conversion and after, each minus the dense continuation."""
+    cont = table.get("continuation")
+    if not cont:
+        return []
+    base = table["baseline"]
+    hashes = cont["parent_sha256"]
+    parent = table.get("parent") or {}
+    where = (f"`{parent['folder']}/`, sha256 of its weights `{parent['sha256'][:16]}…`" if parent else "not trained yet")
+    recorded = ("every run recorded these weights" if len(hashes) == 1 and (not parent or hashes[0] == parent["sha256"])
+                else f"runs recorded {len(hashes)} different parents' weights: the rows did not start from one parent"
+                if hashes else "no run has recorded its parent yet")
+    lines = ["#### From the parent: conversion and continuation", "",
+             f"One parent ({table['baseline_preset']}, {cont['parent_steps']} steps, seed {cont['parent_seed']}; "
+             f"{where}; {recorded}"
+             + (f"; its final validation NLL {parent['valid_nll']:.3f}" if parent.get("valid_nll") is not None else "")
+             + f"). Every run continues it for {table['max_steps']} steps, converted as its row says; the seeds are "
+             f"the continuation's, so the intervals hold the continuations' variance, not parent-to-parent variance. "
+             f"\"At conversion\" is the converted model's validation NLL before its first step; Δ is the row minus "
+             f"**{base}**, paired by seed, with its 95% Student-t interval. Attention MACs per token at the block "
+             f"length, both conventions.", "",
+             "| row | conversion | attn MACs/token full | causal | NLL at conversion | Δ at conversion | NLL after | "
+             "Δ after [95% CI] | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in cont["rows"]:
+        macs = row["attention_macs_per_token"]
+        start, end = row.get("at_conversion_vs_baseline"), row.get("after_vs_baseline")
+        lines.append("| " + " | ".join([
+            row["name"], _options_text(row["init_options"]), f"{macs['full'] / 1e3:.1f}k", f"{macs['causal'] / 1e3:.1f}k",
+            _fmt(row.get("at_conversion")), _delta_text(start) if start else "–", _fmt(row.get("after")),
+            _delta_text(end) if end else "–", end["verdict"] if end else "–"]) + " |")
+    return lines + [""]
+
+
+def _options_text(options: dict[str, Any]) -> str:
+    """A row's ``init_options`` in a few words."""
+    if not options:
+        return "the parent as it is"
+    if options.get("attention") == "mha":
+        return f"pruned: {options.get('keep_heads')} query heads kept per K/V group" if options.get("keep_heads") \
+            else "dense"
+    router = {"query_norm": "query norm", "random": "random", None: "learned", "softmax": "learned"}.get(
+        options.get("router"), str(options.get("router")))
+    where = " per K/V group" if options.get("route_per_group") else ""
+    return f"MoH, {router} router: {options.get('num_shared_heads')} shared + top {options.get('top_k')}{where}"
 
 
 def _verdicts_text(cells: list[tuple[str, dict[str, Any] | None]], baseline: str, lower_is_better: bool) -> str:
@@ -588,6 +690,8 @@ def _attention_text(att: dict[str, Any]) -> str:
         extras.append("routed per group")
     if att.get("router") == "random":
         extras.append("random routing")
+    if att.get("router") == "query_norm":
+        extras.append("query-norm routing")
     if att.get("qk_norm"):
         extras.append("QK-norm")
     if att.get("output_gate"):
@@ -723,10 +827,23 @@ def write_report(spec: StudySpec, planned: list[PlannedRow], results: list[RunRe
     table["machine"] = machine
     table["complete"] = study_complete(spec, planned, out, results)
     table["runs"] = [[r.row, r.seed] for r in results]
+    if spec.parent is not None:
+        table["parent"] = _parent_table(out)
     atomic_write(out / "results.json", json.dumps(table, indent=2) + "\n")
     atomic_write(out / "results.md", to_markdown(table, machine))
     plot(table, out)
     return table
+
+
+def _parent_table(out: Path) -> dict[str, Any] | None:
+    """The parent of a continuation study as the report names it (:func:`headmix.study.runner.parent_record`)."""
+    from .runner import parent_record
+
+    record = parent_record(out)
+    if record is None:
+        return None
+    return {"folder": record["folder"], "sha256": record["sha256"],
+            "valid_nll": (record["summary"].get("valid") or {}).get("nll")}
 
 
 def update_report(spec: StudySpec, planned: list[PlannedRow], out: str | os.PathLike, *,

@@ -7,6 +7,8 @@ A study folder::
     shared/tokenizer/           the one tokenizer of every run (trained on the shared train split); a study on a
                                 token pack (``pack``) has no shared/: the pack holds the split and tokenizer
     configs/ROW.json            each row's model config (the baseline's, with the row's attention)
+    parent/                     a continuation study's parent (``StudySpec.parent``): a headmix run of the
+                                baseline, trained once; every run of every row starts from its final model
     runs/ROW/seed-N/            a headmix training run folder (locked while in use, resumable)
     runs/ROW/seed-N/study_eval.json   translation: BLEU/chrF of that run on the test split; a MoSA row with
                                 ``causal_eval``: its validation NLL with top-k and with causal selection
@@ -76,13 +78,22 @@ def macs_lengths(spec: StudySpec, baseline: ModelConfig) -> tuple[int | None, in
 
 
 def plan(spec: StudySpec) -> list[PlannedRow]:
-    """Each row's model config, sized to the baseline's attention MACs (see :mod:`headmix.study.matching`)."""
+    """Each row's model config, sized to the baseline's attention MACs (see :mod:`headmix.study.matching`); with
+    ``matching = "none"`` as given, and in a continuation study the parent's (the baseline's) converted by the
+    row's ``init_options`` (:func:`headmix.interop.upcycle.upcycled_config`)."""
     baseline = spec.baseline_config()
     src_len, tgt_len = macs_lengths(spec, baseline)
     target = attention_macs_of(baseline, src_len, tgt_len, attention=spec.attention_macs)
     rows = []
     for row in spec.rows:
-        if not row.attention:
+        if row.init_options:
+            from ..interop.upcycle import upcycled_config
+
+            try:
+                config = upcycled_config(baseline, **row.init_options)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"row {row.name!r}: init_options: {err}") from None
+        elif not row.attention:
             config = baseline
         elif row.solve:
             try:
@@ -98,7 +109,7 @@ def plan(spec: StudySpec) -> list[PlannedRow]:
             except (TypeError, ValueError) as err:
                 raise ValueError(f"row {row.name!r}: {err}") from None
         att_macs = attention_macs_of(config, src_len, tgt_len, spec.moh_count, spec.attention_macs)
-        if abs(att_macs / target - 1) > spec.tolerance:
+        if spec.matching == "macs" and abs(att_macs / target - 1) > spec.tolerance:
             raise ValueError(f"row {row.name!r}: its attention costs {att_macs / target:.3f}x the baseline's MACs, "
                              f"outside the tolerance {spec.tolerance:.0%}; name fields to solve for")
         rows.append(PlannedRow(row.name, config, att_macs,
@@ -261,6 +272,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                 log(f"study {spec.name}: timing {row.name!r} against {planned[0].name!r} (interleaved)")
                 record = measure_row(spec, out, configs[planned[0].name], configs[row.name], row.name)
                 write_timing(out, slug(row.name), {**record, "study_workers_excluded": True})
+    if spec.parent is not None and not train_parent(spec, out, log=log, stop=stop, progress=progress):
+        return finished()  # stopped while the parent trained (or waited for it)
     trained = 0  # runs this call has trained to their end
     for seed in spec.seeds:
         for row in planned:
@@ -280,8 +293,9 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                     return finished()
                 if not summary_path.is_file():  # checked under the claim: a run finished meanwhile is not rerun
                     log(f"study {spec.name}: training {row.name!r} seed {seed}")
-                    cfg = TrainConfig(task=spec.task, preset=str(configs[row.name]), out=str(folder), seed=seed,
-                                      split_seed=spec.split_seed, max_steps=spec.max_steps, progress=progress,
+                    cfg = TrainConfig(out=str(folder), seed=seed, split_seed=spec.split_seed,
+                                      max_steps=spec.max_steps, progress=progress, **model_options(spec, row, out,
+                                                                                                   configs[row.name]),
                                       **data_options(spec, out), **spec.training)
                     train(cfg, stop=stop)
                     if not summary_path.is_file():  # stopped before the end: the run resumes next time
@@ -320,6 +334,84 @@ def with_time_budget(stop: Callable[[], str | None] | None, budget: float | None
         return reason
 
     return check
+
+
+PARENT_DIR = "parent"
+
+
+def model_options(spec: StudySpec, row: PlannedRow, out: Path, config: Path) -> dict[str, Any]:
+    """The TrainConfig options that give a run of ``row`` its model: the row's config file, or in a continuation
+    study the parent's final model converted by the row's ``init_options``."""
+    if spec.parent is None:
+        return {"task": spec.task, "preset": str(config)}
+    options = next(r.init_options for r in spec.rows if r.name == row.name)
+    return {"task": spec.task, "init_from": str(out / PARENT_DIR),
+            "init_options": json.dumps(options, sort_keys=True) if options else None}
+
+
+def parent_config(spec: StudySpec, out: Path, progress: bool = False):
+    """The TrainConfig of a continuation study's parent: the baseline, the study's data, split and tokenizer,
+    the study's training options with the parent's own over them."""
+    from ..training import TrainConfig
+
+    assert spec.parent is not None
+    baseline = out / "configs" / f"{slug(spec.rows[0].name)}.json"
+    return TrainConfig(task=spec.task, preset=str(baseline), out=str(out / PARENT_DIR), seed=spec.parent.seed,
+                       split_seed=spec.split_seed, max_steps=spec.parent.max_steps, progress=progress,
+                       **data_options(spec, out), **{**spec.training, **spec.parent.training})
+
+
+def train_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = print,
+                 stop: Callable[[], str | None] | None = None, progress: bool = False, poll: float = 5.0) -> bool:
+    """Train a continuation study's parent once (``OUT/parent``, resumable), or wait while another worker trains
+    it. Returns whether it has finished (``False``: stopped first)."""
+    from ..runs import FINAL_FILES
+    from ..training import train
+
+    folder = out / PARENT_DIR
+    told = False
+    while not all((folder / f).is_file() for f in ("summary.json", *FINAL_FILES)):
+        if stop is not None and stop() is not None:
+            return False
+        with claim(out, "parent") as mine, contextlib.ExitStack() as machine:
+            if mine:
+                if not machine.enter_context(machine_turn(out, exclusive=False, stop=stop)):
+                    return False
+                log(f"study {spec.name}: training the parent ({spec.parent.max_steps} steps, seed {spec.parent.seed})")
+                train(parent_config(spec, out, progress), stop=stop)
+                if not (folder / "summary.json").is_file():
+                    return False
+                drop_checkpoints(folder, log, keep=spec.finished_checkpoints or 0)
+                continue
+        if not told:
+            log(f"study {spec.name}: waiting for another worker to train the parent")
+            told = True
+        time.sleep(poll)
+    if not (folder / PARENT_RECORD).is_file():
+        from ..storage.files import sha256_file
+
+        with study_lock(out):
+            atomic_write(folder / PARENT_RECORD, json.dumps(
+                {"sha256": sha256_file(folder / "model.safetensors"), "max_steps": spec.parent.max_steps,
+                 "seed": spec.parent.seed}, indent=2) + "\n")
+    return True
+
+
+#: ``OUT/parent/parent.json``: the sha256 of the parent's weights (``model.safetensors``), written once it has
+#: finished and kept with the study's records (the weights are not), so a report read from the records alone can
+#: check that every run recorded the same parent.
+PARENT_RECORD = "parent.json"
+
+
+def parent_record(out: Path) -> dict[str, Any] | None:
+    """A continuation study's parent as its report names it: its folder, summary and the sha256 of its weights
+    (:data:`PARENT_RECORD`), which every run started from it records too; ``None`` before it has finished."""
+    folder = out / PARENT_DIR
+    if not (folder / "summary.json").is_file() or not (folder / PARENT_RECORD).is_file():
+        return None
+    record = json.loads((folder / PARENT_RECORD).read_text())
+    summary = json.loads((folder / "summary.json").read_text())
+    return {"folder": PARENT_DIR, "sha256": record["sha256"], "summary": summary}
 
 
 def study_complete(spec: StudySpec, planned: list[PlannedRow], out: Path, results: list[RunResult]) -> bool:
@@ -529,7 +621,9 @@ def _extends(stored: dict[str, Any], record: dict[str, Any]) -> bool:
 def _defaults(cls) -> dict[str, Any]:
     import dataclasses
 
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
 def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:

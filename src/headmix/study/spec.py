@@ -27,6 +27,22 @@ A spec file::
     prefer = { head_dim = 32 }
     control_of = "MoA E=16"           # the report compares the two, paired by seed
 
+A continuation study (``parent``) trains the baseline once and every run of every row continues it, converted as
+the row's ``init_options`` say (:mod:`headmix.interop.upcycle`); its rows keep the parent's shape
+(``matching = "none"``), so the report states each row's MACs instead of matching them::
+
+    matching = "none"
+    max_steps = 400                   # the continuation's steps
+    [parent]
+    max_steps = 1600
+    seed = 1
+    training = { lr = 2e-3, warmup_steps = 100 }    # the parent's options that differ from [training]
+    [[rows]]
+    name = "dense continued"          # the baseline row: the parent as it is
+    [[rows]]
+    name = "MoH query-norm 75%"
+    init_options = { attention = "moh", num_shared_heads = 4, top_k = 2, router = "query_norm" }
+
 Relative paths in a spec file are relative to the file.
 """
 
@@ -44,7 +60,10 @@ from ..models.counting import check_convention
 from .matching import MOH_COUNTS, SOLVABLE
 
 #: TrainConfig options a spec may not set: the study sets them itself for every run.
-STUDY_OWNED = ("task", "preset", "out", "data", "seed", "tokenizer", "progress")
+STUDY_OWNED = ("task", "preset", "out", "data", "seed", "tokenizer", "progress", "init_from", "init_options")
+#: How rows are sized: "macs" (to the baseline's attention MACs, within ``tolerance``) or "none" (each row keeps
+#: the shape it is given, or its parent's; the report states every row's MACs).
+MATCHING = ("macs", "none")
 
 
 @dataclass
@@ -64,6 +83,11 @@ class RowSpec:
     #: MoSA rows: also evaluate each run's final model with the causal threshold rule (beside the top-k over
     #: the whole sequence it trains with); the report shows the gap, paired by seed
     causal_eval: bool = False
+    #: a continuation study's rows (``StudySpec.parent``): how this row converts the parent before it continues
+    #: training, as ``headmix train --init-options`` takes it (:mod:`headmix.interop.upcycle`: ``attention``,
+    #: ``num_shared_heads``, ``top_k``, ``router``, ``route_per_group``, ``keep_heads``...); empty: the parent as
+    #: it is (the dense continuation)
+    init_options: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -77,9 +101,41 @@ class RowSpec:
             raise ValueError(f"rows[{self.name!r}].control_of must name another row, got {self.control_of!r}")
         if not isinstance(self.causal_eval, bool):
             raise ValueError(f"rows[{self.name!r}].causal_eval must be true or false, got {self.causal_eval!r}")
+        if not isinstance(self.init_options, dict):
+            raise ValueError(f"rows[{self.name!r}].init_options must be a table of upcycling options, got "
+                             f"{self.init_options!r}")
+        if self.init_options and (self.attention or self.solve):
+            raise ValueError(f"rows[{self.name!r}]: init_options convert the parent, whose attention is the row's: "
+                             f"give init_options or attention/solve, not both")
         if self.causal_eval and self.attention.get("kind") != "mosa":
             raise ValueError(f"rows[{self.name!r}].causal_eval applies to MoSA rows (attention kind 'mosa'), got "
                              f"kind {self.attention.get('kind')!r}")
+
+
+@dataclass
+class ParentSpec:
+    """The run every row of a continuation study starts from: the study's baseline model, trained once (in
+    ``OUT/parent/``) on the study's data, split and tokenizer, and shared by every row and seed."""
+
+    #: the parent's optimizer steps
+    max_steps: int
+    #: the parent's seed (initialisation, batch order): one parent, so the rows' intervals hold the variance of
+    #: the continuations' seeds, not parent to parent
+    seed: int = 1
+    #: TrainConfig options of the parent that differ from the study's ``training`` (which the rows' continuation
+    #: runs take: a fresh optimizer and their own schedule)
+    training: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps <= 0:
+            raise ValueError(f"parent.max_steps must be a positive integer, got {self.max_steps!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"parent.seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.training, dict):
+            raise ValueError(f"parent.training must be a table of training options, got {self.training!r}")
+        owned = sorted(set(self.training) & set(STUDY_OWNED + ("max_steps", "split_seed")))
+        if owned:
+            raise ValueError(f"parent.training must not set {owned}: the study sets them for the parent")
 
 
 @dataclass
@@ -144,6 +200,13 @@ class StudySpec:
     timing_steps: int = 3
     #: untimed steps of each model before the first round (allocation, compilation)
     timing_warmup: int = 5
+    #: how rows are sized (:data:`MATCHING`): "macs", to the baseline's attention MACs within ``tolerance``
+    #: (rows name the fields to solve); "none", each row keeps its shape (its ``attention`` as given, or its
+    #: parent's converted by ``init_options``) and the report states each row's MACs
+    matching: str = "macs"
+    #: a continuation study: the run every row starts from (:class:`ParentSpec`); ``max_steps`` and ``training``
+    #: are then the continuation's, the rows set ``init_options`` (not ``attention``) and ``matching`` is "none"
+    parent: ParentSpec | None = None
 
     def validate(self) -> None:
         from ..tasks import TASKS  # the task registry
@@ -153,9 +216,9 @@ class StudySpec:
         self.baseline_config()  # a clear error for a bad baseline
         if not self.rows:
             raise ValueError("rows must list at least the baseline row")
-        if self.rows[0].attention or self.rows[0].solve:
+        if self.rows[0].attention or self.rows[0].solve or self.rows[0].init_options:
             raise ValueError(f"the first row ({self.rows[0].name!r}) is the baseline: it takes the baseline's "
-                             f"attention, so it sets neither attention nor solve")
+                             f"attention, so it sets neither attention, solve nor init_options")
         names = [r.name for r in self.rows]
         if len(set(names)) != len(names):
             raise ValueError(f"rows must have distinct names, got {names}")
@@ -163,6 +226,29 @@ class StudySpec:
             row.validate()
             if row.control_of is not None and row.control_of not in names:
                 raise ValueError(f"rows[{row.name!r}].control_of must name a row of the study, got {row.control_of!r}")
+        if self.matching not in MATCHING:
+            raise ValueError(f"matching must be one of {MATCHING}, got {self.matching!r}")
+        if self.parent is not None:
+            if not isinstance(self.parent, ParentSpec):
+                raise ValueError(f"parent must be a table (max_steps, seed, training), got {self.parent!r}")
+            self.parent.validate()
+            if self.matching != "none":
+                raise ValueError('a study with a parent keeps the parent\'s shape in every row: set matching = "none"')
+            if self.pack:
+                raise ValueError("parent: a continuation study reads data (the shared split), not a pack")
+            shaped = [r.name for r in self.rows if r.attention or r.solve]
+            if shaped:
+                raise ValueError(f"rows {shaped}: in a study with a parent a row converts the parent with "
+                                 f"init_options, it sets no attention or solve")
+        else:
+            converting = [r.name for r in self.rows if r.init_options]
+            if converting:
+                raise ValueError(f"rows {converting} set init_options, which convert a parent: give the study a "
+                                 f"parent (max_steps, seed)")
+        if self.matching == "none":
+            solving = [r.name for r in self.rows if r.solve]
+            if solving:
+                raise ValueError(f'rows {solving} solve fields to match MACs, but matching is "none"')
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or any(
                 isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
             raise ValueError(f"seeds must be distinct non-negative integers, got {self.seeds!r}")
@@ -235,6 +321,12 @@ class StudySpec:
                 raise ValueError(f"rows[] entries take the fields {sorted(row_known)}, got {r!r}")
             rows.append(RowSpec(**r))
         data["rows"] = rows
+        if isinstance(data.get("parent"), dict):
+            parent_known = {f.name for f in dataclasses.fields(ParentSpec)}
+            if set(data["parent"]) - parent_known or "max_steps" not in data["parent"]:
+                raise ValueError(f"parent takes the fields {sorted(parent_known)} (max_steps at least), got "
+                                 f"{data['parent']!r}")
+            data["parent"] = ParentSpec(**data["parent"])
         if base_dir is not None:
             base = Path(base_dir)
             data["data"] = [str(base / p) for p in data.get("data", [])]

@@ -263,6 +263,10 @@ def initial_model(cfg: TrainConfig, tok: Tokenizer, log: Callable[[str], None],
 
         model = from_pretrained(source)
     record = {"path": str(source), "kind": kind, **({"options": options} if options else {})}
+    if (source / "model.safetensors").is_file():  # which weights exactly (a study's runs share one parent)
+        from ..storage.files import sha256_file
+
+        record["sha256"] = sha256_file(source / "model.safetensors")
     config = model.config
     if config.task != cfg.task:
         raise ValueError(f"init_from {source} holds a {config.task!r} model; this run's task is {cfg.task!r}")
