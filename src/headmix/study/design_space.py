@@ -142,8 +142,10 @@ CONTENDERS = "lm-en-contenders"
 MOA = Entry("MoA", _moa(), exact=(JETMOE,),
             studies=(Study("lm-en", "MoA E=32"), Study("translation-en-de", "MoA E=32"), Study("lm-en-llama", "MoA E=8")))
 MOA_KV = Entry("MoA with grouped K/V (JetMoE)", _moa(kv_heads=2), exact=(JETMOE,), studies=(Study(CONTENDERS, "MoA kv2"),))
+#: The continuation study: every row converts one trained dense parent (issue 44).
+UPCYCLE = "lm-en-upcycle"
 MOH_PER_GROUP = Entry("MoH routed per K/V group, sparse", _moh("sparse", per_group=True),
-                      exact=(MOH_REFERENCE, MOH_SPARSE_DENSE))
+                      exact=(MOH_REFERENCE, MOH_SPARSE_DENSE), studies=(Study(UPCYCLE, "learned per group 50%"),))
 #: The paper's GQE at the shape lm-en-contenders runs it (2 experts per K/V head, top 1: the paper's main setting
 #: per group) with the page's head size.
 GQE = Entry("GQE (Grouped Query Experts)", AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
@@ -176,16 +178,23 @@ ENTRIES: list[Entry] = [
     Entry("MoH, sparse", _moh("sparse"), exact=(MOH_SPARSE_DENSE,), studies=(Study("lm-en-moh-sparse", "MoH sparse"),)),
     Entry("MoH routed per K/V group, dense", _moh("dense", per_group=True), exact=(MOH_REFERENCE,)),
     Entry("MoH, query-norm router (MoH-LLaMA3)",
-          AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, num_shared_heads=4, top_k=2,
+          AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, kv_heads=2, num_shared_heads=4, top_k=2,
                           router="query_norm", moh_impl="sparse"), exact=(QUERY_NORM_REFERENCE,),
+          studies=(Study(UPCYCLE, "query-norm 75%"), Study(UPCYCLE, "query-norm 50%")),
           rule="token choice: each token's top-k routed heads by the norm of their queries (before rotary), no "
                "router parameters, every active head weighs 1"),
+    Entry("MoH with grouped K/V, sparse", AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, kv_heads=2,
+                                                          num_shared_heads=4, top_k=2, moh_impl="sparse"),
+          exact=(MOH_REFERENCE, MOH_SPARSE_DENSE),
+          studies=(Study(UPCYCLE, "learned 75%"), Study(UPCYCLE, "learned 50%"))),
     MOH_PER_GROUP,
-    random_control(MOH_PER_GROUP),
-    static_control(MOH_PER_GROUP),
+    random_control(MOH_PER_GROUP, Study(UPCYCLE, "per group 50% random")),
+    # a trained model pruned to as many query heads per K/V group is the same configuration: the upcycling
+    # study's pruning rows are read here
+    static_control(MOH_PER_GROUP, Study(UPCYCLE, "pruned 75%")),
     GQE,
     random_control(GQE, Study(CONTENDERS, "GQE random")),
-    static_control(GQE, Study(CONTENDERS, "GQE static")),
+    static_control(GQE, Study(CONTENDERS, "GQE static"), Study(UPCYCLE, "pruned 50%")),
     GQE_HARD_ONLY,
     SWITCHHEAD,
     random_control(SWITCHHEAD),
@@ -378,8 +387,12 @@ def study_cell(ref: Study, att: AttentionConfig, studies: Path) -> str:
         return f"{named}: the baseline"
     parts = []
     macs = (found.get("vs_baseline") or {}).get("valid_nll")
+    continued = next((r for r in (results.get("continuation") or {}).get("rows", []) if r["name"] == ref.row), None)
+    if continued and (continued.get("at_conversion_vs_baseline") or {}).get("n"):
+        parts.append(f"at conversion {_delta(continued['at_conversion_vs_baseline'])}")
     if macs and macs.get("n"):
-        parts.append(f"equal MACs {_delta(macs)}")
+        parts.append(f"{'equal MACs' if results.get('matching', 'macs') == 'macs' else 'after equal steps'} "
+                     f"{_delta(macs)}")
     timed = ((found.get("equal_time_interleaved") or {}).get("vs_baseline")) or None
     if timed and timed.get("n"):
         parts.append(f"equal time {_delta(timed)}")
