@@ -86,7 +86,7 @@ bench: setup
 	$(BIN)/headmix bench decode
 
 # On a machine with a CUDA GPU: the quick GPU check (every attention kind's layer, training step and decoding
-# against its baseline, at most 6 minutes), with the machine's own python3 (CUDA PyTorch and Triton already
+# against its baseline, at most 7 minutes), with the machine's own python3 (CUDA PyTorch and Triton already
 # installed; no venv, no network; headmix from src/). PYTHON=... picks another. The rest, one job each:
 # benchmarks/gpu_check.sh full1 and full2.
 gpu-check:

@@ -270,6 +270,36 @@ def test_moh_slot_form_compiled_step_has_no_host_sync(grouping):
         assert relative_error(a, b) <= 2e-2, f"tensor {i}: {relative_error(a, b):.3g}"
 
 
+@needs_cuda
+def test_paper_gqe_compiled_step_has_no_host_sync_and_equals_eager():
+    """The paper's GQE (``kind="gqe"``) on its slot path, compiled with ``fullgraph=True``: a bf16 training step
+    under CUDA's sync debug mode, equal to the eager step; and ``headmix bench gqe``'s CUDA columns and its
+    host-sync check at a small size (what the quick GPU check runs at T 4096 / 8192)."""
+    from headmix.attention import GroupedQueryExpertsAttention
+    from headmix.bench.gqe import host_sync_check, run_benchmark
+
+    torch.manual_seed(0)
+    layer = GroupedQueryExpertsAttention(256, 16, 8, 1).to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, 128, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    want = outputs_and_grads(layer, x, is_causal=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    outputs_and_grads(compiled, x, is_causal=True)  # warm-up: compilation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = outputs_and_grads(compiled, x, is_causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relative_error(a, b) <= 2e-2, f"tensor {i}: {relative_error(a, b):.3g}"
+    assert host_sync_check(256, 128, DEVICE, torch.bfloat16) == "none"
+    rows = run_benchmark(embed_dim=256, batch=1, seqs=[128], prefill_seq=256, modes=("eager",), repeats=1,
+                         warmup=1, device=DEVICE, dtype=torch.bfloat16)
+    assert len(rows) == 4 and all(r["busy"] > 0 and r["kernels"] >= 1 for r in rows)
+    assert rows[0]["busy_ratio"] == 1.0 and rows[2]["busy_ratio"] == 1.0
+
+
 def test_switchhead_triton_matches_reference():
     """SwitchHead's value mixing (gates in the kernel epilogue) and output reduce (the expanded attention
     output read in place) against the reference loop, odd head size, cross-attention with padding."""

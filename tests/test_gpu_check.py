@@ -28,7 +28,7 @@ def test_header_estimates_are_the_sums_of_the_limits_and_fit_a_job():
         match = re.search(rf"{part} \(at most (\d+) s", header)
         assert match, f"{part}: no estimate in the header"
         assert int(match.group(1)) == gpu_check.budget_s(part) <= gpu_check.PART_LIMITS[part]
-    assert gpu_check.PART_LIMITS["quick"] <= 360 and max(gpu_check.PART_LIMITS.values()) <= 480
+    assert gpu_check.PART_LIMITS["quick"] <= 420 and max(gpu_check.PART_LIMITS.values()) <= 480
 
 
 def run_script(part: str, out: Path) -> subprocess.CompletedProcess:
@@ -48,8 +48,13 @@ def quick_check(tmp_path_factory):
 def test_quick_runs_tiny_and_names_every_attention_kind(quick_check):
     summary = json.loads((quick_check / "quick.json").read_text())
     assert summary["part"] == "quick" and summary["tiny"] is True and summary["machine"]["torch"]
-    assert [s["name"] for s in summary["steps"]] == ["layers", "models", "decode"]
+    assert [s["name"] for s in summary["steps"]] == ["layers", "models", "decode", "gqe"]
     steps = {s["name"]: s for s in summary["steps"]}
+    # the paper's GQE against GQA with all its query heads: fwd+bwd and the prefill, each with its ratio
+    gqe = {(r["timed"], r["layer"]): r for r in steps["gqe"]["rows"][0]}
+    assert set(gqe) == {(what, layer) for what in ("fwd+bwd 1x8", "prefill 1x8")
+                        for layer in ("GQA 16 heads", "GQE 16E on 8 K/V, top 1")}
+    assert gqe[("prefill 1x8", "GQA 16 heads")]["/ GQA"] == "1.000"
     for step in steps.values():
         assert step["status"] == "ok", step
         assert (quick_check / step["log"]).is_file()

@@ -1,4 +1,4 @@
-"""The GPU check: ``quick`` (one 10-minute job, at most 6 minutes by its steps' limits) and ``full1`` / ``full2``
+"""The GPU check: ``quick`` (one 10-minute job, at most 7 minutes by its steps' limits) and ``full1`` / ``full2``
 (the rest, at most 8 minutes each), run by ``benchmarks/gpu_check.sh``, and the fold of whatever parts finished
 into ``docs/performance.md``.
 
@@ -6,7 +6,9 @@ into ``docs/performance.md``.
   the layer table (:mod:`headmix.bench.gpu_layers`: every attention kind of :mod:`headmix.bench.kinds` and HF
   ``JetMoeAttention``, one fwd+bwd at 16 x 2048, d_model 512, causal, against torch SDPA multi-head attention:
   wall ms, ratio, GPU-busy ms, kernels per step, peak memory), a Llama-style training step per attention kind
-  against MHA and greedy decoding tokens/s at batch 1 and 8 (:mod:`headmix.bench.quick`). Triton runs its
+  against MHA, greedy decoding tokens/s at batch 1 and 8 (:mod:`headmix.bench.quick`), and the paper's GQE on
+  the slot path against GQA with all its query heads, fwd+bwd at T 4096 and prefill at T 8192, eager and
+  compiled, with GPU-busy ms, kernels and a host-sync check (:mod:`headmix.bench.gqe`). Triton runs its
   default configuration (no autotuning).
 * ``full1``: the ``gpu``-marked tests, the grouped-projection table with Triton autotuning, the grouped-query
   curve (``headmix bench gqa``);
@@ -45,7 +47,7 @@ from ..storage.files import atomic_write, atomic_write_json
 PARTS = ("quick", "full1", "full2")
 #: The most seconds each part's steps may take: quick fits one 10-minute job with the machine's start and the
 #: copies; each full part fits one job too.
-PART_LIMITS = {"quick": 360, "full1": 480, "full2": 480}
+PART_LIMITS = {"quick": 420, "full1": 480, "full2": 480}
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 
 CLI = ["-m", "headmix.cli.main"]
@@ -72,6 +74,13 @@ STEPS: dict[str, list[Step]] = {
              ["-m", "headmix.bench.quick", "models", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
         Step("decode", 90, ["-m", "headmix.bench.quick", "decode", "--device", "cuda"],
              ["-m", "headmix.bench.quick", "decode", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
+        # the paper's GQE on the slot path against GQA with all 16 query heads, bf16: fwd+bwd at T 4096 and the
+        # prefill at T 8192 (the paper's 1.7-1.8x faster prefill is the anchor), eager and compiled, GPU-busy ms
+        # and kernels; a compiled step under set_sync_debug_mode("error")
+        Step("gqe", 60, [*CLI, "bench", "gqe", "--device", "cuda", "--seqs", "4096", "--prefill-seq", "8192",
+                         "--repeats", "5"],
+             [*CLI, "bench", "gqe", "--device", "cpu", "--embed-dim", "32", "--seqs", "8", "--prefill-seq", "8",
+              "--repeats", "1", "--warmup", "0", "--modes", "eager"]),
     ],
     "full1": [
         # one kernel configuration: autotuning every test's sizes would take minutes

@@ -37,7 +37,7 @@ from ..kernels import expert_map, expert_reduce, expert_routing
 from ..training.config import pick_device
 from .attention import peak_memory
 from .kinds import KINDS, Kind, describe, heads_for, triton_usable
-from .timing import check_positive, interleaved_timings, machine_load, standalone_args
+from .timing import check_positive, interleaved_timings, kernel_profile, machine_load, standalone_args
 
 
 @dataclass(frozen=True)
@@ -131,20 +131,6 @@ def _fwd_bwd(spec: LayerSpec, layer: nn.Module, x: torch.Tensor, grad: torch.Ten
     return step
 
 
-def _kernel_profile(step: Callable[[], None], steps: int) -> tuple[float, float]:
-    """(GPU-busy ms, CUDA kernels) per step under torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    busy = sum(e.self_device_time_total for e in events) / steps / 1000
-    return busy, sum(e.count for e in events) / steps
-
-
 def _aten_ops(step: Callable[[], None]) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -196,7 +182,7 @@ def measure_layer(step: Callable[[], None], device: torch.device, repeats: int) 
     row = {"ms": _time_ms({"step": step}, device, repeats)["step"]}
     if device.type == "cuda":
         row["peak"] = peak_memory(step, device) / 2**20
-        row["busy"], row["kernels"] = _kernel_profile(step, 5)
+        row["busy"], row["kernels"] = kernel_profile(step, 5)
     else:
         row["kernels"] = _aten_ops(step)
     return row

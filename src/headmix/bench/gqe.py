@@ -11,8 +11,11 @@ forward+backward (the gradient of ``output.square().mean()`` plus GQE's auxiliar
 a prefill (forward without autograd) at ``--prefill-seq``; each eager and under ``torch.compile(fullgraph=True)``
 (inductor; ``--modes`` picks). Within a table row group the layers are timed interleaved (every repeat runs each
 once, in turn) and the median over repeats is reported, with its ratio to the baseline's median of the same run.
-Compilation happens in the warm-up runs, outside the timed ones. Defaults: fp32, d_model 1024 (16 heads of 64),
-batch 1, T 1024 and 4096, prefill at 8192.
+Compilation happens in the warm-up runs, outside the timed ones. On CUDA each row also gives its GPU-busy ms (the
+sum of its CUDA kernels' own times under ``torch.profiler``) with that ratio, and the kernels launched per call;
+and one compiled GQE training step runs under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any
+host synchronisation (the slot path has none). Defaults: fp32 on the CPU, bf16 on CUDA, d_model 1024 (16 heads of
+64), batch 1, T 1024 and 4096, prefill at 8192. The quick GPU check runs it at T 4096 and prefill 8192.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ from ..attention import GroupedQueryExpertsAttention, MultiHeadAttention
 from ..training.config import pick_device
 from ..training.machine import cpu_model
 from .attention import format_rows
-from .timing import add_clock_arguments, bench_dtype, check_positive, clock_setup, interleaved_timings
+from .timing import add_clock_arguments, bench_dtype, check_positive, clock_setup, interleaved_timings, kernel_profile
 
 BASELINE = "GQA 16 heads"
 MODES = ("eager", "compiled")
 COLUMNS = [("mode", "mode", "{}"), ("what", "timed", "{}"), ("layer", "layer", "{}"), ("ms", "ms", "{:.1f}"),
            ("ratio", "/ GQA", "{:.3f}")]
+#: On CUDA, beside the wall time: GPU-busy ms, its ratio to the baseline's, and CUDA kernels per call.
+CUDA_COLUMNS = [("busy", "GPU-busy ms", "{:.2f}"), ("busy_ratio", "busy / GQA", "{:.3f}"),
+                ("kernels", "kernels", "{:.0f}")]
 
 
 def build_layers(embed_dim: int, device: torch.device, dtype: torch.dtype) -> dict[str, nn.Module]:
@@ -91,13 +97,38 @@ def run_benchmark(*, embed_dim: int, batch: int, seqs: list[int], prefill_seq: i
         torch._dynamo.reset()
         for what, b, t, backward in cases:
             x = torch.randn(b, t, embed_dim, device=device, dtype=dtype, requires_grad=backward)
-            times = interleaved_timings(steps(layers, x, backward=backward, compiled=mode == "compiled"), repeats,
-                                        warmup, device, clock=clock)
+            calls = steps(layers, x, backward=backward, compiled=mode == "compiled")
+            times = interleaved_timings(calls, repeats, warmup, device, clock=clock)
             case = [{"mode": mode, "what": what, "layer": name, "ms": 1e3 * s, "ratio": s / times[BASELINE]}
                     for name, s in times.items()]
+            if device.type == "cuda":
+                for row in case:
+                    row["busy"], row["kernels"] = kernel_profile(calls[row["layer"]], 3)
+                for row in case:
+                    row["busy_ratio"] = row["busy"] / case[0]["busy"]
             measured(case)
             rows.extend(case)
     return rows
+
+
+def host_sync_check(embed_dim: int, seq: int, device: torch.device, dtype: torch.dtype) -> str:
+    """One compiled (``fullgraph=True``) GQE training step at ``seq`` tokens, compiled first, then run again under
+    ``torch.cuda.set_sync_debug_mode("error")``: "none" when it ran without a host synchronisation, else the
+    error's first line."""
+    layer = build_layers(embed_dim, device, dtype)["GQE 16E on 8 K/V, top 1"]
+    x = torch.randn(1, seq, embed_dim, device=device, dtype=dtype, requires_grad=True)
+    call = steps({"GQE": layer}, x, backward=True, compiled=True)["GQE"]
+    call()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+        return "none"
+    except RuntimeError as err:
+        return str(err).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,13 +159,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"# headmix bench gqe: {device} ({name}), {dtype}, torch {torch.__version__}, {setup}; d_model "
           f"{args.embed_dim}, heads of {args.embed_dim // 16}; causal; median of {args.repeats} interleaved runs "
           f"after {args.warmup} warm-up; ratios to {BASELINE} in the same run")
-    header = format_rows([], COLUMNS)
+    columns = COLUMNS + (CUDA_COLUMNS if device.type == "cuda" else [])
+    header = format_rows([], columns)
     print(header, flush=True)
 
     def measured(rows: list[dict]) -> None:  # each case's rows as soon as they are timed (a long run keeps them)
-        print(format_rows(rows, COLUMNS)[len(header) + 1:], flush=True)
+        print(format_rows(rows, columns)[len(header) + 1:], flush=True)
 
     run_benchmark(embed_dim=args.embed_dim, batch=args.batch, seqs=args.seqs, prefill_seq=args.prefill_seq,
                   modes=tuple(args.modes), repeats=args.repeats, warmup=args.warmup, device=device, dtype=dtype,
                   clock=clock, measured=measured)
+    if device.type == "cuda" and "compiled" in args.modes:
+        seq = max(args.seqs)
+        print(f"\n| check | result |\n|---|---|\n| host synchronisations of a compiled GQE training step at T {seq} "
+              f"(torch.cuda.set_sync_debug_mode error) | {host_sync_check(args.embed_dim, seq, device, dtype)} |",
+              flush=True)
     return 0

@@ -45,6 +45,21 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], repeats: int, warm
     return {name: stat(ts) for name, ts in times.items()}
 
 
+def kernel_profile(step: Callable[[], object], steps: int) -> tuple[float, float]:
+    """(GPU-busy ms, CUDA kernels launched) per call of ``step``, over ``steps`` calls under ``torch.profiler``:
+    the sum of the CUDA kernels' own times, which launch overhead and host work do not inflate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in events) / steps / 1000
+    return busy, sum(e.count for e in events) / steps
+
+
 def machine_load() -> str:
     """The 1, 5 and 15 minute load averages, to print beside timings taken on a shared machine."""
     try:
