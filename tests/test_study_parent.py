@@ -114,6 +114,8 @@ def test_one_parent_is_trained_once_and_every_run_continues_it(tmp_path, docs_fi
     assert trained[0] == (PARENT_DIR, 7, 4, 3e-3, False)
     assert sorted(trained[1:]) == sorted((f"seed-{s}", s, 2, 1e-3, True) for s in (1, 2) for _ in range(4))
     parent = json.loads((out / PARENT_DIR / PARENT_RECORD).read_text())
+    # the finished parent keeps what the study keeps of a finished run (its newest checkpoint) and its final model
+    assert len(list((out / PARENT_DIR / "checkpoints").iterdir())) == spec.keep_checkpoints == 1
     from headmix.storage.files import sha256_file
 
     assert parent["sha256"] == sha256_file(out / PARENT_DIR / "model.safetensors")

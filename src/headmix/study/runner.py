@@ -381,7 +381,8 @@ def train_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = pri
                 train(parent_config(spec, out, progress), stop=stop)
                 if not (folder / "summary.json").is_file():
                     return False
-                drop_checkpoints(folder, log, keep=spec.finished_checkpoints or 0)
+                if spec.finished_checkpoints is not None:  # its final model stays: every run starts from it
+                    drop_checkpoints(folder, log, keep=spec.finished_checkpoints)
                 continue
         if not told:
             log(f"study {spec.name}: waiting for another worker to train the parent")
