@@ -153,6 +153,16 @@ def test_one_parent_is_trained_once_and_every_run_continues_it(tmp_path, docs_fi
     assert "every run recorded these weights" in md
     assert "| pruned | pruned: 2 query heads kept per K/V group |" in md
 
+    # the records without the parent's weights (a clone of a committed study): refused in one line, nothing rewritten
+    (out / PARENT_DIR / "model.safetensors").rename(tmp_path / "parent-weights")
+    before = (out / PARENT_DIR / "metrics.jsonl").read_bytes()
+    with pytest.raises(FileNotFoundError, match="the parent .* has finished but its model.safetensors is missing"):
+        run_study(_spec(docs_file, seeds=[1, 2, 3], rows=[*_spec(docs_file).rows, RowSpec("more", init_options={
+            "attention": "moh", "num_shared_heads": 1, "top_k": 3})]), out, log=lambda m: None)
+    assert (out / PARENT_DIR / "metrics.jsonl").read_bytes() == before and trained == []
+    assert not (out / "timing" / "more.json").exists()  # the new row was not timed either
+    (tmp_path / "parent-weights").rename(out / PARENT_DIR / "model.safetensors")
+
     # a run that recorded another parent is named in the report
     summary_path = out / by[("learned", 2)].folder / "summary.json"
     summary = json.loads(summary_path.read_text())

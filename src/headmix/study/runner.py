@@ -242,6 +242,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
     if spec.pack:
         check_pack(spec)  # every file of the pack against its checksums, before the folder is touched
     check_timing_devices(spec, planned, out)
+    if spec.parent is not None:
+        check_parent(spec, out)
     out.mkdir(parents=True, exist_ok=True)
     with study_lock(out):
         _write_plan(spec, planned, out)
@@ -361,6 +363,19 @@ def parent_config(spec: StudySpec, out: Path, progress: bool = False):
                        **data_options(spec, out), **{**spec.training, **spec.parent.training})
 
 
+def check_parent(spec: StudySpec, out: Path) -> None:
+    """``FileNotFoundError`` (one line) when a continuation study's parent has finished but its final model is not
+    there (a clone of the committed records): retraining it would rewrite its records, so nothing is done."""
+    from ..runs import FINAL_FILES
+
+    folder = out / PARENT_DIR
+    missing = [f for f in FINAL_FILES if not (folder / f).is_file()]
+    if (folder / "summary.json").is_file() and missing:
+        raise FileNotFoundError(f"study {spec.name}: the parent {folder} has finished but its {missing[0]} is missing "
+                                f"(committed studies keep the records, not the weights): put the parent's final model "
+                                f"back, or continue the study in another --out")
+
+
 def train_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = print,
                  stop: Callable[[], str | None] | None = None, progress: bool = False, poll: float = 5.0) -> bool:
     """Train a continuation study's parent once (``OUT/parent``, resumable), or wait while another worker trains
@@ -369,6 +384,7 @@ def train_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = pri
     from ..training import train
 
     folder = out / PARENT_DIR
+    check_parent(spec, out)
     told = False
     while not all((folder / f).is_file() for f in ("summary.json", *FINAL_FILES)):
         if stop is not None and stop() is not None:
