@@ -415,7 +415,7 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
     how sure that is (the seeds, the equal-time rule, rows with fewer than :data:`FEW_SEEDS` seeds)."""
     main = "bleu" if "bleu" in table["metrics"] else "valid_nll"
     base, rows = table["baseline"], table["rows"][1:]
-    equal = "Equal MACs" if table.get("matching", "macs") == "macs" else "Equal steps"
+    equal = "Equal " + _equal_budget(table).split(" ", 1)[1]
     lines = ["#### In short (generated from the records)", "",
              f"- **{equal}** (final {main}, each row minus **{base}**): "
              + _verdicts_text([(r["name"], r["vs_baseline"].get(main)) for r in rows], base, LOWER_IS_BETTER[main])]
@@ -430,7 +430,7 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
     for c in table.get("controls") or []:
         verdicts = [f"{where}: {'–' if d is None else d['verdict'].replace(NOT_DECIDED + ': ', 'not decided, ')}"
                     for where, d in
-                    (("at equal MACs", c.get("equal_macs")), ("at equal time", c.get("equal_time")))]
+                    ((f"at {_equal_budget(table)}", c.get("equal_macs")), ("at equal time", c.get("equal_time")))]
         lines.append(f"- **Control**: {c['row']} against {c['control']}, {'; '.join(verdicts)}.")
     seeds = sorted({len(r["seeds"]) for r in table["rows"] if r["seeds"]})
     if not seeds:
@@ -444,6 +444,11 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
                  + ("" if table.get("complete", True) else
                     " The study is not complete: runs or side-by-side timings are missing."))
     return lines
+
+
+def _equal_budget(table: dict[str, Any]) -> str:
+    """What every row shares besides time: "equal MACs" (rows matched to the baseline's), else "equal steps"."""
+    return "equal MACs" if table.get("matching", "macs") == "macs" else "equal steps"
 
 
 def continuation_markdown(table: dict[str, Any]) -> list[str]:
@@ -467,7 +472,10 @@ def continuation_markdown(table: dict[str, Any]) -> list[str]:
              f"the continuation's, so the intervals hold the continuations' variance, not parent-to-parent variance. "
              f"\"At conversion\" is the converted model's validation NLL before its first step; Δ is the row minus "
              f"**{base}**, paired by seed, with its 95% Student-t interval. Attention MACs per token at the block "
-             f"length, both conventions.", "",
+             f"length, both conventions" + (" (equal here: at this block length the causal count's one tile covers "
+                                            "every query-key pair)" if all(
+                 r["attention_macs_per_token"]["full"] == r["attention_macs_per_token"]["causal"]
+                 for r in cont["rows"]) else "") + ".", "",
              "| row | conversion | attn MACs/token full | causal | NLL at conversion | Δ at conversion | NLL after | "
              "Δ after [95% CI] | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for row in cont["rows"]:
@@ -487,7 +495,7 @@ def _options_text(options: dict[str, Any]) -> str:
     if options.get("attention") == "mha":
         return f"pruned: {options.get('keep_heads')} query heads kept per K/V group" if options.get("keep_heads") \
             else "dense"
-    router = {"query_norm": "query norm", "random": "random", None: "learned", "softmax": "learned"}.get(
+    router = {"query_norm": "query-norm", "random": "random", None: "learned", "softmax": "learned"}.get(
         options.get("router"), str(options.get("router")))
     where = " per K/V group" if options.get("route_per_group") else ""
     return f"MoH, {router} router: {options.get('num_shared_heads')} shared + top {options.get('top_k')}{where}"
@@ -951,17 +959,18 @@ def controls_markdown(table: dict[str, Any]) -> list[str]:
     """The controls table (learned vs random routing, routed vs static) and the MoSA causal-selection table,
     when the study has such rows."""
     lines = []
+    equal = _equal_budget(table)
     if table.get("controls"):
         lines += ["#### Controls: is the routing learned, is the router worth its cost?", "",
                   "Each routed row against its control: its random-routing twin (the same layer, its experts or "
                   "heads chosen uniformly at random per token, no router) or the dense model with the same active "
                   "compute and no router. Δ is the routed row minus the control, paired by seed, with its 95% "
-                  "Student-t interval (negative: the routed row is better). At equal MACs: the final validation "
+                  f"Student-t interval (negative: the routed row is better). At {equal}: the final validation "
                   "NLL. At equal time: both validation curves read by step at the time the faster of the two "
                   "needs for the study's steps; the step-time ratio of the two is the ratio of their side-by-side "
                   "ratios against the baseline (in brackets: from the ends of those two intervals), and Δ is read "
                   f"at that ratio and at both ends of its range. {EQUAL_TIME_RULE}", "",
-                  "| row | control | Δ valid NLL at equal MACs [95% CI] | verdict | step time, row / control | "
+                  f"| row | control | Δ valid NLL at {equal} [95% CI] | verdict | step time, row / control | "
                   "Δ at equal time [95% CI] | Δ at the ratio's range ends (low; high) | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
         for c in table["controls"]:
