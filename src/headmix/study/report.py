@@ -345,7 +345,8 @@ def along_training_markdown(table: dict[str, Any]) -> list[str]:
              f"Δ validation NLL against **{table['baseline']}** at a quarter, half, three quarters and the end of the "
              "steps (each row's validation curve minus the baseline's at the same step, paired by seed, with its 95% "
              "Student-t interval; the end is the last validation, before any averaging of the final weights). "
-             "Rows are at equal MACs and equal steps, as in the first table.", "",
+             + ("Rows are at equal MACs and equal steps, as in the first table." if _equal_budget(table) == "equal MACs"
+                else "Rows are at equal steps, each at its own MACs, as in the first table."), "",
              "| row | " + " | ".join(f"step {s}" for s in steps) + " |", "|" + "---|" * (len(steps) + 1)]
     for name, cells in deltas.items():
         lines.append(f"| {name} | " + " | ".join("–" if d is None else _delta_text(d) for d in cells) + " |")
