@@ -410,11 +410,11 @@ def test_load_markdown_headers_name_each_layers_own_experts():
 
 # ---------------------------------------------------------------------- MoH routed per K/V group (GQE)
 def gqe_model():
-    """``llama3-tiny-gqe``: 8 heads in 2 K/V groups, per group 1 shared head and the top 2 of 3 routed heads.
+    """``llama3-tiny-moh-per-group``: 8 heads in 2 K/V groups, per group 1 shared head and the top 2 of 3 routed heads.
     The group and shared gates (zero at initialisation) are drawn at random so that the two groups' weights
     differ and a mix-up of groups or heads shows."""
     torch.manual_seed(0)
-    model = build_model(get_config("llama3-tiny-gqe", task="lm", vocab_size=60)).double().eval()
+    model = build_model(get_config("llama3-tiny-moh-per-group", task="lm", vocab_size=60)).double().eval()
     with torch.no_grad():
         for layer in routed_layers(model):
             layer.module.group_gate.weight.normal_(0, 0.5)
@@ -525,7 +525,7 @@ def papers_gqe_config(vocab: int = 60):
 
 
 def papers_gqe_model():
-    """``llama3-tiny-gqe`` with the paper's GQE as its self-attention; the routers (near uniform at
+    """``llama3-tiny-gqe`` with a smaller GQE as its self-attention (6 experts of 8); the routers (near uniform at
     initialisation) drawn large so that the experts' loads and the two groups differ."""
     torch.manual_seed(0)
     model = build_model(papers_gqe_config()).double().eval()
@@ -720,7 +720,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     docs = load_embedded_documents(sources="kjv-bible")[:8]
     for name, preset, task in (("talking", "tiny-talking-heads", "translation"), ("lm", "tiny-moa", "lm"),
                                ("mlm", "tiny-moa", "mlm"), ("switchhead", "tiny-switchhead", "translation"),
-                               ("gqe", "llama3-tiny-gqe", "lm"), ("papers-gqe", None, "lm")):
+                               ("gqe", "llama3-tiny-moh-per-group", "lm"), ("papers-gqe", None, "lm")):
         run = root / name
         torch.manual_seed(0)
         config = papers_gqe_config(tok.vocab_size) if preset is None else get_config(preset, task=task,

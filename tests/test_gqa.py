@@ -495,7 +495,7 @@ from headmix.models import (analytic_macs, analytic_parameters, build_model, cou
                             get_config, measure_macs)
 from headmix.models.counting import attention_macs, attention_parameters  # noqa: E402
 
-LLAMA3_PRESETS = ["llama3-tiny-gqa", "llama3-tiny-gated", "llama3-tiny-gqe"]
+LLAMA3_PRESETS = ["llama3-tiny-gqa", "llama3-tiny-gated", "llama3-tiny-gqe", "llama3-tiny-moh-per-group"]
 
 
 def _with_decoder_attention(name: str, **changes):
@@ -522,7 +522,7 @@ def test_counts_are_exact_for_the_options(changes):
 def test_llama3_presets_counts_are_exact(name):
     cfg = get_config(name)
     assert analytic_parameters(cfg).total == count_parameters(build_model(cfg, device="meta"))
-    if name != "llama3-tiny-gqe":  # auto MoH: measured as whatever impl runs; the analytic count is the dense one
+    if name != "llama3-tiny-moh-per-group":  # auto MoH: measured as whatever impl runs; the analytic count is dense
         assert measure_macs(cfg) == analytic_macs(cfg).full
 
 
@@ -548,13 +548,18 @@ def test_attention_formulas_for_the_options():
 
 
 def test_llama3_presets_use_grouped_query_attention():
-    gqa, gated, gqe = (get_config(n) for n in LLAMA3_PRESETS)
+    gqa, gated, gqe, moh_per_group = (get_config(n) for n in LLAMA3_PRESETS)
     model = build_model(gated)
     att = model.decoder.layers[0].self_attn
     assert att.kv_heads == 2 and att.num_heads == 8 and att.q_norm is not None and att.output_gate == "elementwise"
     assert att.rotary is not None and att.rotary.base == 500000.0 and att.k_proj.bias is None
-    layer = build_model(gqe).decoder.layers[0].self_attn
+    layer = build_model(moh_per_group).decoder.layers[0].self_attn
     assert layer.route_per_group and layer.kv_heads == 2 and layer.top_k == 2
+    # the paper's GQE: the GQA presets' 8 query heads as experts on its 2 K/V heads, top 2 of 4 per group
+    papers = build_model(gqe).decoder.layers[0].self_attn
+    assert type(papers).__name__ == "GroupedQueryExpertsAttention"
+    assert (papers.num_experts, papers.kv_heads, papers.top_k, papers.head_dim) == (8, 2, 2, 8)
+    assert papers.weighted_slot and papers.shared_head
     assert build_model(gqa).decoder.layers[0].self_attn.gate_proj is None
     # the cache of a GQA model holds 2 K/V heads per layer: a quarter of the 8-head model's
     tokens = torch.randint(3, 100, (1, 5))
@@ -625,9 +630,11 @@ def test_routing_analyses_take_moh_per_kv_group_and_the_papers_gqe_per_kv_group(
     from headmix.analysis import routed_layers
 
     assert [l.kind for l in routed_layers(build_model(get_config("tiny-moh", task="lm")))] == ["moh", "moh"]
-    per_group = routed_layers(build_model(get_config("llama3-tiny-gqe")))
+    per_group = routed_layers(build_model(get_config("llama3-tiny-moh-per-group")))
     assert [(l.kind, l.num_groups, l.group_kind) for l in per_group] == [("moh", 2, "K/V group")] * 2
-    config = get_config("llama3-tiny-gqe")
+    config = get_config("llama3-tiny-gqe")  # the paper's GQE, 8 experts on 2 K/V heads, top 2
+    assert [(l.kind, l.num_experts, l.top_k, l.num_groups) for l in routed_layers(build_model(config))] == \
+        [("gqe", 8, 2, 2)] * 2
     gqe = config.replace(decoder_self_attention=AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
                                                                  bias=False, rotary=True))
     papers = routed_layers(build_model(gqe))

@@ -15,10 +15,11 @@ from headmix.serving.support import NotServableError, check_head_size, check_ser
 #: others is refused.
 SERVED = ["tiny-mha", "tiny-moa", "tiny-moh", "tiny-switchhead", "llama-tiny-mha", "llama-tiny-moa",
           "llama-tiny-moh", "llama-tiny-switchhead", "llama-tiny-moa-kv2", "llama-tiny-jetmoe", "llama3-tiny-gqa",
-          "llama3-tiny-gated", "llama3-tiny-gqe", "llama-mini-mha", "mini-moa"]
+          "llama3-tiny-gated", "llama3-tiny-moh-per-group", "llama-mini-mha", "mini-moa"]
 REFUSED = {"llama-tiny-talking-heads": "Talking-Heads mixes the attention scores across heads",
            "tiny-talking-heads": "Talking-Heads mixes the attention scores across heads",
-           "llama-tiny-mosa": "MoSA's heads attend to token subsets"}
+           "llama-tiny-mosa": "MoSA's heads attend to token subsets",
+           "llama3-tiny-gqe": "the paper's GQE"}
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -73,14 +74,11 @@ def test_noisy_router_is_served():
 def test_the_query_norm_router_is_served():
     """MoH-LLaMA3's parameter-free rule, globally and routed per K/V group (tests/test_vllm.py runs it in vLLM)."""
     check_servable(_with_attention("llama-tiny-moh", router="query_norm"))
-    check_servable(_with_attention("llama3-tiny-gqe", router="query_norm", top_k=2, num_shared_heads=0))
+    check_servable(_with_attention("llama3-tiny-moh-per-group", router="query_norm", top_k=2, num_shared_heads=0))
 
 
 def test_the_papers_gqe_is_refused_until_served():
-    config = get_config("llama3-tiny-gqe", task="lm")
-    gqe = config.replace(decoder_self_attention=AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
-                                                                bias=False, rotary=True))
     with pytest.raises(NotServableError) as caught:
-        check_servable(gqe)
+        check_servable(get_config("llama3-tiny-gqe", task="lm"))
     message = str(caught.value)
     assert "the paper's GQE" in message and "headmix generate" in message and "\n" not in message

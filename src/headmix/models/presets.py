@@ -180,9 +180,14 @@ LLAMA3_ROTARY_BASE = 500000.0
 LLAMA3_GQA = AttentionConfig(kind="mha", num_heads=8, kv_heads=2, rotary_base=LLAMA3_ROTARY_BASE)
 #: The same with QK-norm (Qwen3) and the elementwise G1 output gate (Gated Attention's best variant, Qwen3-Next).
 LLAMA3_GATED = dataclasses.replace(LLAMA3_GQA, qk_norm=True, output_gate="elementwise")
-#: Grouped Query Experts on the same groups: per K/V group 1 shared head and the top 2 of its 3 routed heads.
-LLAMA3_GQE = AttentionConfig(kind="moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
-                             rotary_base=LLAMA3_ROTARY_BASE)
+#: MoH routed inside each K/V group on the same groups: per group 1 shared head and the top 2 of its 3 routed heads
+#: (the ``llama3-*-gqe`` presets until 2026-11-28, named before the paper's GQE was built).
+LLAMA3_MOH_PER_GROUP = AttentionConfig(kind="moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1,
+                                       top_k=2, rotary_base=LLAMA3_ROTARY_BASE)
+#: Grouped Query Experts as its paper defines it (``kind="gqe"``, arXiv 2606.20945) on the same 2 K/V heads: the GQA
+#: presets' 8 query heads as experts, 4 per K/V head, top 2 per group (half of the routed experts active, as in
+#: the paper's main setting), with the weighted-sum slot and the shared head.
+LLAMA3_GQE = AttentionConfig(kind="gqe", num_experts=8, kv_heads=2, top_k=2, rotary_base=LLAMA3_ROTARY_BASE)
 
 
 def _llama3(attention: AttentionConfig, d_model: int, layers: int,
@@ -314,13 +319,21 @@ _PRESETS = [
     Preset("llama3-tiny-gated", ("lm",), 1000, _llama3(LLAMA3_GATED, 64, 2, 256),
            "Llama-3-style d 64, 2 layers, GQA 8 on 2 K/V heads with QK-norm and an elementwise output gate"),
     Preset("llama3-tiny-gqe", ("lm",), 1000, _llama3(LLAMA3_GQE, 64, 2, 256),
-           "Llama-3-style d 64, 2 layers, MoH routed per K/V group (route_per_group; not the paper's GQE, kind 'gqe'): 8 heads on 2 K/V heads, per group 1 shared + top 2 of 3"),
+           "Llama-3-style d 64, 2 layers, GQE (the paper's, kind 'gqe'): 8 query-head experts of 8 on 2 K/V heads, "
+           "top 2 of 4 per group, weighted slot + shared head"),
+    Preset("llama3-tiny-moh-per-group", ("lm",), 1000, _llama3(LLAMA3_MOH_PER_GROUP, 64, 2, 256),
+           "Llama-3-style d 64, 2 layers, MoH routed per K/V group: 8 heads on 2 K/V heads, per group 1 shared + "
+           "top 2 of 3"),
     Preset("llama3-mini-gqa", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_GQA, 128, 3, 512),
            "Llama-3-style d 128, SwiGLU 352, 3 layers, MHA 8 heads of 16 on 2 K/V heads"),
     Preset("llama3-mini-gated", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_GATED, 128, 3, 512),
            "Llama-3-style d 128, 3 layers, GQA 8 on 2 K/V heads with QK-norm and an elementwise output gate"),
     Preset("llama3-mini-gqe", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_GQE, 128, 3, 512),
-           "Llama-3-style d 128, 3 layers, MoH routed per K/V group (route_per_group; not the paper's GQE, kind 'gqe'): 8 heads on 2 K/V heads, per group 1 shared + top 2 of 3"),
+           "Llama-3-style d 128, 3 layers, GQE (the paper's, kind 'gqe'): 8 query-head experts of 16 on 2 K/V heads, "
+           "top 2 of 4 per group, weighted slot + shared head"),
+    Preset("llama3-mini-moh-per-group", ("lm",), SMALL_VOCAB, _llama3(LLAMA3_MOH_PER_GROUP, 128, 3, 512),
+           "Llama-3-style d 128, 3 layers, MoH routed per K/V group: 8 heads on 2 K/V heads, per group 1 shared + "
+           "top 2 of 3"),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
 
