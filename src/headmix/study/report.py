@@ -439,7 +439,7 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
     few = [f"{r['name']} ({len(r['seeds'])})" for r in table["rows"] if 0 < len(r["seeds"]) < FEW_SEEDS]
     counts = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
     lines.append(f"- **How sure**: every verdict is a 95% Student-t interval of the difference paired by seed "
-                 f"({counts} seeds per row); at equal time it must hold at the step-time ratio's median and at both "
+                 f"({counts} seed{'s' if counts != '1' else ''} per row); at equal time it must hold at the step-time ratio's median and at both "
                  f"ends of its 95% interval. " + (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: "
                                   f"{', '.join(few)}." if few else f"Every row has at least {FEW_SEEDS} seeds.")
                  + ("" if table.get("complete", True) else
@@ -520,7 +520,7 @@ def _verdicts_text(cells: list[tuple[str, dict[str, Any] | None]], baseline: str
         if reason:
             text += " (" + diff["verdict"].split(": ", 1)[-1] + ")"
         elif diff and diff.get("n", FEW_SEEDS) < FEW_SEEDS:
-            text += f" ({diff['n']} seeds)"
+            text += f" ({diff['n']} seed{'s' if diff['n'] != 1 else ''})"
         return text
 
     better = groups.get("better", [])
