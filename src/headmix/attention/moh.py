@@ -73,7 +73,114 @@ def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int, slo
     return "sparse" if few_active else "dense"
 
 
-class MixtureOfHeadsAttention(MultiHeadAttention):
+class MoHHeadWeighting:
+    """MoH's head weights ``g`` (eq. 5-6, the authors' form per ``head_weighting``, per K/V group with
+    ``route_per_group``, the random control, or MoH-LLaMA3's query-norm rule) as one piece that any module laying
+    out MoH's heads can use: :class:`MixtureOfHeadsAttention` and headmix's vLLM model
+    (:class:`headmix.serving.model.MixtureOfHeads`). A class using it sets: ``num_heads``, ``num_shared_heads``,
+    ``num_routed_heads``, ``num_routed_per_group``, ``top_k``, ``route_groups``, ``head_weighting``,
+    ``routed_gate``, ``shared_gate``, ``group_gate`` (``nn.Linear`` or ``None``), ``random_router`` (or ``None``)
+    and ``query_norm_routing``; with the query-norm rule it passes ``routed_queries`` or defines
+    ``routed_queries(x)``."""
+
+    def head_weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
+                     routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing | None]:
+        """Per-token head weights ``g`` ``(batch, time, num_heads)`` and the routing of the routed heads
+        (``expert_index`` counts routed heads from 0, ``gates`` are the selected routed heads' ``g``), or
+        ``(None, None)`` when every head is shared. ``routed_queries``: see :meth:`_weights`."""
+        if not self.num_routed_heads:
+            return None, None
+        shared, routing = self._weights(x, token_mask, offset, routed_queries)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            g_routed = routing.probs.new_zeros(routing.probs.shape).scatter(1, routing.expert_index, routing.gates.to(
+                routing.probs.dtype))
+            if shared is None:
+                g = g_routed
+            else:  # each group's shared heads, then its routed heads (one group without route_per_group)
+                n, groups = g_routed.shape[0], self.route_groups
+                g = torch.cat([shared.view(n, groups, self.num_shared_heads),
+                               g_routed.view(n, groups, self.num_routed_per_group)], dim=2)
+        return g.to(x.dtype).view(*x.shape[:2], self.num_heads), routing
+
+    def _weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
+                 routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing]:
+        """The shared heads' weights ``(N, num_shared_heads)`` (None without shared heads) and the routing,
+        whose ``gates`` ``(N, top_k)`` are the selected routed heads' weights (eq. 5-6, or the authors' code's
+        form, per ``head_weighting``); with ``route_per_group`` each group's (eq. 5-6 within the group), the
+        shared weights ``(N, G S)`` and the gates ``(N, G top_k)`` group by group. ``router="random"``: the routed
+        heads drawn at random (the tokens at positions ``offset ..``) and every score equal (zero logits).
+        ``router="query_norm"``: :meth:`_query_norm_weights` of ``routed_queries`` (the routed heads' queries
+        ``(N, R, key_dim)``, before rotary and QK-norm; projected here when not given)."""
+        if self.query_norm_routing:
+            return self._query_norm_weights(x, token_mask, routed_queries)
+        batch, time, dim = x.shape
+        flat32 = x.reshape(batch * time, dim).to(router_dtype(x))
+        n, route_groups = batch * time, self.route_groups
+        shared = None
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = _scores(flat32, self.routed_gate, self.num_routed_heads)
+            # (N, groups, routed per group): one group without route_per_group; GQE routes inside each group
+            probs = logits.view(n, route_groups, self.num_routed_per_group).softmax(-1)
+            if self.random_router is not None:
+                index = self.random_router.choose(batch, time, offset)
+                top_p = probs.gather(-1, index)
+            else:
+                top_p, index = probs.topk(self.top_k, dim=-1)
+            if self.head_weighting == "renormalized":
+                denominator = top_p.sum(-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
+                routed = top_p / denominator * self.top_k
+            elif self.head_weighting == "scaled":
+                routed = top_p * self.num_routed_per_group
+            else:
+                routed = top_p
+            if self.num_shared_heads:
+                groups = _scores(flat32, self.group_gate, 2 * route_groups).view(n, route_groups, 2).softmax(-1)
+                shared = _scores(flat32, self.shared_gate, route_groups * self.num_shared_heads).view(
+                    n, route_groups, self.num_shared_heads).softmax(-1)
+                if self.head_weighting != "paper":
+                    groups, shared = 2.0 * groups, shared * self.num_shared_heads
+                routed = groups[..., 1:] * routed
+                shared = (groups[..., :1] * shared).view(n, route_groups * self.num_shared_heads)
+        return shared, self._routing(x, token_mask, logits, probs, index, routed)
+
+    def _routing(self, x: Tensor, token_mask: Tensor | None, logits: Tensor, probs: Tensor, index: Tensor,
+                 routed: Tensor) -> Routing:
+        """The :class:`Routing` of a call from the per-group ``probs`` ``(N, G, R/G)``, ``index`` and weights
+        ``routed`` ``(N, G, top_k)`` (group-local head numbers, renumbered here group by group)."""
+        batch, time, _ = x.shape
+        n, route_groups = batch * time, self.route_groups
+        if route_groups > 1:  # routed heads numbered group by group
+            index = index + self.num_routed_per_group * torch.arange(route_groups, device=x.device)[:, None]
+        mask = None if token_mask is None else token_mask.reshape(-1)
+        slots = route_groups * self.top_k
+        return Routing(logits.reshape(n, self.num_routed_heads), probs.reshape(n, self.num_routed_heads),
+                       index.reshape(n, slots), routed.reshape(n, slots).to(x.dtype), mask, (batch, time))
+
+    def _query_norm_weights(self, x: Tensor, token_mask: Tensor | None,
+                            routed_queries: Tensor | None) -> tuple[Tensor | None, Routing]:
+        """``router="query_norm"`` (MoH-LLaMA3's rule, class docstring): per token and router group, the scores
+        ``||q_i|| / std_j ||q_j||`` over the routed heads (0 where the standard deviation is 0 or undefined),
+        the ``top_k`` largest norms selected (the same heads as the largest scores), every active head weighted
+        1. The rule is piecewise constant: nothing of it carries a gradient."""
+        n, route_groups, per = x.shape[0] * x.shape[1], self.route_groups, self.num_routed_per_group
+        if routed_queries is None:
+            routed_queries = self.routed_queries(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            norms = routed_queries.detach().to(router_dtype(x)).norm(dim=-1).view(n, route_groups, per)
+            if per > 1:
+                std = norms.std(dim=-1, keepdim=True)
+                logits = torch.where(std > 0, norms / torch.where(std > 0, std, 1.0), 0.0)
+            else:  # one routed head: no standard deviation; it is always selected
+                logits = torch.zeros_like(norms)
+            probs = logits.softmax(-1)
+            index = norms.topk(self.top_k, dim=-1).indices
+            routed = norms.new_ones(n, route_groups, self.top_k)
+            shared = norms.new_ones(n, route_groups * self.num_shared_heads) if self.num_shared_heads else None
+        return shared, self._routing(x, token_mask, logits, probs, index, routed)
+
+
+
+class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
     """Multi-head attention in summation form with per-token head weights: ``sum_i g_i H^i W_O^i``.
 
     Heads ``0 .. num_shared_heads-1`` are shared (always active); of the other ``R = num_heads -
@@ -251,79 +358,6 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         grouped-query attention call (:func:`~headmix.attention.moh_sparse.routed_layout`)."""
         return bool(self.route_per_group or self.kv_heads == 1)
 
-    def head_weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
-                     routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing | None]:
-        """Per-token head weights ``g`` ``(batch, time, num_heads)`` and the routing of the routed heads
-        (``expert_index`` counts routed heads from 0, ``gates`` are the selected routed heads' ``g``), or
-        ``(None, None)`` when every head is shared. ``routed_queries``: see :meth:`_weights`."""
-        if not self.num_routed_heads:
-            return None, None
-        shared, routing = self._weights(x, token_mask, offset, routed_queries)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            g_routed = routing.probs.new_zeros(routing.probs.shape).scatter(1, routing.expert_index, routing.gates.to(
-                routing.probs.dtype))
-            if shared is None:
-                g = g_routed
-            else:  # each group's shared heads, then its routed heads (one group without route_per_group)
-                n, groups = g_routed.shape[0], self.route_groups
-                g = torch.cat([shared.view(n, groups, self.num_shared_heads),
-                               g_routed.view(n, groups, self.num_routed_per_group)], dim=2)
-        return g.to(x.dtype).view(*x.shape[:2], self.num_heads), routing
-
-    def _weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
-                 routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing]:
-        """The shared heads' weights ``(N, num_shared_heads)`` (None without shared heads) and the routing,
-        whose ``gates`` ``(N, top_k)`` are the selected routed heads' weights (eq. 5-6, or the authors' code's
-        form, per ``head_weighting``); with ``route_per_group`` each group's (eq. 5-6 within the group), the
-        shared weights ``(N, G S)`` and the gates ``(N, G top_k)`` group by group. ``router="random"``: the routed
-        heads drawn at random (the tokens at positions ``offset ..``) and every score equal (zero logits).
-        ``router="query_norm"``: :meth:`_query_norm_weights` of ``routed_queries`` (the routed heads' queries
-        ``(N, R, key_dim)``, before rotary and QK-norm; projected here when not given)."""
-        if self.query_norm_routing:
-            return self._query_norm_weights(x, token_mask, routed_queries)
-        batch, time, dim = x.shape
-        flat32 = x.reshape(batch * time, dim).to(router_dtype(x))
-        n, route_groups = batch * time, self.route_groups
-        shared = None
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = _scores(flat32, self.routed_gate, self.num_routed_heads)
-            # (N, groups, routed per group): one group without route_per_group; GQE routes inside each group
-            probs = logits.view(n, route_groups, self.num_routed_per_group).softmax(-1)
-            if self.random_router is not None:
-                index = self.random_router.choose(batch, time, offset)
-                top_p = probs.gather(-1, index)
-            else:
-                top_p, index = probs.topk(self.top_k, dim=-1)
-            if self.head_weighting == "renormalized":
-                denominator = top_p.sum(-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
-                routed = top_p / denominator * self.top_k
-            elif self.head_weighting == "scaled":
-                routed = top_p * self.num_routed_per_group
-            else:
-                routed = top_p
-            if self.num_shared_heads:
-                groups = _scores(flat32, self.group_gate, 2 * route_groups).view(n, route_groups, 2).softmax(-1)
-                shared = _scores(flat32, self.shared_gate, route_groups * self.num_shared_heads).view(
-                    n, route_groups, self.num_shared_heads).softmax(-1)
-                if self.head_weighting != "paper":
-                    groups, shared = 2.0 * groups, shared * self.num_shared_heads
-                routed = groups[..., 1:] * routed
-                shared = (groups[..., :1] * shared).view(n, route_groups * self.num_shared_heads)
-        return shared, self._routing(x, token_mask, logits, probs, index, routed)
-
-    def _routing(self, x: Tensor, token_mask: Tensor | None, logits: Tensor, probs: Tensor, index: Tensor,
-                 routed: Tensor) -> Routing:
-        """The :class:`Routing` of a call from the per-group ``probs`` ``(N, G, R/G)``, ``index`` and weights
-        ``routed`` ``(N, G, top_k)`` (group-local head numbers, renumbered here group by group)."""
-        batch, time, _ = x.shape
-        n, route_groups = batch * time, self.route_groups
-        if route_groups > 1:  # routed heads numbered group by group
-            index = index + self.num_routed_per_group * torch.arange(route_groups, device=x.device)[:, None]
-        mask = None if token_mask is None else token_mask.reshape(-1)
-        slots = route_groups * self.top_k
-        return Routing(logits.reshape(n, self.num_routed_heads), probs.reshape(n, self.num_routed_heads),
-                       index.reshape(n, slots), routed.reshape(n, slots).to(x.dtype), mask, (batch, time))
-
     def routed_queries(self, x: Tensor) -> Tensor:
         """The routed heads' queries ``x W_q^i + b_q^i`` ``(N, R, key_dim)`` (``N = batch * time``), heads in
         :attr:`routed_head_ids` order: what ``router="query_norm"`` reads (before rotary and QK-norm)."""
@@ -331,28 +365,6 @@ class MixtureOfHeadsAttention(MultiHeadAttention):
         rows = _head_block(w_q, self.routed_head_ids, self.key_dim, 0)
         bias = None if b_q is None else _head_block(b_q, self.routed_head_ids, self.key_dim, 0)
         return F.linear(x.reshape(-1, x.shape[-1]), rows, bias).view(-1, self.num_routed_heads, self.key_dim)
-
-    def _query_norm_weights(self, x: Tensor, token_mask: Tensor | None,
-                            routed_queries: Tensor | None) -> tuple[Tensor | None, Routing]:
-        """``router="query_norm"`` (MoH-LLaMA3's rule, class docstring): per token and router group, the scores
-        ``||q_i|| / std_j ||q_j||`` over the routed heads (0 where the standard deviation is 0 or undefined),
-        the ``top_k`` largest norms selected (the same heads as the largest scores), every active head weighted
-        1. The rule is piecewise constant: nothing of it carries a gradient."""
-        n, route_groups, per = x.shape[0] * x.shape[1], self.route_groups, self.num_routed_per_group
-        if routed_queries is None:
-            routed_queries = self.routed_queries(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            norms = routed_queries.detach().to(router_dtype(x)).norm(dim=-1).view(n, route_groups, per)
-            if per > 1:
-                std = norms.std(dim=-1, keepdim=True)
-                logits = torch.where(std > 0, norms / torch.where(std > 0, std, 1.0), 0.0)
-            else:  # one routed head: no standard deviation; it is always selected
-                logits = torch.zeros_like(norms)
-            probs = logits.softmax(-1)
-            index = norms.topk(self.top_k, dim=-1).indices
-            routed = norms.new_ones(n, route_groups, self.top_k)
-            shared = norms.new_ones(n, route_groups * self.num_shared_heads) if self.num_shared_heads else None
-        return shared, self._routing(x, token_mask, logits, probs, index, routed)
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,

@@ -42,8 +42,8 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from ..attention import MixtureOfHeadsAttention, SwitchHeadAttention
-from ..attention.moh import head_ids
+from ..attention import SwitchHeadAttention
+from ..attention.moh import MoHHeadWeighting, head_ids
 from ..kernels import expert_map, expert_map_weighted, expert_reduce, expert_routing
 from ..models.config import AttentionConfig, ModelConfig
 from ..models.transformer import HF_PREFIX, MixtureOfSwiGLUExperts, sinusoidal_table
@@ -143,18 +143,14 @@ class HeadsAttention(_Rotated):
         return self.out_proj(self.head_outputs(positions, x).flatten(1))[0]
 
 
-class MixtureOfHeads(HeadsAttention):
+class MixtureOfHeads(MoHHeadWeighting, HeadsAttention):
     """MoH (:class:`~headmix.attention.MixtureOfHeadsAttention`, Jin et al. 2024, eq. 3): every head's attention
     weighted by headmix's head weights ``g`` (0 for the routed heads a token did not select; eq. 5-6, or the
     authors' form per ``head_weighting``; per K/V group with ``route_per_group``), then ``out_proj``. The weights
-    are headmix's own methods, run on this module's gates (``routed_gate``, ``shared_gate``, ``group_gate``), or
-    with ``router="query_norm"`` (MoH-LLaMA3's parameter-free rule: no gates) on the routed heads' raw queries,
-    ``q_proj``'s output before QK-norm and rotary, in headmix's ``routed_head_ids`` order."""
-
-    head_weights = MixtureOfHeadsAttention.head_weights
-    _weights = MixtureOfHeadsAttention._weights
-    _routing = MixtureOfHeadsAttention._routing
-    _query_norm_weights = MixtureOfHeadsAttention._query_norm_weights
+    are headmix's own (:class:`~headmix.attention.moh.MoHHeadWeighting`, which the layer uses too), run on this
+    module's gates (``routed_gate``, ``shared_gate``, ``group_gate``), or with ``router="query_norm"``
+    (MoH-LLaMA3's parameter-free rule: no gates) on the routed heads' raw queries, ``q_proj``'s output before
+    QK-norm and rotary, in headmix's ``routed_head_ids`` order."""
 
     def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
         super().__init__(vllm_config, config, prefix)
