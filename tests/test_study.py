@@ -702,7 +702,7 @@ def test_lm_en_gpu_runs_on_cuda(tmp_path, docs_file, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["lm-en", "lm-en-llama", "translation-en-de", "lm-en-contenders",
-                                  "lm-en-contenders-long"])
+                                  "lm-en-contenders-long", "lm-en-upcycle"])
 def test_the_committed_studies_can_still_be_continued(name):
     """A change of a built-in spec or of the attention config's stored form must not turn the committed study
     folder into "another study" (it could no longer be continued or reported)."""
@@ -728,7 +728,8 @@ def test_the_report_names_grouped_heads_routing_per_group_and_gates():
                                        ("translation-en-de", "translation-en-de"),
                                        ("lm-en-moh-sparse", "studies/lm-en-moh-sparse.toml"),
                                        ("lm-en-contenders", "lm-en-contenders"),
-                                       ("lm-en-contenders-long", "lm-en-contenders-long")])
+                                       ("lm-en-contenders-long", "lm-en-contenders-long"),
+                                       ("lm-en-upcycle", "lm-en-upcycle")])
 def test_the_committed_reports_are_recomputed_from_their_run_records(name, spec, tmp_path, monkeypatch):
     """Every number of a committed study's report comes from the run records committed beside it: the report
     rewritten from a copy of the folder (no weights, no checkpoints) is the committed one."""
@@ -754,7 +755,7 @@ def test_the_docs_hold_each_committed_studys_report_as_committed():
     root = Path(__file__).resolve().parent.parent
     page = root / "docs" / "study.md"
     assert set(study_docs.studies_named(page)) >= {"lm-en", "lm-en-llama", "translation-en-de", "lm-en-contenders",
-                                                   "lm-en-contenders-long"}
+                                                   "lm-en-contenders-long", "lm-en-upcycle"}
     assert study_docs.rewrite(page, root / "studies") == page.read_text(), \
         "docs/study.md is stale: python -m headmix.study.docs --write docs/study.md"
 
