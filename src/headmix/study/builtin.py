@@ -25,7 +25,7 @@
   gradient from the task loss (issue 42); their records were removed when the paper's GQE replaced them.
 - ``lm-en-contenders-long``: the baseline and the two best rows of ``lm-en-contenders`` (Gated, GQE) once more
   with four times the training tokens (1600 steps, three seeds), to show the trend with training length. Its
-  GQE row is the paper's GQE since 2026-11-27 and is still to be run (the MoH-per-group row it replaced had a
+  GQE row is the paper's GQE since 2026-11-27 (run on 2026-11-28; the MoH-per-group row it replaced had a
   router without a task gradient).
 
 - ``lm-en-upcycle``: from a trained dense model to head routing (issue 44). The parent is ``lm-en-contenders``'

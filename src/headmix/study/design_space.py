@@ -150,7 +150,7 @@ MOH_PER_GROUP = Entry("MoH routed per K/V group, sparse", _moh("sparse", per_gro
 #: per group) with the page's head size.
 GQE = Entry("GQE (Grouped Query Experts)", AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
                                                            head_dim=HEAD_DIM), exact=(GQE_REFERENCE,),
-            studies=(Study(CONTENDERS, "GQE"),))
+            studies=(Study(CONTENDERS, "GQE"), Study("lm-en-contenders-long", "GQE")))
 GQE_HARD_ONLY = Entry("GQE, hard slots only (the paper's ablation)",
                       replace(GQE.config, weighted_slot=False, allow_router_without_task_gradient=True),
                       exact=(GQE_REFERENCE,), studies=(Study(CONTENDERS, "GQE hard-only"),),
