@@ -92,7 +92,8 @@ KINDS = {
     "moh": (_classic(_attention("moh", num_heads=4, num_shared_heads=1, top_k=2, head_weighting="paper"),
                      norm="post", positions="learned", activation="gelu", embedding_norm=True,
                      scale_embeddings=False), 1, "hf"),
-    # GQE: MoH routed inside each of 2 K/V groups, with QK-norm and the headwise gate
+    # MoH routed inside each of 2 K/V groups (the `llama3-*-moh-per-group` presets' form; keyed "gqe" from before
+    # the paper's GQE was built), with QK-norm and the headwise gate
     "gqe": (_llama(_attention("moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
                               qk_norm=True, output_gate="headwise")), 2, "hf"),
     # MoH-LLaMA3's parameter-free query-norm router, routed inside each of 2 K/V groups (each group's shared head

@@ -179,7 +179,6 @@ class MoHHeadWeighting:
         return shared, self._routing(x, token_mask, logits, probs, index, routed)
 
 
-
 class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
     """Multi-head attention in summation form with per-token head weights: ``sum_i g_i H^i W_O^i``.
 

@@ -244,11 +244,11 @@ def continuation(spec: StudySpec, planned: list[PlannedRow], results: list[RunRe
     from the baseline row (the dense continuation) paired by seed; and the parent's weights as every run
     recorded them (sha256 of ``model.safetensors``: one parent)."""
     src_len, tgt_len = macs_lengths(spec, planned[0].config)
-    per_token = (tgt_len or src_len or 1)
+    per_token = tgt_len or src_len or 1
     options = {r.name: r.init_options for r in spec.rows}
     at_start: dict[str, dict[int, float]] = {}
     after: dict[str, dict[int, float]] = {}
-    hashes, folders = set(), set()
+    hashes = set()
     for res in results:
         start = (res.summary.get("init_from") or {})
         if (start.get("valid_at_start") or {}).get("nll") is not None:
@@ -256,8 +256,6 @@ def continuation(spec: StudySpec, planned: list[PlannedRow], results: list[RunRe
         after.setdefault(res.row, {})[res.seed] = res.summary["valid"]["nll"]
         if start.get("sha256"):
             hashes.add(start["sha256"])
-        if start.get("path"):
-            folders.add(Path(start["path"]).name)
     base = planned[0].name
     rows = []
     for row in planned:
@@ -345,7 +343,7 @@ def along_training_markdown(table: dict[str, Any]) -> list[str]:
              f"Δ validation NLL against **{table['baseline']}** at a quarter, half, three quarters and the end of the "
              "steps (each row's validation curve minus the baseline's at the same step, paired by seed, with its 95% "
              "Student-t interval; the end is the last validation, before any averaging of the final weights). "
-             + ("Rows are at equal MACs and equal steps, as in the first table." if _equal_budget(table) == "equal MACs"
+             + ("Rows are at equal MACs and equal steps, as in the first table." if _matched(table)
                 else "Rows are at equal steps, each at its own MACs, as in the first table."), "",
              "| row | " + " | ".join(f"step {s}" for s in steps) + " |", "|" + "---|" * (len(steps) + 1)]
     for name, cells in deltas.items():
@@ -371,11 +369,11 @@ def to_markdown(table: dict[str, Any], machine: str = "") -> str:
     other = other_convention(matched)
     matched_text = (f"every row's attention MACs within {table['tolerance']:.0%} of its, counted `{matched}` "
                     f"({_CONVENTION_TEXT[matched]}); beside it the ratio counted `{other}` ({_CONVENTION_TEXT[other]})"
-                    if table.get("matching", "macs") == "macs" else
+                    if _matched(table) else
                     f"the rows are not matched to its MACs (`matching = \"none\"`): each keeps its shape, and its "
                     f"attention MACs are stated, counted `{matched}` ({_CONVENTION_TEXT[matched]}), with the ratio "
                     f"counted `{other}` ({_CONVENTION_TEXT[other]}) beside them")
-    title = ("#### Equal MACs: which method is better per unit of compute" if table.get("matching", "macs") == "macs"
+    title = ("#### Equal MACs: which method is better per unit of compute" if _matched(table)
              else "#### Equal steps: every row the same steps, at its own MACs")
     lines = [f"### {table['name']}: {table['task']}, {table['max_steps']} steps, seeds {table['seeds']}",
              "", *headline_markdown(table), "", *continuation_markdown(table),
@@ -416,7 +414,8 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
     how sure that is (the seeds, the equal-time rule, rows with fewer than :data:`FEW_SEEDS` seeds)."""
     main = "bleu" if "bleu" in table["metrics"] else "valid_nll"
     base, rows = table["baseline"], table["rows"][1:]
-    equal = "Equal " + _equal_budget(table).split(" ", 1)[1]
+    equal = _equal_budget(table)
+    equal = equal[0].upper() + equal[1:]
     lines = ["#### In short (generated from the records)", "",
              f"- **{equal}** (final {main}, each row minus **{base}**): "
              + _verdicts_text([(r["name"], r["vs_baseline"].get(main)) for r in rows], base, LOWER_IS_BETTER[main])]
@@ -439,17 +438,23 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
     few = [f"{r['name']} ({len(r['seeds'])})" for r in table["rows"] if 0 < len(r["seeds"]) < FEW_SEEDS]
     counts = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
     lines.append(f"- **How sure**: every verdict is a 95% Student-t interval of the difference paired by seed "
-                 f"({counts} seed{'s' if counts != '1' else ''} per row); at equal time it must hold at the step-time ratio's median and at both "
-                 f"ends of its 95% interval. " + (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: "
+                 f"({counts} seed{'s' if counts != '1' else ''} per row); at equal time it must hold at the "
+                 f"step-time ratio's median and at both ends of its 95% interval. " + (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: "
                                   f"{', '.join(few)}." if few else f"Every row has at least {FEW_SEEDS} seeds.")
                  + ("" if table.get("complete", True) else
                     " The study is not complete: runs or side-by-side timings are missing."))
     return lines
 
 
+def _matched(table: dict[str, Any]) -> bool:
+    """Whether the study's rows are matched to the baseline's MACs (reports written before ``matching`` existed
+    were)."""
+    return table.get("matching", "macs") == "macs"
+
+
 def _equal_budget(table: dict[str, Any]) -> str:
     """What every row shares besides time: "equal MACs" (rows matched to the baseline's), else "equal steps"."""
-    return "equal MACs" if table.get("matching", "macs") == "macs" else "equal steps"
+    return "equal MACs" if _matched(table) else "equal steps"
 
 
 def continuation_markdown(table: dict[str, Any]) -> list[str]:
@@ -837,22 +842,13 @@ def write_report(spec: StudySpec, planned: list[PlannedRow], results: list[RunRe
     table["complete"] = study_complete(spec, planned, out, results)
     table["runs"] = [[r.row, r.seed] for r in results]
     if spec.parent is not None:
-        table["parent"] = _parent_table(out)
+        from .runner import parent_record
+
+        table["parent"] = parent_record(out)
     atomic_write(out / "results.json", json.dumps(table, indent=2) + "\n")
     atomic_write(out / "results.md", to_markdown(table, machine))
     plot(table, out)
     return table
-
-
-def _parent_table(out: Path) -> dict[str, Any] | None:
-    """The parent of a continuation study as the report names it (:func:`headmix.study.runner.parent_record`)."""
-    from .runner import parent_record
-
-    record = parent_record(out)
-    if record is None:
-        return None
-    return {"folder": record["folder"], "sha256": record["sha256"],
-            "valid_nll": (record["summary"].get("valid") or {}).get("nll")}
 
 
 def update_report(spec: StudySpec, planned: list[PlannedRow], out: str | os.PathLike, *,

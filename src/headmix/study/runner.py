@@ -421,14 +421,15 @@ PARENT_RECORD = "parent.json"
 
 
 def parent_record(out: Path) -> dict[str, Any] | None:
-    """A continuation study's parent as its report names it: its folder, summary and the sha256 of its weights
-    (:data:`PARENT_RECORD`), which every run started from it records too; ``None`` before it has finished."""
+    """A continuation study's parent as its report names it: its folder, the sha256 of its weights
+    (:data:`PARENT_RECORD`), which every run started from it records too, and its final validation NLL; ``None``
+    before it has finished."""
     folder = out / PARENT_DIR
     if not (folder / "summary.json").is_file() or not (folder / PARENT_RECORD).is_file():
         return None
     record = json.loads((folder / PARENT_RECORD).read_text())
     summary = json.loads((folder / "summary.json").read_text())
-    return {"folder": PARENT_DIR, "sha256": record["sha256"], "summary": summary}
+    return {"folder": PARENT_DIR, "sha256": record["sha256"], "valid_nll": (summary.get("valid") or {}).get("nll")}
 
 
 def study_complete(spec: StudySpec, planned: list[PlannedRow], out: Path, results: list[RunResult]) -> bool:
