@@ -274,12 +274,13 @@ def test_builtin_studies_are_matched_within_two_percent():
 
 def test_the_long_contenders_study_is_the_short_one_with_four_times_the_tokens():
     """``lm-en-contenders-long`` shows the trend with training length: the same models, data and settings as
-    ``lm-en-contenders`` (the baseline and its two best rows), only four times the steps."""
+    ``lm-en-contenders`` (the baseline, its two best rows and GQE's three controls), only four times the steps."""
     short, long = get_study("lm-en-contenders"), get_study("lm-en-contenders-long")
     assert long.max_steps == 4 * short.max_steps and long.training == short.training
     assert long.baseline == short.baseline and long.task == short.task
     same = {r.name: r.config for r in plan(short)}
-    assert [r.name for r in plan(long)] == ["GQA", "Gated", "GQE"]
+    assert [r.name for r in plan(long)] == ["GQA", "Gated", "GQE", "GQE random", "GQE static", "GQE hard-only"]
+    assert {r.name: r.control_of for r in long.rows if r.control_of} == {"GQE random": "GQE", "GQE static": "GQE"}
     assert all(r.config == same[r.name] for r in plan(long))
 
 

@@ -158,12 +158,13 @@ def lm_en_contenders() -> StudySpec:
 
 
 #: the rows of ``lm-en-contenders-long``: the baseline and the two rows best at equal MACs after 400 steps
-#: (chosen after its seeds 1 and 2, still the two best with all three: docs/study.md).
-LONG_CONTENDERS = ("GQA", "Gated", "GQE")
+#: (chosen after its seeds 1 and 2, still the two best with all three: docs/study.md), and GQE's controls as in
+#: ``lm-en-contenders`` (its random router, its static twin, the paper's hard-slots-only ablation).
+LONG_CONTENDERS = ("GQA", "Gated", "GQE", "GQE random", "GQE static", "GQE hard-only")
 
 
 def lm_en_contenders_long() -> StudySpec:
-    rows = [row for row in _contender_rows() if row.name in LONG_CONTENDERS]
+    rows = [row for row in _contender_rows() + _control_rows() if row.name in LONG_CONTENDERS]
     return StudySpec(name="lm-en-contenders-long", task="lm", baseline="llama3-mini-gqa", rows=rows, seeds=[1, 2, 3],
                      max_steps=1600, training=dict(_LM_TRAINING))
 
