@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, in parts that each fit one 10-minute job on one H100, with NO network and no virtual
 # environment: plain python3 with a CUDA build of PyTorch (and Triton) installed, headmix from src/.
-#   quick (at most 420 s = 7 min: layers 150 s + models 120 s + decode 90 s + gqe 60 s): bf16, every number
+#   quick (at most 420 s = 7 min: layers 100 s + models 80 s + decode 180 s + gqe 60 s): bf16, every number
 #         against a baseline measured in the same process: one fwd+bwd per attention kind at 16 x 2048, d_model
 #         512, causal, against torch SDPA multi-head attention (wall ms, ratio, GPU-busy ms, kernels per step, peak
 #         memory; HF JetMoeAttention as MoA's peer); a Llama-style training step per attention kind against MHA;

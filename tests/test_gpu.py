@@ -273,6 +273,11 @@ def compiled_step_equals_eager_without_host_sync(layer: torch.nn.Module) -> None
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for i, (a, b) in enumerate(zip(got, want)):
+        if b.abs().max() <= 1e-6:
+            # a gradient that is zero in exact arithmetic, such as the key projection's bias (a shift shared by
+            # all of a query's scores, which softmax ignores): rounding noise in both, relatively unrelated
+            assert a.abs().max() <= 1e-6, f"tensor {i}: {a.abs().max():.3g} where eager is zero to rounding"
+            continue
         assert relative_error(a, b) <= 2e-2, f"tensor {i}: {relative_error(a, b):.3g}"
 
 

@@ -89,6 +89,27 @@ def test_a_step_stopped_at_its_limit_keeps_the_rows_it_printed(tmp_path):
     assert gpu_check.table_records(gpu_check.markdown_tables(text)[0]) == [{"a": "1", "b": "2"}]
 
 
+def test_a_warning_between_rows_does_not_split_a_table_and_a_new_header_starts_one():
+    """A step's stderr is interleaved with its tables (seen on an H200: the profiler's warning after a header)."""
+    text = ("| a | b |\n|---|---|\n/x/profiler.py:224: UserWarning: Profiler clears events\n  _warn_once(\n"
+            "| 1 | 2 |\n| 3 | 4 |\n| c |\n|---|\n| 5 |\n\n| d |\n|---|\n| 6 |\n")
+    tables = gpu_check.markdown_tables(text)
+    assert [gpu_check.table_records(t) for t in tables] == [[{"a": "1", "b": "2"}, {"a": "3", "b": "4"}],
+                                                          [{"c": "5"}], [{"d": "6"}]]
+
+
+def test_fold_reads_each_steps_tables_again_from_its_log(tmp_path):
+    summary = {"part": "quick", "tiny": False, "machine": {"device": "GPU"}, "commit": "abc", "started": "now",
+               "budget_s": 1, "seconds": 1, "steps": [{"name": "layers", "status": "ok", "seconds": 1, "limit_s": 1,
+                                                         "log": "quick-layers.log", "tables": [["| stale |"]]}]}
+    (tmp_path / "quick.json").write_text(json.dumps(summary))
+    (tmp_path / "quick-layers.log").write_text("| a |\n|---|\nUserWarning: noise\n| 1 |\n")
+    doc = tmp_path / "performance.md"
+    doc.write_text("# page\n")
+    gpu_check.fold(tmp_path, doc)
+    assert "| a |\n|---|\n| 1 |" in doc.read_text() and "stale" not in doc.read_text()
+
+
 def test_fold_writes_each_part_once_keeps_the_others_and_refuses_tiny_runs(quick_check, tmp_path):
     doc = tmp_path / "performance.md"
     shutil.copy(ROOT / "docs" / "performance.md", doc)

@@ -67,12 +67,15 @@ class Step:
 
 STEPS: dict[str, list[Step]] = {
     "quick": [
-        Step("layers", 150, ["-m", "headmix.bench.gpu_layers", "--skip-grouped"],
+        Step("layers", 100, ["-m", "headmix.bench.gpu_layers", "--skip-grouped"],
              ["-m", "headmix.bench.gpu_layers", "--skip-grouped", "--tiny", "--device", "cpu", "--no-triton"],
              env=NO_AUTOTUNE),
-        Step("models", 120, ["-m", "headmix.bench.quick", "models", "--device", "cuda"],
+        Step("models", 80, ["-m", "headmix.bench.quick", "models", "--device", "cuda"],
              ["-m", "headmix.bench.quick", "models", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
-        Step("decode", 90, ["-m", "headmix.bench.quick", "decode", "--device", "cuda"],
+        # 32 new tokens, 3 repeats: eager decoding at batch 1 is launch-bound (138 tokens/s for MHA on an H200,
+        # 2026-11-28), and 64 tokens x 5 repeats measured only 10 of its 28 rows in 90 s there
+        Step("decode", 180, ["-m", "headmix.bench.quick", "decode", "--device", "cuda", "--steps", "32",
+                             "--repeats", "3"],
              ["-m", "headmix.bench.quick", "decode", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
         # the paper's GQE on the slot path against GQA with all 16 query heads, bf16: fwd+bwd at T 4096 and the
         # prefill at T 8192 (the paper's 1.7-1.8x faster prefill is the anchor), eager and compiled, GPU-busy ms
@@ -157,12 +160,17 @@ def _commit() -> str | None:
 
 
 def markdown_tables(text: str) -> list[list[str]]:
-    """The markdown tables (runs of lines starting with ``|``) of a step's output."""
+    """The markdown tables (lines starting with ``|``) of a step's output. A step's stderr is interleaved with
+    its stdout, so a line of other text (a library's warning printed between two rows) does not end a table; a
+    blank line, a heading or a new header (a row followed by a ``|---|`` line) does."""
     tables, current = [], []
     for line in text.splitlines():
         if line.startswith("|"):
+            if set(line.strip()) <= set("|-: ") and len(current) > 2:
+                tables.append(current[:-1])  # the row before this separator is the next table's header
+                current = current[-1:]
             current.append(line.rstrip())
-        elif current:
+        elif current and (not line.strip() or line.startswith("#")):
             tables.append(current)
             current = []
     if current:
@@ -274,6 +282,10 @@ def fold(out: Path, doc: Path, allow_tiny: bool = False) -> str:
             raise ValueError(f"{path} is not a GPU check summary (not JSON)") from None
         if summary.get("tiny") and not allow_tiny:
             raise ValueError(f"{path} is a --tiny run on {summary['machine'].get('device')}: not folded into {doc}")
+        for step in summary["steps"]:  # each step's log is its raw record: its tables are read again from it
+            log = out / step["log"]
+            if log.is_file():
+                step["tables"] = markdown_tables(log.read_text(encoding="utf-8"))
         summaries.append(summary)
     if not summaries:
         raise ValueError(f"out must hold a part's summary ({', '.join(p + '.json' for p in PARTS)}), none in {out}")
