@@ -92,9 +92,9 @@ def test_a_step_stopped_at_its_limit_keeps_the_rows_it_printed(tmp_path):
 def test_a_warning_between_rows_does_not_split_a_table_and_a_new_header_starts_one():
     """A step's stderr is interleaved with its tables (seen on an H200: the profiler's warning after a header)."""
     text = ("| a | b |\n|---|---|\n/x/profiler.py:224: UserWarning: Profiler clears events\n  _warn_once(\n"
-            "| 1 | 2 |\n| 3 | 4 |\n| c |\n|---|\n| 5 |\n\n| d |\n|---|\n| 6 |\n")
+            "| 1 | 2 |\n| - | - |\n| c |\n|---|\n| 5 |\n\n| d |\n|:--:|\n| 6 |\n")
     tables = gpu_check.markdown_tables(text)
-    assert [gpu_check.table_records(t) for t in tables] == [[{"a": "1", "b": "2"}, {"a": "3", "b": "4"}],
+    assert [gpu_check.table_records(t) for t in tables] == [[{"a": "1", "b": "2"}, {"a": "-", "b": "-"}],
                                                           [{"c": "5"}], [{"d": "6"}]]
 
 

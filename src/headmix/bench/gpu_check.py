@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -159,6 +160,10 @@ def _commit() -> str | None:
         return None
 
 
+#: a markdown table's header separator (``|---|:--:|``)
+SEPARATOR = re.compile(r"^\|(\s*:?-{3,}:?\s*\|)+$")
+
+
 def markdown_tables(text: str) -> list[list[str]]:
     """The markdown tables (lines starting with ``|``) of a step's output. A step's stderr is interleaved with
     its stdout, so a line of other text (a library's warning printed between two rows) does not end a table; a
@@ -166,7 +171,7 @@ def markdown_tables(text: str) -> list[list[str]]:
     tables, current = [], []
     for line in text.splitlines():
         if line.startswith("|"):
-            if set(line.strip()) <= set("|-: ") and len(current) > 2:
+            if SEPARATOR.match(line.strip()) and len(current) > 2:
                 tables.append(current[:-1])  # the row before this separator is the next table's header
                 current = current[-1:]
             current.append(line.rstrip())
