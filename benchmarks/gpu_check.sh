@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check, in parts that each fit one 10-minute job on one H100, with NO network and no virtual
 # environment: plain python3 with a CUDA build of PyTorch (and Triton) installed, headmix from src/.
-#   quick (at most 420 s = 7 min: layers 100 s + models 80 s + decode 180 s + gqe 60 s): bf16, every number
+#   quick (at most 420 s = 7 min: layers 100 s + models 80 s + decode 160 s + gqe 80 s): bf16, every number
 #         against a baseline measured in the same process: one fwd+bwd per attention kind at 16 x 2048, d_model
 #         512, causal, against torch SDPA multi-head attention (wall ms, ratio, GPU-busy ms, kernels per step, peak
 #         memory; HF JetMoeAttention as MoA's peer); a Llama-style training step per attention kind against MHA;
 #         greedy decoding tokens/s at batch 1 and 8; the paper's GQE against GQA with all 16 query heads (fwd+bwd
-#         at T 4096, prefill at T 8192, eager and compiled, GPU-busy ms, kernels, a host-sync check). Triton on
-#         its default configuration (no autotuning).
+#         at T 4096 and 8192, prefill at T 8192, eager and compiled, GPU-busy ms, kernels, a host-sync check).
+#         Triton on its default configuration (no autotuning).
 #   full1 (at most 450 s = 7.5 min: tests 240 s + grouped 150 s + gqa 60 s): the gpu-marked tests, the grouped
 #         projections with Triton autotuning, headmix bench gqa (grouped MHA, the GQE curve, gates).
 #   full2 (at most 450 s = 7.5 min: models_compiled 180 s + decode_graphs 120 s + attention_moh 150 s): compiled

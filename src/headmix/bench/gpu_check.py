@@ -7,8 +7,8 @@ into ``docs/performance.md``.
   ``JetMoeAttention``, one fwd+bwd at 16 x 2048, d_model 512, causal, against torch SDPA multi-head attention:
   wall ms, ratio, GPU-busy ms, kernels per step, peak memory), a Llama-style training step per attention kind
   against MHA, greedy decoding tokens/s at batch 1 and 8 (:mod:`headmix.bench.quick`), and the paper's GQE on
-  the slot path against GQA with all its query heads, fwd+bwd at T 4096 and prefill at T 8192, eager and
-  compiled, with GPU-busy ms, kernels and a host-sync check (:mod:`headmix.bench.gqe`). Triton runs its
+  the slot path against GQA with all its query heads, fwd+bwd at T 4096 and 8192 and prefill at T 8192, eager
+  and compiled, with GPU-busy ms, kernels and a host-sync check (:mod:`headmix.bench.gqe`). Triton runs its
   default configuration (no autotuning).
 * ``full1``: the ``gpu``-marked tests, the grouped-projection table with Triton autotuning, the grouped-query
   curve (``headmix bench gqa``);
@@ -75,13 +75,14 @@ STEPS: dict[str, list[Step]] = {
              ["-m", "headmix.bench.quick", "models", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
         # 32 new tokens, 3 repeats: eager decoding at batch 1 is launch-bound (138 tokens/s for MHA on an H200,
         # 2026-11-28), and 64 tokens x 5 repeats measured only 10 of its 28 rows in 90 s there
-        Step("decode", 180, ["-m", "headmix.bench.quick", "decode", "--device", "cuda", "--steps", "32",
+        Step("decode", 160, ["-m", "headmix.bench.quick", "decode", "--device", "cuda", "--steps", "32",
                              "--repeats", "3"],
              ["-m", "headmix.bench.quick", "decode", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
-        # the paper's GQE on the slot path against GQA with all 16 query heads, bf16: fwd+bwd at T 4096 and the
-        # prefill at T 8192 (the paper's 1.7-1.8x faster prefill is the anchor), eager and compiled, GPU-busy ms
-        # and kernels; a compiled step under set_sync_debug_mode("error")
-        Step("gqe", 60, [*CLI, "bench", "gqe", "--device", "cuda", "--seqs", "4096", "--prefill-seq", "8192",
+        # the paper's GQE on the slot path against GQA with all 16 query heads, bf16: fwd+bwd at T 4096 and 8192
+        # and the prefill at T 8192 (the paper's 1.7-1.8x faster prefill is the anchor), eager and compiled,
+        # GPU-busy ms and kernels; a compiled step under set_sync_debug_mode("error") (35 s at T 4096 alone on
+        # an H200)
+        Step("gqe", 80, [*CLI, "bench", "gqe", "--device", "cuda", "--seqs", "4096", "8192", "--prefill-seq", "8192",
                          "--repeats", "5"],
              [*CLI, "bench", "gqe", "--device", "cpu", "--embed-dim", "32", "--seqs", "8", "--prefill-seq", "8",
               "--repeats", "1", "--warmup", "0", "--modes", "eager"]),
