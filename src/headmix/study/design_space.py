@@ -139,6 +139,7 @@ QUERY_NORM_REFERENCE = ("a plain reference of the MoH authors' MoH-LLaMA3 rule",
                         "tests/test_query_norm.py::test_outputs_and_gradients_match_the_plain_reference")
 
 CONTENDERS = "lm-en-contenders"
+CONTENDERS_LONG = "lm-en-contenders-long"
 MOA = Entry("MoA", _moa(), exact=(JETMOE,),
             studies=(Study("lm-en", "MoA E=32"), Study("translation-en-de", "MoA E=32"), Study("lm-en-llama", "MoA E=8")))
 MOA_KV = Entry("MoA with grouped K/V (JetMoE)", _moa(kv_heads=2), exact=(JETMOE,), studies=(Study(CONTENDERS, "MoA kv2"),))
@@ -150,10 +151,11 @@ MOH_PER_GROUP = Entry("MoH routed per K/V group, sparse", _moh("sparse", per_gro
 #: per group) with the page's head size.
 GQE = Entry("GQE (Grouped Query Experts)", AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
                                                            head_dim=HEAD_DIM), exact=(GQE_REFERENCE,),
-            studies=(Study(CONTENDERS, "GQE"), Study("lm-en-contenders-long", "GQE")))
+            studies=(Study(CONTENDERS, "GQE"), Study(CONTENDERS_LONG, "GQE")))
 GQE_HARD_ONLY = Entry("GQE, hard slots only (the paper's ablation)",
                       replace(GQE.config, weighted_slot=False, allow_router_without_task_gradient=True),
-                      exact=(GQE_REFERENCE,), studies=(Study(CONTENDERS, "GQE hard-only"),),
+                      exact=(GQE_REFERENCE,),
+                      studies=(Study(CONTENDERS, "GQE hard-only"), Study(CONTENDERS_LONG, "GQE hard-only")),
                       rule="token choice: top-k per K/V group of a router that gets no task gradient (only the "
                            "load-balancing loss trains it)")
 SWITCHHEAD = Entry("SwitchHead", _switchhead(), exact=(SWITCHHEAD_AUTHORS,),
@@ -164,7 +166,7 @@ ENTRIES: list[Entry] = [
     Entry("GQA", _mha(kv_heads=2), exact=(LLAMA,), studies=(Study(CONTENDERS, "GQA"),)),
     Entry("QK-norm", _mha(kv_heads=2, qk_norm=True), exact=(QWEN3,)),
     Entry("Gated attention, headwise", _mha(kv_heads=2, output_gate="headwise"), exact=(QWEN3_GATED,),
-          studies=(Study(CONTENDERS, "Gated"), Study("lm-en-contenders-long", "Gated"))),
+          studies=(Study(CONTENDERS, "Gated"), Study(CONTENDERS_LONG, "Gated"))),
     Entry("Gated attention, elementwise", _mha(kv_heads=2, output_gate="elementwise"), exact=(QWEN3_GATED,)),
     Entry("Decoupled key size", _mha(key_dim=48), studies=(Study("lm-en", "MHA key 48"),)),
     Entry("Talking-Heads", AttentionConfig(kind="talking_heads", num_heads=HEADS, head_dim=HEAD_DIM),
@@ -193,8 +195,9 @@ ENTRIES: list[Entry] = [
     # study's pruning rows are read here
     static_control(MOH_PER_GROUP, Study(UPCYCLE, "pruned 75%")),
     GQE,
-    random_control(GQE, Study(CONTENDERS, "GQE random")),
-    static_control(GQE, Study(CONTENDERS, "GQE static"), Study(UPCYCLE, "pruned 50%")),
+    random_control(GQE, Study(CONTENDERS, "GQE random"), Study(CONTENDERS_LONG, "GQE random")),
+    static_control(GQE, Study(CONTENDERS, "GQE static"), Study(CONTENDERS_LONG, "GQE static"),
+                   Study(UPCYCLE, "pruned 50%")),
     GQE_HARD_ONLY,
     SWITCHHEAD,
     random_control(SWITCHHEAD),
