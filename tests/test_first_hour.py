@@ -11,6 +11,7 @@ import torch
 
 from headmix.models import ModelConfig
 from headmix.models.config import AttentionConfig
+from headmix.storage.files import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -584,8 +585,6 @@ def test_init_from_a_headmix_run_starts_from_its_weights_and_tokenizer(lm_run, d
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (lm_run / "tokenizer" / "tokenizer.json").read_bytes()
     summary = json.loads((out / "summary.json").read_text())
     start = summary["init_from"].pop("valid_at_start")  # the loaded model's validation, before the first step
-    from headmix.storage.files import sha256_file
-
     # which weights exactly: the source's model.safetensors by its sha256
     assert summary["init_from"] == {"path": str(lm_run.resolve()), "kind": "headmix run",
                                     "sha256": sha256_file(lm_run / "model.safetensors")} and summary["preset"] is None
@@ -618,8 +617,6 @@ def test_init_from_a_hugging_face_llama_folder_converts_it(docs_file, tmp_path):
         torch.testing.assert_close(after[name], converted[name], atol=1e-6, rtol=0)
     init = json.loads((out / "summary.json").read_text())["init_from"]
     assert init.pop("valid_at_start")["loss"] > 0
-    from headmix.storage.files import sha256_file
-
     assert init == {"path": str(folder.resolve()), "kind": "hugging face", "options": options,
                     "sha256": sha256_file(folder / "model.safetensors")}
 

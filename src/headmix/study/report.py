@@ -437,12 +437,13 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
         return lines + ["- **How sure**: no run has finished yet."]
     few = [f"{r['name']} ({len(r['seeds'])})" for r in table["rows"] if 0 < len(r["seeds"]) < FEW_SEEDS]
     counts = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
+    seed_counts = (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: {', '.join(few)}." if few
+                   else f"Every row has at least {FEW_SEEDS} seeds.")
+    incomplete = ("" if table.get("complete", True) else
+                  " The study is not complete: runs or side-by-side timings are missing.")
     lines.append(f"- **How sure**: every verdict is a 95% Student-t interval of the difference paired by seed "
                  f"({counts} seed{'s' if counts != '1' else ''} per row); at equal time it must hold at the "
-                 f"step-time ratio's median and at both ends of its 95% interval. " + (f"Fewer than {FEW_SEEDS} seeds, so their verdicts rest on too few: "
-                                  f"{', '.join(few)}." if few else f"Every row has at least {FEW_SEEDS} seeds.")
-                 + ("" if table.get("complete", True) else
-                    " The study is not complete: runs or side-by-side timings are missing."))
+                 f"step-time ratio's median and at both ends of its 95% interval. {seed_counts}{incomplete}")
     return lines
 
 
