@@ -1,5 +1,5 @@
 # The two commands of the README:
-#   make demo   set up .venv and run the main job (MoA vs MHA at equal attention MACs, ~8 min on 2 CPU cores;
+#   make demo   set up .venv and run the main job (MoA vs MHA at equal attention MACs, 8-9 min on 2 CPU cores;
 #               on a CUDA machine the GPU-sized demo, see docs/training.md)
 #   make test   set up .venv and run the test suite (5-6 min on 2 quiet CPU cores after a ~1.5 min install)
 #
