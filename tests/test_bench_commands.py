@@ -18,7 +18,7 @@ from headmix.cli.main import main
 ROOT = Path(__file__).resolve().parent.parent
 #: Modules of headmix.bench that are not commands: shared code, and the GPU check that runs the commands
 #: (``benchmarks/gpu_check.sh``).
-NOT_COMMANDS = {"timing", "kinds", "gpu_check"}
+NOT_COMMANDS = {"timing", "kinds", "gpu_check", "compute"}
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))

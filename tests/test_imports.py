@@ -161,7 +161,7 @@ def test_no_circle_even_through_imports_inside_functions():
 #: its neighbours on the same floor), counting imports inside functions. ``headmix`` is the package's face
 #: (its ``__init__``: the layers). A new package must be given a floor here.
 FLOORS = [
-    {"storage"},                                 # atomic files
+    {"storage", "process"},                      # atomic files; process-wide settings a script opts into
     {"kernels", "routing", "data"},              # kernels, the router, corpora and tokenizers
     {"attention"},                               # the layers
     {"headmix", "models"},                       # the face; models, presets, counting, matching, generation

@@ -179,3 +179,28 @@ def test_load_summary_by_hand():
     assert load_summary(torch.tensor([2, 2, 2])) == pytest.approx({"max_share": 1 / 3, "min_share": 1 / 3, "cv": 0.0,
                                                                    "norm_entropy": 1.0})
     assert load_summary(torch.tensor([5]))["norm_entropy"] == 1.0
+
+
+@pytest.mark.parametrize("fractions", ["normalized", "per_token"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_load_balancing_loss_is_the_mean_of_the_groups_losses(fractions, masked):
+    """GQE's and MoH's per-group routers: one pass over every group equals the loop of per-group losses, in value and
+    in the gradient of the probabilities (float64), with padded tokens left out."""
+    from headmix.routing.losses import grouped_load_balancing_loss
+
+    g = torch.Generator().manual_seed(3)
+    n, groups, per, k = 11, 3, 5, 2
+    logits = torch.randn(n, groups, per, generator=g, dtype=torch.float64, requires_grad=True)
+    probs = logits.softmax(-1)
+    index = torch.randn(n, groups, per, generator=g).topk(k, dim=-1).indices
+    mask = torch.rand(n, generator=g) > 0.3 if masked else None
+    loop = torch.stack([load_balancing_loss(probs[:, j], index[:, j], mask, fractions) for j in range(groups)]).mean()
+    one = grouped_load_balancing_loss(probs, index, mask, fractions)
+    torch.testing.assert_close(one, loop, rtol=1e-14, atol=0)
+    (want,) = torch.autograd.grad(loop, logits, retain_graph=True)
+    (got,) = torch.autograd.grad(one, logits)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    # a group's own experts only: moving one token's choice to another group's numbering changes the loss
+    skewed = index.clone()
+    skewed[:, 0] = 0
+    assert not torch.isclose(grouped_load_balancing_loss(probs, skewed, mask, fractions), one)

@@ -22,6 +22,7 @@ from .attention import (
     SwitchHeadRouting,
     TalkingHeadsAttention,
 )
+from .process import keep_freed_memory
 from .routing import Routing, TopKRouter
 
 __version__ = "0.1.0"
@@ -41,4 +42,5 @@ __all__ = [
     "TalkingHeadsAttention",
     "Routing",
     "TopKRouter",
+    "keep_freed_memory",
 ]

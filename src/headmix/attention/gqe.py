@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..routing import Routing, load_balancing_loss
-from ..routing.losses import check_fractions
+from ..routing import Routing
+from ..routing.losses import check_fractions, grouped_load_balancing_loss
 from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
 from ..routing.task_gradient import check_router_learns, gqe_router_without_task_gradient
@@ -238,6 +238,4 @@ class GroupedQueryExpertsAttention(AttentionLayer):
 
     def _load_balance(self, p: Tensor, index: Tensor, mask: Tensor | None) -> Tensor:
         """The mean over the groups of each group's load-balancing loss (MoA eq. 13-15) over its ``M`` experts."""
-        losses = [load_balancing_loss(p[:, g], index[:, g], mask, fractions=self.load_balance_fractions)
-                  for g in range(self.kv_heads)]
-        return torch.stack(losses).mean()
+        return grouped_load_balancing_loss(p, index, mask, fractions=self.load_balance_fractions)

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
 from ..routing import Routing, load_balancing_loss
-from ..routing.losses import check_fractions
+from ..routing.losses import check_fractions, grouped_load_balancing_loss
 from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
 from ..routing.task_gradient import check_router_learns, moh_router_without_task_gradient
@@ -420,9 +420,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
                                        fractions=self.load_balance_fractions)
         n, per = routing.probs.shape[0], self.num_routed_per_group
         probs, local = routing.probs.view(n, groups, per), routing.expert_index.view(n, groups, -1) % per
-        losses = [load_balancing_loss(probs[:, g], local[:, g], routing.token_mask, fractions=self.load_balance_fractions)
-                  for g in range(groups)]
-        return torch.stack(losses).mean()
+        return grouped_load_balancing_loss(probs, local, routing.token_mask, fractions=self.load_balance_fractions)
 
     def _forward_sparse(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
                         key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
@@ -465,8 +463,10 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         slots_per_token = index.shape[1]  # top_k, times the groups with route_per_group
         w_q_rows = _head_block(w_q, routed_ids, dk, 0)  # the routed heads' W_q^i, (R d_k, d_model)
         w_o_cols = _head_block(w_o, routed_ids, dv, 1)  # their W_o^i, (d_model, R d_v)
-        w_q_routed = w_q_rows.view(routed, dk, dim)  # head i's W_q^i, (d_k, d_model) rows
-        w_o_routed = w_o_cols.reshape(dim, routed, dv).permute(1, 0, 2)  # head i's W_o^i, (d_model, d_v)
+        # head i's W_q^i (d_k, d_model) and W_o^i (d_model, d_v), read in place by the grouped kernels as their
+        # transposes (no copy of the weights per call: the CPU kernels multiply by views, the GPU ones take strides)
+        w_q_routed = w_q_rows.view(routed, dk, dim)
+        w_o_routed = w_o_cols.reshape(dim, routed, dv).permute(1, 0, 2)
         decoding = tgt == 1
         info = None if decoding else expert_routing(index, routed, check_range=False)
         if routed_q is not None:  # query_norm: the selected heads' queries (biases included) from the router's
@@ -479,7 +479,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             q_r = q_all.gather(1, index[..., None].expand(n, slots_per_token, dk))
         else:
             # The routed heads as experts of the grouped kernels (MoA eq. 10 with E = routed heads).
-            q_r = expert_map(query.reshape(n, dim).to(compute), w_q_routed.transpose(1, 2).contiguous().to(compute),
+            q_r = expert_map(query.reshape(n, dim).to(compute), w_q_routed.transpose(1, 2).to(compute),
                              info, impl=self.expert_impl)
         if b_q is not None and routed_q is None:
             q_r = q_r + _head_block(b_q, routed_ids, dk, 0).view(routed, dk).to(q_r.dtype)[index]
@@ -510,7 +510,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             slots = weighted.new_zeros(n, routed, dv).scatter(1, index[..., None].expand(n, slots_per_token, dv), weighted)
             y_r = F.linear(slots.view(n, routed * dv), w_o_cols.to(compute))
         else:
-            y_r = expert_reduce(o_r.to(compute), w_o_routed.transpose(1, 2).contiguous().to(compute), gates, info,
+            y_r = expert_reduce(o_r.to(compute), w_o_routed.transpose(1, 2).to(compute), gates, info,
                                 impl=self.expert_impl)
         y_r = y_r.view(batch, tgt, dim)
         y = y_r if y is None else y + y_r.to(y.dtype)

@@ -27,7 +27,7 @@ import argparse
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -37,14 +37,17 @@ from ..training.config import pick_device
 from .timing import add_clock_arguments, bench_dtype, clock_setup, interleaved_timings
 
 
-def saved_activation_bytes(fn: Callable[[], torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves for backward during ``fn()``."""
+def saved_activation_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves for backward during ``fn()``, leaving out the storages of
+    ``exclude`` (a layer's parameters: saved for the backward, but held anyway)."""
     seen: dict[int, int] = {}
+    held = {t.untyped_storage().data_ptr() for t in exclude}
 
     def pack(t: torch.Tensor):
         try:
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in held:
+                seen[storage.data_ptr()] = storage.nbytes()
         except (RuntimeError, NotImplementedError):
             pass
         return t

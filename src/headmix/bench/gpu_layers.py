@@ -35,9 +35,10 @@ from torch import nn
 
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..training.config import pick_device
+from . import compute
 from .attention import peak_memory
 from .kinds import KINDS, Kind, describe, heads_for, triton_usable
-from .timing import check_positive, interleaved_timings, kernel_profile, machine_load, standalone_args
+from .timing import check_positive, count_aten_ops, interleaved_timings, kernel_profile, machine_load, standalone_args
 
 
 @dataclass(frozen=True)
@@ -131,22 +132,6 @@ def _fwd_bwd(spec: LayerSpec, layer: nn.Module, x: torch.Tensor, grad: torch.Ten
     return step
 
 
-def _aten_ops(step: Callable[[], None]) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count() as c:
-        step()
-    return c.n
-
-
 def _time_ms(fns: dict[str, Callable[[], None]], device: torch.device, repeats: int) -> dict[str, float]:
     if device.type == "cuda":
         from triton.testing import do_bench
@@ -184,7 +169,7 @@ def measure_layer(step: Callable[[], None], device: torch.device, repeats: int) 
         row["peak"] = peak_memory(step, device) / 2**20
         row["busy"], row["kernels"] = kernel_profile(step, 5)
     else:
-        row["kernels"] = _aten_ops(step)
+        row["kernels"] = count_aten_ops(step)
     return row
 
 
@@ -311,6 +296,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(under the CPU interpreter a tiny MoA step takes seconds)")
     p.add_argument("--skip-layers", action="store_true")
     p.add_argument("--skip-grouped", action="store_true")
+    compute.add_arguments(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -318,7 +304,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.tiny:
         args.batch, args.time, args.d_model, args.tokens, args.repeats = 1, 16, 64, 64, 1
     check_positive(args, "batch", "time", "d_model", "tokens", "repeats")
-    pick_device(args.device)
+    compute.check_args(args, pick_device(args.device).type)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -339,6 +325,12 @@ def run(args: argparse.Namespace) -> int:
         sys.path.append(authors)  # the benchmark's own process only
     if device.type == "cuda":
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    if args.compute:
+        blocks = compute.run_compute(args, device, dtype, emit=lambda line: print(line, flush=True))
+        failed = sorted({r["layer"] for b in blocks for r in b["rows"] if "error" in r})
+        if failed:
+            print(f"error: failed rows: {', '.join(failed)}", file=sys.stderr)
+        return 1 if failed else 0
     failed = []
     if not args.skip_layers:
         _, failed = layer_table(args, device, dtype, emit=lambda line: print(line, flush=True))

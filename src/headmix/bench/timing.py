@@ -60,6 +60,24 @@ def kernel_profile(step: Callable[[], object], steps: int) -> tuple[float, float
     return busy, sum(e.count for e in events) / steps
 
 
+def count_aten_ops(step: Callable[[], object]) -> int:
+    """The ATen operations one call of ``step`` dispatches, views excluded: on CUDA each launches at least one
+    kernel, so on the CPU the count stands in for the kernels a GPU step would launch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        step()
+    return c.n
+
+
 def machine_load() -> str:
     """The 1, 5 and 15 minute load averages, to print beside timings taken on a shared machine."""
     try:

@@ -18,6 +18,8 @@ import types
 import typing
 from typing import Any, Callable, Iterator, Sequence
 
+from ..process import keep_freed_memory
+
 #: What ``headmix --help`` says above the commands.
 DESCRIPTION = """Attention layers that select or mix heads per token (MoA, MoH, Talking-Heads, SwitchHead, MHA):
 train, evaluate and compare models that use them. `headmix COMMAND --help` describes a command.
@@ -391,26 +393,6 @@ RUNNERS = {"demo": _run_demo, "train": _run_train, "translate": _run_translate, 
            "evaluate": _run_evaluate, "calibrate": _run_calibrate}
 
 
-def keep_freed_memory() -> None:
-    """Ask glibc to keep freed memory instead of returning it to the system at once.
-
-    PyTorch's CPU tensors of more than 128 KiB are mmap'ed and unmapped on free, so every training step
-    page-faults its activations back in: on the 2-core reference machine that was 40% of the wall time
-    (system time) and this setting makes a training step of the demo's models about 1.5x faster. It
-    changes nothing on other C libraries, and only for the ``headmix`` command, not for library users.
-    """
-    if sys.platform != "linux":
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 1 << 30)
-        libc.mallopt(m_trim_threshold, 1 << 30)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def _fail(command: str, message: Any, code: int) -> int:
     text = " ".join(str(message).split("\n")).strip()
     print(f"headmix {command}: error: {text}", file=sys.stderr)
@@ -424,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help, or a bad command line (already reported)
         return stop.code if isinstance(stop.code, int) else USAGE_ERROR
-    if args.command in ("train", "demo"):
+    if args.command in ("train", "demo", "bench"):
         keep_freed_memory()
     from ..runs import RunError, RunFileNotFoundError, RunMismatchError
     from ..training import TrainingError

@@ -197,6 +197,26 @@ def attention_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: in
     return full, paper
 
 
+def minimal_attention_macs(att: AttentionConfig, d_model: int, length: int, causal: bool = True) -> int:
+    """The MACs one self-attention layer needs at the least over ``length`` tokens (batch 1): what its tokens use,
+    whichever form computes it. MoH: the shared heads and each token's ``top_k`` selected heads (per group with
+    ``route_per_group``): their queries, attention rows and output projections, every K/V head, the router (MoH's
+    sparse form; the query-norm rule reads every routed head's query, so its query projection stays whole). GQE:
+    the ``k G`` selected query heads and the shared head's queries (its layer computes every expert's query in one
+    GEMM, :func:`gqe_macs`; the others are never used). MoA and SwitchHead compute only what a token selects, MHA /
+    GQA / Talking-Heads everything: their :func:`attention_macs`. ``causal``: the attention products over the pairs
+    a causal flash kernel computes (:func:`causal_pairs`). This is the count the time-beside-compute table
+    (``headmix bench layers --compute``) sets each measured time ratio beside."""
+    t = length
+    if att.kind == "moh":
+        return attention_macs(dataclasses.replace(att, moh_impl="sparse"), d_model, t, t, causal=causal)[0]
+    full = attention_macs(att, d_model, t, t, causal=causal)[0]
+    if att.kind == "gqe":
+        experts, kv, top_k = att.gqe_sizes()
+        full -= t * d_model * (experts - top_k * kv) * att.resolved_head_dim(d_model)  # the unselected experts' queries
+    return full
+
+
 def gqe_macs(att: AttentionConfig, d_model: int, tgt_len: int, src_len: int, pairs: int) -> tuple[int, int]:
     """``(full, paper)`` MACs of one GQE layer (``pairs``: the (query, key) pairs of each attention head). ``full``,
     as the layer computes them: the router ``T d_m E`` (none for the random control), every expert's query and

@@ -53,6 +53,34 @@ def load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor 
     return num_experts * (f * p).sum()
 
 
+def grouped_load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor | None = None,
+                                fractions: str = "normalized") -> Tensor:
+    """The mean over ``G`` router groups of each group's :func:`load_balancing_loss` over its ``M`` experts (GQE's
+    and MoH's per-group routers), in one pass: ``(1/G) sum_g M sum_i f_{g,i} P_{g,i}``.
+
+    ``probs``: ``(N, G, M)``, each group's softmax; ``expert_index``: ``(N, G, k)``, each group's selected experts
+    numbered within the group; ``token_mask``: ``(N,)`` True for real tokens. The same value as the loop over the
+    groups, with a fixed number of operations whatever ``G`` is (one kernel each on a GPU, not one per group)."""
+    check_fractions(fractions)
+    n, groups, per = probs.shape
+    if n == 0:
+        return probs.sum() * 0.0
+    top_k = expert_index.shape[2]
+    slot_weight = torch.ones_like(expert_index, dtype=probs.dtype)
+    if token_mask is None:
+        tokens = float(n)
+    else:
+        probs = probs.masked_fill(~token_mask[:, None, None], 0.0)
+        slot_weight = slot_weight.masked_fill(~token_mask[:, None, None], 0.0)
+        tokens = token_mask.sum().to(probs.dtype).clamp(min=1)
+    flat = expert_index + per * torch.arange(groups, device=expert_index.device)[:, None]
+    counts = torch.zeros(groups * per, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(0, flat.reshape(-1), slot_weight.reshape(-1))
+    f = (counts / (tokens * top_k if fractions == "normalized" else tokens)).detach()
+    p = probs.sum(0).reshape(-1) / tokens
+    return per * (f * p).sum() / groups
+
+
 def router_z_loss(logits: Tensor, token_mask: Tensor | None = None) -> Tensor:
     """``L_z = mean_t (log sum_i exp(x_{i,t}))^2`` over the pre-softmax logits (eq. 16), via logsumexp."""
     if logits.shape[0] == 0:
