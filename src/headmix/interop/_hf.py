@@ -47,13 +47,19 @@ def pad_id_of(hf_config: Any, pad_id: int | None, name_or_path: Any = None) -> i
     """The padding token of a converted model: ``pad_id`` where given, else the source config's
     ``pad_token_id``, else (for a local folder ``name_or_path`` with a tokenizer) the tokenizer's; ``None``
     where none has one: no token is then padding (masks come from an attention mask), so an ordinary token
-    such as id 0 is never masked by its value."""
+    such as id 0 is never masked by its value. A padding token that is also the config's bos or eos token (Qwen3's
+    ``<|endoftext|>``) is a real token of the text, which the source attends to: ``None`` too."""
     if pad_id is not None:
         return pad_id
     found = getattr(hf_config, "pad_token_id", None)
     if found is None and name_or_path is not None and Path(name_or_path, "tokenizer_config.json").is_file():
         found = require_transformers().AutoTokenizer.from_pretrained(str(name_or_path)).pad_token_id
-    return None if found is None else first_id(found, 0)
+    if found is None:
+        return None
+    found = first_id(found, 0)
+    real = [getattr(hf_config, f"{role}_token_id", None) for role in ("bos", "eos")]
+    real = {int(i) for value in real for i in (value if isinstance(value, (list, tuple)) else [value]) if i is not None}
+    return None if found in real else found
 
 
 def copy_into(target: Tensor, source: Tensor, name: str) -> None:
