@@ -134,6 +134,9 @@ def test_a_run_that_failed_before_its_first_step_does_not_lock_its_folder(tmp_pa
     wrong.write_text("".join(json.dumps({"body": line}) + "\n" for line in docs_file.read_text().splitlines()))
     out = tmp_path / "bad1"
     assert main(lm_args(out, wrong)) == 2
+    assert not out.exists()  # a failed start leaves no run folder it created
+    out.mkdir()  # a folder the user made is kept
+    assert main(lm_args(out, wrong)) == 2
     assert (out / "train_config.json").is_file()  # the failed attempt got that far
     capsys.readouterr()
     assert main(lm_args(out, docs_file)) == 0

@@ -150,6 +150,9 @@ def test_init_from_a_folder_trains_with_its_own_tokenizer_and_special_ids(traine
     batch = next(iter(task.loader(valid, run.tokenizer, max_tokens=256, train=False, seed=1)))
     assert int(batch["input_ids"].max()) < run.model.config.vocab_size and 0 not in ids.values()
     assert Tokenizer.load(out / "tokenizer").special_tokens == Tokenizer.load(folder).special_tokens
+    from headmix.interop import from_pretrained
+
+    assert from_pretrained(folder).config.pad_id is None  # Qwen3's pad <|endoftext|> is its bos: a real token
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -254,3 +257,37 @@ def test_a_new_model_on_a_foreign_tokenizer_trains_with_its_ids(docs_file, tmp_p
     config = json.loads((out / "config.json").read_text())
     assert (config["vocab_size"], config["pad_id"], config["bos_id"], config["eos_id"]) == (
         293, None, ids["<|begin_of_text|>"], ids["<|end_of_text|>"])
+
+
+# --------------------------------------------------------------------------- docs/hf.md's commands
+
+
+def test_the_commands_of_docs_hf_run_as_written(docs_file, tmp_path, monkeypatch):
+    """The ``headmix train`` commands of docs/hf.md ("From a checkpoint to a routed model"), as written, on local
+    models built from a config: ``path/to/Qwen3-folder`` a tiny Qwen3 with its tokenizer (8 query heads on 2 K/V
+    heads) and ``runs/dense`` a headmix run continued from a Llama of that shape; only the run's size is added
+    (steps, batch and block length; the last value of a repeated option wins)."""
+    import re
+    import shlex
+    import shutil
+
+    from headmix.cli.main import main
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "hf.md").read_text()
+    block = re.search(r"\*\*From the command line\*\*.*?```bash\n(.*?)```", text, flags=re.S).group(1)
+    commands = [shlex.split(c, comments=True) for c in block.replace("\\\n", " ").splitlines()]
+    commands = [c for c in commands if c]
+    assert len(commands) == 3 and all(c[:3] == ["headmix", "train", "lm"] for c in commands)
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(docs_file, tmp_path / "docs.jsonl")
+    hf_folder(tmp_path / "path" / "to" / "Qwen3-folder", "qwen3", docs_file, heads=8)
+    hf_folder(tmp_path / "llama", "llama3", docs_file, heads=8)
+    size = ["--max-steps", "1", "--max-tokens", "256", "--max-len", "32", "--no-progress"]
+    assert main(["train", "lm", "--init-from", "llama", "--data", "docs.jsonl", "--out", "runs/dense", *size]) == 0
+    for command in commands:
+        assert main([*command[1:], *size]) == 0, command
+        out = Path(command[command.index("--out") + 1])
+        assert json.loads((out / "summary.json").read_text())["steps"] == 1
+    assert (Path("runs/gqe/tokenizer/tokenizer.json").read_bytes()
+            == Path("path/to/Qwen3-folder/tokenizer.json").read_bytes())
