@@ -134,6 +134,9 @@ def test_a_run_that_failed_before_its_first_step_does_not_lock_its_folder(tmp_pa
     wrong.write_text("".join(json.dumps({"body": line}) + "\n" for line in docs_file.read_text().splitlines()))
     out = tmp_path / "bad1"
     assert main(lm_args(out, wrong)) == 2
+    assert not out.exists()  # a failed start leaves no run folder it created
+    out.mkdir()  # a folder the user made is kept
+    assert main(lm_args(out, wrong)) == 2
     assert (out / "train_config.json").is_file()  # the failed attempt got that far
     capsys.readouterr()
     assert main(lm_args(out, docs_file)) == 0
@@ -573,9 +576,8 @@ def test_init_from_a_headmix_run_starts_from_its_weights_and_tokenizer(lm_run, d
     from headmix.cli.main import main
 
     out = tmp_path / "continued"
-    # --vocab-size 400 would train another tokenizer: the run's own (300 ids, its embeddings' ids) is taken instead
-    args = lm_args(out, docs_file, "--init-from", str(lm_run), "--lr", "1e-9", "--warmup-steps", "0", "--vocab-size",
-                   "400")
+    # the run's own tokenizer (300 ids, its embeddings' ids) is taken; --vocab-size 300 (lm_args) matches it
+    args = lm_args(out, docs_file, "--init-from", str(lm_run), "--lr", "1e-9", "--warmup-steps", "0")
     args.remove("--preset"), args.remove("tiny-mha")
     assert main(args) == 0
     before, after = final_weights(lm_run), final_weights(out)
@@ -597,6 +599,7 @@ def test_init_from_a_hugging_face_llama_folder_converts_it(docs_file, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from headmix.cli.main import main
+    from headmix.data import train_tokenizer
     from headmix.interop import from_pretrained
 
     torch.manual_seed(0)
@@ -604,6 +607,8 @@ def test_init_from_a_hugging_face_llama_folder_converts_it(docs_file, tmp_path):
                                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
     folder = tmp_path / "llama"
     llama.save_pretrained(folder)
+    texts = [json.loads(line)["text"] for line in docs_file.read_text().splitlines()]
+    train_tokenizer(texts, 300).save(folder)  # the folder's own tokenizer (its ids are LlamaConfig's bos 1, eos 2)
     options = {"attention": "moh", "num_shared_heads": 1, "top_k": 3}
     out = tmp_path / "moh"
     args = lm_args(out, docs_file, "--init-from", str(folder), "--init-options", json.dumps(options), "--lr", "1e-9",
@@ -641,7 +646,7 @@ def test_init_from_a_folder_without_a_model_says_so(docs_file, tmp_path, capsys)
     args = lm_args(tmp_path / "x", docs_file, "--init-from", str(tmp_path))
     args.remove("--preset"), args.remove("tiny-mha")
     assert main(args) == 2
-    assert f"init_from {tmp_path}: no config.json; expected a folder headmix wrote (a finished run" in \
+    assert f"--init-from {tmp_path} holds no model (no config.json): expected a folder headmix wrote (a finished run" in \
         capsys.readouterr().err
 
 

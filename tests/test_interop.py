@@ -234,7 +234,7 @@ def test_llama_conversion_errors():
         causal_lm_from_llama(hf_llama(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                        "original_max_position_embeddings": 64}))
-    with pytest.raises(ValueError, match="attention='moh' needs num_shared_heads and top_k"):
+    with pytest.raises(ValueError, match="attention='moh' needs num_shared_heads, a non-negative integer, got None"):
         causal_lm_from_llama(hf_llama(), attention="moh")
     with pytest.raises(ValueError, match="attention must be one of"):
         causal_lm_from_llama(hf_llama(), attention="moa")

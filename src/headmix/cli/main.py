@@ -190,10 +190,10 @@ def _run_train(args) -> int:
     try:
         cfg = dataclass_from_args(TrainConfig, args)
         cfg.validate()
-    except ValueError as err:  # name the option as it was typed: "seed must be ..." -> "--seed must be ..."
+    except (ValueError, FileNotFoundError) as err:  # name the option as typed: "seed must be" -> "--seed must be"
         field, _, rest = str(err).partition(" ")
         if field in {f.name for f in dataclasses.fields(TrainConfig)}:
-            raise ValueError(f"{_flag(field)} {rest}") from None
+            raise type(err)(f"{_flag(field)} {rest}") from None
         raise
     with stop_on_signals() as stop:
         summary = train(cfg, stop=stop)

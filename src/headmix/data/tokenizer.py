@@ -5,9 +5,17 @@ split with the GPT-2 pre-tokenisation regex, mapped to bytes, and merged.  It
 has no unknown characters, and ``decode(encode(text)) == text`` for any
 NFC-normalised text — German umlauts and ``ß`` included, whitespace included.
 
-Special tokens have fixed ids::
+A tokenizer headmix trains has its special tokens at fixed ids::
 
     <pad> = 0, <s> = 1, </s> = 2, <unk> = 3, <mask> = 4
+
+Any other ``tokenizer.json`` (a Llama 3 or Qwen3 tokenizer: specials at the end of the vocabulary, no padding
+token) names its special tokens in the files beside it: ``tokenizer_config.json`` (``bos_token``,
+``eos_token``, ``pad_token``, ``unk_token``, ``mask_token``) or ``special_tokens_map.json``, and, for the roles
+neither names, the model's ``config.json`` (``bos_token_id``, ``eos_token_id``, ``pad_token_id``):
+:meth:`Tokenizer.load`. A role none of them names is ``None`` (no such token); what needs it refuses in one
+line naming it (:meth:`Tokenizer.require`). :meth:`Tokenizer.save` writes the roles as
+``tokenizer_config.json`` beside ``tokenizer.json`` for such a tokenizer, so it loads the same again.
 
 Special-token strings that occur in the *text* (``"<s>"`` in an HTML example,
 say) are encoded as ordinary text, never as the special ids.
@@ -17,6 +25,7 @@ format) in the model directory: :meth:`Tokenizer.save` / :meth:`Tokenizer.load`.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from collections.abc import Iterable, Iterator, Sequence
@@ -30,6 +39,7 @@ __all__ = [
     "EOS",
     "UNK",
     "MASK",
+    "ROLES",
     "SPECIAL_TOKENS",
     "TOKENIZER_FILENAME",
     "Tokenizer",
@@ -41,21 +51,41 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK, MASK)
 TOKENIZER_FILENAME = "tokenizer.json"
 
 
-class Tokenizer:
-    """A thin wrapper of :class:`tokenizers.Tokenizer` with headmix's special ids.
+#: The roles of special tokens, with headmix's own token of each (ids 0..4 in that order).
+ROLES = {"pad": PAD, "bos": BOS, "eos": EOS, "unk": UNK, "mask": MASK}
+#: The files beside ``tokenizer.json`` that name its special tokens, in the order they are read.
+SPECIALS_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
-    Build one with :func:`train_tokenizer` or :meth:`load`; wrapping an
-    existing ``tokenizers.Tokenizer`` checks that the five special tokens have
-    ids 0..4.
+
+class Tokenizer:
+    """A thin wrapper of :class:`tokenizers.Tokenizer` with its special ids.
+
+    Build one with :func:`train_tokenizer` or :meth:`load`. ``special_tokens`` maps roles (``pad``, ``bos``,
+    ``eos``, ``unk``, ``mask``) to the tokens that play them; without it the tokenizer must have headmix's five
+    special tokens at ids 0..4. A role left out has no token (its id is ``None``).
     """
 
-    def __init__(self, hf_tokenizer: _HFTokenizer) -> None:
-        ids = [hf_tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
-        if ids != list(range(len(SPECIAL_TOKENS))):
-            found = dict(zip(SPECIAL_TOKENS, ids, strict=True))
-            raise ValueError(
-                f"tokenizer must have special tokens {list(SPECIAL_TOKENS)} with ids 0..4, found {found}"
-            )
+    def __init__(self, hf_tokenizer: _HFTokenizer, special_tokens: dict[str, str | None] | None = None) -> None:
+        if special_tokens is None:
+            ids = [hf_tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+            if ids != list(range(len(SPECIAL_TOKENS))):
+                found = dict(zip(SPECIAL_TOKENS, ids, strict=True))
+                raise ValueError(
+                    f"tokenizer must have special tokens {list(SPECIAL_TOKENS)} with ids 0..4, found {found}, or name "
+                    f"its special tokens (tokenizer_config.json beside tokenizer.json)"
+                )
+            special_tokens = dict(ROLES)
+        unknown = sorted(set(special_tokens) - set(ROLES))
+        if unknown:
+            raise ValueError(f"special_tokens: unknown role(s) {unknown}; expected {', '.join(ROLES)}")
+        self._ids: dict[str, int | None] = {}
+        for role in ROLES:
+            token = special_tokens.get(role)
+            index = None if token is None else hf_tokenizer.token_to_id(token)
+            if token is not None and index is None:
+                raise ValueError(f"the {role} token {token!r} is not in the tokenizer's vocabulary")
+            self._ids[role] = index
+        self._tokens = {role: special_tokens.get(role) for role in ROLES}
         hf_tokenizer.encode_special_tokens = True  # text never produces special ids
         self._tok = hf_tokenizer
 
@@ -66,34 +96,53 @@ class Tokenizer:
         return self._tok
 
     @property
-    def pad_id(self) -> int:
-        """Id of ``<pad>`` (always 0)."""
-        return 0
+    def pad_id(self) -> int | None:
+        """Id of the padding token (``<pad>``, 0, in headmix's tokenizers; ``None`` where there is none)."""
+        return self._ids["pad"]
 
     @property
-    def bos_id(self) -> int:
-        """Id of ``<s>`` (always 1)."""
-        return 1
+    def bos_id(self) -> int | None:
+        """Id of the beginning-of-sequence token (``<s>``, 1, in headmix's tokenizers)."""
+        return self._ids["bos"]
 
     @property
-    def eos_id(self) -> int:
-        """Id of ``</s>`` (always 2)."""
-        return 2
+    def eos_id(self) -> int | None:
+        """Id of the end-of-sequence token (``</s>``, 2, in headmix's tokenizers)."""
+        return self._ids["eos"]
 
     @property
-    def unk_id(self) -> int:
-        """Id of ``<unk>`` (always 3)."""
-        return 3
+    def unk_id(self) -> int | None:
+        """Id of ``<unk>`` (3 in headmix's tokenizers)."""
+        return self._ids["unk"]
 
     @property
-    def mask_id(self) -> int:
-        """Id of ``<mask>`` (always 4)."""
-        return 4
+    def mask_id(self) -> int | None:
+        """Id of the mask token (``<mask>``, 4, in headmix's tokenizers)."""
+        return self._ids["mask"]
+
+    @property
+    def special_tokens(self) -> dict[str, str | None]:
+        """The token of each role (``None``: the tokenizer has none)."""
+        return dict(self._tokens)
 
     @property
     def special_ids(self) -> tuple[int, ...]:
-        """Ids of all special tokens (0..4)."""
-        return tuple(range(len(SPECIAL_TOKENS)))
+        """Ids of all special tokens (0..4 in headmix's tokenizers)."""
+        return tuple(sorted({i for i in self._ids.values() if i is not None}))
+
+    @property
+    def headmix_layout(self) -> bool:
+        """Whether the special tokens are headmix's own, at ids 0..4."""
+        return self._tokens == ROLES and [self._ids[r] for r in ROLES] == list(range(len(ROLES)))
+
+    def require(self, *roles: str, what: str = "this") -> None:
+        """``ValueError`` in one line naming the roles (``"bos"``, ``"eos"``, ...) this tokenizer has no token
+        for, which ``what`` needs; a guess (another token in its place) would give a silently wrong result."""
+        missing = [r for r in roles if self._ids[r] is None]
+        if missing:
+            names = ", ".join(f"{r} ({r}_token)" for r in missing)
+            raise ValueError(f"the tokenizer has no {names} token, which {what} needs: name it in the "
+                             f"tokenizer_config.json beside its tokenizer.json")
 
     @property
     def vocab_size(self) -> int:
@@ -117,6 +166,7 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
+        self.require(*(["bos"] if add_bos else []), *(["eos"] if add_eos else []), what="encode")
         if add_bos:
             ids.insert(0, self.bos_id)
         if add_eos:
@@ -128,6 +178,7 @@ class Tokenizer:
     ) -> list[list[int]]:
         """Encode many texts at once (parallel in the Rust library)."""
         encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        self.require(*(["bos"] if add_bos else []), *(["eos"] if add_eos else []), what="encode")
         pre = [self.bos_id] if add_bos else []
         post = [self.eos_id] if add_eos else []
         return [pre + e.ids + post for e in encs]
@@ -171,7 +222,7 @@ class Tokenizer:
         for k, i in enumerate(int(x) for x in ids):
             if i == self.eos_id:
                 break
-            if i == self.pad_id or (k == 0 and i == self.bos_id):
+            if (self.pad_id is not None and i == self.pad_id) or (k == 0 and i == self.bos_id):
                 continue
             out.append(i)
         return out
@@ -185,20 +236,75 @@ class Tokenizer:
         d.mkdir(parents=True, exist_ok=True)
         path = d / TOKENIZER_FILENAME
         self._tok.save(str(path))
+        if not self.headmix_layout:  # the roles, for this class and for transformers' AutoTokenizer
+            config = {f"{role}_token": token for role, token in self._tokens.items() if token is not None}
+            (d / SPECIALS_FILES[0]).write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast",
+                                                           "clean_up_tokenization_spaces": False}, indent=2) + "\n")
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load from a directory holding ``tokenizer.json`` or from the file itself."""
+        """Load from a directory holding ``tokenizer.json`` or from the file itself, with the special tokens the
+        files beside it name (module docstring): ``tokenizer_config.json`` or ``special_tokens_map.json``, then
+        the model's ``config.json`` for the roles they leave out. Without any of them the tokenizer must have
+        headmix's special tokens at ids 0..4."""
         p = Path(path)
         if p.is_dir():
             p = p / TOKENIZER_FILENAME
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {p}")
-        return cls(_HFTokenizer.from_file(str(p)))
+        tok = _HFTokenizer.from_file(str(p))
+        return cls(tok, special_tokens_beside(p.parent, tok))
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+def _token_text(value) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string, or transformers' ``AddedToken`` dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def special_tokens_beside(folder: Path, tok: _HFTokenizer) -> dict[str, str | None] | None:
+    """The special tokens the files in ``folder`` name for the ``tokenizer.json`` there (module docstring), or
+    ``None`` where no file names any (then headmix's layout is expected). A tokenizer with headmix's five tokens
+    at ids 0..4 keeps all five (an ``export-hf`` folder names only pad, bos and eos)."""
+    roles: dict[str, str | None] = {}
+    for name in SPECIALS_FILES:
+        if (folder / name).is_file():
+            data = _read_json(folder / name)
+            roles = {role: _token_text(data.get(f"{role}_token")) for role in ROLES}
+            break
+    if (folder / "config.json").is_file():  # the model's ids fill the roles the tokenizer's files leave out
+        config = _read_json(folder / "config.json")
+        for role in ("pad", "bos", "eos"):
+            index = config.get(f"{role}_token_id")
+            if isinstance(index, list):  # Llama 3 Instruct: several eos ids, the first is the tokenizer's own
+                index = index[0] if index else None
+            if roles.get(role) is None and isinstance(index, int) and not isinstance(index, bool):
+                token = tok.id_to_token(index)
+                if token is None:
+                    raise ValueError(f"{folder / 'config.json'}: {role}_token_id {index} is not in the tokenizer's "
+                                     f"vocabulary")
+                roles[role] = token
+    if not any(roles.values()):
+        return None
+    headmix = [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    if headmix and all(roles.get(role) in (None, token) for role, token in ROLES.items()):
+        return None
+    return roles
 
 
 def _empty_tokenizer(normalization: str | None) -> _HFTokenizer:

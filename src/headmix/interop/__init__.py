@@ -22,6 +22,8 @@ docs/implementations.md ("Models and conversions") says what each conversion pre
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 
 from .jetmoe import (
@@ -33,7 +35,7 @@ from .jetmoe import (
     moa_from_jetmoe_attention,
 )
 from .llama import attention_from_llama, causal_lm_from_llama, causal_lm_to_llama, config_from_llama, load_llama
-from ._hf import require_transformers
+from ._hf import checkpoint_folder, require_transformers
 from .moh import moh_from_dense, zero_moh_routers
 from .qwen3 import causal_lm_from_qwen3, causal_lm_to_qwen3, config_from_qwen3, load_qwen3
 from .upcycle import head_importance, upcycle, upcycle_model, upcycled_config
@@ -49,10 +51,19 @@ def from_pretrained(name_or_path: str | os.PathLike, **options):
     convert it to a headmix :class:`~headmix.models.CausalLanguageModel` with the loader of its
     ``model_type`` (:func:`load_llama`, :func:`load_qwen3` or :func:`load_jetmoe`; ``options`` go to it)."""
     transformers = require_transformers()
+    checkpoint_folder(name_or_path, "from_pretrained")
     model_type = transformers.AutoConfig.from_pretrained(str(name_or_path)).model_type
     if model_type not in LOADERS:
         raise ValueError(f"{name_or_path} is a {model_type!r} checkpoint; headmix converts {sorted(LOADERS)}")
-    return LOADERS[model_type](name_or_path, **options)
+    loader = LOADERS[model_type]
+    named = [n for n, p in inspect.signature(loader).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(loader).parameters.values()):
+        for name in options:  # JetMoe's loader takes no attention options
+            if name not in named:
+                close = difflib.get_close_matches(name, named, n=1)
+                raise ValueError(f"{name!r} is not an option of {loader.__name__}"
+                                 + (f" (did you mean {close[0]!r}?)" if close else "") + f": expected {', '.join(named)}")
+    return loader(name_or_path, **options)
 
 
 __all__ = ["attention_from_llama", "causal_lm_from_llama", "config_from_llama", "load_llama", "moh_from_dense", "zero_moh_routers",

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +51,19 @@ def pad_id_of(hf_config: Any, pad_id: int | None, name_or_path: Any = None) -> i
     """The padding token of a converted model: ``pad_id`` where given, else the source config's
     ``pad_token_id``, else (for a local folder ``name_or_path`` with a tokenizer) the tokenizer's; ``None``
     where none has one: no token is then padding (masks come from an attention mask), so an ordinary token
-    such as id 0 is never masked by its value."""
+    such as id 0 is never masked by its value. A padding token that is also the config's bos or eos token (Qwen3's
+    ``<|endoftext|>``) is a real token of the text, which the source attends to: ``None`` too."""
     if pad_id is not None:
         return pad_id
     found = getattr(hf_config, "pad_token_id", None)
     if found is None and name_or_path is not None and Path(name_or_path, "tokenizer_config.json").is_file():
         found = require_transformers().AutoTokenizer.from_pretrained(str(name_or_path)).pad_token_id
-    return None if found is None else first_id(found, 0)
+    if found is None:
+        return None
+    found = first_id(found, 0)
+    real = [getattr(hf_config, f"{role}_token_id", None) for role in ("bos", "eos")]
+    real = {int(i) for value in real for i in (value if isinstance(value, (list, tuple)) else [value]) if i is not None}
+    return None if found in real else found
 
 
 def copy_into(target: Tensor, source: Tensor, name: str) -> None:
@@ -62,3 +72,44 @@ def copy_into(target: Tensor, source: Tensor, name: str) -> None:
         raise ValueError(f"{name}: source shape {tuple(source.shape)} does not fit {tuple(target.shape)}")
     with torch.no_grad():
         target.copy_(source)
+
+
+def check_option_names(given: Iterable[str], named: Sequence[str], kind: str, *, exclude: Iterable[str] = (),
+                       what: str = "a conversion option") -> None:
+    """A one-line ``ValueError`` naming the first key of ``given`` that is neither one of ``named`` nor a field of
+    the ``kind`` attention's config (:class:`~headmix.models.AttentionConfig`, those :func:`field_applies` to that
+    kind, less ``exclude``: the fields the source fixes), with the closest valid name when one is close; it lists
+    only the options valid for that kind."""
+    from ..models.config import AttentionConfig, field_applies
+
+    skip = set(exclude) | set(named) | {"kind"}
+    fields = [f.name for f in dataclasses.fields(AttentionConfig) if f.name not in skip and field_applies(f.name, kind)]
+    for name in given:
+        if name in named or name in fields:
+            continue
+        close = difflib.get_close_matches(str(name), [*named, *fields], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{name!r} is not {what}{hint}: expected {', '.join(named)} or a field of {kind!r} "
+                         f"attention ({', '.join(fields)})")
+
+
+def checkpoint_folder(name_or_path: str | os.PathLike, route: str) -> None:
+    """One-line errors for what the Hugging Face route (``route``: the function called) cannot read, before
+    ``transformers`` would say "Unrecognized model": a local path that does not exist, a folder that holds no model
+    (no ``config.json``), and a folder headmix wrote (a run, ``save_pretrained``, ``export-hf``), which names the
+    headmix route. A Hub name (``org/model``, not on disk) passes."""
+    from ..models.transformer import is_headmix_folder
+
+    folder = Path(name_or_path).expanduser()
+    text = str(name_or_path)
+    if not folder.exists():
+        if folder.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text:
+            raise FileNotFoundError(f"{route}: {text} not found")
+        return  # a Hub name: transformers fetches it
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{route}: {text} holds no model (no config.json); expected a Hugging Face Llama, Qwen3 or "
+                         f"JetMoe folder")
+    if is_headmix_folder(folder):
+        raise ValueError(f"{route}: {text} is a folder headmix wrote (a run, save_pretrained or export-hf), not a "
+                         f"Hugging Face checkpoint: load it with headmix.models.load_pretrained (upcycle it with "
+                         f"headmix.interop.upcycle; on the command line: headmix train --init-from)")

@@ -36,7 +36,7 @@ import torch
 
 from ..attention import MixtureOfAttentionHeads
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
-from ._hf import copy_into, first_id, pad_id_of, require_transformers, rope_settings
+from ._hf import checkpoint_folder, copy_into, first_id, pad_id_of, require_transformers, rope_settings
 
 #: JetMoe's per-layer RMSNorm epsilon (``JetMoeRMSNorm``'s default; the decoder layers do not pass
 #: ``rms_norm_eps``).
@@ -236,5 +236,6 @@ def load_jetmoe(name_or_path: str | os.PathLike, *, pad_id: int | None = None,
     """Load a JetMoe checkpoint with ``transformers`` (a Hub name such as ``jetmoe/jetmoe-8b``, which needs the
     network, or a local ``save_pretrained`` folder) and convert it with :func:`causal_lm_from_jetmoe`."""
     transformers = require_transformers()
+    checkpoint_folder(name_or_path, "load_jetmoe")
     hf_model = transformers.JetMoeForCausalLM.from_pretrained(str(name_or_path)).to(torch_dtype)
     return causal_lm_from_jetmoe(hf_model, pad_id=pad_id_of(hf_model.config, pad_id, name_or_path))

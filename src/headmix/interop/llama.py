@@ -36,10 +36,31 @@ from torch import Tensor
 
 from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
-from ._hf import copy_into, first_id, pad_id_of, require_transformers, rope_settings
+from ._hf import (check_option_names, checkpoint_folder, copy_into, first_id, pad_id_of, require_transformers,
+                  rope_settings)
 from .moh import zero_moh_routers
 
 ATTENTION_TARGETS = ("mha", "moh")
+#: The named options of the Llama-family conversions (``load_llama``, ``load_qwen3``, ``from_pretrained``); the other
+#: keywords are fields of the target's attention config.
+CONVERSION_OPTIONS = ("attention", "num_shared_heads", "top_k", "pad_id", "expand_kv", "torch_dtype")
+#: Attention fields the checkpoint fixes (not options); Qwen3's mapping sets ``qk_norm`` and ``output_gate`` itself.
+FROM_CHECKPOINT = ("num_heads", "head_dim", "key_dim", "kv_heads", "num_experts", "qk_norm", "output_gate")
+
+
+def check_conversion_options(attention: str, attention_options: dict[str, Any]) -> None:
+    """A one-line error naming a keyword of a Llama-family conversion that is neither one of its options nor a
+    field of the target attention (``num_shared_head=4``, ``routr=...``, ``keep_heads=...``), listing only those
+    valid for ``attention`` (:func:`headmix.interop._hf.check_option_names`)."""
+    from .upcycle import MHA_ONLY
+
+    upcycling = [name for name in attention_options if name in MHA_ONLY]
+    if upcycling:
+        raise ValueError(f"{upcycling[0]!r} is an upcycling option, not a conversion option: convert and upcycle with "
+                         f"headmix.interop.upcycle(folder, ...)")
+    if attention in ATTENTION_TARGETS:
+        given = [name for name in attention_options if name != "kv_heads"]  # decoder_config says where it comes from
+        check_option_names(given, CONVERSION_OPTIONS, attention, exclude=FROM_CHECKPOINT)
 
 
 def config_from_llama(hf_config: Any, *, attention: str = "mha", num_shared_heads: int | None = None,
@@ -50,6 +71,7 @@ def config_from_llama(hf_config: Any, *, attention: str = "mha", num_shared_head
     ``num_key_value_heads`` (``expand_kv=True``: one K/V head per query head, see the module docstring).
     ``attention_options`` are extra :class:`AttentionConfig` fields (e.g. ``load_balance_weight``, or
     ``route_per_group=True`` for MoH routed within each K/V group)."""
+    check_conversion_options(attention, attention_options)
     return decoder_config(hf_config, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
                           pad_id=pad_id, expand_kv=expand_kv, **attention_options)
 
@@ -82,8 +104,10 @@ def decoder_config(hf_config: Any, *, attention: str, num_shared_heads: int | No
     if kv_heads != heads and not expand_kv:
         common["kv_heads"] = kv_heads
     if attention == "moh":
-        if num_shared_heads is None or top_k is None:
-            raise ValueError("attention='moh' needs num_shared_heads and top_k")
+        for name, value, least in (("num_shared_heads", num_shared_heads, 0), ("top_k", top_k, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"attention='moh' needs {name}, a {'positive' if least else 'non-negative'} "
+                                 f"integer, got {value!r}")
         att = AttentionConfig(kind="moh", num_shared_heads=num_shared_heads, top_k=top_k, **common)
     else:
         if num_shared_heads is not None or top_k is not None:
@@ -250,6 +274,7 @@ def load_llama(name_or_path: str | os.PathLike, *, attention: str = "mha", num_s
     """Load a Llama checkpoint with ``transformers`` (a Hub name, which needs the network, or a local
     ``save_pretrained`` folder) and convert it with :func:`causal_lm_from_llama`."""
     transformers = require_transformers()
+    checkpoint_folder(name_or_path, "load_llama")
     hf_model = transformers.LlamaForCausalLM.from_pretrained(str(name_or_path)).to(torch_dtype)
     return causal_lm_from_llama(hf_model, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
                                 pad_id=pad_id_of(hf_model.config, pad_id, name_or_path), expand_kv=expand_kv, **attention_options)

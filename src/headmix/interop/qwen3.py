@@ -42,8 +42,9 @@ from torch import Tensor
 
 from ..attention import MultiHeadAttention
 from ..models import CausalLanguageModel, ModelConfig
-from ._hf import copy_into, pad_id_of, require_transformers
-from .llama import SourceTensors, causal_lm_from_state, decoder_config, hf_decoder_from_causal_lm
+from ._hf import checkpoint_folder, copy_into, pad_id_of, require_transformers
+from .llama import (SourceTensors, causal_lm_from_state, check_conversion_options, decoder_config,
+                    hf_decoder_from_causal_lm)
 
 #: The epsilon of the QK-norm of layers built from an :class:`AttentionConfig` (``MultiHeadAttention``'s
 #: ``qk_norm_eps`` default; the config has no field for it). Qwen3 uses ``rms_norm_eps`` (1e-6 in every released
@@ -76,6 +77,7 @@ def config_from_qwen3(hf_config: Any, *, attention: str = "mha", num_shared_head
     for name in ("qk_norm", "output_gate"):
         if name in attention_options:
             raise ValueError(f"{name} comes from the checkpoint's config")
+    check_conversion_options(attention, attention_options)
     qk_norm = bool(getattr(hf_config, "use_qk_norm", True))
     if qk_norm and float(hf_config.rms_norm_eps) != QK_NORM_EPS:
         raise ValueError(f"rms_norm_eps must be {QK_NORM_EPS} (the epsilon of headmix's QK-norm, which Qwen3's "
@@ -171,6 +173,7 @@ def load_qwen3(name_or_path: str | os.PathLike, *, attention: str = "mha", num_s
     and convert it with :func:`causal_lm_from_qwen3`. A gated checkpoint of the Gated Attention authors must
     be a local folder; its safetensors are read directly (module docstring)."""
     transformers = require_transformers()
+    checkpoint_folder(name_or_path, "load_qwen3")
     hf_config = transformers.AutoConfig.from_pretrained(str(name_or_path))
     options = dict(attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
                    pad_id=pad_id_of(hf_config, pad_id, name_or_path),

@@ -49,6 +49,7 @@ from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..attention.base import scaled_dot_product
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
 from ..models.transformer import is_headmix_folder
+from ._hf import check_option_names
 from .moh import zero_moh_routers
 
 #: The targets of an upcycling: MoH, or dense attention (with ``keep_heads``: statically pruned).
@@ -58,6 +59,9 @@ ROUTERS = ("softmax", "query_norm", "random")
 #: The options :func:`upcycle` and ``headmix train --init-options`` take beyond the target's attention fields.
 OPTIONS = ("attention", "num_shared_heads", "top_k", "router", "route_per_group", "keep_heads",
            "calibration_batches")
+#: The options of one target only: MoH's, and the pruning control's (``attention="mha"``).
+MOH_ONLY = ("num_shared_heads", "top_k", "router", "route_per_group")
+MHA_ONLY = ("keep_heads", "calibration_batches")
 #: Attention fields the upcycled model takes from its source (not options).
 SOURCE_FIELDS = ("kind", "num_heads", "head_dim", "key_dim", "kv_heads", "num_experts", "qk_norm", "output_gate")
 #: Calibration batches of the pruning control when ``calibration_batches`` is not given.
@@ -87,11 +91,9 @@ def upcycled_config(config: ModelConfig, *, attention: str = "moh", num_shared_h
     naming the option. ``attention_options``: further fields of the target's :class:`AttentionConfig` (e.g.
     ``load_balance_weight`` or ``moh_impl`` for MoH)."""
     att = dense_source(config)
-    fields = {f.name for f in dataclasses.fields(AttentionConfig)} - set(SOURCE_FIELDS) - set(OPTIONS)
-    for name in attention_options:
-        if name not in fields:
-            raise ValueError(f"{name!r} is not an upcycling option: expected {', '.join(OPTIONS)} or a field of the "
-                             f"target's attention config ({', '.join(sorted(fields))})")
+    if attention in TARGETS:  # only the options of that target, and of its attention kind
+        named = [o for o in OPTIONS if o not in (MHA_ONLY if attention == "moh" else MOH_ONLY)]
+        check_option_names(attention_options, named, attention, exclude=SOURCE_FIELDS, what="an upcycling option")
     heads, groups = att.num_heads, att.kv_heads or att.num_heads
     head_dim = att.resolved_head_dim(config.d_model)
     if attention not in TARGETS:
@@ -129,9 +131,10 @@ def upcycled_config(config: ModelConfig, *, attention: str = "moh", num_shared_h
                          f"({heads})")
     per = heads // groups if route_per_group else heads
     where = " per K/V group" if route_per_group else ""
-    for name, value in (("num_shared_heads", num_shared_heads), ("top_k", top_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer for attention 'moh', got {value!r}")
+    for name, value, least in (("num_shared_heads", num_shared_heads, 0), ("top_k", top_k, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be a {'positive' if least else 'non-negative'} integer for attention "
+                             f"'moh', got {value!r}")
     if num_shared_heads >= per:
         raise ValueError(f"num_shared_heads ({num_shared_heads}) must leave a head to route: it must be below the "
                          f"{per} heads{where}")
@@ -294,6 +297,10 @@ def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None
     from . import CONFIGS
     from ._hf import require_transformers
 
+    if not (folder / "config.json").is_file():
+        raise (FileNotFoundError if not folder.exists() else ValueError)(
+            f"init_from {folder} " + ("not found" if not folder.exists() else "holds no model (no config.json): "
+                                      "expected a folder headmix wrote or a Hugging Face Llama, Qwen3 or JetMoe folder"))
     hf_config = require_transformers().AutoConfig.from_pretrained(str(folder))
     if hf_config.model_type not in CONFIGS:
         raise ValueError(f"init_from {folder} is a {hf_config.model_type!r} checkpoint; headmix converts "

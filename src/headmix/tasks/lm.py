@@ -17,7 +17,9 @@ class CausalLMTask(LanguageModelTask):
         return CausalLMBlockDataset.from_documents(items, tokenizer, max_len)
 
     def collator(self, tokenizer: Tokenizer, *, seed: int) -> CausalLMCollator:
-        return CausalLMCollator(tokenizer.pad_id)
+        # without a padding token, blocks are padded at their end with eos: masked out of the loss, and no real
+        # token attends to a later position
+        return CausalLMCollator(tokenizer.eos_id if tokenizer.pad_id is None else tokenizer.pad_id)
 
     def model_inputs(self, batch: dict[str, Any], device: torch.device | str) -> dict[str, torch.Tensor]:
         """A packed block's ``labels`` (``stream[s+1:s+B+1]``, aligned with the inputs: the last lies past them)

@@ -95,8 +95,9 @@ class TrainConfig:
                                   "left out of tokens/s)")
     progress: bool = option(True, "show progress: a bar on a terminal, a line every 30 seconds off one")
     init_from: str | None = option(None, "start from these weights (and their model): a finished headmix run "
-                                         "folder (its tokenizer too, unless --tokenizer), or a local Hugging Face "
-                                         "folder converted by headmix.interop.from_pretrained", metavar="RUN_DIR|HF_FOLDER")
+                                         "folder, or a local Hugging Face folder converted by "
+                                         "headmix.interop.from_pretrained; its tokenizer too, unless --tokenizer",
+                                   metavar="RUN_DIR|HF_FOLDER")
     init_options: str | None = option(None, "convert the --init-from model (upcycling, any source): a JSON object, "
                                             "e.g. '{\"attention\": \"moh\", \"num_shared_heads\": 2, \"top_k\": "
                                             "2, \"router\": \"query_norm\"}' or the pruning control '{\"attention\": "
@@ -106,8 +107,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.preset is None and self.init_from is None:
             self.preset = DEFAULT_PRESET
-        if self.init_from is not None and self.tokenizer is None and is_headmix_folder(self.init_from):
-            self.tokenizer = headmix_tokenizer_of(self.init_from)  # the ids its embeddings were trained on
+        # whether the tokenizer comes from init_from and the vocabulary size was asked for (validate checks both)
+        self._parent_tokenizer, self._vocab_size_given = False, self.vocab_size is not None
+        if self.init_from is not None and self.tokenizer is None:
+            found = tokenizer_of(self.init_from)  # the ids its embeddings were trained on
+            if found is not None:
+                self.tokenizer, self._parent_tokenizer = found, True
         if self.vocab_size is None:
             self.vocab_size = _json_preset_vocab_size(self.preset) or DEFAULT_VOCAB_SIZE
         self.check_values()  # a bad value fails here, on construction
@@ -235,6 +240,8 @@ class TrainConfig:
                                     f"train_config.json)")
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise FileNotFoundError(f"tokenizer not found: {self.tokenizer}")
+        if self.init_from is not None and not Path(self.init_from).exists():
+            raise FileNotFoundError(f"init_from {self.init_from} not found")
         if self.pack is not None and not (Path(self.pack) / "manifest.json").is_file():
             raise FileNotFoundError(f"pack {self.pack} is not a token pack (no manifest.json): build one with "
                                     f"`headmix data pack`")
@@ -247,12 +254,16 @@ class TrainConfig:
         if self.init_from is not None:
             source = Path(self.init_from)
             if not (source / "config.json").is_file():
-                raise FileNotFoundError(f"init_from {source}: no config.json; expected a folder headmix wrote (a "
+                raise FileNotFoundError(f"init_from {source} holds no model (no config.json): expected a folder headmix wrote (a "
                                         f"finished run, save_pretrained, export-hf, a Trainer checkpoint-N) or a "
                                         f"local Hugging Face Llama / Qwen3 / JetMoe folder")
             if is_headmix_run(source) and not (source / "model.safetensors").is_file():
                 raise FileNotFoundError(f"init_from {source} is a headmix run without its final model "
                                         f"(model.safetensors): finish it first (run its command again)")
+            if self.tokenizer is None:
+                raise ValueError(f"init_from {source} has no tokenizer (tokenizer/tokenizer.json or tokenizer.json): "
+                                 f"give --tokenizer, the folder of the tokenizer its model was trained with (a new "
+                                 f"one would give its embeddings other ids)")
             if self.init_options is not None:  # an impossible upcycling is refused before anything is written
                 from ..interop.upcycle import check_upcycle
 
@@ -260,6 +271,10 @@ class TrainConfig:
                     check_upcycle(source, self.resolved_init_options)
                 except ValueError as err:
                     raise ValueError(f"init_options: {err}") from None
+        if self.tokenizer is not None:  # its special ids, against the task and the parent model, before any write
+            from .setup import check_tokenizer
+
+            check_tokenizer(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -269,16 +284,15 @@ class TrainConfig:
 DEFAULT_PRESET = "tiny-moa"
 
 
-def headmix_tokenizer_of(path: str | os.PathLike) -> str:
-    """The tokenizer of a folder headmix wrote: a run's ``tokenizer/``, an ``export-hf`` folder's own
-    ``tokenizer.json``; a one-line error for a folder without one (a ``Trainer`` checkpoint saved without its
-    tokenizer): a new tokenizer would give its embeddings other ids."""
+def tokenizer_of(path: str | os.PathLike) -> str | None:
+    """The tokenizer of a model folder, or ``None``: a headmix run's ``tokenizer/``, the ``tokenizer.json`` of an
+    ``export-hf`` or Hugging Face folder (with the ``tokenizer_config.json`` and ``config.json`` beside it, which
+    name its special tokens: :meth:`headmix.data.Tokenizer.load`)."""
     folder = Path(path)
     for candidate in (folder / "tokenizer", folder):
         if (candidate / "tokenizer.json").is_file():
             return str(candidate)
-    raise ValueError(f"init_from {folder} has no tokenizer (tokenizer/tokenizer.json or tokenizer.json): give "
-                     f"--tokenizer, the folder of the tokenizer its model was trained with")
+    return None
 
 
 #: ``vocab_size`` when neither the option nor a JSON preset gives one.

@@ -215,10 +215,72 @@ def prepare_shared_data(cfg: TrainConfig, log: Callable[[str], None]) -> Path:
         return run.tokenizer_dir
 
 
+def parent_config(cfg: TrainConfig) -> ModelConfig:
+    """The model config of ``cfg.init_from``, read without its weights (a headmix folder's own, a Hugging Face
+    folder's as :func:`headmix.interop.from_pretrained` converts it)."""
+    from ..interop.upcycle import source_config, split_options
+
+    return source_config(cfg.init_from, split_options(cfg.resolved_init_options)[1])
+
+
+def special_ids(cfg: TrainConfig, tok: Tokenizer, parent: ModelConfig | None = None) -> dict[str, int | None]:
+    """The model's ``pad_id``, ``bos_id`` and ``eos_id`` for a run with the tokenizer ``tok``: the tokenizer's own
+    (named by its files: :meth:`Tokenizer.load`), and where it names none, the parent model's (``init_from``).
+    A one-line ``ValueError`` names a token the run needs that neither has, or one they disagree on (the model's
+    embeddings were trained with the other). A causal LM's padding token that is also its bos or eos token (Qwen3's
+    ``<|endoftext|>``) is a real token of its text, not padding: the model gets ``pad_id=None`` (padding, at the end
+    of a causal block, is masked out of the loss and never attended to by a real token)."""
+    roles = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+    source = f"the model of init_from {cfg.init_from}"
+    if parent is not None:
+        if tok.vocab_size > parent.vocab_size:
+            raise ValueError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} ids but {source} embeds "
+                             f"{parent.vocab_size}: give the tokenizer its model was trained with")
+        for role in roles:
+            theirs = getattr(parent, f"{role}_id")
+            if roles[role] is None:
+                roles[role] = theirs
+            elif theirs is not None and theirs != roles[role]:
+                raise ValueError(f"tokenizer {cfg.tokenizer}: its {role} token is id {roles[role]}, {source} has "
+                                 f"{role}_id {theirs}: give the tokenizer its model was trained with")
+    needed = {"lm": ("bos", "eos"), "mlm": ("bos", "eos", "pad", "mask"), "translation": ("bos", "eos", "pad")}[cfg.task]
+    missing = [r for r in needed if (tok.mask_id if r == "mask" else roles[r]) is None]
+    if missing:
+        tokens = " or ".join(f"{r} token" for r in missing)
+        where = (f"neither tokenizer {cfg.tokenizer} nor {source} names a {tokens}" if parent is not None else
+                 f"tokenizer {cfg.tokenizer} names no {tokens}")
+        raise ValueError(f"{where}, which task {cfg.task!r} needs: name it (" + ", ".join(f"{r}_token" for r in missing)
+                         + ") in the tokenizer_config.json beside its tokenizer.json")
+    if roles["pad"] is not None and roles["pad"] in (roles["bos"], roles["eos"]):
+        if cfg.task != "lm":
+            raise ValueError(f"tokenizer {cfg.tokenizer}: its pad token is also its bos or eos token (id "
+                             f"{roles['pad']}); task {cfg.task!r} needs a padding token of its own")
+        roles["pad"] = None
+    return {f"{role}_id": index for role, index in roles.items()}
+
+
+def check_tokenizer(cfg: TrainConfig) -> None:
+    """What :meth:`TrainConfig.validate` checks of the run's tokenizer before anything is written: a
+    ``vocab_size`` asked for beside the parent's own tokenizer must be its size, and the special ids must serve
+    the task and agree with the parent model (:func:`special_ids`). One-line errors."""
+    from ..storage.errors import short_error
+
+    try:
+        tok = Tokenizer.load(cfg.tokenizer)
+    except ValueError as err:
+        raise ValueError(f"tokenizer {cfg.tokenizer}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
+        raise ValueError(f"tokenizer {cfg.tokenizer}: {short_error(err)}") from None
+    if cfg._parent_tokenizer and cfg._vocab_size_given and cfg.vocab_size != tok.vocab_size:
+        raise ValueError(f"vocab_size {cfg.vocab_size} does not match the tokenizer of init_from {cfg.init_from} "
+                         f"({tok.vocab_size} ids), which its model was trained with: leave out --vocab-size")
+    special_ids(cfg, tok, parent_config(cfg) if cfg.init_from is not None else None)
+
+
 def model_config(cfg: TrainConfig, tok: Tokenizer) -> ModelConfig:
     """The preset's config for the task, with the tokenizer's vocabulary and special ids."""
     mcfg = get_config(cfg.preset, task=cfg.task, vocab_size=tok.vocab_size)
-    changes: dict[str, Any] = {"pad_id": tok.pad_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    changes: dict[str, Any] = special_ids(cfg, tok)
     if cfg.dropout is not None:
         changes["dropout"] = cfg.dropout
     if mcfg.max_positions < cfg.max_len + 2:
@@ -270,10 +332,7 @@ def initial_model(cfg: TrainConfig, tok: Tokenizer, log: Callable[[str], None],
     config = model.config
     if config.task != cfg.task:
         raise ValueError(f"init_from {source} holds a {config.task!r} model; this run's task is {cfg.task!r}")
-    if tok.vocab_size > config.vocab_size:
-        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model of init_from {source} embeds "
-                         f"{config.vocab_size}: give --tokenizer (or --vocab-size) of at most {config.vocab_size}")
-    changes: dict[str, Any] = {"pad_id": tok.pad_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    changes: dict[str, Any] = special_ids(cfg, tok, config)
     if cfg.dropout is not None:
         changes["dropout"] = cfg.dropout
     if config.positions != "rotary" and config.max_positions < cfg.max_len + 2:
@@ -281,6 +340,23 @@ def initial_model(cfg: TrainConfig, tok: Tokenizer, log: Callable[[str], None],
                          f"has {config.max_positions}")
     log(f"initial weights: {record['kind']} {source}" + (f" {record['options']}" if record.get("options") else ""))
     return config.replace(**changes), model.state_dict(), record
+
+
+@contextlib.contextmanager
+def removed_if_unstarted(out: str | os.PathLike, main: bool = True):
+    """A failed start leaves no run folder behind: when the folder ``out`` did not exist before, an exception
+    raised before the caller calls the yielded ``started()`` (its first training step) removes it (on the main
+    rank, after the run's lock is released: enter this before the run's own context)."""
+    fresh = main and not Path(out).exists()
+    state = {"started": False}
+    try:
+        yield lambda: state.update(started=True)
+    except BaseException:
+        if fresh and not state["started"] and Path(out).is_dir():
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def autocast_for(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:

@@ -30,7 +30,7 @@ from .metrics import MetricsLog, TrainingWindow
 from .machine import machine_record
 from .progress import Progress
 from .setup import (autocast_for, cached_dataset, compile_model, compiled_graphs, forever, initial_model,
-                    optimizer_and_schedule, prepare_data)
+                    optimizer_and_schedule, prepare_data, removed_if_unstarted)
 
 
 class TrainingError(RuntimeError):
@@ -56,6 +56,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             print(f"[headmix] {msg}", file=sys.stderr, flush=True)
 
     with contextlib.ExitStack() as cleanup:
+        started = cleanup.enter_context(removed_if_unstarted(cfg.out, d.main))  # a failed start leaves no folder
         # Rank 0 owns the folder (its lock, the stored config, every write); the other ranks read it.
         run = cleanup.enter_context(Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY,
                                                          restart_untrained=True)) if d.main else Run(cfg.out)
@@ -131,6 +132,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             metrics.write({"split": "valid", "step": 0, **_numbers(valid), "time": 0.0})
 
         # ----------------------------------------------------------------------------------- the loop
+        started()
         model.train()
         batches = forever(train_loader)
         window = TrainingWindow()
