@@ -163,7 +163,8 @@ class GroupedQueryExpertsAttention(AttentionLayer):
             raise ValueError(f"load_balance_weight must be a non-negative number, got {load_balance_weight!r}")
         check_fractions(load_balance_fractions)
         self.random_routing = check_random_router(router, GQE_ROUTERS)
-        check_router_learns(gqe_router_without_task_gradient(per_group, weighted_slot, hard_slot_scale, router),
+        check_router_learns(gqe_router_without_task_gradient(per_group, weighted_slot, hard_slot_scale, router,
+                                                             top_k * kv_heads, weighted_slot_renormalize),
                             allow_router_without_task_gradient, "GQE")
         self.num_experts, self.kv_heads, self.top_k, self.head_dim = num_experts, kv_heads, top_k, head_dim
         self.experts_per_group = per_group

@@ -450,10 +450,11 @@ class AttentionConfig:
                                                     self.head_weighting or "renormalized", self.router or "softmax",
                                                     bool(self.route_per_group))
         if self.kind == "gqe":
-            experts, kv, _ = self.gqe_sizes()
+            experts, kv, top_k = self.gqe_sizes()
             return gqe_router_without_task_gradient(experts // kv,  # validate checked that kv divides experts
                                                     self.weighted_slot is not False, self.hard_slot_scale or "none",
-                                                    self.router or "softmax")
+                                                    self.router or "softmax", top_k * kv,
+                                                    self.weighted_slot_renormalize is not False)
         return None
 
     def _validate_mosa(self, embed_dim: int | None, name: str) -> None:
