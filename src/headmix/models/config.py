@@ -234,8 +234,8 @@ class AttentionConfig:
     ``qk_norm`` (MHA, MoH, Talking-Heads; unset = off): an RMSNorm over each head's queries and keys before
     rotary (Qwen3, OLMo 2). ``output_gate`` (same kinds; unset = none): ``"headwise"`` or ``"elementwise"``,
     Gated Attention's sigmoid gate on each head's output before the output projection (arXiv 2505.06708, G1).
-    ``route_per_group`` (MoH; needs ``kv_heads``; unset = off): Grouped Query Experts, routing inside each
-    K/V group, with ``num_shared_heads`` and ``top_k`` counted per group (arXiv 2606.20945).
+    ``route_per_group`` (MoH; needs ``kv_heads``; unset = off): MoH per K/V group, routing inside each
+    K/V group, with ``num_shared_heads`` and ``top_k`` counted per group (not the paper's GQE: kind ``"gqe"``).
     - ``"gqe"``: Grouped Query Experts as its paper defines it (arXiv 2606.20945,
       :class:`~headmix.attention.GroupedQueryExpertsAttention`): ``num_experts`` query-head experts (unset: 16) on
       ``kv_heads`` K/V heads (unset: 8), ``top_k`` selected per token in each group (unset: 1), heads of
@@ -295,7 +295,7 @@ class AttentionConfig:
     qk_norm: bool | None = None
     #: ``"headwise"`` / ``"elementwise"`` sigmoid gate on each head's output (Gated Attention G1); None: no gate.
     output_gate: str | None = None
-    #: MoH: route inside each K/V group (Grouped Query Experts); None: off.
+    #: MoH: route inside each K/V group (MoH per K/V group); None: off.
     route_per_group: bool | None = None
     num_sparse_heads: int | None = None
     """MoSA: the heads that choose their tokens."""
