@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shared-heads", type=int, default=2, help="MoH heads every token uses")
     parser.add_argument("--top-k", type=int, default=4, help="MoH routed heads each token selects")
     parser.add_argument("--route-per-group", action="store_true",
-                        help="route inside each K/V group (GQE): --shared-heads and --top-k then count per group")
+                        help="route inside each K/V group (MoH per K/V group): --shared-heads and --top-k then count per group")
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--text-bytes", type=int, default=2_000_000)

@@ -187,3 +187,14 @@ def test_a_kind_the_page_does_not_describe_needs_its_description_given():
         design_space.what_is_routed(new)
     with pytest.raises(ValueError, match="rule="):
         design_space.routing_rule(new)
+
+
+def test_a_gqe_row_with_another_shared_head_kv_is_refused():
+    """The committed lm-en-contenders GQE rows ran with the shared head over K/V head 0 (stored without the key): the
+    page's entry says so; the default, the authors' mean, is another design than those records."""
+    studies = ROOT / "studies"
+    entry = design_space.GQE.config
+    assert entry.shared_head_kv == "head0"
+    assert design_space.study_cell(Study("lm-en-contenders", "GQE"), entry, studies).startswith("lm-en-contenders")
+    with pytest.raises(ValueError, match=r"row 'GQE' is another design .*: its shared_head_kv differ"):
+        design_space.study_cell(Study("lm-en-contenders", "GQE"), replace(entry, shared_head_kv=None), studies)

@@ -612,13 +612,15 @@ def test_bench_gqa_cli_prints_every_comparison_against_its_baseline(capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert code == 0 and "CPU time of this process" in out and "8 query heads on 2 K/V heads" in out
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| g")]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith(("| g", "| m"))]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ("gqa", "fwd+bwd 1x8", "torch SDPA enable_gqa"), ("gqa", "fwd+bwd 1x8", "headmix MHA"),
-        ("gqe", "fwd+bwd 1x8", "MHA"), ("gqe", "fwd+bwd 1x8", "GQE sparse (top 2 of 4 per group)"),
-        ("gqe", "fwd+bwd 1x8", "MoH sparse (top 4 of 8)"),
-        ("gqe", "prefill 1x16", "MHA"), ("gqe", "prefill 1x16", "GQE sparse (top 2 of 4 per group)"),
-        ("gqe", "prefill 1x16", "MoH sparse (top 4 of 8)"),
+        ("moh-per-group", "fwd+bwd 1x8", "MHA"),
+        ("moh-per-group", "fwd+bwd 1x8", "MoH per K/V group sparse (top 2 of 4 per group)"),
+        ("moh-per-group", "fwd+bwd 1x8", "MoH sparse (top 4 of 8)"),
+        ("moh-per-group", "prefill 1x16", "MHA"),
+        ("moh-per-group", "prefill 1x16", "MoH per K/V group sparse (top 2 of 4 per group)"),
+        ("moh-per-group", "prefill 1x16", "MoH sparse (top 4 of 8)"),
         ("gates", "fwd+bwd 1x8", "MHA"), ("gates", "fwd+bwd 1x8", "+ qk_norm"),
         ("gates", "fwd+bwd 1x8", "+ qk_norm + headwise gate"), ("gates", "fwd+bwd 1x8", "+ qk_norm + elementwise gate")]
     assert [r[4] for r in rows if r[2] in ("torch SDPA enable_gqa", "MHA")] == ["1.000"] * 4

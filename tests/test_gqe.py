@@ -4,6 +4,9 @@ slots only, as the paper's Table 2 finds), cached decoding, the random control, 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from test_gqa import assert_decoding_equals_full_forward, assert_preallocated_decoding_equals_full_forward, masks_for
@@ -267,6 +270,9 @@ def test_training_step_has_no_host_sync():
     (dict(hard_slot_scale="w"), r"^hard_slot_scale must be one of \('none', 'p'\)"),
     (dict(router="noisy_topk"), r"^router must be one of \('softmax', 'random'\)"),
     (dict(load_balance_weight=-1), r"^load_balance_weight must be a non-negative number"),
+    (dict(shared_head_kv="first"), r"^shared_head_kv must be one of \('mean', 'head0'\), got 'first'"),
+    (dict(router_init="uniform"), r"^router_init must be one of \('normal', 'zero'\)"),
+    (dict(weight_init="xavier"), r"^weight_init must be one of \('default', 'xavier_uniform'\)"),
     (dict(head_dim=None, num_experts=4, kv_heads=2), r"^embed_dim \(18\) must be divisible by num_experts \(4\)"),
 ])
 def test_bad_arguments_get_one_line_errors(kw, match):
@@ -327,11 +333,112 @@ def test_counts_at_the_papers_setting():
     (dict(kind="gqe", hard_slot_scale="q"), r"^attention\.hard_slot_scale must be one of"),
     (dict(kind="gqe", weighted_slot=1), r"^attention\.weighted_slot must be true, false or null"),
     (dict(kind="gqe", router="noisy_topk"), r"^attention\.router must be one of \('softmax', 'random'\)"),
+    (dict(kind="gqe", shared_head_kv="head1"), r"^attention\.shared_head_kv must be one of \('mean', 'head0'\)"),
+    (dict(kind="gqe", router_init="zeros"), r"^attention\.router_init must be one of \('normal', 'zero'\)"),
+    (dict(kind="gqe", weight_init="xavier"), r"^attention\.weight_init must be one of"),
+    (dict(kind="mha", num_heads=8, shared_head_kv="mean"), r"^attention\.shared_head_kv applies to kind 'gqe' only"),
 ])
 def test_config_bad_options_get_one_line_errors(fields, match):
     with pytest.raises(ValueError, match=match) as err:
         AttentionConfig(**fields)
     assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- the shared head's K/V
+#: A GQE model config that lm-en-contenders stored before ``shared_head_kv`` existed (its shared head read K/V head 0).
+STORED_GQE = Path(__file__).resolve().parents[1] / "studies" / "lm-en-contenders" / "configs" / "GQE.json"
+
+
+@pytest.mark.parametrize("config", ["paper", "top2", "random"])
+def test_shared_head_over_k_v_head_0_matches_reference(config):
+    layer = gqe_layer(**CONFIGS[config], shared_head_kv="head0")
+    x = torch.randn(2, 6, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    check_against_reference(layer, x, None, masks_for("causal_padding", 2, 6, 6, torch.Generator().manual_seed(5)),
+                            atol=tolerance(layer))
+
+
+def test_shared_head_kv_default_is_the_mean_and_head0_differs():
+    layer = gqe_layer(**CONFIGS["top2"])
+    assert layer.shared_head_kv == "mean" and AttentionConfig(kind="gqe").build(64).shared_head_kv == "mean"
+    x = torch.randn(1, 5, D, dtype=torch.float64)
+    mean = layer(x, is_causal=True).output
+    layer.shared_head_kv = "head0"
+    assert (layer(x, is_causal=True).output - mean).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kv", ["mean", "head0"])
+def test_cached_decoding_equals_full_forward_for_each_shared_head_kv(kv):
+    layer = gqe_layer(**CONFIGS["top2_rotary_half"], shared_head_kv=kv)
+    assert_decoding_equals_full_forward(layer, torch.randn(2, 7, D, dtype=torch.float64))
+    assert_preallocated_decoding_equals_full_forward(layer, torch.randn(1, 6, D, dtype=torch.float64), capacity=9)
+
+
+def test_a_config_stored_without_shared_head_kv_loads_as_trained_over_k_v_head_0():
+    """A stored config (every field written but the new one) reads ``"head0"``; written again by this version it
+    says so; a dict written by hand, or one stored with the key, reads as it says (unset: the mean)."""
+    from headmix.models import ModelConfig
+
+    assert "shared_head_kv" not in STORED_GQE.read_text()
+    config = ModelConfig.load_json(STORED_GQE)
+    assert config.decoder_self_attention.shared_head_kv == "head0"
+    assert config.decoder_self_attention.build(config.d_model).shared_head_kv == "head0"
+    again = ModelConfig.from_dict(json.loads(config.to_json()))
+    assert again.decoder_self_attention.shared_head_kv == "head0"
+    assert AttentionConfig.from_dict({"kind": "gqe", "num_experts": 4, "kv_heads": 2}).shared_head_kv is None
+    new = AttentionConfig(kind="gqe").to_dict()
+    assert new["shared_head_kv"] is None and AttentionConfig.from_dict(new).build(64).shared_head_kv == "mean"
+
+
+def test_a_run_stored_without_shared_head_kv_gives_the_outputs_it_was_trained_with(tmp_path):
+    """A GQE model folder whose config.json lacks the key (as written before the option) loads with the shared
+    head over K/V head 0: the logits of the model it saved; the same weights over the mean give others."""
+    from headmix.models import ModelConfig, build_model, load_pretrained
+
+    config = ModelConfig.load_json(STORED_GQE).replace(vocab_size=50, decoder_layers=1)
+    torch.manual_seed(0)
+    model = build_model(config).eval()
+    folder = tmp_path / "old-run"
+    model.save_pretrained(folder)
+    stored = json.loads((folder / "config.json").read_text())
+    assert stored["decoder_self_attention"].pop("shared_head_kv") == "head0"
+    (folder / "config.json").write_text(json.dumps(stored))
+    loaded = load_pretrained(folder).eval()
+    tokens = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+    assert loaded.config.decoder_self_attention.shared_head_kv == "head0"
+    loaded.decoder.layers[0].self_attn.shared_head_kv = "mean"
+    assert not torch.allclose(loaded(tokens).logits, model(tokens).logits)
+
+
+def test_a_hugging_face_config_stored_without_shared_head_kv_loads_over_k_v_head_0():
+    pytest.importorskip("transformers")
+    from headmix.hf.configuration_headmix import HeadmixConfig
+
+    stored = json.loads(STORED_GQE.read_text())
+    stored.pop("headmix_version", None)
+    assert HeadmixConfig(headmix=stored).model_config().decoder_self_attention.shared_head_kv == "head0"
+
+
+def test_a_study_stored_before_shared_head_kv_is_still_that_study():
+    """lm-en-contenders' study.json (GQE rows stored without the key) reads its GQE rows as ``"head0"``, and the
+    built-in spec, which keeps them at head 0 as they ran, extends it; the rows with the mean would not."""
+    from dataclasses import replace
+
+    from headmix.study import get_study, plan
+    from headmix.study.runner import _with_new_defaults, check_plan
+
+    folder = STORED_GQE.parents[1]
+    stored = _with_new_defaults(json.loads((folder / "study.json").read_text()))
+    gqe_rows = [r for r in stored["rows"] if r["attention"]["kind"] == "gqe"]
+    assert len(gqe_rows) == 3 and {r["attention"]["shared_head_kv"] for r in gqe_rows} == {"head0"}
+    assert {r["attention"].get("shared_head_kv") for r in stored["spec"]["rows"] if r["attention"].get("kind") == "gqe"} \
+        == {"head0"}
+    spec = get_study("lm-en-contenders")
+    check_plan(spec, plan(spec), folder)
+    mean_rows = [replace(r, attention={k: v for k, v in r.attention.items() if k != "shared_head_kv"}) for r in spec.rows]
+    moved = replace(spec, rows=mean_rows)
+    with pytest.raises(ValueError, match="holds another study"):
+        check_plan(moved, plan(moved), folder)
 
 
 # --------------------------------------------------------------------------- Hugging Face

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from headmix.attention import (MixtureOfAttentionHeads, MixtureOfHeadsAttention, MixtureOfSparseAttention,
-                               SwitchHeadAttention)
+from headmix.attention import (GroupedQueryExpertsAttention, MixtureOfAttentionHeads, MixtureOfHeadsAttention,
+                               MixtureOfSparseAttention, SwitchHeadAttention)
 from headmix.models import AttentionConfig, ModelConfig
 from headmix.routing.task_gradient import ALLOW_FLAG
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFUSED = "gets no gradient from the task loss"
 #: The routing parameters of each layer (parameter names ending so).
 ROUTING = ("router.gate.weight", "router.noise.weight", "routed_gate.weight", "shared_gate.weight",
-           "group_gate.weight", "value_selector.weight", "output_selector.weight", "router.weight")
+           "group_gate.weight", "value_selector.weight", "output_selector.weight", "router.weight", "router_gate.weight")
 
 
 def routing_gradients(layer: torch.nn.Module, *, causal: bool = True) -> dict[str, float]:
@@ -149,6 +149,45 @@ def test_moh_with_one_routed_head_is_refused_for_every_weighting(weighting, per_
 def test_every_head_shared_has_no_router_and_is_not_refused():
     layer = MixtureOfHeadsAttention(D, 4, 4, 0, 4)
     assert layer.routed_gate is None and not any(n.endswith(ROUTING) for n, _ in layer.named_parameters())
+
+
+# --- GQE (the paper's, kind="gqe"): p reaches the output through the weighted slot or p-scaled hard slots ------
+
+def gqe_learns(per_group: int, slots: int, weighted_slot: bool, renormalize: bool, hard_slot_scale: str) -> bool:
+    """From eq. 6: the router's ``p`` reaches the output through the weighted slot (``w = p / sum_selected p``, or
+    ``p``) or the hard slots times ``p``; not with one expert per group (``p`` the constant 1), nor when the only
+    path is the renormalised slot over one selected head (``k G = 1``: ``w = p / p = 1``)."""
+    if per_group == 1:
+        return False
+    if hard_slot_scale == "p" or (weighted_slot and not renormalize):
+        return True
+    return weighted_slot and slots > 1
+
+
+GQE_CASES = [(experts, kv, k, ws, rn, scale, kv_src, init)
+             for experts, kv, k in [(8, 2, 1), (8, 2, 2), (4, 1, 1), (4, 1, 2), (4, 4, 1)]
+             for ws, rn, scale in [(True, True, "none"), (True, False, "none"), (False, True, "none"),
+                                   (False, True, "p")]
+             for kv_src in ("mean", "head0") for init in ("normal", "zero")
+             if (kv_src, init) == ("mean", "zero") or (ws, rn, scale) == (True, True, "none")]
+
+
+@pytest.mark.parametrize("experts,kv_heads,top_k,weighted_slot,renormalize,scale,shared_head_kv,router_init", GQE_CASES)
+def test_gqe_router_learns_or_is_refused(experts, kv_heads, top_k, weighted_slot, renormalize, scale, shared_head_kv,
+                                         router_init):
+    """Every option of the paper's GQE, with the shared head over the K/V heads' mean (the default, the authors')
+    or K/V head 0, the router initialised as headmix or at zero (the authors')."""
+    learns = gqe_learns(experts // kv_heads, kv_heads * top_k, weighted_slot, renormalize, scale)
+    args = (D, experts, kv_heads, top_k, 4)
+    options = dict(weighted_slot=weighted_slot, weighted_slot_renormalize=renormalize, hard_slot_scale=scale,
+                   shared_head_kv=shared_head_kv, router_init=router_init)
+    if learns:
+        layer = GroupedQueryExpertsAttention(*args, **options)
+    else:
+        with pytest.raises(ValueError, match=f"^GQE: the learned router {REFUSED}"):
+            GroupedQueryExpertsAttention(*args, **options)
+        layer = GroupedQueryExpertsAttention(*args, **options, allow_router_without_task_gradient=True)
+    assert_learns(routing_gradients(layer), "router_gate.weight", learns)
 
 
 @pytest.mark.parametrize("make", [

@@ -92,9 +92,9 @@ KINDS = {
     "moh": (_classic(_attention("moh", num_heads=4, num_shared_heads=1, top_k=2, head_weighting="paper"),
                      norm="post", positions="learned", activation="gelu", embedding_norm=True,
                      scale_embeddings=False), 1, "hf"),
-    # MoH routed inside each of 2 K/V groups (the `llama3-*-moh-per-group` presets' form; keyed "gqe" from before
-    # the paper's GQE was built), with QK-norm and the headwise gate
-    "gqe": (_llama(_attention("moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
+    # MoH routed inside each of 2 K/V groups (the `llama3-*-moh-per-group` presets' form; not the paper's GQE,
+    # kind "gqe"), with QK-norm and the headwise gate
+    "moh-per-group": (_llama(_attention("moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
                               qk_norm=True, output_gate="headwise")), 2, "hf"),
     # MoH-LLaMA3's parameter-free query-norm router, routed inside each of 2 K/V groups (each group's shared head
     # first, its 3 routed heads after: the rule must read those heads' queries), with QK-norm (the rule reads the
@@ -270,7 +270,7 @@ def test_export_hf_folder_serves_text_prompts(engine_env, tmp_path):
 
     from headmix.hf import run_to_hf
 
-    config, _, _ = KINDS["gqe"]
+    config, _, _ = KINDS["moh-per-group"]
     model = build_tiny(config)
     run = tmp_path / "run"
     model.save_pretrained(run)
@@ -367,7 +367,7 @@ def serve_command(folder) -> list[str]:
 def test_vllm_serve_answers_completions(tmp_path):
     """vLLM's OpenAI-compatible server on a headmix folder (the plugin found by the installed entry point, no flag for
     headmix) answers /v1/completions on 127.0.0.1 with headmix's greedy tokens."""
-    config, _, _ = KINDS["gqe"]
+    config, _, _ = KINDS["moh-per-group"]
     model = build_tiny(config)
     folder = tmp_path / "model"
     save(model, folder, "hf")

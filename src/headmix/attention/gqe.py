@@ -1,5 +1,6 @@
 """GQE: Grouped Query Experts, mixture-of-experts on the query heads of grouped-query attention (Tripathi,
-Kumar 2026, arXiv 2606.20945).
+Kumar 2026, arXiv 2606.20945; the authors' code: FrontiersMindAI/GQE on GitHub, ``gqe/gqe.py``,
+``GQEAttention``).
 
 Grouped-query attention has ``G`` K/V heads, each shared by a group of query heads. GQE makes the query heads
 of each group ``M`` experts: per token and group a router takes the softmax of the group's ``M`` logits and
@@ -10,10 +11,12 @@ which stays dense (the KV cache is GQA's). The output (the paper's eq. 6) is ``C
 - ``o_bar = sum w o``: one weighted-sum slot over the same ``k G`` outputs, ``w = p / sum_selected p`` (``p``
   the router's per-group softmax; the sum over all selected heads of all groups): the router's only
   differentiable path from the task loss;
-- ``s``: an always-on shared head.
+- ``s``: an always-on shared head, attending over the mean of the ``G`` K/V heads (the authors' code).
 
 ``W_O`` therefore has ``(k G + 2) d_h`` inputs. The main setting is 16 experts on 8 K/V heads, ``k = 1``: 9 of
-16 query-attention computations.
+16 query-attention computations. With weights copied, the layer equals the authors' ``GQEAttention`` for its
+three variants (``tests/test_gqe_authors.py``); :data:`AUTHORS_OPTIONS` gives the authors' initialisation,
+biases and loss.
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ from .rotary import RotaryEmbedding, make_rotary
 #: times its router probability: Table 2's "weighted concat" ablation).
 HARD_SLOT_SCALES = ("none", "p")
 GQE_ROUTERS = ("softmax", "random")
+#: The shared head's K/V: ``"mean"`` (the mean of the ``G`` K/V heads, the authors' code) or ``"head0"`` (K/V
+#: head 0, headmix's form before the authors' code was read: layers and configs stored without the option).
+SHARED_HEAD_KVS = ("mean", "head0")
+#: The router's initial weights: ``"normal"`` (std ``0.1 / sqrt(d_model)``, as MoH's) or ``"zero"`` (the authors').
+ROUTER_INITS = ("normal", "zero")
+#: The projections' initial weights: ``"default"`` (``torch.nn.Linear``'s) or ``"xavier_uniform"`` (the authors':
+#: Xavier-uniform ``W_q`` of the experts, ``W_q`` of the shared head, ``W_k``, ``W_v``, ``W_O``; biases zero).
+WEIGHT_INITS = ("default", "xavier_uniform")
+#: The GQE authors' layer (FrontiersMindAI/GQE, ``GQEAttention``) as headmix options, beside the defaults they share
+#: (the shared head over the K/V heads' mean, ``load_balance_weight`` 0.01): no biases, the router initialised at
+#: zero, Xavier-uniform projections, the Switch-style load-balancing fractions (``top_k`` per group). Both
+#: ``GroupedQueryExpertsAttention(d, **AUTHORS_OPTIONS)`` and ``AttentionConfig(kind="gqe", **AUTHORS_OPTIONS)``.
+AUTHORS_OPTIONS = dict(bias=False, router_init="zero", weight_init="xavier_uniform", load_balance_fractions="per_token")
 
 
 class GroupedQueryExpertsAttention(AttentionLayer):
@@ -68,22 +84,31 @@ class GroupedQueryExpertsAttention(AttentionLayer):
     ``hard_slot_scale="p"`` multiplies each hard slot by its ``p``. ``W_O`` has ``(k G + [weighted_slot] +
     [shared_head]) d_h`` inputs.
 
-    Choices the paper leaves open (see ``docs/implementations.md``):
+    Choices the paper leaves open, settled by the authors' code where it settles them (see
+    ``docs/implementations.md``):
 
-    - **the shared head's K/V**: it reads K/V head 0 (group 0's), with its own query projection (the last
-      ``d_h`` rows of ``q_proj``). It adds no K/V head, so the KV cache stays GQA's ``G`` heads (the paper keeps
-      GQA's cache), and it costs one query-head attention, the paper's count (9 = 8 + 1 at the main setting).
-      It runs as a second attention call beside the slots' one (the slots fill every group evenly; the shared
-      head does not).
+    - **the shared head's K/V** (``shared_head_kv``): ``"mean"`` (default, the authors' code: ``key.mean``,
+      ``value.mean`` over the ``G`` K/V heads, the keys after rotary, as cached) or ``"head0"`` (K/V head 0,
+      group 0's: headmix's form before the authors' code was read; a config stored without the option loads
+      as it). Its own query projection is the last ``d_h`` rows of ``q_proj`` (the authors' ``q_shared``). It
+      adds no K/V head, so the KV cache stays GQA's ``G`` heads (the mean is taken from the cached heads: ``2 G
+      d_h`` additions per cached position, each call); it costs one query-head attention, the paper's count (9 =
+      8 + 1 at the main setting), as a second attention call beside the slots' one.
     - **the auxiliary loss**: the load-balancing loss (MoA eq. 13-15) of each group's router over its ``M``
-      experts, averaged over the groups, weighted by ``load_balance_weight`` (default 0.01, MoA's and MoH's);
-      no z-loss. ``load_balance_fractions`` as MoH.
-    - **the router's input**: the layer's query input ``x_t`` (as MoA and MoH), ``W_r`` without bias,
-      initialised small (std ``0.1 / sqrt(d_model)``, as MoH's), so a fresh router is near uniform.
+      experts, averaged over the groups, weighted by ``load_balance_weight`` (default 0.01, MoA's, MoH's and the
+      authors'); no z-loss. ``load_balance_fractions`` as MoH (the authors' loss: ``"per_token"``).
+    - **the router's input**: the layer's query input ``x_t`` (as MoA, MoH and the authors), ``W_r`` without
+      bias, initialised small (``router_init="normal"``: std ``0.1 / sqrt(d_model)``, as MoH's) or at zero
+      (``"zero"``, the authors'), so a fresh router is (near) uniform.
+    - **initialisation** (``weight_init``): ``"default"`` (``torch.nn.Linear``'s) or ``"xavier_uniform"`` (the
+      authors': the experts' ``W_q`` and the shared head's ``W_q`` each as its own matrix, ``W_k``, ``W_v``,
+      ``W_O``; biases zero).
     - **rotary** (``rotary``, ``rotary_fraction``): on every query head (the slots, the shared head) at the
       token's position and on the ``G`` keys, as in GQA; no QK-norm (the paper names none).
     - **biases**: ``bias`` / ``q_bias`` / ``kv_bias`` / ``out_bias`` as :class:`MultiHeadAttention` (the
-      project's layers default to biases on; Llama-style models set them off).
+      project's layers default to biases on; Llama-style models and the authors set them off).
+
+    :data:`AUTHORS_OPTIONS` sets all of the authors' choices that are not headmix's defaults.
 
     ``router="random"`` is the random-routing control (:mod:`headmix.routing.random`): each token's ``k``
     experts per group drawn at random (``router_seed``), no router parameters, no auxiliary loss, and
@@ -104,7 +129,8 @@ class GroupedQueryExpertsAttention(AttentionLayer):
                  dropout: float = 0.0, rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0,
                  rotary_fraction: float = 1.0, router: str = "softmax", router_seed: int | None = None,
                  load_balance_weight: float = 0.01, load_balance_fractions: str = "normalized",
-                 zero_padded_queries: bool = False, allow_router_without_task_gradient: bool = False):
+                 zero_padded_queries: bool = False, allow_router_without_task_gradient: bool = False,
+                 shared_head_kv: str = "mean", router_init: str = "normal", weight_init: str = "default"):
         super().__init__(embed_dim)
         check_positive("num_experts", num_experts)
         check_positive("kv_heads", kv_heads)
@@ -124,8 +150,12 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         self.weighted_slot = check_flag("weighted_slot", weighted_slot)
         self.weighted_slot_renormalize = check_flag("weighted_slot_renormalize", weighted_slot_renormalize)
         self.shared_head = check_flag("shared_head", shared_head)
-        if hard_slot_scale not in HARD_SLOT_SCALES:
-            raise ValueError(f"hard_slot_scale must be one of {HARD_SLOT_SCALES}, got {hard_slot_scale!r}")
+        for name, value, choices in (("hard_slot_scale", hard_slot_scale, HARD_SLOT_SCALES),
+                                     ("shared_head_kv", shared_head_kv, SHARED_HEAD_KVS),
+                                     ("router_init", router_init, ROUTER_INITS),
+                                     ("weight_init", weight_init, WEIGHT_INITS)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if isinstance(load_balance_weight, bool) or not isinstance(load_balance_weight, (int, float)) \
@@ -133,11 +163,13 @@ class GroupedQueryExpertsAttention(AttentionLayer):
             raise ValueError(f"load_balance_weight must be a non-negative number, got {load_balance_weight!r}")
         check_fractions(load_balance_fractions)
         self.random_routing = check_random_router(router, GQE_ROUTERS)
-        check_router_learns(gqe_router_without_task_gradient(per_group, weighted_slot, hard_slot_scale, router),
+        check_router_learns(gqe_router_without_task_gradient(per_group, weighted_slot, hard_slot_scale, router,
+                                                             top_k * kv_heads, weighted_slot_renormalize),
                             allow_router_without_task_gradient, "GQE")
         self.num_experts, self.kv_heads, self.top_k, self.head_dim = num_experts, kv_heads, top_k, head_dim
         self.experts_per_group = per_group
         self.hard_slot_scale, self.dropout = hard_slot_scale, dropout
+        self.shared_head_kv, self.router_init, self.weight_init = shared_head_kv, router_init, weight_init
         self.load_balance_weight, self.load_balance_fractions = float(load_balance_weight), load_balance_fractions
         #: W_O's input blocks: the k G hard slots, the weighted-sum slot, the shared head.
         self.num_slots = top_k * kv_heads + int(weighted_slot) + int(shared_head)
@@ -153,9 +185,29 @@ class GroupedQueryExpertsAttention(AttentionLayer):
             self.random_router = RandomRouter(per_group, top_k, kv_heads, router_seed)
         else:
             self.router_gate = nn.Linear(embed_dim, num_experts, bias=False)  # rows g M + e: W_r^g's row e
-            nn.init.normal_(self.router_gate.weight, std=embed_dim ** -0.5 * 0.1)
+            if router_init == "zero":
+                nn.init.zeros_(self.router_gate.weight)
+            else:
+                nn.init.normal_(self.router_gate.weight, std=embed_dim ** -0.5 * 0.1)
+        if weight_init == "xavier_uniform":
+            self._xavier_uniform()
         self.rotary = make_rotary(rotary, rotary_base, rotary_fraction, head_dim)
         self.zero_padded_queries = check_flag("zero_padded_queries", zero_padded_queries)
+
+    @torch.no_grad()
+    def _xavier_uniform(self) -> None:
+        """The authors' initialisation: Xavier-uniform weights of the experts' ``W_q`` (``E d_h`` rows), of the
+        shared head's ``W_q`` (its own ``d_h`` rows, a separate matrix in their layer), ``W_k``, ``W_v`` and
+        ``W_O``; zero biases."""
+        rows = self.num_experts * self.head_dim
+        weights = [self.q_proj.weight[:rows], self.k_proj.weight, self.v_proj.weight, self.out_proj.weight]
+        if self.shared_head:
+            weights.append(self.q_proj.weight[rows:])
+        for weight in weights:
+            nn.init.xavier_uniform_(weight)
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         return split_heads(self.k_proj(key), self.kv_heads), split_heads(self.v_proj(value), self.kv_heads)
@@ -194,7 +246,7 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         eq. 6, ``Concat(O, o_bar, s) W_O``. The slots' attention is grouped-query attention with ``k G`` query
         heads over the ``G`` K/V heads (slot ``(g, j)`` is query head ``g k + j``, which reads K/V head ``g``):
         one :func:`scaled_dot_product` call, static shapes, no host sync; the shared head is a second call over
-        K/V head 0. Returns an :class:`AttentionOutput` (``routing``, ``aux_loss`` the weighted load-balancing
+        :meth:`shared_kv`. Returns an :class:`AttentionOutput` (``routing``, ``aux_loss`` the weighted load-balancing
         loss, ``cache`` with ``use_cache``). Masks as :class:`MultiHeadAttention` (no per-head ``attn_mask``)."""
         check_mask_dtype("query_padding_mask", query_padding_mask, additive=False)
         query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
@@ -221,7 +273,7 @@ class GroupedQueryExpertsAttention(AttentionLayer):
             slots.append((o * w.view(batch, tgt, groups * k_sel, 1).to(o.dtype)).sum(2, keepdim=True))
         if self.shared_head:
             q_s = self._rotate_queries(q_all[..., self.num_experts * d_h:].unsqueeze(1), key, cache, past_len)
-            o_s = scaled_dot_product(q_s, k[:, :1], v[:, :1], bias, empty, dropout, causal=causal)
+            o_s = scaled_dot_product(q_s, *self.shared_kv(k, v), bias, empty, dropout, causal=causal)
             slots.append(o_s.transpose(1, 2))
         y = self.out_proj(torch.cat(slots, dim=2).reshape(batch, tgt, self.num_slots * d_h))
         if self.zero_padded_queries:
@@ -235,6 +287,14 @@ class GroupedQueryExpertsAttention(AttentionLayer):
             return AttentionOutput(y, zero_loss(query), new_cache, routing)
         lb = self._load_balance(p, index, mask)
         return AttentionOutput(y, self.load_balance_weight * lb, new_cache, routing, {"load_balance": lb})
+
+    def shared_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The shared head's keys and values ``(B, 1, S, d_h)`` from the ``G`` K/V heads ``k``, ``v`` ``(B, G, S,
+        d_h)`` (keys rotated, as cached): their mean (``shared_head_kv="mean"``, the authors' ``key.mean(dim=2)``,
+        ``value.mean(dim=2)`` after rotary) or K/V head 0 (``"head0"``)."""
+        if self.shared_head_kv == "head0":
+            return k[:, :1], v[:, :1]
+        return k.mean(1, keepdim=True), v.mean(1, keepdim=True)
 
     def _load_balance(self, p: Tensor, index: Tensor, mask: Tensor | None) -> Tensor:
         """The mean over the groups of each group's load-balancing loss (MoA eq. 13-15) over its ``M`` experts."""

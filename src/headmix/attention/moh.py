@@ -119,7 +119,7 @@ class MoHHeadWeighting:
         shared = None
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = _scores(flat32, self.routed_gate, self.num_routed_heads)
-            # (N, groups, routed per group): one group without route_per_group; GQE routes inside each group
+            # (N, groups, routed per group): one group without route_per_group; routed per K/V group inside each group
             probs = logits.view(n, route_groups, self.num_routed_per_group).softmax(-1)
             if self.random_router is not None:
                 index = self.random_router.choose(batch, time, offset)
@@ -295,7 +295,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         self.route_per_group = check_flag("route_per_group", route_per_group)
         if route_per_group and kv_heads is None:
             raise ValueError("route_per_group needs kv_heads (the GQA groups to route in)")
-        #: The router's groups: the K/V groups with route_per_group (GQE), else one group of every head.
+        #: The router's groups: the K/V groups with route_per_group, else one group of every head.
         self.route_groups = self.kv_heads if route_per_group else 1
         group_heads = num_heads // self.route_groups
         where = " per group (route_per_group)" if route_per_group else ""

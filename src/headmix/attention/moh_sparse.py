@@ -9,7 +9,7 @@ attention rows of the selected (token, head) slots only.
 A slot ``s = n k + j`` is token ``n = b T + t`` with its ``j``-th selected routed head ``r``. Four layouts
 (:data:`ROUTED_LAYOUTS`; :func:`routed_layout` picks one):
 
-- ``grouped_query`` (the slot form; MoH routed per K/V group, GQE, and MoH with one K/V head): every token
+- ``grouped_query`` (the slot form; MoH routed per K/V group and MoH with one K/V head): every token
   selects exactly ``k`` routed heads in each of the ``G`` K/V groups, so its slot ``g k + j`` reads K/V head
   ``g`` whichever head it selected. The slots are then the ``G k`` query heads of ordinary grouped-query
   attention, ``(B, G k, T, d)`` against the ``G`` K/V heads (:func:`slot_attention`): one
@@ -67,7 +67,7 @@ def routed_layout(slot_form: bool, tgt: int, t: Tensor) -> str:
     K/V group (MoH with ``route_per_group``, or with one K/V head), so the slots are query heads of
     grouped-query attention: ``grouped_query`` on every device, compiled or not, and for decoding steps. On
     the CPU in eager mode it is also faster than the ``heads`` layout, which could run there: fp32,
-    forward+backward, batch 2, causal, d_model 512, 8 heads of 64 (GQE on 2 K/V heads, top 2 of 4 or 1 shared
+    forward+backward, batch 2, causal, d_model 512, 8 heads of 64 (MoH per K/V group on 2 K/V heads, top 2 of 4 or 1 shared
     + top 1 of 3 per group; one K/V head, 2 shared + top 2 of 6), ``heads`` took 1.06-1.15x ``grouped_query``'s
     time at T 512 and 1.15-1.25x at T 1024 (one thread, CPU time; AMD EPYC, 2 cores shared, load average
     7-11, commit 404ede2; docs/performance.md, "Sparse MoH"). Otherwise ``slots`` for one query per row,

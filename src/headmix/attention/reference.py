@@ -523,7 +523,7 @@ def reference_gqe(layer: GroupedQueryExpertsAttention, query: Tensor, key: Tenso
     ``o = softmax(q K_g^T / sqrt(d_h)) V_g`` with ``q = x_t W_q^{g,e}`` of the token's ``j``-th selected expert
     ``e`` in group ``g`` (:func:`reference_gqe_selection`), ``K_g, V_g`` the group's K/V head; the weighted slot
     ``sum w o`` with ``w = p / sum_selected p`` over all the token's selected heads (or ``p``); the shared head
-    over K/V head 0; ``y_t = Concat(slots, o_bar, s) W_O + b``. Hard slots times ``p`` with
+    over the mean of the ``G`` K/V heads (keys rotated first) or K/V head 0 (``shared_head_kv``); ``y_t = Concat(slots, o_bar, s) W_O + b``. Hard slots times ``p`` with
     ``hard_slot_scale="p"``."""
     rotary = _self_rotary(layer, query, key, value)
     key, value = _inputs(query, key, value)
@@ -534,6 +534,11 @@ def reference_gqe(layer: GroupedQueryExpertsAttention, query: Tensor, key: Tenso
     allowed, added = reference_mask(b_n, 1, t_n, key.shape[1], **masks)
     p, chosen = reference_gqe_selection(layer, query)
     w_q, b_q = layer.q_proj.weight, layer.q_proj.bias
+
+    if layer.shared_head_kv == "mean":  # the shared head's K/V: appended as head G, the mean of heads 0 .. G-1
+        keys = torch.cat([keys, sum(keys[:, g:g + 1] for g in range(groups)) / groups], 1)
+        values = torch.cat([values, sum(values[:, g:g + 1] for g in range(groups)) / groups], 1)
+    shared_kv = groups if layer.shared_head_kv == "mean" else 0
 
     def head(b: int, t: int, row: int, kv: int) -> Tensor:  # query head `row` of q_proj at token t over K/V kv
         q = query[b, t] @ w_q[row * d:(row + 1) * d].T + (0 if b_q is None else b_q[row * d:(row + 1) * d])
@@ -556,7 +561,7 @@ def reference_gqe(layer: GroupedQueryExpertsAttention, query: Tensor, key: Tenso
                 weights = [pr / total for pr in probs] if layer.weighted_slot_renormalize else probs
                 hard.append(sum(wt * o for wt, o in zip(weights, outs)))
             if layer.shared_head:
-                hard.append(head(b, t, layer.num_experts, 0))
+                hard.append(head(b, t, layer.num_experts, shared_kv))
             rows.append(torch.cat(hard))
     y = torch.stack(rows).view(b_n, t_n, -1) @ layer.out_proj.weight.T
     if layer.out_proj.bias is not None:

@@ -1,4 +1,4 @@
-"""``headmix bench gqa``: grouped-query attention, GQE and the gates, each against its named baseline in one run.
+"""``headmix bench gqa``: grouped-query attention, MoH per K/V group and the gates, each against its named baseline in one run.
 
 Three comparisons (issue 27), each timed interleaved (every repeat runs each layer of the comparison once, in
 turn; the median over repeats is reported) and given as a ratio to the baseline measured in the same run:
@@ -6,7 +6,7 @@ turn; the median over repeats is reported) and given as a ratio to the baseline 
 - ``gqa``: headmix ``MultiHeadAttention(kv_heads=G)`` against the same projections around torch's
   ``scaled_dot_product_attention(enable_gqa=True)`` (no headmix code in the baseline), causal
   forward+backward;
-- ``gqe``: ``MixtureOfHeadsAttention(kv_heads=G, route_per_group=True, impl="sparse")`` with half of each
+- ``moh-per-group`` (named ``gqe`` before the paper's GQE was built): ``MixtureOfHeadsAttention(kv_heads=G, route_per_group=True, impl="sparse")`` with half of each
   group's routed heads active (and the global-top-k MoH with ``kv_heads=G`` and half its routed heads
   active) against ``MultiHeadAttention(kv_heads=G)``: causal forward+backward, and a causal prefill
   (forward without autograd) at ``--prefill-seq``;
@@ -90,8 +90,8 @@ def build(embed_dim: int, heads: int, kv_heads: int, device, dtype) -> dict[str,
 
     groups = {
         "gqa": {"torch SDPA enable_gqa": TorchGroupedAttention(embed_dim, heads, kv_heads), "headmix MHA": mha()},
-        "gqe": {"MHA": mha(),
-                f"GQE sparse (top {per_group // 2} of {per_group} per group)": MixtureOfHeadsAttention(
+        "moh-per-group": {"MHA": mha(),
+                f"MoH per K/V group sparse (top {per_group // 2} of {per_group} per group)": MixtureOfHeadsAttention(
                     embed_dim, heads, 0, per_group // 2, kv_heads=kv_heads, route_per_group=True, impl="sparse",
                     allow_router_without_task_gradient=True),  # timed, not trained: top 1 of 2 costs the same
                 f"MoH sparse (top {heads // 2} of {heads})": MixtureOfHeadsAttention(
@@ -112,7 +112,7 @@ COLUMNS = [("comparison", "comparison", "{}"), ("what", "timed", "{}"), ("layer"
 
 def run_benchmark(*, embed_dim: int, heads: int, kv_heads: int, batch: int, seq: int, prefill_seq: int,
                   repeats: int, warmup: int, device: torch.device, dtype: torch.dtype, clock=time.perf_counter,
-                  only: tuple[str, ...] = ("gqa", "gqe", "gates")) -> list[dict]:
+                  only: tuple[str, ...] = ("gqa", "moh-per-group", "gates")) -> list[dict]:
     groups = build(embed_dim, heads, kv_heads, device, dtype)
     x = torch.randn(batch, seq, embed_dim, device=device, dtype=dtype, requires_grad=True)
     rows = []
@@ -126,7 +126,7 @@ def run_benchmark(*, embed_dim: int, heads: int, kv_heads: int, batch: int, seq:
         layers = groups[name]
         add(name, f"fwd+bwd {batch}x{seq}", compare(layers, x, backward=True, repeats=repeats, warmup=warmup,
                                                    device=device, clock=clock))
-        if name == "gqe":
+        if name == "moh-per-group":
             xp = torch.randn(1, prefill_seq, embed_dim, device=device, dtype=dtype)
             add(name, f"prefill 1x{prefill_seq}", compare(layers, xp, backward=False, repeats=repeats, warmup=warmup,
                                                           device=device, clock=clock))
@@ -144,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-seq", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--only", nargs="+", choices=("gqa", "gqe", "gates"), default=["gqa", "gqe", "gates"])
+    p.add_argument("--only", nargs="+", choices=("gqa", "moh-per-group", "gates"), default=["gqa", "moh-per-group", "gates"])
     add_clock_arguments(p)
 
 

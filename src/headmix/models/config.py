@@ -73,6 +73,9 @@ _KIND_FIELDS = {
     "weighted_slot_renormalize": ("gqe",),
     "shared_head": ("gqe",),
     "hard_slot_scale": ("gqe",),
+    "shared_head_kv": ("gqe",),
+    "router_init": ("gqe",),
+    "weight_init": ("gqe",),
     ALLOW_FLAG: ("moa", "moh", "gqe"),
 }
 
@@ -136,6 +139,15 @@ def marked_as_trained(data: dict[str, Any]) -> dict[str, Any]:
     except (TypeError, ValueError):  # not a complete config: its own errors are reported where it is built
         refused = False
     return marked if refused else data
+
+
+def shared_head_kv_as_trained(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored GQE attention config dict (one that holds :data:`_STORED_KEYS`) without the key ``shared_head_kv``
+    (written before the option, when the shared head read K/V head 0), with ``"head0"``: it loads, trains on and
+    evaluates as it was trained. Any other dict is returned as it is (unset: the authors' mean)."""
+    if data.get("kind") != "gqe" or "shared_head_kv" in data or not all(k in data for k in _STORED_KEYS):
+        return data
+    return {**data, "shared_head_kv": "head0"}
 
 
 def field_applies(field: str, kind: str) -> bool:
@@ -222,8 +234,8 @@ class AttentionConfig:
     ``qk_norm`` (MHA, MoH, Talking-Heads; unset = off): an RMSNorm over each head's queries and keys before
     rotary (Qwen3, OLMo 2). ``output_gate`` (same kinds; unset = none): ``"headwise"`` or ``"elementwise"``,
     Gated Attention's sigmoid gate on each head's output before the output projection (arXiv 2505.06708, G1).
-    ``route_per_group`` (MoH; needs ``kv_heads``; unset = off): Grouped Query Experts, routing inside each
-    K/V group, with ``num_shared_heads`` and ``top_k`` counted per group (arXiv 2606.20945).
+    ``route_per_group`` (MoH; needs ``kv_heads``; unset = off): MoH per K/V group, routing inside each
+    K/V group, with ``num_shared_heads`` and ``top_k`` counted per group (not the paper's GQE: kind ``"gqe"``).
     - ``"gqe"``: Grouped Query Experts as its paper defines it (arXiv 2606.20945,
       :class:`~headmix.attention.GroupedQueryExpertsAttention`): ``num_experts`` query-head experts (unset: 16) on
       ``kv_heads`` K/V heads (unset: 8), ``top_k`` selected per token in each group (unset: 1), heads of
@@ -231,6 +243,11 @@ class AttentionConfig:
       W_O``. The paper's ablations: ``weighted_slot``, ``weighted_slot_renormalize``, ``shared_head`` (unset:
       true) and ``hard_slot_scale`` (unset: ``"none"``; ``"p"``). ``router`` (``"random"``: the control),
       ``load_balance_weight`` and ``load_balance_fractions`` as MoH. ``num_heads`` stays unset.
+      ``shared_head_kv`` (unset: ``"mean"``, the authors' code: the shared head over the mean of the K/V heads;
+      ``"head0"``: over K/V head 0, what a GQE config stored without the key was trained with, and reads as),
+      ``router_init`` (unset: ``"normal"``; ``"zero"``, the authors') and ``weight_init`` (unset: ``"default"``;
+      ``"xavier_uniform"``, the authors'): see :class:`~headmix.attention.GroupedQueryExpertsAttention`;
+      ``attention.gqe.AUTHORS_OPTIONS`` is the authors' layer.
     ``allow_router_without_task_gradient`` (MoA, MoH, GQE; unset = off): a learned router that would get no gradient
     from the task loss with the options given (MoH/GQE ``head_weighting="renormalized"`` with ``top_k=1``, one
     routed head; MoA ``top_k=1`` with ``renormalize="live"`` or ``router="noisy_topk"``, one expert; GQE ``weighted_slot=False`` with unscaled hard slots: see
@@ -278,7 +295,7 @@ class AttentionConfig:
     qk_norm: bool | None = None
     #: ``"headwise"`` / ``"elementwise"`` sigmoid gate on each head's output (Gated Attention G1); None: no gate.
     output_gate: str | None = None
-    #: MoH: route inside each K/V group (Grouped Query Experts); None: off.
+    #: MoH: route inside each K/V group (MoH per K/V group); None: off.
     route_per_group: bool | None = None
     num_sparse_heads: int | None = None
     """MoSA: the heads that choose their tokens."""
@@ -298,6 +315,13 @@ class AttentionConfig:
     """GQE: the always-on shared head (unset: on)."""
     hard_slot_scale: str | None = None
     """GQE: ``"none"`` (unset) or ``"p"``: the hard slots scaled by their router probability."""
+    shared_head_kv: str | None = None
+    """GQE: the shared head's K/V, ``"mean"`` of the K/V heads (unset, the authors') or ``"head0"`` (stored configs
+    without the key)."""
+    router_init: str | None = None
+    """GQE: the router's initial weights, ``"normal"`` (unset) or ``"zero"`` (the authors')."""
+    weight_init: str | None = None
+    """GQE: the projections' initial weights, ``"default"`` (unset, ``torch.nn.Linear``'s) or ``"xavier_uniform"``."""
     allow_router_without_task_gradient: bool | None = None
     """MoA, MoH, GQE: allow a learned router that gets no task-loss gradient with these options, as an ablation."""
 
@@ -426,10 +450,11 @@ class AttentionConfig:
                                                     self.head_weighting or "renormalized", self.router or "softmax",
                                                     bool(self.route_per_group))
         if self.kind == "gqe":
-            experts, kv, _ = self.gqe_sizes()
+            experts, kv, top_k = self.gqe_sizes()
             return gqe_router_without_task_gradient(experts // kv,  # validate checked that kv divides experts
                                                     self.weighted_slot is not False, self.hard_slot_scale or "none",
-                                                    self.router or "softmax")
+                                                    self.router or "softmax", top_k * kv,
+                                                    self.weighted_slot_renormalize is not False)
         return None
 
     def _validate_mosa(self, embed_dim: int | None, name: str) -> None:
@@ -468,8 +493,12 @@ class AttentionConfig:
         for fname in ("weighted_slot", "weighted_slot_renormalize", "shared_head"):
             if getattr(self, fname) is not None and not isinstance(getattr(self, fname), bool):
                 raise ValueError(f"{name}.{fname} must be true, false or null (on), got {getattr(self, fname)!r}")
-        if self.hard_slot_scale is not None:
-            _choice(f"{name}.hard_slot_scale", self.hard_slot_scale, attention.gqe.HARD_SLOT_SCALES)
+        for fname, choices in (("hard_slot_scale", attention.gqe.HARD_SLOT_SCALES),
+                               ("shared_head_kv", attention.gqe.SHARED_HEAD_KVS),
+                               ("router_init", attention.gqe.ROUTER_INITS),
+                               ("weight_init", attention.gqe.WEIGHT_INITS)):
+            if getattr(self, fname) is not None:
+                _choice(f"{name}.{fname}", getattr(self, fname), choices)
         if self.head_dim is not None:
             _positive_int(f"{name}.head_dim", self.head_dim)
         elif embed_dim is not None and embed_dim % experts:
@@ -543,7 +572,9 @@ class AttentionConfig:
                 weighted_slot_renormalize=self.weighted_slot_renormalize is not False,
                 shared_head=self.shared_head is not False, hard_slot_scale=self.hard_slot_scale or "none",
                 router=self.router or "softmax", load_balance_weight=self.load_balance_weight,
-                allow_router_without_task_gradient=bool(self.allow_router_without_task_gradient), **common)
+                allow_router_without_task_gradient=bool(self.allow_router_without_task_gradient),
+                shared_head_kv=self.shared_head_kv or "mean", router_init=self.router_init or "normal",
+                weight_init=self.weight_init or "default", **common)
         if self.kind == "switchhead":
             return attention.SwitchHeadAttention(
                 embed_dim, self.num_heads, self.num_experts, self.top_k, self.head_dim, bias=self.bias,
@@ -566,12 +597,14 @@ class AttentionConfig:
         A MoH config saved before ``head_weighting`` existed (the key absent) reads as ``"scaled"``, the
         weighting its weights were trained with; a saved ``null`` means the current default. A config saved
         before ``allow_router_without_task_gradient`` existed (every field written but that one) whose router
-        gets no task gradient reads as that ablation (:func:`marked_as_trained`)."""
+        gets no task gradient reads as that ablation (:func:`marked_as_trained`). A GQE config stored before
+        ``shared_head_kv`` existed reads as ``"head0"``, the shared head it was trained with
+        (:func:`shared_head_kv_as_trained`)."""
         _check_keys(cls, data, name)
         data = without_foreign_defaults(data)
         if data.get("kind") == "moh" and "head_weighting" not in data:
             data = {**data, "head_weighting": "scaled"}
-        data = marked_as_trained(data)
+        data = shared_head_kv_as_trained(marked_as_trained(data))
         try:
             return cls(**data)
         except ValueError as err:

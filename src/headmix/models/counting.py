@@ -25,7 +25,7 @@ Three numbers per model:
   cross-attention).
 - Sparse MoH (``moh_impl="sparse"``): the ``full`` count is what it computes, the shared and the
   ``top_k`` selected heads' query projections, attention and output projections per query token (per K/V
-  group with ``route_per_group``, GQE: ``kv_heads (num_shared_heads + top_k)`` heads), and every
+  group with ``route_per_group``: ``kv_heads (num_shared_heads + top_k)`` heads), and every
   head's keys and values; dense MoH (and ``auto``, whatever it picks at run time) counts every head. With
   ``route_per_group`` or one K/V head this is exactly the slot form's grouped-query attention of
   ``G (S + k)`` query heads, on every device and compiled; global-top-k MoH over several K/V heads computes it
@@ -255,7 +255,7 @@ def _learned(att: AttentionConfig) -> int:
 
 
 def _route_groups(att: AttentionConfig) -> int:
-    """MoH's router groups: the K/V groups with ``route_per_group`` (GQE), else 1."""
+    """MoH's router groups: the K/V groups with ``route_per_group``, else 1."""
     return att.kv_heads if att.kind == "moh" and att.route_per_group else 1
 
 

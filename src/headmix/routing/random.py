@@ -1,7 +1,7 @@
 """The random-routing control: each token's experts chosen uniformly at random, with no router to learn.
 
 A learned router is worth its cost only if it beats a router that chooses at random. ``router="random"`` on
-MoA, MoH (GQE included) and SwitchHead replaces the learned router with :class:`RandomRouter`: the same number
+MoA, MoH (routed per K/V group included), GQE and SwitchHead replaces the learned router with :class:`RandomRouter`: the same number
 of experts per token, chosen uniformly at random, weighted as the layer weights them when every router score
 is equal; no router parameters and no auxiliary loss.
 

@@ -17,7 +17,8 @@ z-loss), if any, moves them. This happens, with any inputs, in exactly these cas
 - GQE (the paper's, ``kind="gqe"``) without the weighted-sum slot (``weighted_slot=False``) and with unscaled
   hard slots (``hard_slot_scale="none"``): the router's probabilities reach the output only through the weighted
   slot (arXiv 2606.20945, eq. 6), so the hard slots alone give it none (the paper's Table 2 "hard concat only");
-  with one expert per group ``p = softmax`` over one expert is the constant 1;
+  with one expert per group ``p = softmax`` over one expert is the constant 1; with one selected head per token
+  (``kv_heads=1``, ``top_k=1``) and unscaled hard slots the renormalised weighted slot's ``w = p / p`` is 1;
 - the mixture-of-experts feed-forward (``ffn="moe_swiglu"``, weights ``softmax`` over the kept logits, i.e.
   ``renormalize="live"``) with ``ffn_top_k=1`` or ``ffn_experts=1``: the constant 1 (the model config's
   ``ffn_allow_router_without_task_gradient`` asks for it).
@@ -82,8 +83,9 @@ def moh_router_without_task_gradient(routed_per_group: int, top_k: int, head_wei
 
 
 def gqe_router_without_task_gradient(experts_per_group: int, weighted_slot: bool, hard_slot_scale: str,
-                                     router: str) -> tuple[str, str] | None:
-    """``(why, alternatives)`` when GQE's per-group router gets no task-loss gradient, else None."""
+                                     router: str, slots: int = 2, renormalize: bool = True) -> tuple[str, str] | None:
+    """``(why, alternatives)`` when GQE's per-group router gets no task-loss gradient, else None. ``slots``: the
+    ``k G`` selected heads per token; ``renormalize``: the weighted slot's ``w = p / sum_selected p``."""
     if router != "softmax":  # the random control has no router to learn
         return None
     if experts_per_group == 1:
@@ -93,6 +95,9 @@ def gqe_router_without_task_gradient(experts_per_group: int, weighted_slot: bool
         return ("weighted_slot=False and unscaled hard slots (the weighted slot is the router's only path to the "
                 "output: the paper's 'hard concat only')", "weighted_slot=True (the paper's GQE), or "
                 "hard_slot_scale='p'")
+    if slots == 1 and renormalize and hard_slot_scale == "none":
+        return ("one selected head per token (kv_heads=1, top_k=1: the weighted slot's w = p / p is the constant 1)",
+                "top_k >= 2, kv_heads >= 2, hard_slot_scale='p' or weighted_slot_renormalize=False")
     return None
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..models import AttentionConfig
+from ..models.config import shared_head_kv_as_trained
 from ..models.counting import attention_macs, mosa_macs
 from .report import _attention_text
 
@@ -148,9 +149,11 @@ UPCYCLE = "lm-en-upcycle"
 MOH_PER_GROUP = Entry("MoH routed per K/V group, sparse", _moh("sparse", per_group=True),
                       exact=(MOH_REFERENCE, MOH_SPARSE_DENSE), studies=(Study(UPCYCLE, "learned per group 50%"),))
 #: The paper's GQE at the shape lm-en-contenders runs it (2 experts per K/V head, top 1: the paper's main setting
-#: per group) with the page's head size.
+#: per group) with the page's head size, and as it ran it: the shared head over K/V head 0 (the authors' mean, the
+#: default, has no study row yet).
 GQE = Entry("GQE (Grouped Query Experts)", AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
-                                                           head_dim=HEAD_DIM), exact=(GQE_REFERENCE,),
+                                                           head_dim=HEAD_DIM, shared_head_kv="head0"),
+            exact=(GQE_REFERENCE,),
             studies=(Study(CONTENDERS, "GQE"), Study(CONTENDERS_LONG, "GQE")))
 GQE_HARD_ONLY = Entry("GQE, hard slots only (the paper's ablation)",
                       replace(GQE.config, weighted_slot=False, allow_router_without_task_gradient=True),
@@ -260,8 +263,10 @@ def what_is_routed(att: AttentionConfig) -> str:
                 f"{att.num_heads // groups - att.num_shared_heads} routed; {computed[att.moh_impl]}")
     if att.kind == "gqe":
         experts, kv, top_k = att.gqe_sizes()
+        shared = "the shared head (over K/V head 0)" if att.shared_head_kv == "head0" else \
+            "the shared head (over the K/V heads' mean)"
         slots = [n for n, on in (("the weighted-sum slot", att.weighted_slot is not False),
-                                 ("the shared head", att.shared_head is not False)) if on]
+                                 (shared, att.shared_head is not False)) if on]
         return (f"query heads: {top_k} of the {experts // kv} expert query heads of each of {kv} K/V groups "
                 f"(hard slots){''.join(', ' + n for n in slots)}; only those computed")
     if att.kind == "switchhead":
@@ -352,12 +357,16 @@ def number_cells(att: AttentionConfig) -> tuple[str, str]:
 # --------------------------------------------------------------------------------------------------
 def design_differences(att: AttentionConfig, recorded: dict[str, Any]) -> list[str]:
     """The fields by which a study row's recorded attention ``recorded`` is another design than ``att`` (sizes
-    aside): kind, router, grouped K/V, per-group routing, output gate, QK-norm, a separate key size, and
-    ``moh_impl`` where the study set it."""
+    aside): kind, router, GQE's shared head K/V, grouped K/V, per-group routing, output gate, QK-norm, a separate
+    key size, and ``moh_impl`` where the study set it."""
     def grouped(kv, heads):
         return (kv or 1) > 1 and kv != heads
 
+    def shared_kv(attention: dict[str, Any]) -> str | None:  # GQE's shared head K/V; stored without it: head 0
+        return (shared_head_kv_as_trained(attention).get("shared_head_kv") or "mean") if attention.get("kind") == "gqe" else None
+
     checks = {"kind": att.kind == recorded.get("kind"),
+              "shared_head_kv": shared_kv(att.to_dict()) == shared_kv(recorded),
               "router": att.router == recorded.get("router"),
               "kv_heads": grouped(att.kv_heads, att.num_heads) == grouped(recorded.get("kv_heads"), recorded.get("num_heads")),
               "route_per_group": bool(att.route_per_group) == bool(recorded.get("route_per_group")),

@@ -649,14 +649,18 @@ def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
     (absent from the file) take their defaults, which is what the older version did without naming them; the
     file is then rewritten with them (:func:`_write_plan`)."""
     from ..models import AttentionConfig
-    from ..models.config import marked_as_trained, without_foreign_defaults
+    from ..models.config import marked_as_trained, shared_head_kv_as_trained, without_foreign_defaults
     from ..routing.task_gradient import ALLOW_FLAG
+
+    def as_trained(stored_attention: dict[str, Any]) -> dict[str, Any]:
+        # a router without a task gradient, stored before the rule that refuses it, is the ablation it was trained
+        # as; a GQE shared head stored before shared_head_kv read K/V head 0
+        return shared_head_kv_as_trained(marked_as_trained(without_foreign_defaults(stored_attention)))
 
     def attention(stored_attention: dict[str, Any]) -> dict[str, Any]:
         # fields added since take their defaults; the defaults older files stored for kinds that do not use a
-        # field are unset (None), as this version writes them; a router without a task gradient, stored before
-        # the rule that refuses it, is the ablation it was trained as
-        kept = marked_as_trained(without_foreign_defaults(stored_attention))
+        # field are unset (None), as this version writes them
+        kept = as_trained(stored_attention)
         return {**_defaults(AttentionConfig), **kept, **{k: None for k in stored_attention.keys() - kept.keys()}}
 
     from .spec import RowSpec
@@ -664,13 +668,15 @@ def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
     stored_rows = [r for r in stored.get("rows", []) if isinstance(r, dict)]
     rows = [{**r, "attention": attention(r.get("attention", {}))} if isinstance(r, dict) else r
             for r in stored.get("rows", [])]
-    ablations = {r.get("name") for r in stored_rows if ALLOW_FLAG not in r.get("attention", {})
-                 and marked_as_trained(without_foreign_defaults(r.get("attention", {}))).get(ALLOW_FLAG)}
+    # the keys set above on each planned row that lacked them, by row name
+    marks = {r.get("name"): {k: v for k, v in as_trained(r.get("attention", {})).items()
+                             if k in (ALLOW_FLAG, "shared_head_kv") and k not in r.get("attention", {})}
+             for r in stored_rows}
 
     def spec_row(row: dict[str, Any]) -> dict[str, Any]:
         # the spec row of a planned row marked above, marked as well (its matched attention came from it)
-        marked = row.get("name") in ablations and ALLOW_FLAG not in row.get("attention", {})
-        return {**row, "attention": {**row.get("attention", {}), ALLOW_FLAG: True}} if marked else row
+        added = {k: v for k, v in marks.get(row.get("name"), {}).items() if k not in row.get("attention", {})}
+        return {**row, "attention": {**row.get("attention", {}), **added}} if added else row
 
     spec = {**_defaults(StudySpec), **stored.get("spec", {})}
     spec["rows"] = [{**_defaults(RowSpec), **spec_row(r)} if isinstance(r, dict) else r for r in spec.get("rows", [])]
