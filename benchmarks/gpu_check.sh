@@ -12,17 +12,20 @@
 #         projections with Triton autotuning, headmix bench gqa (grouped MHA, the GQE curve, gates).
 #   full2 (at most 450 s = 7.5 min: models_compiled 180 s + decode_graphs 120 s + attention_moh 150 s): compiled
 #         training steps, decoding with the static cache and CUDA graphs, the MoA / MoH curves.
+#   compute (at most 480 s = 8 min: compute_eager 180 s + compute_compiled 300 s): time beside compute, bf16,
+#         d_model 2048, T 4096: each routed kind's GPU-busy time and kernels over its dense baseline's beside its
+#         minimal MAC ratio, eager (with profiles of the rows furthest off) and compiled.
 # The estimates are the sums of the steps' own time limits (headmix.bench.gpu_check.STEPS; a step that runs
 # over is stopped and keeps the rows it printed).
-# Usage: benchmarks/gpu_check.sh quick|full1|full2 [--tiny] [--out DIR]   (default runs/gpu_check)
+# Usage: benchmarks/gpu_check.sh quick|full1|full2|compute [--tiny] [--out DIR]   (default runs/gpu_check)
 #   --tiny: tiny sizes on the CPU (what the test suite runs to check the plumbing).
 # Each part writes DIR/<part>-<step>.log (line by line, as rows are measured) and DIR/<part>.json (after each
 # step). Then: python3 -m headmix.bench.gpu_check fold DIR   # the parts found in DIR into docs/performance.md
 # PYTHON picks the interpreter (default python3).
 set -uo pipefail
 case "${1:-}" in
-    quick|full1|full2) ;;
-    *) echo "usage: benchmarks/gpu_check.sh quick|full1|full2 [--tiny] [--out DIR]" >&2; exit 2 ;;
+    quick|full1|full2|compute) ;;
+    *) echo "usage: benchmarks/gpu_check.sh quick|full1|full2|compute [--tiny] [--out DIR]" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"

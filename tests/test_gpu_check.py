@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_check.sh quick|full1|full2`` at ``--tiny`` on the CPU (the plumbing of the GPU check: every
+"""``benchmarks/gpu_check.sh quick|full1|full2|compute`` at ``--tiny`` on the CPU (the plumbing of the GPU check: every
 step runs, rows come out as they are measured, each part writes its JSON summary beside its logs), the header's
 time estimates against the steps' own limits, a step stopped at its limit keeping its rows, and the fold of the
 parts found in a folder into docs/performance.md."""
@@ -139,9 +139,9 @@ def test_fold_writes_each_part_once_keeps_the_others_and_refuses_tiny_runs(quick
         gpu_check.fold(tmp_path / "empty", doc, allow_tiny=True)
 
 
-#: The two full parts at --tiny: 6 subprocesses, each importing torch (minutes on the shared 2-core machine).
+#: The full parts and the compute part at --tiny: 8 subprocesses, each importing torch (minutes on the shared 2-core machine).
 @pytest.mark.slow
-@pytest.mark.parametrize("part", ["full1", "full2"])
+@pytest.mark.parametrize("part", ["full1", "full2", "compute"])
 def test_full_parts_run_tiny(part, tmp_path):
     proc = run_script(part, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

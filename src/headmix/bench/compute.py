@@ -339,44 +339,60 @@ def _verdict(ratio: float, target: float) -> str:
     return "met" if ratio <= target else f"missed by {ratio - target:.2f}"
 
 
+def format_header(block: dict) -> list[str]:
+    """A block's heading and table header."""
+    slack = SLACK["cuda" if block["device"] == "cuda" else "cpu"]
+    timed = "GPU-busy time" if block["device"] == "cuda" else "wall time"
+    eager = block["mode"] == "eager"
+    return [f"### d_model {block['d_model']}, T {block['seq']}, batch {block['batch']}, {block['mode']}, "
+            f"{block['dtype']}, " + (f"{block['threads']} threads" if block["device"] != "cuda" else "CUDA"), "",
+            f"| layer | dense baseline | minimal MACs | fwd+bwd {timed} | target MACs + {slack:.2f} | prefill | "
+            "sparse / own dense (fwd+bwd, prefill) | " + ("ATen ops per fwd+bwd | saved bytes |" if eager
+                                                           else "kernels per fwd+bwd |"),
+            "|---|---|---|---|---|---|---|---|" + ("---|" if eager else "")]
+
+
+def format_row(block: dict, r: dict) -> str:
+    """One row of a block's table: the ratios over the dense baseline (median [range] of the rounds on the CPU);
+    eager: ATen operations and saved bytes; compiled: the kernels inductor generated (on CUDA: launched)."""
+    slack = SLACK["cuda" if block["device"] == "cuda" else "cpu"]
+    eager = block["mode"] == "eager"
+    if "error" in r:
+        return f"| {r['layer']} | {r['baseline']} | | failed: {r['error']} | | | | |" + (" |" if eager else "")
+    own = f"{r['step_vs_dense']:.2f}, {r['prefill_vs_dense']:.2f}" if "step_vs_dense" in r else ""
+    cells = [r["layer"], r["baseline"], f"{r['mac_ratio']:.2f}", _fmt_ratio(r["step_ratio"]),
+             _verdict(r["step_ratio"]["median"], r["mac_ratio"] + slack), _fmt_ratio(r["prefill_ratio"]), own]
+    if eager:
+        ops, saved = r["aten_ops"], r["saved_bytes"]
+        cells.append(f"{ops['routed']} / {ops['baseline']} = {ops['routed'] / ops['baseline']:.2f}x"
+                     + (f" ({r['step_kernels']['routed']:.0f} / {r['step_kernels']['baseline']:.0f} CUDA kernels)"
+                        if "step_kernels" in r else ""))
+        cells.append(f"{saved['routed'] / max(saved['baseline'], 1):.2f}x")
+    elif "step_kernels" in r:  # CUDA: the kernels one step launches
+        k = r["step_kernels"]
+        cells.append(f"{k['routed']:.0f} / {k['baseline']:.0f}")
+    else:
+        k = r.get("inductor_kernels") or {}
+        cells.append(f"{k.get('routed')} / {k.get('baseline')} generated")
+    return "| " + " | ".join(cells) + " |"
+
+
+def format_growth(growth: dict) -> str:
+    if "error" in growth:
+        return f"MoA expert growth: failed: {growth['error']}"
+    first = str(min(growth["experts"]))
+    parts = ", ".join(f"E {e} {growth['step'][str(e)]:.2f}x / {growth['prefill'][str(e)]:.2f}x"
+                      for e in growth["experts"] if str(e) != first)
+    worst = max(growth["step"][str(e)] for e in growth["experts"])
+    return (f"MoA, top {growth['top_k']} of E experts, time over E {first} (fwd+bwd / prefill): {parts} "
+            f"(target <= {EXPERT_GROWTH_TARGET}: {_verdict(worst, EXPERT_GROWTH_TARGET)})")
+
+
 def format_block(block: dict) -> list[str]:
-    """A block's markdown table and its expert-growth line."""
-    device = block["device"]
-    slack = SLACK["cuda" if device == "cuda" else "cpu"]
-    timed = "GPU-busy time" if device == "cuda" else "wall time"
-    lines = [f"### d_model {block['d_model']}, T {block['seq']}, batch {block['batch']}, {block['mode']}, "
-             f"{block['dtype']}, " + (f"{block['threads']} threads" if device != "cuda" else "CUDA"), "",
-             f"| layer | dense baseline | minimal MACs | fwd+bwd {timed} | target MACs + {slack:.2f} | prefill | "
-             "sparse / own dense (fwd+bwd, prefill) | " + ("ATen ops per fwd+bwd | saved bytes |"
-                                                           if block["mode"] == "eager" else "inductor kernels |"),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if block["mode"] == "eager" else "")]
-    for r in block["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['layer']} | {r['baseline']} | | failed: {r['error']} | | | | |"
-                         + (" |" if block["mode"] == "eager" else ""))
-            continue
-        target = r["mac_ratio"] + slack
-        own = (f"{r['step_vs_dense']:.2f}, {r['prefill_vs_dense']:.2f}" if "step_vs_dense" in r else "")
-        cells = [r["layer"], r["baseline"], f"{r['mac_ratio']:.2f}", _fmt_ratio(r["step_ratio"]),
-                 _verdict(r["step_ratio"]["median"], target), _fmt_ratio(r["prefill_ratio"]), own]
-        if block["mode"] == "eager" and "aten_ops" in r:
-            ops, saved = r["aten_ops"], r["saved_bytes"]
-            cells.append(f"{ops['routed']} / {ops['baseline']} = {ops['routed'] / ops['baseline']:.2f}x")
-            cells.append(f"{saved['routed'] / max(saved['baseline'], 1):.2f}x")
-        elif block["mode"] == "compiled":
-            k = r.get("inductor_kernels") or {}
-            cells.append(f"{k.get('routed')} / {k.get('baseline')}")
-        lines.append("| " + " | ".join(cells) + " |")
-    growth = block.get("growth")
-    if growth and "error" not in growth:
-        first = str(min(growth["experts"]))
-        parts = ", ".join(f"E {e} {growth['step'][str(e)]:.2f}x / {growth['prefill'][str(e)]:.2f}x"
-                          for e in growth["experts"] if str(e) != first)
-        worst = max(growth["step"][str(e)] for e in growth["experts"])
-        lines += ["", f"MoA, top {growth['top_k']} of E experts, time over E {first} (fwd+bwd / prefill): {parts} "
-                      f"(target <= {EXPERT_GROWTH_TARGET}: {_verdict(worst, EXPERT_GROWTH_TARGET)})"]
-    elif growth:
-        lines += ["", f"MoA expert growth: failed: {growth['error']}"]
+    """A whole block: its table and its expert-growth line."""
+    lines = [*format_header(block), *(format_row(block, r) for r in block["rows"])]
+    if block.get("growth"):
+        lines += ["", format_growth(block["growth"])]
     return lines
 
 
@@ -418,13 +434,16 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
                     if device.type == "cpu":
                         torch.set_num_threads(n_threads)
                     block["rows"] = []
-                    for row in rows:
+                    for line in ["", *format_header(block)]:
+                        emit(line)
+                    for row in rows:  # each row printed as it is measured (a step stopped at its limit keeps them)
                         try:
-                            block["rows"].append(measure_row(row, d_model, seq, args.compute_batch, mode, device,
-                                                             dtype, args.compute_repeats, mode == "eager"))
+                            record = measure_row(row, d_model, seq, args.compute_batch, mode, device, dtype,
+                                                 args.compute_repeats, mode == "eager")
                         except Exception as err:  # noqa: BLE001 - a failing row is reported, the others measured
-                            block["rows"].append({"layer": row.name, "baseline": row.baseline_name,
-                                                  "error": f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"})
+                            record = {"layer": row.name, "baseline": row.baseline_name, "error": _error(err)}
+                        block["rows"].append(record)
+                        emit(format_row(block, record))
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
                     if not args.compute_rows or any("moa" in s.lower() for s in args.compute_rows):
@@ -432,10 +451,12 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
                             block["growth"] = measure_growth(d_model, seq, args.compute_batch, mode, device, dtype,
                                                              args.compute_repeats)
                         except Exception as err:  # noqa: BLE001
-                            block["growth"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"}
+                            block["growth"] = {"error": _error(err)}
+                        emit("")
+                        emit(format_growth(block["growth"]))
                     block["load"] = machine_load()
-                    for line in ["", *format_block(block), "", f"({block['load']} after the block)"]:
-                        emit(line)
+                    emit("")
+                    emit(f"({block['load']} after the block)")
                     if mode == "eager" and args.compute_profile:
                         measured = [r for r in block["rows"] if "error" not in r]
                         measured.sort(key=lambda r: r["step_ratio"]["median"] - r["mac_ratio"], reverse=True)
@@ -451,6 +472,10 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
                         from ..storage.files import atomic_write
                         atomic_write(path, json.dumps({"blocks": blocks}, indent=1) + "\n")
     return blocks
+
+
+def _error(err: Exception) -> str:
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
 
 
 def add_arguments(p) -> None:

@@ -12,6 +12,9 @@ into ``docs/performance.md``.
   default configuration (no autotuning).
 * ``full1``: the ``gpu``-marked tests, the grouped-projection table with Triton autotuning, the grouped-query
   curve (``headmix bench gqa``);
+* ``compute``: the time-beside-compute table (:mod:`headmix.bench.compute`) in bf16 at d_model 2048, T 4096:
+  every routed kind's GPU-busy time and kernels over its dense baseline's beside its minimal MAC ratio, eager
+  (with profiles of the rows furthest off) and compiled;
 * ``full2``: compiled model steps (``headmix bench models --compile``), decoding with the static cache and
   CUDA graphs (``headmix bench decode``), the MoA / MoH curves (``headmix bench attention --moh-curve``).
 
@@ -45,10 +48,10 @@ from pathlib import Path
 
 from ..storage.files import atomic_write, atomic_write_json
 
-PARTS = ("quick", "full1", "full2")
+PARTS = ("quick", "full1", "full2", "compute")
 #: The most seconds each part's steps may take: quick fits one 10-minute job with the machine's start and the
 #: copies; each full part fits one job too.
-PART_LIMITS = {"quick": 420, "full1": 480, "full2": 480}
+PART_LIMITS = {"quick": 420, "full1": 480, "full2": 480, "compute": 480}
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 
 CLI = ["-m", "headmix.cli.main"]
@@ -119,6 +122,17 @@ STEPS: dict[str, list[Step]] = {
              [*CLI, "bench", "attention", "--device", "cpu", "--seq", "8", "--experts", "4", "--batch", "1",
               "--embed-dim", "32", "--top-k", "2", "--head-dim", "16", "--switchhead", "--repeats", "1", "--warmup",
               "0", "--no-decode"]),
+    ],
+    # time beside compute (headmix bench layers --compute): each routed kind against its dense baseline, bf16, d_model
+    # 2048, T 4096, GPU-busy time and kernels beside the minimal MAC ratio; eager first (with the profiles of the
+    # three rows furthest above their MAC ratio), then compiled (rows printed as measured: a step stopped at its
+    # limit keeps them)
+    "compute": [
+        Step("compute_eager", 180, ["-m", "headmix.bench.gpu_layers", "--compute", "--compute-modes", "eager"],
+             ["-m", "headmix.bench.gpu_layers", "--compute", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
+        Step("compute_compiled", 300, ["-m", "headmix.bench.gpu_layers", "--compute", "--compute-modes", "compiled"],
+             ["-m", "headmix.bench.gpu_layers", "--compute", "--tiny", "--device", "cpu", "--compute-rows", "GQE",
+              "--no-compute-profile"], env=NO_AUTOTUNE),
     ],
 }
 
