@@ -71,7 +71,7 @@ def distillation_kl(student_logits: Tensor, parent_logits: Tensor, scored: Tenso
 
 def distilled_loss(task_loss: Tensor, kl: Tensor, weight: float, temperature: float) -> Tensor:
     """``(1 - weight) * task_loss + weight * T^2 * kl`` (the routing losses are added by the caller)."""
-    return (1 - weight) * task_loss + weight * temperature ** 2 * kl
+    return (1 - weight) * task_loss.to(kl.dtype) + weight * temperature ** 2 * kl
 
 
 def freeze(parent: nn.Module) -> nn.Module:
