@@ -191,7 +191,7 @@ def test_one_distilled_step_with_gradient_accumulation_equals_the_step_by_hand(c
         kl = _hand_kl(out.logits, teacher_logits, batch["targets"], 2.0)
         ce = F.cross_entropy(out.logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=0)
         ((0.75 * ce + 0.25 * 4.0 * kl + out.aux_loss) / 2).backward()
-        kls.append(float(kl))
+        kls.append(float(kl.detach()))
     optimizer.step()
     looped = load_file(str(run / "checkpoints" / "step_00000001" / "model.safetensors"))
     for k, v in model.state_dict().items():
