@@ -305,3 +305,76 @@ def test_refusals_name_the_option_before_anything_is_written(corpus, parent, tmp
     err = _refused(corpus, parent, tmp_path, ["--preset", "tiny-moa", "--tokenizer", str(parent / "tokenizer"),
                                               "--distill-from", str(parent)], capsys, task="translation")
     assert f"--distill-from {parent} holds a 'lm' model; this run's task is 'translation'" in err
+
+
+# ------------------------------------------------------------------------------------------- studies
+def _study(corpus: Path, **kw):
+    from headmix.study.spec import ParentSpec, RowSpec, StudySpec
+
+    training = {k: v for k, v in RUN.items() if k not in ("task", "progress")}
+    values = dict(name="tiny-distill", task="lm", baseline="llama3-tiny-gqa", data=[str(corpus / "docs.jsonl")],
+                  seeds=[1], max_steps=2, matching="none", training={**training, "vocab_size": 300},
+                  parent=ParentSpec(max_steps=2, seed=7), timing_rounds=6, timing_steps=1, timing_warmup=0,
+                  rows=[RowSpec("dense"), RowSpec("dense distilled", distill={"temperature": 2.0}),
+                        RowSpec("learned", init_options={"attention": "moh", "num_shared_heads": 2, "top_k": 2}),
+                        RowSpec("pruned", init_options={"attention": "mha", "keep_heads": 2, "calibration_batches": 1},
+                                control_of=["learned", "dense distilled"])])
+    values.update(kw)
+    spec = StudySpec(**values)
+    spec.validate()
+    return spec
+
+
+@pytest.mark.parametrize("rows,message", [
+    (lambda R: [R("dense", distill={})], "sets neither attention, solve, init_options nor distill"),
+    (lambda R: [R("dense"), R("d", distill={"alpha": 1})], r"rows\['d'\].distill must be a table of weight and "
+                                                          r"temperature"),
+    (lambda R: [R("dense"), R("d", distill={"weight": 2})], r"rows\['d'\].distill.weight must be a number in \[0, 1\]"),
+    (lambda R: [R("dense"), R("d", distill={"temperature": 0})], r"rows\['d'\].distill.temperature must be a number > 0"),
+    (lambda R: [R("dense"), R("d", control_of=["dense", "nope"])], r"rows\['d'\].control_of must name a row of the "
+                                                                   r"study, got 'nope'"),
+    (lambda R: [R("dense"), R("d", control_of=["d"])], r"rows\['d'\].control_of must name another row"),
+])
+def test_a_distilled_row_or_a_control_list_the_study_cannot_take_is_refused(corpus, rows, message):
+    from headmix.study.spec import RowSpec
+
+    with pytest.raises(ValueError, match=message):
+        _study(corpus, rows=rows(RowSpec))
+
+
+def test_distillation_needs_the_studys_parent(corpus):
+    from headmix.study.spec import RowSpec, StudySpec
+
+    with pytest.raises(ValueError, match=r"rows \['d'\] set distill, which distils from the study's parent"):
+        StudySpec(name="s", task="lm", baseline="llama3-tiny-gqa", rows=[RowSpec("GQA"), RowSpec("d", distill={})],
+                  matching="none").validate()
+    with pytest.raises(ValueError, match=r"training must not set \['distill_weight'\]"):
+        _study(corpus, training={"distill_weight": 0.5})
+
+
+def test_a_distilled_row_continues_from_the_parent_and_its_timing_counts_the_parents_forward(corpus, tmp_path,
+                                                                                           monkeypatch):
+    from headmix.study import plan, run_study, write_report
+    from headmix.study.runner import PARENT_DIR, PARENT_RECORD, finished_results
+    from headmix.training import distill
+
+    calls = []
+    real = distill.Distiller.parent_logits
+    monkeypatch.setattr(distill.Distiller, "parent_logits", lambda self, inputs: calls.append(1) or real(self, inputs))
+    spec, out = _study(corpus), tmp_path / "study"
+    results = {r.row: r for r in run_study(spec, out, log=lambda m: None)}
+    # the distilled row's 2 training steps and its 6 timed steps (no warm-up) ran the parent; no other row did
+    assert len(calls) == 2 + 6
+    timing = json.loads((out / "timing" / "dense_distilled.json").read_text())
+    assert timing["distill"]["temperature"] == 2.0 and "learned" not in json.dumps(timing.get("distill"))
+    assert "distill" not in json.loads((out / "timing" / "learned.json").read_text())
+    parent_sha = json.loads((out / PARENT_DIR / PARENT_RECORD).read_text())["sha256"]
+    summary = results["dense distilled"].summary
+    assert summary["distill_from"] == {"path": str((out / PARENT_DIR).resolve()), "kind": "headmix run",
+                                       "sha256": {"model.safetensors": parent_sha}, "weight": 0.5, "temperature": 2.0}
+    assert "distill_from" not in results["dense"].summary
+    table = write_report(spec, plan(spec), finished_results(spec, out, lambda m: None), out)
+    # one control, two rows it controls
+    assert [(c["row"], c["control"]) for c in table["controls"]] == [("learned", "pruned"), ("dense distilled", "pruned")]
+    md = (out / "results.md").read_text()
+    assert "| dense distilled | the parent as it is; distilled from the parent (weight 0.5, temperature 2) |" in md
