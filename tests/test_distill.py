@@ -378,3 +378,45 @@ def test_a_distilled_row_continues_from_the_parent_and_its_timing_counts_the_par
     assert [(c["row"], c["control"]) for c in table["controls"]] == [("learned", "pruned"), ("dense distilled", "pruned")]
     md = (out / "results.md").read_text()
     assert "| dense distilled | the parent as it is; distilled from the parent (weight 0.5, temperature 2) |" in md
+
+
+# ------------------------------------------------------------------------------------ Hugging Face Trainer
+def test_the_trainer_route_distils_exactly_and_leaves_the_parent_unchanged(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from headmix.hf import DistillationTrainer, HeadmixConfig, HeadmixForCausalLM, distillation_loss
+
+    torch.manual_seed(0)
+    config = get_config("llama-tiny-moh", task="lm", vocab_size=VOCAB)
+    student = HeadmixForCausalLM(HeadmixConfig(headmix=config))
+    parent = HeadmixForCausalLM(HeadmixConfig(headmix=config.replace(dropout=0.2)))
+    before = {k: v.clone() for k, v in parent.state_dict().items()}
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[1, 6:] = -100  # e.g. padding the collator left out
+    mask = torch.ones_like(ids)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                                          learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+                                          use_cpu=True, disable_tqdm=True, seed=0, gradient_accumulation_steps=2)
+    data = [{"input_ids": ids[i], "labels": labels[i], "attention_mask": mask[i]} for i in range(2)] * 4
+    trainer = DistillationTrainer(model=student, args=args, train_dataset=data, parent_model=parent,
+                                  distill_weight=0.6, distill_temperature=1.5)
+    # the loss of one batch against the hand-written one: CE over the next labels, KL over the same positions
+    out = student(ids, attention_mask=mask, labels=labels)
+    loss = trainer.compute_loss(student, {"input_ids": ids, "labels": labels, "attention_mask": mask})
+    with torch.no_grad():
+        parent_logits = parent.eval()(ids, attention_mask=mask).logits
+    scored = labels[:, 1:] != -100
+    kl = reference_kl(out.logits[:, :-1].detach(), parent_logits[:, :-1], scored, 1.5)
+    expected = 0.4 * out.lm_loss.double() + 0.6 * 1.5 ** 2 * kl + out.aux_loss.double()
+    torch.testing.assert_close(loss.detach().double(), expected, rtol=1e-5, atol=0)
+    assert distillation_loss(out, parent_logits, labels, weight=0.0)[0].item() == pytest.approx(out.loss.item(), rel=1e-6)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert not parent.training and all(p.grad is None and not p.requires_grad for p in parent.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in parent.state_dict().items())
+    with pytest.raises(ValueError, match="distill_weight must be a number in"):
+        DistillationTrainer(model=student, args=args, train_dataset=data, parent_model=parent, distill_weight=2)
+    other = HeadmixForCausalLM(HeadmixConfig(headmix=config.replace(vocab_size=VOCAB + 1)))
+    with pytest.raises(ValueError, match=f"parent_model has a vocabulary of {VOCAB + 1}, the model {VOCAB}"):
+        DistillationTrainer(model=student, args=args, train_dataset=data, parent_model=other)
