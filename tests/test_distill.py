@@ -420,3 +420,34 @@ def test_the_trainer_route_distils_exactly_and_leaves_the_parent_unchanged(tmp_p
     other = HeadmixForCausalLM(HeadmixConfig(headmix=config.replace(vocab_size=VOCAB + 1)))
     with pytest.raises(ValueError, match=f"parent_model has a vocabulary of {VOCAB + 1}, the model {VOCAB}"):
         DistillationTrainer(model=student, args=args, train_dataset=data, parent_model=other)
+
+
+# ----------------------------------------------------------------------------------------------- docs
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _distill_commands(doc: str) -> list[str]:
+    import re
+
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
+              if "--distill-from runs/dense" in b]
+    assert len(blocks) == 1, doc
+    return [line for line in blocks[0].splitlines() if line.startswith("headmix ")]
+
+
+def test_the_distilled_upcycling_commands_of_the_docs_run_as_written(corpus, tmp_path, monkeypatch, capsys):
+    import shlex
+
+    from headmix.cli.main import main
+
+    commands = _distill_commands("docs/training.md")
+    assert commands == _distill_commands("docs/hf.md") and len(commands) == 3
+    shutil.copy(corpus / "docs.jsonl", tmp_path / "docs.jsonl")
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err[-2000:]
+    parent_sha = sha256_file(tmp_path / "runs" / "dense" / "model.safetensors")
+    for name, weight, temperature in (("moh-distilled", 0.5, 2.0), ("pruned-distilled", 0.5, 1.0)):
+        summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+        assert summary["distill_from"]["sha256"] == {"model.safetensors": parent_sha}
+        assert (summary["distill_from"]["weight"], summary["distill_from"]["temperature"]) == (weight, temperature)
