@@ -1,5 +1,5 @@
 """Distillation with ``transformers``' ``Trainer`` (docs/hf.md, "Distilling from the parent"): the loss of
-:mod:`headmix.training.distill` for Hugging Face causal LMs, whose ``labels`` are the inputs (the model shifts
+:mod:`headmix.models.distill` for Hugging Face causal LMs, whose ``labels`` are the inputs (the model shifts
 them).
 
 - :func:`distillation_loss`: ``(1 - w) * lm_loss + w * T^2 * KL + aux_loss`` of a student's output against a
@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from transformers import Trainer
 
-from ..training.distill import (DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, check_distill_values, distillation_kl,
-                                distilled_loss, freeze)
+from ..models.distill import (DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, check_distill_values, distillation_kl,
+                              distilled_loss, freeze)
 
 
 def distillation_loss(outputs: Any, parent_logits: Tensor, labels: Tensor, *, weight: float = DEFAULT_WEIGHT,
