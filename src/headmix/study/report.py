@@ -898,7 +898,9 @@ def controls(spec: StudySpec, table_rows: list[dict[str, Any]], results: list[Ru
     their two ratios against the baseline, each timed side by side with it)."""
     metrics = {r["name"]: r for r in table_rows}
     out = []
-    for control, routed in ((r, routed) for r in spec.rows for routed in r.controls):
+    from .spec import controlled_rows
+
+    for control, routed in ((r, routed) for r in spec.rows for routed in controlled_rows(r.control_of)):
         entry: dict[str, Any] = {"row": routed, "control": control.name, "equal_macs": None, "ratio": None,
                                  "ratio_range": None, "equal_time": None}
         out.append(entry)

@@ -78,6 +78,13 @@ STUDY_OWNED = ("task", "preset", "out", "data", "seed", "tokenizer", "progress",
 MATCHING = ("macs", "none")
 
 
+def controlled_rows(control_of: str | list[str] | None) -> list[str]:
+    """A row's ``control_of`` as a list of the rows it controls (empty for a row that controls none)."""
+    if control_of is None:
+        return []
+    return [control_of] if isinstance(control_of, str) else list(control_of)
+
+
 @dataclass
 class RowSpec:
     """One row of a study: an attention variant."""
@@ -107,10 +114,8 @@ class RowSpec:
 
     @property
     def controls(self) -> list[str]:
-        """The rows this row is a control of (``control_of`` as a list; empty for a row that controls none)."""
-        if self.control_of is None:
-            return []
-        return [self.control_of] if isinstance(self.control_of, str) else list(self.control_of)
+        """The rows this row is a control of (:func:`controlled_rows`)."""
+        return controlled_rows(self.control_of)
 
     @property
     def distill_options(self) -> dict[str, Any]:
