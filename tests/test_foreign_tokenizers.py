@@ -291,3 +291,20 @@ def test_the_commands_of_docs_hf_run_as_written(docs_file, tmp_path, monkeypatch
         assert json.loads((out / "summary.json").read_text())["steps"] == 1
     assert (Path("runs/gqe/tokenizer/tokenizer.json").read_bytes()
             == Path("path/to/Qwen3-folder/tokenizer.json").read_bytes())
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_distilling_from_a_hugging_face_folder_uses_its_own_tokenizer(trained, layout, docs_file, tmp_path):
+    """``--init-from F --distill-from F`` with no ``--tokenizer``: the run takes the folder's tokenizer (so the
+    parent's check passes), records the parent's weights and logs the KL."""
+    from headmix.cli.main import main
+
+    folder, _, _ = trained[layout]
+    out = tmp_path / "distilled"
+    assert main(lm_args(out, docs_file, "--init-from", str(folder), "--distill-from", str(folder),
+                        "--distill-temperature", "2")) == 0
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    parent = json.loads((out / "train_config.json").read_text())["distill_parent"]
+    assert Path(parent["path"]) == folder.resolve() and parent["sha256"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("distill_kl" in r for r in records)

@@ -397,24 +397,26 @@ def test_demo_figures_show_the_data():
     assert [a.get_title() for a in fig.axes[:2]] == ["enc0", "dec0"]
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_two_processes_match_one_process_exactly(tmp_path, kind):
+@pytest.mark.parametrize("kind,loss", [("ddp", ""), ("fsdp", ""), ("ddp", "distill"), ("fsdp", "distill")])
+def test_two_processes_match_one_process_exactly(tmp_path, kind, loss):
     """Two gloo processes, each with its own batch, take the same optimizer step as one process on the
-    mean of both losses (MoA layers, auxiliary losses included), with DDP and with FSDP2."""
+    mean of both losses (MoA layers, auxiliary losses included), with DDP and with FSDP2; also with the loss
+    distilled from a frozen parent that neither wraps."""
     script = Path(__file__).parent / "ddp_agreement.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           str(tmp_path), kind]
+           str(tmp_path), kind, *([loss] if loss else [])]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / f"{kind}_result.json").read_text())
+    result = json.loads((tmp_path / f"{kind}{'_distill' if loss else ''}_result.json").read_text())
     assert result["max_abs_diff"] < 1e-6 and result["changed"] > 0
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_torchrun_training_end_to_end(tmp_path, pairs_file, kind):
+@pytest.mark.parametrize("kind,distill", [("ddp", False), ("fsdp", False), ("fsdp", True)])
+def test_torchrun_training_end_to_end(tmp_path, pairs_file, kind, distill):
     """The training command under torchrun with 2 CPU processes: the same splits as one process, and a
-    validation loss close to the one-process run."""
+    validation loss close to the one-process run; also distilled from that run (a translation parent, with its
+    tokenizer), the parent on every rank."""
     one = small_config(tmp_path / "one", pairs_file, max_steps=3, save_every=3, eval_every=100, dropout=0.0,
                        preset="tiny-mha")
     train(one)
@@ -425,11 +427,16 @@ def test_torchrun_training_end_to_end(tmp_path, pairs_file, kind):
            "--max-len", "32", "--warmup-steps", "2", "--save-every", "3", "--eval-every", "100",
            "--dropout", "0", "--no-progress", "--log-every", "1", "--valid-size", "0.05", "--test-size", "0.05",
            "--distributed", kind]
+    if distill:
+        cmd += ["--distill-from", str(tmp_path / "one"), "--tokenizer", str(tmp_path / "one" / "tokenizer")]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
+    if distill:
+        assert summary["distill_from"]["path"] == str((tmp_path / "one").resolve())
+        assert all(r["distill_kl"] >= 0 for r in read_metrics(two) if r["split"] == "train")
     l1 = json.loads((tmp_path / "one" / "summary.json").read_text())["valid"]["loss"]
     assert abs(l1 - summary["valid"]["loss"]) < 0.5, (l1, summary["valid"]["loss"])
     for split in ("train", "valid", "test"):

@@ -10,6 +10,8 @@ in docs/hf.md), so the registration happens here, once, on request.
 - :class:`HeadmixConfig`, :class:`HeadmixForCausalLM`, :class:`HeadmixCache`: the config, the model, the cache.
 - :func:`run_to_hf`, :func:`hf_to_headmix`: a headmix run folder (or model folder) to a Hugging Face folder
   (weights, config, tokenizer) and back, without loss.
+- :class:`DistillationTrainer`, :func:`distillation_loss` (:mod:`headmix.hf.distill`): ``Trainer`` with the loss
+  distilled from a frozen parent; imported on first use (``transformers.Trainer`` is a slow import).
 """
 
 from __future__ import annotations
@@ -35,4 +37,12 @@ HeadmixConfig.register_for_auto_class()
 HeadmixForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = ["HeadmixConfig", "HeadmixForCausalLM", "HeadmixCache", "HeadmixCausalLMOutput", "run_to_hf",
-           "hf_to_headmix"]
+           "hf_to_headmix", "DistillationTrainer", "distillation_loss"]
+
+
+def __getattr__(name: str):
+    if name in ("DistillationTrainer", "distillation_loss"):  # transformers.Trainer only when it is asked for
+        from . import distill
+
+        return getattr(distill, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

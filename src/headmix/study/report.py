@@ -246,6 +246,7 @@ def continuation(spec: StudySpec, planned: list[PlannedRow], results: list[RunRe
     src_len, tgt_len = macs_lengths(spec, planned[0].config)
     per_token = tgt_len or src_len or 1
     options = {r.name: r.init_options for r in spec.rows}
+    distilled = {r.name: r.distill for r in spec.rows}
     at_start: dict[str, dict[int, float]] = {}
     after: dict[str, dict[int, float]] = {}
     hashes = set()
@@ -260,6 +261,7 @@ def continuation(spec: StudySpec, planned: list[PlannedRow], results: list[RunRe
     rows = []
     for row in planned:
         entry: dict[str, Any] = {"name": row.name, "init_options": options.get(row.name, {}),
+                                 **({"distill": distilled[row.name]} if distilled.get(row.name) is not None else {}),
                                  "attention_macs_per_token": {
                                      c: attention_macs_of(row.config, src_len, tgt_len, spec.moh_count, c) / per_token
                                      for c in ATTENTION_MACS}}
@@ -489,14 +491,19 @@ def continuation_markdown(table: dict[str, Any]) -> list[str]:
         macs = row["attention_macs_per_token"]
         start, end = row.get("at_conversion_vs_baseline"), row.get("after_vs_baseline")
         lines.append("| " + " | ".join([
-            row["name"], _options_text(row["init_options"]), f"{macs['full'] / 1e3:.1f}k", f"{macs['causal'] / 1e3:.1f}k",
+            row["name"], _options_text(row["init_options"], row.get("distill")), f"{macs['full'] / 1e3:.1f}k", f"{macs['causal'] / 1e3:.1f}k",
             _fmt(row.get("at_conversion")), _delta_text(start) if start else "–", _fmt(row.get("after")),
             _delta_text(end) if end else "–", end["verdict"] if end else "–"]) + " |")
     return lines + [""]
 
 
-def _options_text(options: dict[str, Any]) -> str:
-    """A row's ``init_options`` in a few words."""
+def _options_text(options: dict[str, Any], distill: dict[str, Any] | None = None) -> str:
+    """A row's ``init_options`` in a few words, and its distillation from the parent (``distill``) if it has one."""
+    if distill is not None:
+        from ..models.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT
+
+        return (f"{_options_text(options)}; distilled from the parent (weight {distill.get('weight', DEFAULT_WEIGHT):g},"
+                f" temperature {distill.get('temperature', DEFAULT_TEMPERATURE):g})")
     if not options:
         return "the parent as it is"
     if options.get("attention") == "mha":
@@ -885,14 +892,15 @@ def _timed_at(stored: dict[str, Any]) -> dict[str, Any]:
 
 def controls(spec: StudySpec, table_rows: list[dict[str, Any]], results: list[RunResult],
              timings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each control row (``control_of``) against the row it controls: the controlled row minus the control,
+    """Each control row (``control_of``) against each row it controls: the controlled row minus the control,
     paired by seed, at equal MACs (the final validation NLL) and at equal time (both validation curves read by
     step at the time the faster of the two needs for the study's steps, the step-time ratio being the ratio of
     their two ratios against the baseline, each timed side by side with it)."""
     metrics = {r["name"]: r for r in table_rows}
     out = []
-    for control in (r for r in spec.rows if r.control_of is not None):
-        routed = control.control_of
+    from .spec import controlled_rows
+
+    for control, routed in ((r, routed) for r in spec.rows for routed in controlled_rows(r.control_of)):
         entry: dict[str, Any] = {"row": routed, "control": control.name, "equal_macs": None, "ratio": None,
                                  "ratio_range": None, "equal_time": None}
         out.append(entry)

@@ -343,12 +343,15 @@ PARENT_DIR = "parent"
 
 def model_options(spec: StudySpec, row: PlannedRow, out: Path, config: Path) -> dict[str, Any]:
     """The TrainConfig options that give a run of ``row`` its model: the row's config file, or in a continuation
-    study the parent's final model converted by the row's ``init_options``."""
+    study the parent's final model converted by the row's ``init_options`` (and, for a row that sets ``distill``,
+    the parent to distil from with the row's weight and temperature)."""
     if spec.parent is None:
         return {"task": spec.task, "preset": str(config)}
-    options = next(r.init_options for r in spec.rows if r.name == row.name)
+    spec_row = next(r for r in spec.rows if r.name == row.name)
+    options = spec_row.init_options
+    distill = {"distill_from": str(out / PARENT_DIR), **spec_row.distill_options} if spec_row.distill is not None else {}
     return {"task": spec.task, "init_from": str(out / PARENT_DIR),
-            "init_options": json.dumps(options, sort_keys=True) if options else None}
+            "init_options": json.dumps(options, sort_keys=True) if options else None, **distill}
 
 
 def parent_config(spec: StudySpec, out: Path, progress: bool = False):

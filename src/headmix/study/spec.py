@@ -42,6 +42,17 @@ the row's ``init_options`` say (:mod:`headmix.interop.upcycle`); its rows keep t
     [[rows]]
     name = "MoH query-norm 75%"
     init_options = { attention = "moh", num_shared_heads = 4, top_k = 2, router = "query_norm" }
+    [[rows]]
+    name = "MoH learned 75%"
+    init_options = { attention = "moh", num_shared_heads = 4, top_k = 2 }
+    [[rows]]
+    name = "MoH learned 75% distilled"    # the same, continued with distillation from the parent
+    init_options = { attention = "moh", num_shared_heads = 4, top_k = 2 }
+    distill = { weight = 0.5, temperature = 1.0 }
+    [[rows]]
+    name = "pruned 75%"
+    init_options = { attention = "mha", keep_heads = 3 }
+    control_of = ["MoH query-norm 75%", "MoH learned 75%"]   # a control may serve several rows
 
 Relative paths in a spec file are relative to the file.
 """
@@ -60,10 +71,18 @@ from ..models.counting import check_convention
 from .matching import MOH_COUNTS, SOLVABLE
 
 #: TrainConfig options a spec may not set: the study sets them itself for every run.
-STUDY_OWNED = ("task", "preset", "out", "data", "seed", "tokenizer", "progress", "init_from", "init_options")
+STUDY_OWNED = ("task", "preset", "out", "data", "seed", "tokenizer", "progress", "init_from", "init_options",
+               "distill_from", "distill_weight", "distill_temperature")
 #: How rows are sized: "macs" (to the baseline's attention MACs, within ``tolerance``) or "none" (each row keeps
 #: the shape it is given, or its parent's; the report states every row's MACs).
 MATCHING = ("macs", "none")
+
+
+def controlled_rows(control_of: str | list[str] | None) -> list[str]:
+    """A row's ``control_of`` as a list of the rows it controls (empty for a row that controls none)."""
+    if control_of is None:
+        return []
+    return [control_of] if isinstance(control_of, str) else list(control_of)
 
 
 @dataclass
@@ -77,9 +96,9 @@ class RowSpec:
     solve: list[str] = field(default_factory=list)
     #: preferred values of the solved fields (the closest feasible one wins)
     prefer: dict[str, Any] = field(default_factory=dict)
-    #: the name of the (routed) row this row is a control of: its random-routing twin, or the dense model with
-    #: the same active compute; the report shows that row minus this one, paired by seed
-    control_of: str | None = None
+    #: the name of the (routed) row this row is a control of, or a list of such rows: its random-routing twin, or
+    #: the dense model with the same active compute; the report shows each of them minus this one, paired by seed
+    control_of: str | list[str] | None = None
     #: MoSA rows: also evaluate each run's final model with the causal threshold rule (beside the top-k over
     #: the whole sequence it trains with); the report shows the gap, paired by seed
     causal_eval: bool = False
@@ -88,6 +107,22 @@ class RowSpec:
     #: ``num_shared_heads``, ``top_k``, ``router``, ``route_per_group``, ``keep_heads``...); empty: the parent as
     #: it is (the dense continuation)
     init_options: dict[str, Any] = field(default_factory=dict)
+    #: a continuation study's rows: distil from the study's parent while continuing (``headmix train
+    #: --distill-from``), with these options: ``weight`` (in [0, 1], default 0.5) and ``temperature`` (> 0, default
+    #: 1); an empty table distils with the defaults; ``None`` (the default): no distillation
+    distill: dict[str, Any] | None = None
+
+    @property
+    def controls(self) -> list[str]:
+        """The rows this row is a control of (:func:`controlled_rows`)."""
+        return controlled_rows(self.control_of)
+
+    @property
+    def distill_options(self) -> dict[str, Any]:
+        """The TrainConfig options of this row's distillation from ``parent`` (``{}`` without one)."""
+        if self.distill is None:
+            return {}
+        return {f"distill_{k}": v for k, v in self.distill.items()}
 
     def validate(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -97,8 +132,19 @@ class RowSpec:
                 raise ValueError(f"rows[{self.name!r}].solve must name fields of {SOLVABLE}, got {f!r}")
         if self.solve and not self.attention:
             raise ValueError(f"rows[{self.name!r}].solve needs rows[{self.name!r}].attention (at least its kind)")
-        if self.control_of is not None and (not isinstance(self.control_of, str) or self.control_of == self.name):
-            raise ValueError(f"rows[{self.name!r}].control_of must name another row, got {self.control_of!r}")
+        controls = self.control_of if isinstance(self.control_of, list) else [self.control_of]
+        if self.control_of is not None and (not controls or any(not isinstance(c, str) or c == self.name
+                                                                for c in controls) or len(set(controls)) < len(controls)):
+            raise ValueError(f"rows[{self.name!r}].control_of must name another row, or a list of other rows, got "
+                             f"{self.control_of!r}")
+        if self.distill is not None:
+            if not isinstance(self.distill, dict) or set(self.distill) - {"weight", "temperature"}:
+                raise ValueError(f"rows[{self.name!r}].distill must be a table of weight and temperature (empty: the "
+                                 f"defaults), got {self.distill!r}")
+            from ..models.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, check_distill_values
+
+            check_distill_values(self.distill.get("weight", DEFAULT_WEIGHT),
+                                 self.distill.get("temperature", DEFAULT_TEMPERATURE), prefix=f"rows[{self.name!r}].distill.")
         if not isinstance(self.causal_eval, bool):
             raise ValueError(f"rows[{self.name!r}].causal_eval must be true or false, got {self.causal_eval!r}")
         if not isinstance(self.init_options, dict):
@@ -216,16 +262,17 @@ class StudySpec:
         self.baseline_config()  # a clear error for a bad baseline
         if not self.rows:
             raise ValueError("rows must list at least the baseline row")
-        if self.rows[0].attention or self.rows[0].solve or self.rows[0].init_options:
+        if self.rows[0].attention or self.rows[0].solve or self.rows[0].init_options or self.rows[0].distill is not None:
             raise ValueError(f"the first row ({self.rows[0].name!r}) is the baseline: it takes the baseline's "
-                             f"attention, so it sets neither attention, solve nor init_options")
+                             f"attention and training, so it sets neither attention, solve, init_options nor distill")
         names = [r.name for r in self.rows]
         if len(set(names)) != len(names):
             raise ValueError(f"rows must have distinct names, got {names}")
         for row in self.rows:
             row.validate()
-            if row.control_of is not None and row.control_of not in names:
-                raise ValueError(f"rows[{row.name!r}].control_of must name a row of the study, got {row.control_of!r}")
+            unknown = [c for c in row.controls if c not in names]
+            if unknown:
+                raise ValueError(f"rows[{row.name!r}].control_of must name a row of the study, got {unknown[0]!r}")
         if self.matching not in MATCHING:
             raise ValueError(f"matching must be one of {MATCHING}, got {self.matching!r}")
         if self.parent is not None:
@@ -245,6 +292,10 @@ class StudySpec:
             if converting:
                 raise ValueError(f"rows {converting} set init_options, which convert a parent: give the study a "
                                  f"parent (max_steps, seed)")
+            distilling = [r.name for r in self.rows if r.distill is not None]
+            if distilling:
+                raise ValueError(f"rows {distilling} set distill, which distils from the study's parent: give the "
+                                 f"study a parent (max_steps, seed)")
         if self.matching == "none":
             solving = [r.name for r in self.rows if r.solve]
             if solving:

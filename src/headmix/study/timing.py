@@ -11,7 +11,9 @@ first in even rounds, the row first in odd ones), and the round's ratio is the r
 order-statistic interval of the median (:func:`median_interval`: at least 95% coverage, no assumption on the
 shape of the noise). A slow-down of the machine that lasts longer than a round changes both models' times in
 that round alike and leaves its ratio alone; a burst inside one round moves that round only, and the median
-ignores a few such rounds.
+ignores a few such rounds. A row that distils from a continuation study's parent (``RowSpec.distill``) is timed
+with the parent's forward pass in each of its steps (a frozen model of the baseline's shape: the parent's cost),
+as its runs train.
 
 **How equal time is read** (:func:`equal_time_steps`). A row whose step takes ``ratio`` times the baseline's
 reaches, in the time the baseline needs for ``s`` steps, step ``s / ratio``. The study trains every run for
@@ -174,12 +176,23 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
     batches = forever(task.loader(dataset, tok, max_tokens=cfg.max_tokens, train=True, seed=spec.split_seed))
     autocast = autocast_for(cfg, device)
 
-    def trainer(config_file: Path) -> Callable[[Any], None]:
+    def build(config_file: Path):
+        return build_model(model_config(TrainConfig(**{**cfg.to_dict(), "preset": str(config_file)}), tok)).to(device)
+
+    def trainer(config_file: Path, distill: dict[str, Any] | None = None) -> Callable[[Any], None]:
         torch.manual_seed(spec.split_seed)
-        model = build_model(model_config(TrainConfig(**{**cfg.to_dict(), "preset": str(config_file)}), tok)).to(device)
+        model = build(config_file)
         model.train()
         forward = compile_model(model) if cfg.compile else model
         optimizer, schedule = optimizer_and_schedule(cfg, model.parameters())
+        distiller = None
+        if distill is not None:  # the parent's forward is part of a distilled step: the baseline's shape, frozen
+            from ..training.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, Distiller
+
+            distiller = Distiller(build(baseline_config), weight=distill.get("weight", DEFAULT_WEIGHT),
+                                  temperature=distill.get("temperature", DEFAULT_TEMPERATURE),
+                                  input_names=task.input_names, pad_id=model.config.pad_id, device=device,
+                                  dtype=next(model.parameters()).dtype, autocast=autocast)
 
         def step(micro_batches: list) -> None:
             """The trainer's step: forward, backward, the gradient norm (clipped when ``clip_norm`` > 0), the
@@ -187,9 +200,11 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
             optimizer.zero_grad(set_to_none=True)
             loss = torch.zeros((), device=device)
             for batch in micro_batches:
+                inputs = task.model_inputs(batch, device)
                 with autocast():
-                    output = forward(**task.model_inputs(batch, device))
-                (output.total_loss / len(micro_batches)).backward()
+                    output = forward(**inputs)
+                total = output.total_loss if distiller is None else distiller(output, inputs)[0]
+                (total / len(micro_batches)).backward()
                 loss += output.lm_loss.detach()
             norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                                   cfg.clip_norm if cfg.clip_norm > 0 else float("inf"))
@@ -201,7 +216,8 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
 
         return step
 
-    step_base, step_row = trainer(baseline_config), trainer(row_config)
+    distill = next((r.distill for r in spec.rows if r.name == row_name), None)
+    step_base, step_row = trainer(baseline_config), trainer(row_config, distill)
     # the same batches for both: each model's k-th step takes the k-th batch group
     queue: dict[str, list] = {"baseline": [], "row": []}
 
@@ -221,6 +237,8 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
             "device": str(device), "bf16": cfg.bf16, "compile": cfg.compile, "machine": machine_record(device),
             "software": software_record(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average": [load_before, load_average()],
+            **({"distill": {**distill, "parent_forward": "timed: the baseline's model, frozen, in each of the row's "
+                                                         "steps"}} if distill is not None else {}),
             "method": f"interleaved in one process: {spec.timing_warmup} warm-up steps of each model, then "
                       f"{spec.timing_rounds} rounds of {spec.timing_steps} steps of each on the same batches, the "
                       f"order alternating by round; median of the rounds' ratios, order-statistic interval"}

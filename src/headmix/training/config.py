@@ -31,7 +31,8 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple
 
 #: Fields that define a run: resuming with another value is refused (headmix.runs.RunMismatchError).
 IDENTITY = ("task", "preset", "data", "src_lang", "tgt_lang", "tokenizer", "vocab_size", "valid_size",
-            "test_size", "max_len", "seed", "split_seed", "init_from", "init_options", "pack")
+            "test_size", "max_len", "seed", "split_seed", "init_from", "init_options", "pack", "distill_from",
+            "distill_weight", "distill_temperature")
 
 
 @dataclass
@@ -103,6 +104,14 @@ class TrainConfig:
                                             "2, \"router\": \"query_norm\"}' or the pruning control '{\"attention\": "
                                             "\"mha\", \"keep_heads\": 2}' (docs/hf.md, \"From a checkpoint to a "
                                             "routed model\")", metavar="JSON")
+    distill_from: str | None = option(None, "distil from this parent (frozen): a finished headmix run, a folder headmix "
+                                            "wrote, or a local Hugging Face folder, with the run's tokenizer; the loss is "
+                                            "(1 - w) * task loss + w * T^2 * KL(parent || student) at temperature T "
+                                            "(docs/training.md, \"Distillation\")", metavar="RUN_DIR|HF_FOLDER")
+    distill_weight: float | None = option(None, "w, the distillation term's weight in [0, 1] (with --distill-from; "
+                                                "default 0.5)")
+    distill_temperature: float | None = option(None, "T, the softmax temperature of parent and student, > 0 (with "
+                                                     "--distill-from; default 1)")
 
     def __post_init__(self) -> None:
         if self.preset is None and self.init_from is None:
@@ -151,6 +160,20 @@ class TrainConfig:
         if self.init_from is None:
             raise ValueError("init_options apply to an init_from (the model they convert)")
         return options
+
+    @property
+    def resolved_distill_weight(self) -> float:
+        """``distill_weight``, or 0.5 when unset."""
+        from .distill import DEFAULT_WEIGHT
+
+        return DEFAULT_WEIGHT if self.distill_weight is None else self.distill_weight
+
+    @property
+    def resolved_distill_temperature(self) -> float:
+        """``distill_temperature``, or 1 when unset."""
+        from .distill import DEFAULT_TEMPERATURE
+
+        return DEFAULT_TEMPERATURE if self.distill_temperature is None else self.distill_temperature
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -221,6 +244,14 @@ class TrainConfig:
             raise ValueError(f"preset {self.preset!r} and init_from {self.init_from!r} both give the model: leave "
                              f"out preset (the model of init_from is trained on)")
         self.resolved_init_options  # noqa: B018 - checks the JSON
+        if self.distill_from is None:
+            given = [n for n in ("distill_weight", "distill_temperature") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{given[0]} applies to a distill_from (the parent to distil from), got none")
+        else:
+            from .distill import check_distill_values
+
+            check_distill_values(self.resolved_distill_weight, self.resolved_distill_temperature)
 
     def validate(self) -> None:
         """``ValueError`` naming the first option with a value it cannot take, ``FileNotFoundError`` for a
@@ -275,6 +306,10 @@ class TrainConfig:
             from .setup import check_tokenizer
 
             check_tokenizer(self)
+        if self.distill_from is not None:  # the parent, its tokenizer and vocabulary: before anything is written
+            from .distill import check_parent
+
+            check_parent(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -60,9 +60,12 @@ class TrainingWindow:
         self.start = time.time()
         self.counts: dict[str, torch.Tensor] = {}
 
-    def add_batch(self, out, grad_accum: int) -> None:
-        """One micro-batch's model output: its auxiliary loss and routing."""
+    def add_batch(self, out, grad_accum: int, distill_kl: torch.Tensor | None = None) -> None:
+        """One micro-batch's model output: its auxiliary loss and routing; and, in a distilled run, its
+        distillation KL (:mod:`headmix.training.distill`)."""
         self.aux += float(out.aux_loss.detach()) / grad_accum
+        if distill_kl is not None:
+            self.distill_kl = getattr(self, "distill_kl", 0.0) + float(distill_kl) / grad_accum
         add_expert_counts(out.routing, self.counts)
 
     def add_step(self, loss: float, tokens: int, timed: bool = True) -> None:
@@ -80,7 +83,8 @@ class TrainingWindow:
     def record(self, world_size: int) -> dict[str, Any]:
         seconds = max(time.time() - self.start - self.excluded_seconds, 1e-9)
         speed = self.timed_tokens * world_size / seconds if self.timed_tokens else None  # None: only compiling steps
-        return {"loss": self.loss / self.steps, "aux_loss": self.aux / self.steps,
+        distilled = {"distill_kl": self.distill_kl / self.steps} if hasattr(self, "distill_kl") else {}
+        return {"loss": self.loss / self.steps, "aux_loss": self.aux / self.steps, **distilled,
                 "tokens_per_sec": speed, **load_record(self.counts)}
 
 

@@ -55,10 +55,20 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         if d.main:
             print(f"[headmix] {msg}", file=sys.stderr, flush=True)
 
+    stored, identity, parent = cfg.to_dict(), IDENTITY, None
+    if cfg.distill_from is not None:  # the parent's weights, identified and loaded before the folder is touched
+        from .distill import check_recorded_parent, load_parent, parent_identity
+
+        stored["distill_parent"] = parent_identity(cfg.distill_from)
+        identity = (*IDENTITY, "distill_parent")
+        if d.main:
+            check_recorded_parent(cfg.out, stored["distill_parent"])
+        parent = load_parent(cfg.distill_from)
+
     with contextlib.ExitStack() as cleanup:
         started = cleanup.enter_context(removed_if_unstarted(cfg.out, d.main))  # a failed start leaves no folder
         # Rank 0 owns the folder (its lock, the stored config, every write); the other ranks read it.
-        run = cleanup.enter_context(Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY,
+        run = cleanup.enter_context(Run.create_or_resume(cfg.out, stored, identity=identity,
                                                          restart_untrained=True)) if d.main else Run(cfg.out)
         warning = cfg.schedule_warning()
         if warning:
@@ -108,6 +118,18 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         if d.main:
             run.truncate_metrics(step)  # records of steps after the checkpoint are replayed
         autocast = autocast_for(cfg, device)
+        distiller = None
+        if parent is not None:  # frozen, unwrapped, on the student's device and dtype, under its autocast
+            from .distill import Distiller
+
+            if parent.config.vocab_size != mcfg.vocab_size:
+                raise ValueError(f"distill_from {cfg.distill_from}: its model has {parent.config.vocab_size} logits "
+                                 f"per position, the run's {mcfg.vocab_size}: distillation needs the same vocabulary")
+            distiller = Distiller(parent, weight=cfg.resolved_distill_weight,
+                                  temperature=cfg.resolved_distill_temperature, input_names=task.input_names,
+                                  pad_id=mcfg.pad_id, device=device, dtype=next(model.parameters()).dtype, autocast=autocast)
+            log(f"distilling from {cfg.distill_from} (weight {distiller.weight:g}, temperature "
+                f"{distiller.temperature:g})")
         metrics = MetricsLog(run.path, enabled=d.main)
         cleanup.callback(metrics.close)
         log(f"model {cfg.preset or cfg.init_from} ({params / 1e6:.2f}M parameters) on {device}, world size "
@@ -154,12 +176,14 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                 batch = next(batches)
                 last = micro == cfg.grad_accum - 1 or d.world_size == 1
                 with contextlib.nullcontext() if last else par.no_sync():
+                    inputs = task.model_inputs(batch, device)
                     with autocast():
-                        out = forward(**task.model_inputs(batch, device))
-                    (out.total_loss / cfg.grad_accum).backward()
+                        out = forward(**inputs)
+                    total, kl = (out.total_loss, None) if distiller is None else distiller(out, inputs)
+                    (total / cfg.grad_accum).backward()
                 step_loss += out.lm_loss.detach()
                 step_tokens += int(out.num_tokens)
-                window.add_batch(out, cfg.grad_accum)
+                window.add_batch(out, cfg.grad_accum, kl)
             # clip, step
             grad_norm = par.clip_grad_norm(cfg.clip_norm)
             loss = float(step_loss) / cfg.grad_accum
@@ -229,6 +253,9 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                 summary.update(compile_seconds=compile_seconds, compile_steps=compile_steps)
             if init_record:
                 summary["init_from"] = {**init_record, "valid_at_start": _valid_at_start(run.path)}
+            if distiller is not None:
+                summary["distill_from"] = {**stored["distill_parent"], "weight": distiller.weight,
+                                           "temperature": distiller.temperature}
             run.write_summary(summary)
             log(f"done: {step} steps in {train_seconds:.0f}s, valid loss {valid['loss']:.3f}, ppl {valid['ppl']:.1f}")
         d.barrier()

@@ -1,0 +1,454 @@
+"""Distillation from a parent (issue 52, ``headmix train --distill-from``): the loss exact against a float64
+reference, the frozen parent, the loop's step by hand (gradient accumulation), alpha = 0 as plain training, the
+parent's identity recorded and checked on resume, bf16, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from headmix.data import Tokenizer, load_embedded_documents, write_jsonl_documents
+from headmix.models import build_model, get_config, load_pretrained
+from headmix.runs import RunMismatchError
+from headmix.storage.files import sha256_file
+from headmix.training import TrainConfig, train
+from headmix.training.distill import Distiller, distillation_kl
+from headmix.training.metrics import read_metrics
+
+VOCAB = 40
+
+
+def reference_kl(student: torch.Tensor, parent: torch.Tensor, scored: torch.Tensor, t: float) -> torch.Tensor:
+    """KL(softmax(parent / t) || softmax(student / t)) summed over the vocabulary, averaged over the scored
+    positions, written out in float64 with no library softmax."""
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for s, p, keep in zip(student.reshape(-1, student.shape[-1]).double(), parent.reshape(-1, parent.shape[-1]).double(),
+                          scored.reshape(-1).tolist()):
+        if not keep:
+            continue
+        ps = torch.exp(p / t) / torch.exp(p / t).sum()
+        qs = torch.exp(s / t) / torch.exp(s / t).sum()
+        total = total + (ps * (torch.log(ps) - torch.log(qs))).sum()
+        count += 1
+    return total / max(count, 1)
+
+
+def reference_ce(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """The label-smoothed cross-entropy averaged over the scored positions, written out in float64."""
+    logp = logits.double().log_softmax(-1).reshape(-1, logits.shape[-1])
+    flat = targets.reshape(-1).clamp(min=0)
+    nll = -logp.gather(1, flat[:, None])[:, 0]
+    loss = (1 - smoothing) * nll - smoothing * logp.mean(-1)
+    keep = scored.reshape(-1)
+    return loss[keep].sum() / keep.sum()
+
+
+def _models(task: str, seed: int = 0):
+    config = get_config({"translation": "tiny-moa", "mlm": "tiny-moa", "lm": "llama-tiny-moh"}[task], task=task,
+                        vocab_size=VOCAB)
+    torch.manual_seed(seed)
+    student = build_model(config.replace(dropout=0.0)).double()
+    parent = build_model(config.replace(dropout=0.3)).double()  # its dropout must stay off
+    return student, parent
+
+
+def _inputs(task: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, VOCAB, (3, 9), generator=g)
+    targets = torch.randint(5, VOCAB, (3, 9), generator=g)
+    targets[0, -3:] = 0  # padding
+    targets[1, :2] = -100  # ignored
+    if task == "translation":
+        return {"src": ids, "tgt_in": torch.randint(5, VOCAB, (3, 9), generator=g), "tgt_out": targets}
+    if task == "mlm":
+        return {"input_ids": ids, "labels": targets}
+    return {"input_ids": ids, "targets": targets}
+
+
+@pytest.mark.parametrize("task", ["lm", "mlm", "translation"])
+def test_the_loss_is_exact_against_a_float64_reference(task):
+    """(1 - w) task loss + w T^2 KL + aux, KL summed over the vocabulary and averaged over the positions the task
+    loss scores (padding and -100 left out), for every task, in float64."""
+    from headmix.tasks import get_task
+
+    student, parent = _models(task)
+    inputs = _inputs(task)
+    names = get_task(task).input_names
+    w, t = 0.3, 2.5
+    distiller = Distiller(parent, weight=w, temperature=t, input_names=names, pad_id=0, device="cpu",
+                          dtype=torch.float64)
+    out = student(**inputs)
+    loss, kl = distiller(out, inputs)
+    targets = next(v for k, v in inputs.items() if k not in names)
+    scored = (targets != 0) & (targets != -100)
+    with torch.no_grad():
+        parent_logits = parent.eval()(**{k: inputs[k] for k in names}).logits
+    ref_kl = reference_kl(out.logits.detach(), parent_logits, scored, t)
+    ce = reference_ce(out.logits.detach(), targets, scored, student.config.label_smoothing)
+    torch.testing.assert_close(out.lm_loss.double(), ce, rtol=1e-6, atol=0)  # the task loss: float32 inside
+    expected = (1 - w) * out.lm_loss.double() + w * t * t * ref_kl + out.aux_loss.detach()
+    assert loss.dtype == torch.float64 and ref_kl > 1e-3
+    torch.testing.assert_close(kl, ref_kl, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_the_kl_of_logits_without_a_scored_position_is_zero_and_its_gradient_is_the_students_only():
+    student = torch.randn(2, 3, 7, requires_grad=True)
+    parent = torch.randn(2, 3, 7, requires_grad=True)
+    assert float(distillation_kl(student, parent, torch.zeros(2, 3, dtype=torch.bool), 1.0).detach()) == 0.0
+    distillation_kl(student, parent, torch.ones(2, 3, dtype=torch.bool), 2.0).backward()
+    assert student.grad is not None and parent.grad is None
+    # equal logits: no divergence, at any temperature
+    same = torch.randn(4, 7)
+    assert float(distillation_kl(same, same.clone(), torch.ones(4, dtype=torch.bool), 3.0)) == pytest.approx(0, abs=1e-7)
+
+
+def test_the_parent_gets_no_gradient_and_its_weights_stay_bit_identical():
+    student, parent = _models("lm")
+    before = {k: v.clone() for k, v in parent.state_dict().items()}
+    distiller = Distiller(parent.train(), weight=0.7, temperature=2.0, input_names=("input_ids",), pad_id=0,
+                          device="cpu", dtype=torch.float64)
+    assert not parent.training and not any(p.requires_grad for p in parent.parameters())
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    inputs = _inputs("lm")
+    first = distiller.parent_logits(inputs)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss, _ = distiller(student(**inputs), inputs)
+        loss.backward()
+        optimizer.step()
+    assert all(p.grad is None for p in parent.parameters())
+    for k, v in parent.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(distiller.parent_logits(inputs), first)  # eval mode: its dropout (0.3) is off
+
+
+# ------------------------------------------------------------------------------------------ runs
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("distill")
+    write_jsonl_documents(load_embedded_documents(sources="kjv-bible")[:60], folder / "docs.jsonl")
+    return folder
+
+
+RUN = dict(task="lm", max_tokens=256, max_len=32, warmup_steps=1, log_every=1, eval_every=100, save_every=100,
+           average_last=1, valid_size=0.1, test_size=0.1, progress=False, lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def parent(corpus) -> Path:
+    """A tiny finished causal LM run (grouped-query attention), the parent of the runs here."""
+    folder = corpus / "parent"
+    train(TrainConfig(preset="llama3-tiny-gqa", out=str(folder), data=[str(corpus / "docs.jsonl")], vocab_size=300,
+                      max_steps=3, **RUN))
+    return folder
+
+
+def _student(corpus: Path, parent: Path, name: str, **kw) -> TrainConfig:
+    options = dict(init_from=str(parent), data=[str(corpus / "docs.jsonl")], out=str(corpus / name), max_steps=2,
+                   dropout=0.0, **RUN)
+    options.update(kw)
+    return TrainConfig(**options)
+
+
+def _hand_kl(student: torch.Tensor, parent: torch.Tensor, targets: torch.Tensor, t: float) -> torch.Tensor:
+    keep = (targets != 0).reshape(-1)
+    s = (student.reshape(-1, student.shape[-1])[keep] / t).log_softmax(-1)
+    p = (parent.reshape(-1, parent.shape[-1])[keep] / t).log_softmax(-1)
+    return (p.exp() * (p - s)).sum() / keep.sum()
+
+
+def test_one_distilled_step_with_gradient_accumulation_equals_the_step_by_hand(corpus, parent):
+    """Step 1 of a distilled run with grad_accum 2: each micro-batch's (1 - w) CE + w T^2 KL + aux, divided by 2,
+    from the parent's logits; AdamW at the first step's learning rate. The parent's file is unchanged."""
+    parent_sha = sha256_file(parent / "model.safetensors")
+    cfg = _student(corpus, parent, "accum", max_steps=1, save_every=1, grad_accum=2, distill_from=str(parent),
+                   distill_weight=0.25, distill_temperature=2.0, warmup_steps=4)
+    train(cfg)
+    task = cfg.task_spec
+    run = Path(cfg.out)
+    tok = Tokenizer.load(run / "tokenizer")
+    dataset = task.dataset(task.read_items(run / "data" / "train.jsonl"), tok, cfg.max_len)
+    batches = iter(task.loader(dataset, tok, max_tokens=cfg.max_tokens, train=True, seed=cfg.seed))
+    torch.manual_seed(cfg.seed)
+    model = load_pretrained(parent)
+    teacher = load_pretrained(parent).eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr * 0.25, betas=cfg.betas, eps=cfg.eps, weight_decay=0.0)
+    kls = []
+    for _ in range(2):
+        batch = task.model_inputs(next(batches), "cpu")
+        out = model(**batch)
+        with torch.no_grad():
+            teacher_logits = teacher(batch["input_ids"]).logits
+        kl = _hand_kl(out.logits, teacher_logits, batch["targets"], 2.0)
+        ce = F.cross_entropy(out.logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=0)
+        ((0.75 * ce + 0.25 * 4.0 * kl + out.aux_loss) / 2).backward()
+        kls.append(float(kl.detach()))
+    optimizer.step()
+    looped = load_file(str(run / "checkpoints" / "step_00000001" / "model.safetensors"))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(looped[k], v.detach(), rtol=1e-5, atol=1e-7, msg=k)
+    record = [r for r in read_metrics(run) if r["split"] == "train"][0]
+    assert record["distill_kl"] == pytest.approx(sum(kls) / 2, rel=1e-5)
+    assert sha256_file(parent / "model.safetensors") == parent_sha
+
+
+def test_weight_zero_is_plain_training_bit_for_bit(corpus, parent):
+    plain = train(_student(corpus, parent, "plain", init_options='{"attention": "moh", "num_shared_heads": 2, '
+                                                                  '"top_k": 2}'))
+    zero = train(_student(corpus, parent, "zero", distill_from=str(parent), distill_weight=0.0,
+                          init_options='{"attention": "moh", "num_shared_heads": 2, "top_k": 2}'))
+    a, b = load_file(str(corpus / "plain" / "model.safetensors")), load_file(str(corpus / "zero" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert plain["valid"] == zero["valid"] and "distill_from" not in plain
+
+
+def test_the_parent_is_recorded_and_a_changed_parent_is_refused_on_resume(corpus, parent, tmp_path):
+    mine = tmp_path / "parent"
+    shutil.copytree(parent, mine)
+    cfg = _student(corpus, mine, "resume", distill_from=str(mine), max_steps=3, save_every=1)
+    calls = iter(range(100))
+    assert train(cfg, stop=lambda: "signal 15" if next(calls) == 2 else None)["stopped_by"] == "signal 15"
+    run = Path(cfg.out)
+    stored = json.loads((run / "train_config.json").read_text())["distill_parent"]
+    assert stored == {"path": str(mine.resolve()), "kind": "headmix run",
+                      "sha256": {"model.safetensors": sha256_file(mine / "model.safetensors")}}
+    # the parent's weights change: the resume is refused in one line, and nothing is written
+    weights = load_file(str(mine / "model.safetensors"))
+    original = (mine / "model.safetensors").read_bytes()
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, str(mine / "model.safetensors"), metadata={"format": "pt", "headmix_tied": "{}"})
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    with pytest.raises(RunMismatchError, match=r"was distilled from .* whose model.safetensors had sha256 "
+                                               r"[0-9a-f]{12}; it now has sha256 [0-9a-f]{12}: a run's parent cannot "
+                                               r"change") as err:
+        train(cfg)
+    assert "\n" not in str(err.value)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"} == before
+    # the same parent again: the run finishes, and its summary names the parent
+    (mine / "model.safetensors").write_bytes(original)
+    summary = train(cfg)
+    assert summary["steps"] == 3
+    assert summary["distill_from"] == {**stored, "weight": 0.5, "temperature": 1.0}
+    # another weight is another run
+    with pytest.raises(RunMismatchError, match="distill_weight"):
+        train(_student(corpus, mine, "resume", distill_from=str(mine), max_steps=3, distill_weight=0.9))
+
+
+def test_a_distilled_run_under_bf16_autocast(corpus, parent):
+    summary = train(_student(corpus, parent, "bf16", distill_from=str(parent), distill_temperature=2.0, bf16="on"))
+    records = [r for r in read_metrics(corpus / "bf16") if r["split"] == "train"]
+    assert summary["steps"] == 2 and all(math.isfinite(r["distill_kl"]) and r["distill_kl"] >= 0 for r in records)
+    student, teacher = _models("lm")
+    distiller = Distiller(teacher.float(), weight=0.5, temperature=2.0, input_names=("input_ids",), pad_id=0,
+                          device="cpu", dtype=torch.float32,
+                          autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    inputs = _inputs("lm")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = student.float()(**inputs)
+    assert distiller.parent_logits(inputs).dtype == torch.bfloat16  # the parent runs under the same autocast
+    loss, kl = distiller(out, inputs)
+    assert kl.dtype == torch.float32 and math.isfinite(float(loss.detach()))
+
+
+# ---------------------------------------------------------------------------------------- refusals
+def _refused(corpus: Path, parent: Path, tmp_path: Path, argv: list[str], capsys, task: str = "lm") -> str:
+    from headmix.cli.main import main
+
+    out = tmp_path / "refused"
+    code = main(["train", task, "--data", str(corpus / "docs.jsonl"), "--out", str(out), "--no-progress",
+                 "--max-steps", "1", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not out.exists(), err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--distill-weight", "1.5"], "--distill-weight must be a number in [0, 1], got 1.5"),
+    (["--distill-weight", "-0.1"], "--distill-weight must be a number in [0, 1], got -0.1"),
+    (["--distill-temperature", "0"], "--distill-temperature must be a number > 0, got 0.0"),
+    (["--distill-temperature", "-2"], "--distill-temperature must be a number > 0, got -2.0"),
+])
+def test_bad_weight_or_temperature_is_refused_in_one_line(corpus, parent, tmp_path, capsys, argv, message):
+    err = _refused(corpus, parent, tmp_path, ["--init-from", str(parent), "--distill-from", str(parent), *argv], capsys)
+    assert message in err
+
+
+def test_refusals_name_the_option_before_anything_is_written(corpus, parent, tmp_path, capsys):
+    err = _refused(corpus, parent, tmp_path, ["--init-from", str(parent), "--distill-from", str(tmp_path / "nowhere")],
+                   capsys)
+    assert f"distill_from {tmp_path / 'nowhere'}: no config.json" in err
+    err = _refused(corpus, parent, tmp_path, ["--init-from", str(parent), "--distill-weight", "0.5"], capsys)
+    assert "--distill-weight applies to a distill_from" in err
+    # a run that would train its own tokenizer
+    err = _refused(corpus, parent, tmp_path, ["--preset", "llama3-tiny-gqa", "--vocab-size", "300",
+                                              "--distill-from", str(parent)], capsys)
+    assert "the run would train a new tokenizer" in err
+    # another tokenizer: another vocabulary
+    other = corpus / "other"
+    if not other.exists():
+        train(TrainConfig(preset="llama3-tiny-gqa", out=str(other), data=[str(corpus / "docs.jsonl")],
+                          vocab_size=280, max_steps=1, **RUN))
+        capsys.readouterr()
+    err = _refused(corpus, parent, tmp_path, ["--init-from", str(other), "--distill-from", str(parent)], capsys)
+    assert f"--distill-from {parent}: its tokenizer (300 tokens" in err and "is not the run's (280 tokens" in err
+    # a parent of another task
+    err = _refused(corpus, parent, tmp_path, ["--preset", "tiny-moa", "--tokenizer", str(parent / "tokenizer"),
+                                              "--distill-from", str(parent)], capsys, task="translation")
+    assert f"--distill-from {parent} holds a 'lm' model; this run's task is 'translation'" in err
+
+
+# ------------------------------------------------------------------------------------------- studies
+def _study(corpus: Path, **kw):
+    from headmix.study.spec import ParentSpec, RowSpec, StudySpec
+
+    training = {k: v for k, v in RUN.items() if k not in ("task", "progress")}
+    values = dict(name="tiny-distill", task="lm", baseline="llama3-tiny-gqa", data=[str(corpus / "docs.jsonl")],
+                  seeds=[1], max_steps=2, matching="none", training={**training, "vocab_size": 300},
+                  parent=ParentSpec(max_steps=2, seed=7), timing_rounds=6, timing_steps=1, timing_warmup=0,
+                  rows=[RowSpec("dense"), RowSpec("dense distilled", distill={"temperature": 2.0}),
+                        RowSpec("learned", init_options={"attention": "moh", "num_shared_heads": 2, "top_k": 2}),
+                        RowSpec("pruned", init_options={"attention": "mha", "keep_heads": 2, "calibration_batches": 1},
+                                control_of=["learned", "dense distilled"])])
+    values.update(kw)
+    spec = StudySpec(**values)
+    spec.validate()
+    return spec
+
+
+@pytest.mark.parametrize("rows,message", [
+    (lambda R: [R("dense", distill={})], "sets neither attention, solve, init_options nor distill"),
+    (lambda R: [R("dense"), R("d", distill={"alpha": 1})], r"rows\['d'\].distill must be a table of weight and "
+                                                          r"temperature"),
+    (lambda R: [R("dense"), R("d", distill={"weight": 2})], r"rows\['d'\].distill.weight must be a number in \[0, 1\]"),
+    (lambda R: [R("dense"), R("d", distill={"temperature": 0})], r"rows\['d'\].distill.temperature must be a number > 0"),
+    (lambda R: [R("dense"), R("d", control_of=["dense", "nope"])], r"rows\['d'\].control_of must name a row of the "
+                                                                   r"study, got 'nope'"),
+    (lambda R: [R("dense"), R("d", control_of=["d"])], r"rows\['d'\].control_of must name another row"),
+])
+def test_a_distilled_row_or_a_control_list_the_study_cannot_take_is_refused(corpus, rows, message):
+    from headmix.study.spec import RowSpec
+
+    with pytest.raises(ValueError, match=message):
+        _study(corpus, rows=rows(RowSpec))
+
+
+def test_distillation_needs_the_studys_parent(corpus):
+    from headmix.study.spec import RowSpec, StudySpec
+
+    with pytest.raises(ValueError, match=r"rows \['d'\] set distill, which distils from the study's parent"):
+        StudySpec(name="s", task="lm", baseline="llama3-tiny-gqa", rows=[RowSpec("GQA"), RowSpec("d", distill={})],
+                  matching="none").validate()
+    with pytest.raises(ValueError, match=r"training must not set \['distill_weight'\]"):
+        _study(corpus, training={"distill_weight": 0.5})
+
+
+def test_a_distilled_row_continues_from_the_parent_and_its_timing_counts_the_parents_forward(corpus, tmp_path,
+                                                                                           monkeypatch):
+    from headmix.study import plan, run_study, write_report
+    from headmix.study.runner import PARENT_DIR, PARENT_RECORD, finished_results
+    from headmix.training import distill
+
+    calls = []
+    real = distill.Distiller.parent_logits
+    monkeypatch.setattr(distill.Distiller, "parent_logits", lambda self, inputs: calls.append(1) or real(self, inputs))
+    spec, out = _study(corpus), tmp_path / "study"
+    results = {r.row: r for r in run_study(spec, out, log=lambda m: None)}
+    # the distilled row's 2 training steps and its 6 timed steps (no warm-up) ran the parent; no other row did
+    assert len(calls) == 2 + 6
+    timing = json.loads((out / "timing" / "dense_distilled.json").read_text())
+    assert timing["distill"]["temperature"] == 2.0 and "learned" not in json.dumps(timing.get("distill"))
+    assert "distill" not in json.loads((out / "timing" / "learned.json").read_text())
+    parent_sha = json.loads((out / PARENT_DIR / PARENT_RECORD).read_text())["sha256"]
+    summary = results["dense distilled"].summary
+    assert summary["distill_from"] == {"path": str((out / PARENT_DIR).resolve()), "kind": "headmix run",
+                                       "sha256": {"model.safetensors": parent_sha}, "weight": 0.5, "temperature": 2.0}
+    assert "distill_from" not in results["dense"].summary
+    table = write_report(spec, plan(spec), finished_results(spec, out, lambda m: None), out)
+    # one control, two rows it controls
+    assert [(c["row"], c["control"]) for c in table["controls"]] == [("learned", "pruned"), ("dense distilled", "pruned")]
+    md = (out / "results.md").read_text()
+    assert "| dense distilled | the parent as it is; distilled from the parent (weight 0.5, temperature 2) |" in md
+
+
+# ------------------------------------------------------------------------------------ Hugging Face Trainer
+def test_the_trainer_route_distils_exactly_and_leaves_the_parent_unchanged(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from headmix.hf import DistillationTrainer, HeadmixConfig, HeadmixForCausalLM, distillation_loss
+
+    torch.manual_seed(0)
+    config = get_config("llama-tiny-moh", task="lm", vocab_size=VOCAB)
+    student = HeadmixForCausalLM(HeadmixConfig(headmix=config))
+    parent = HeadmixForCausalLM(HeadmixConfig(headmix=config.replace(dropout=0.2)))
+    before = {k: v.clone() for k, v in parent.state_dict().items()}
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[1, 6:] = -100  # e.g. padding the collator left out
+    mask = torch.ones_like(ids)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                                          learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+                                          use_cpu=True, disable_tqdm=True, seed=0, gradient_accumulation_steps=2)
+    data = [{"input_ids": ids[i], "labels": labels[i], "attention_mask": mask[i]} for i in range(2)] * 4
+    trainer = DistillationTrainer(model=student, args=args, train_dataset=data, parent_model=parent,
+                                  distill_weight=0.6, distill_temperature=1.5)
+    # the loss of one batch against the hand-written one: CE over the next labels, KL over the same positions
+    out = student(ids, attention_mask=mask, labels=labels)
+    loss = trainer.compute_loss(student, {"input_ids": ids, "labels": labels, "attention_mask": mask})
+    with torch.no_grad():
+        parent_logits = parent.eval()(ids, attention_mask=mask).logits
+    scored = labels[:, 1:] != -100
+    kl = reference_kl(out.logits[:, :-1].detach(), parent_logits[:, :-1], scored, 1.5)
+    expected = 0.4 * out.lm_loss.double() + 0.6 * 1.5 ** 2 * kl + out.aux_loss.double()
+    torch.testing.assert_close(loss.detach().double(), expected, rtol=1e-5, atol=0)
+    assert distillation_loss(out, parent_logits, labels, weight=0.0)[0].item() == pytest.approx(out.loss.item(), rel=1e-6)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert not parent.training and all(p.grad is None and not p.requires_grad for p in parent.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in parent.state_dict().items())
+    with pytest.raises(ValueError, match="distill_weight must be a number in"):
+        DistillationTrainer(model=student, args=args, train_dataset=data, parent_model=parent, distill_weight=2)
+    other = HeadmixForCausalLM(HeadmixConfig(headmix=config.replace(vocab_size=VOCAB + 1)))
+    with pytest.raises(ValueError, match=f"parent_model has a vocabulary of {VOCAB + 1}, the model {VOCAB}"):
+        DistillationTrainer(model=student, args=args, train_dataset=data, parent_model=other)
+
+
+# ----------------------------------------------------------------------------------------------- docs
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _distill_commands(doc: str) -> list[str]:
+    import re
+
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
+              if "--distill-from runs/dense" in b]
+    assert len(blocks) == 1, doc
+    return [line for line in blocks[0].splitlines() if line.startswith("headmix ")]
+
+
+def test_the_distilled_upcycling_commands_of_the_docs_run_as_written(corpus, tmp_path, monkeypatch, capsys):
+    import shlex
+
+    from headmix.cli.main import main
+
+    commands = _distill_commands("docs/training.md")
+    assert commands == _distill_commands("docs/hf.md") and len(commands) == 3
+    shutil.copy(corpus / "docs.jsonl", tmp_path / "docs.jsonl")
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err[-2000:]
+    parent_sha = sha256_file(tmp_path / "runs" / "dense" / "model.safetensors")
+    for name, weight, temperature in (("moh-distilled", 0.5, 2.0), ("pruned-distilled", 0.5, 1.0)):
+        summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+        assert summary["distill_from"]["sha256"] == {"model.safetensors": parent_sha}
+        assert (summary["distill_from"]["weight"], summary["distill_from"]["temperature"]) == (weight, temperature)
