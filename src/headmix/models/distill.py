@@ -38,13 +38,13 @@ def distillation_kl(student_logits: Tensor, parent_logits: Tensor, scored: Tenso
         raise ValueError(f"the parent's logits {tuple(parent_logits.shape)} and the student's "
                          f"{tuple(student_logits.shape)} differ: distillation needs the same vocabulary")
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    vocab = student_logits.shape[-1]
-    keep = scored.reshape(-1)
-    student = student_logits.reshape(-1, vocab)[keep].to(dtype) / temperature
-    parent = parent_logits.detach().reshape(-1, vocab)[keep].to(dtype) / temperature
-    log_q, log_p = F.log_softmax(student, dim=-1), F.log_softmax(parent, dim=-1)
-    kl = F.kl_div(log_q, log_p, reduction="sum", log_target=True)  # sum_i sum_v p (log p - log q)
-    return kl / keep.sum().clamp(min=1).to(dtype)
+    keep = scored.to(dtype)
+    # every position, then the scored ones summed: static shapes (no boolean indexing, so no host sync on a GPU
+    # and nothing data-dependent under torch.compile)
+    log_q = F.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    log_p = F.log_softmax(parent_logits.detach().to(dtype) / temperature, dim=-1)
+    per_position = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # sum_v p (log p - log q)
+    return (per_position * keep).sum() / keep.sum().clamp(min=1)
 
 
 def distilled_loss(task_loss: Tensor, kl: Tensor, weight: float, temperature: float) -> Tensor:
