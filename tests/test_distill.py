@@ -287,7 +287,11 @@ def test_bad_weight_or_temperature_is_refused_in_one_line(corpus, parent, tmp_pa
 def test_refusals_name_the_option_before_anything_is_written(corpus, parent, tmp_path, capsys):
     err = _refused(corpus, parent, tmp_path, ["--init-from", str(parent), "--distill-from", str(tmp_path / "nowhere")],
                    capsys)
-    assert f"distill_from {tmp_path / 'nowhere'}: no config.json" in err
+    assert f"--distill-from {tmp_path / 'nowhere'} not found" in err
+    (tmp_path / "empty").mkdir()
+    err = _refused(corpus, parent, tmp_path, ["--init-from", str(parent), "--distill-from", str(tmp_path / "empty")],
+                   capsys)
+    assert f"--distill-from {tmp_path / 'empty'} holds no model (no config.json)" in err
     err = _refused(corpus, parent, tmp_path, ["--init-from", str(parent), "--distill-weight", "0.5"], capsys)
     assert "--distill-weight applies to a distill_from" in err
     # a run that would train its own tokenizer

@@ -294,3 +294,21 @@ def test_bench_moh_curve_runs_every_fraction_of_active_heads():
     assert [r["top_k"] for r in rows] == [1, 2, 3]
     assert [r["active"] for r in rows] == [0.5, 0.75, 1.0]
     assert all(r[f"{impl}_{what}"] > 0 for r in rows for impl in ("sparse", "dense") for what in ("fwd_bwd_ratio", "decode_ratio"))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_sparse_global_moh_in_several_causal_chunks_equals_dense(rows, monkeypatch):
+    """The ``heads`` layout's causal chunks (each attending to the keys up to its last row's position): with chunks of
+    ``rows`` rows, outputs and every gradient equal dense MoH's (the suite's sequences fit one default chunk)."""
+    from headmix.attention import moh_sparse
+
+    monkeypatch.setattr(moh_sparse, "CAUSAL_CHUNK_ROWS", rows)
+    spy = SparseSpy(monkeypatch)
+    layer = make(2, rotary=True, bias=True)
+
+    def call(m):
+        x = torch.randn(3, 11, D, dtype=torch.double, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        return m(x, is_causal=True), [x]  # a plain causal mask: the chunked path (a padding mask gathers rows)
+
+    assert_same(*both(layer, call))
+    assert spy.calls == 1

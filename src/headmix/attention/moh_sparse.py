@@ -47,8 +47,11 @@ from torch import Tensor
 from .base import scaled_dot_product
 
 #: Rows per causal chunk of the ``heads`` layout: fewer chunks waste more of the causal half, more chunks
-#: add attention calls. ``headmix bench attention --moh-curve`` (CPU, fp32, sequence 512) chose it.
-CAUSAL_CHUNK_ROWS = 64
+#: add attention calls (each with its mask: about 8 operations forward and backward). Global MoH at d_model 1024,
+#: 16 heads of 64, 4 shared + top 4, forward+backward, one thread, CPU time, median of 5 (AMD EPYC, 2026-11-28):
+#: 64 / 256 / one chunk took 399 / 383 / 382 ms at T 1024 (256 / 194 / 176 operations) and 2665 / 2535 / 2793 ms
+#: at T 4096; 64 was chosen at sequence 512, d_model 512.
+CAUSAL_CHUNK_ROWS = 256
 
 
 def static_shapes(t: Tensor) -> bool:

@@ -303,7 +303,7 @@ class TrainConfig:
                 except ValueError as err:
                     raise ValueError(f"init_options: {err}") from None
         if self.tokenizer is not None:  # its special ids, against the task and the parent model, before any write
-            from .setup import check_tokenizer
+            from .tokens import check_tokenizer
 
             check_tokenizer(self)
         if self.distill_from is not None:  # the parent, its tokenizer and vocabulary: before anything is written

@@ -125,8 +125,11 @@ def check_parent(cfg) -> None:
     from ..models.transformer import is_headmix_run
 
     folder = Path(cfg.distill_from).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(f"distill_from {folder} not found")
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"distill_from {folder}: no config.json; expected a finished headmix run, a folder "
+        raise FileNotFoundError(f"distill_from {folder} holds no model (no config.json): expected a finished headmix "
+                                f"run, a folder "
                                 f"headmix wrote (save_pretrained, export-hf) or a local Hugging Face Llama / Qwen3 / "
                                 f"JetMoe folder")
     if not weight_files(folder):
