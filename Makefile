@@ -67,15 +67,16 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_TORCH)
 	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --quiet -e . pytest
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e ".[eval]" pytest
 	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $@
 
 # headmix models served by vLLM (tests/test_vllm.py: one engine at a time, a 1 GiB KV cache, float32 on the CPU;
-# .ci/run runs it after test-oldest)
+# .ci/run runs it after test-oldest), and lm-evaluation-harness's vLLM model type on them (tests/test_lmeval.py, the
+# [eval] extra: lm-eval)
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py tests/test_lmeval.py
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -n 2 -m slow

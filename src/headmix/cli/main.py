@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_evaluate(sub)
     _add_calibrate(sub)
-    for optional in ("macs", "bench", "analyze", "study", "data", "export_hf"):
+    for optional in ("macs", "bench", "analyze", "study", "data", "export_hf", "harness"):
         try:
             module = __import__(f"headmix.cli.{optional}", fromlist=["add_parser"])
         except ImportError:
@@ -401,6 +401,14 @@ def _fail(command: str, message: Any, code: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``headmix`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lm-eval"]:  # lm_eval's own arguments, passed on unparsed (headmix.cli.harness)
+        from .harness import run as run_harness
+
+        try:
+            return run_harness(argv[1:])
+        except ValueError as err:
+            return _fail("lm-eval", err, USAGE_ERROR)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
