@@ -103,10 +103,19 @@ KINDS = {
                                          top_k=2, router="query_norm", qk_norm=True)), 2, "hf"),
     "switchhead": (_llama(_attention("switchhead", num_heads=2, num_experts=4, top_k=2, bias=False,
                                      rotary_fraction=0.5)), 2, "hf"),
+    # the paper's GQE, its authors' form: 8 query-head experts on 2 K/V heads, the top 2 of each group's 4, the
+    # shared head over the mean of the K/V heads (its own paged cache)
+    "gqe": (_llama(_attention("gqe", num_experts=8, kv_heads=2, top_k=2)), 2, "hf"),
+    # GQE as stored before the authors' form (the shared head over K/V head 0), Table 2's "weighted concat" (hard
+    # slots times p), biases, half-rotated heads; headmix's own folder form
+    "gqe-head0": (_llama(_attention("gqe", num_experts=8, kv_heads=2, top_k=1, shared_head_kv="head0",
+                                    hard_slot_scale="p", q_bias=True, kv_bias=True, out_bias=True,
+                                    rotary_fraction=0.5)), 2, "native"),
 }
 
 #: The softmax routers' weights (SwitchHead's selectors are left as built: see the module docstring).
-ROUTER_WEIGHTS = ("router.gate.weight", "routed_gate.weight", "shared_gate.weight", "group_gate.weight")
+ROUTER_WEIGHTS = ("router.gate.weight", "routed_gate.weight", "shared_gate.weight", "group_gate.weight",
+                  "router_gate.weight")
 #: The sublayers' output projections, times SUBLAYER_SCALE: at headmix's initial scale the residual stream stays
 #: close to the token's own embedding, which a tied output projection copies (greedy decoding then repeats the
 #: last prompt token, and a wrong attention or feed-forward would go unseen).

@@ -47,9 +47,6 @@ def check_servable(config: ModelConfig) -> None:
     if config.task != "lm":
         raise NotServableError(f"vLLM serves headmix causal language models (task 'lm'), not task {config.task!r}")
     att = config.decoder_self_attention
-    if att.kind == "gqe":
-        raise NotServableError("the paper's GQE (decoder_self_attention.kind='gqe') is not served yet: headmix's vLLM "
-                               f"model does not lay out its slots and shared head on the paged attention; {ELSEWHERE}")
     if att.kind == "talking_heads":
         raise NotServableError("Talking-Heads mixes the attention scores across heads, which vLLM's paged attention "
                                f"never forms: {ELSEWHERE}")
