@@ -84,7 +84,7 @@ def _paged_attention(vllm_config: VllmConfig, heads: int, head_size: int, kv_hea
     attn = Attention(heads, head_size, head_size ** -0.5, num_kv_heads=kv_heads,
                      cache_config=vllm_config.cache_config, prefix=f"{prefix}.{name}")
     backend = attn.attn_backend
-    check_head_size(head_size, backend.get_supported_head_sizes(), backend.get_name())
+    check_head_size(head_size, backend.get_supported_head_sizes(), backend.get_name(), vllm_config.model_config.model)
     return attn
 
 
