@@ -341,22 +341,30 @@ def test_importing_headmix_does_not_import_vllm():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-@pytest.mark.parametrize("attention, message", [
-    (_attention("talking_heads", num_heads=2), "Talking-Heads mixes the attention scores across heads"),
-    (AttentionConfig(kind="mha", num_heads=8), "does not take heads of size 16; it accepts ["),
+@pytest.mark.parametrize("attention, form, message", [
+    (_attention("talking_heads", num_heads=2), "hf", "Talking-Heads mixes the attention scores across heads, which "
+     "vLLM's paged attention never forms: generate with transformers: `import headmix.hf`, then"),
+    (_attention("talking_heads", num_heads=2), "native", "Talking-Heads mixes the attention scores across heads, "
+     "which vLLM's paged attention never forms: generate with headmix: `headmix.models.load_pretrained("),
+    (AttentionConfig(kind="mha", num_heads=8), "hf", "does not take heads of size 16; it accepts ["),
 ])
-def test_refused_at_load_in_one_line(engine_env, tmp_path, attention, message):
-    """A kind paged attention cannot hold, and a head size the CPU backend refuses (8 heads of 16): vLLM stops at
-    load with headmix's one-line reason."""
+def test_refused_in_one_line(engine_env, tmp_path, attention, form, message):
+    """A kind paged attention cannot hold is refused when vLLM reads the config, before the engine starts (in vLLM's
+    ModelConfig validation, or headmix's config format for headmix's own folders), its first suggestion what works
+    for that folder's form; a head size the CPU backend refuses (8 heads of 16) when the model is built."""
     folder = tmp_path / "model"
-    save(build_tiny(_llama(attention)), folder, "hf")
+    save(build_tiny(_llama(attention)), folder, form)
     with pytest.raises(Exception) as caught:
-        start(folder)
+        start(folder, **({"config_format": "headmix"} if form == "native" else {}))
     chain, error = [], caught.value
     while error is not None:
         chain.append(str(error))
         error = error.__cause__ or error.__context__
-    assert any(message in line and "\n" not in line for line in chain), chain
+    lines = [line.strip() for text in chain for line in text.splitlines()]
+    assert any(message in line for line in lines), chain
+    if attention.kind == "talking_heads":  # refused at the config: no engine was built
+        assert not any("Engine core initialization failed" in text for text in chain), chain
+        assert "validation error for ModelConfig" in chain[0], chain
 
 
 def _free_port() -> int:
