@@ -323,6 +323,9 @@ def test_the_plugin_registers_once_however_often_vllm_calls_it(tmp_path):
     assert hf_config.architectures == ["HeadmixForCausalLM"] and hf_config.model_config() == config
     with pytest.raises(ValueError, match="config_format 'headmix' reads a local folder"):
         parser.parse(tmp_path / "missing", trust_remote_code=False)
+    build_tiny(_llama(_attention("talking_heads", num_heads=2))).save_pretrained(tmp_path / "th")
+    with pytest.raises(ValueError, match="^Talking-Heads mixes"):  # refused as the config is read
+        parser.parse(tmp_path / "th", trust_remote_code=False)
 
 
 def test_the_plugin_never_stops_vllm(monkeypatch, caplog):
