@@ -410,6 +410,28 @@ def test_exported_tokenizer_adds_bos_so_pipeline_and_generate_continue_as_headmi
         assert piped[0]["generated_text"] == continuation
 
 
+def test_exported_tokenizer_loads_with_plain_transformers(tmp_path):
+    """The exported tokenizer names a fast tokenizer class every transformers knows, its model_max_length is the
+    model's context, and it loads in a process that never imports headmix, with no question asked (stdin closed:
+    a prompt would read EOF and fail)."""
+    run = tiny_run(tmp_path / "run")
+    assert cli_main(["export-hf", str(run), str(tmp_path / "hf")]) == 0
+    stored = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    max_positions = get_config("llama-tiny-moa", task="lm").max_positions
+    assert stored["tokenizer_class"] == "PreTrainedTokenizerFast" and stored["model_max_length"] == max_positions
+    code = ("import sys, transformers; folder = sys.argv[1]; "
+            "tokenizers = [transformers.PreTrainedTokenizerFast.from_pretrained(folder), "
+            "transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=False)]; "
+            "assert 'headmix' not in sys.modules; "
+            "print([(t.model_max_length, t('In the beginning').input_ids[0]) for t in tokenizers])")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf")], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    bos = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").bos_token_id
+    assert done.stdout.strip() == str([(max_positions, bos)] * 2)
+    assert "custom code" not in done.stdout + done.stderr
+
+
 def test_boundary_errors_are_one_line_naming_the_argument_or_file(tmp_path):
     """An empty prompt, token ids outside the vocabulary, hf_to_headmix on a run folder, load_pretrained on a
     Llama folder, a config.json without its headmix field: each a one-line ValueError saying what was expected."""

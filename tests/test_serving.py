@@ -15,11 +15,10 @@ from headmix.serving.support import NotServableError, check_head_size, check_ser
 #: others is refused.
 SERVED = ["tiny-mha", "tiny-moa", "tiny-moh", "tiny-switchhead", "llama-tiny-mha", "llama-tiny-moa",
           "llama-tiny-moh", "llama-tiny-switchhead", "llama-tiny-moa-kv2", "llama-tiny-jetmoe", "llama3-tiny-gqa",
-          "llama3-tiny-gated", "llama3-tiny-moh-per-group", "llama-mini-mha", "mini-moa"]
+          "llama3-tiny-gated", "llama3-tiny-moh-per-group", "llama-mini-mha", "mini-moa", "llama3-tiny-gqe"]
 REFUSED = {"llama-tiny-talking-heads": "Talking-Heads mixes the attention scores across heads",
            "tiny-talking-heads": "Talking-Heads mixes the attention scores across heads",
-           "llama-tiny-mosa": "MoSA's heads attend to token subsets",
-           "llama3-tiny-gqe": "the paper's GQE"}
+           "llama-tiny-mosa": "MoSA's heads attend to token subsets"}
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -77,8 +76,69 @@ def test_the_query_norm_router_is_served():
     check_servable(_with_attention("llama3-tiny-moh-per-group", router="query_norm", top_k=2, num_shared_heads=0))
 
 
-def test_the_papers_gqe_is_refused_until_served():
-    with pytest.raises(NotServableError) as caught:
-        check_servable(get_config("llama3-tiny-gqe", task="lm"))
-    message = str(caught.value)
-    assert "the paper's GQE" in message and "headmix generate" in message and "\n" not in message
+def test_gqe_is_served_in_both_shared_head_forms_but_not_its_random_control():
+    check_servable(_with_attention("llama3-tiny-gqe", shared_head_kv="head0"))
+    check_servable(_with_attention("llama3-tiny-gqe", shared_head_kv="mean", hard_slot_scale="p"))
+    with pytest.raises(NotServableError, match="random-routing control"):
+        check_servable(_with_attention("llama3-tiny-gqe", router="random"))
+
+
+def _talking_heads_folders(root):
+    """A Talking-Heads model in each folder form: a run (train_config.json beside the model), headmix's own
+    save_pretrained form, and an export-hf folder."""
+    import torch
+
+    from headmix.hf import run_to_hf
+    from headmix.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(get_config("llama-tiny-talking-heads", task="lm"))
+    run, native = root / "run", root / "native"
+    model.save_pretrained(run)
+    (run / "train_config.json").write_text("{}")
+    model.save_pretrained(native)
+    return {"run": run, "native": native, "hf": run_to_hf(native, root / "hf")}
+
+
+def test_the_refusal_first_names_what_works_for_that_folder(tmp_path):
+    """check_servable takes a folder, a ModelConfig or AutoConfig's HeadmixConfig; with a folder the first
+    suggestion is the one that works for its form (``headmix generate`` refuses an export-hf folder)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+
+    import headmix.hf  # noqa: F401  (AutoConfig reads headmix folders)
+
+    folders = _talking_heads_folders(tmp_path)
+    first = {"run": f"generate with `headmix generate {folders['run']} --prompt TEXT`",
+             "native": f"generate with headmix: `headmix.models.load_pretrained('{folders['native']}')`",
+             "hf": f"generate with transformers: `import headmix.hf`, then "
+                   f"`AutoModelForCausalLM.from_pretrained('{folders['hf']}')`"}
+    for form, folder in folders.items():
+        for given in (folder, str(folder)) + ((AutoConfig.from_pretrained(folder),) if form == "hf" else ()):
+            with pytest.raises(NotServableError) as caught:
+                check_servable(given)
+            message = str(caught.value)
+            assert "\n" not in message and message.split(": ", 1)[1].startswith(first[form]), (form, message)
+    with pytest.raises(NotServableError, match=r"^config must be a headmix ModelConfig, a HeadmixConfig or a folder "
+                                               r"headmix wrote, got LlamaConfig \(model_type 'llama': not a headmix"):
+        from transformers import LlamaConfig
+        check_servable(LlamaConfig())
+
+
+def test_the_check_command_says_in_one_line_per_folder(tmp_path, capsys):
+    """``python -m headmix.serving.check FOLDER ...``: one line per folder, the serve flags its form needs, exit
+    status 1 when one is refused."""
+    pytest.importorskip("transformers")
+    from headmix.models import build_model
+    from headmix.serving.check import main
+
+    folders = _talking_heads_folders(tmp_path / "th")
+    served = tmp_path / "gqe"
+    build_model(get_config("llama3-tiny-gqe", task="lm")).save_pretrained(served)
+    assert main([str(served)]) == 0
+    assert capsys.readouterr().out == (f"{served}: served (gqe, heads of 8): vllm serve {served} --config-format "
+                                       f"headmix --skip-tokenizer-init\n")
+    assert main([str(served), str(folders["hf"]), str(tmp_path / "missing")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[1].startswith(f"{folders['hf']}: not served: Talking-Heads mixes")
+    assert lines[2].startswith(f"{tmp_path / 'missing'}: not served: ") and "config.json not found" in lines[2]

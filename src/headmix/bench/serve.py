@@ -8,8 +8,11 @@
    :class:`headmix.hf.HeadmixForCausalLM` (greedy, ``min_new_tokens`` = ``max_new_tokens``).
 2. Capacity: vLLM's KV cache in tokens (its own count, for the ``VLLM_CPU_KVCACHE_SPACE`` it was given) and its
    throughput at the largest batch, for MoA (8 of 16 experts, one shared K/V head: the paper's form), MoH routed
-   per K/V group (12 heads on 2 K/V heads, per group 1 shared and the top 3 of 5 routed) and the GQA model: each has
-   8 query heads of 64 per token, so equal attention-score MACs per token; they differ in the K/V heads cached.
+   per K/V group (12 heads on 2 K/V heads, per group 1 shared and the top 3 of 5 routed), the paper's GQE (16
+   query-head experts on GQA's 2 K/V heads, the top 4 of each group's 8: 8 slots, and the shared head over the
+   K/V heads' mean, which vLLM caches as a third K/V head) and the GQA model: each has 8 query heads of 64 per token
+   (GQE one more, its shared head), so (nearly) equal attention-score MACs per token; they differ in the K/V heads
+   cached.
 
 Each number is one timed call after a warm-up call (vLLM's engine start is not counted); the machine's load average
 is printed beside them. vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), one engine at a
@@ -39,6 +42,7 @@ ATTENTIONS = {
     "MoA 8K16E64D / 1 K/V": AttentionConfig(kind="moa", num_experts=16, top_k=8, head_dim=HEAD),
     "MoH per K/V group 12 heads / 2 K/V": AttentionConfig(kind="moh", num_heads=12, kv_heads=2, route_per_group=True,
                                             num_shared_heads=1, top_k=3, head_dim=HEAD),
+    "GQE 16E top 4 / 2 K/V": AttentionConfig(kind="gqe", num_experts=16, kv_heads=2, top_k=4, head_dim=HEAD),
 }
 BASELINE = "GQA 8 heads / 2 K/V"
 

@@ -21,7 +21,7 @@ def _modules():
             "gemm-shapes": (expert_gemm_shapes, "the per-expert GEMMs of the sorted CPU kernels vs one dense GEMM"),
             "moh-projections": (moh_projections, "MoH's query and output projections: dense vs grouped"),
             "kv-cache": (kv_cache_bytes, "KV-cache bytes per token: MoA kv_heads=G vs MHA and HF GQA"),
-            "serve": (serve, "vLLM vs headmix and transformers generation; vLLM KV-cache capacity of MoA, MoH per K/V group, GQA"),
+            "serve": (serve, "vLLM vs headmix and transformers generation; vLLM KV-cache capacity of MoA, MoH per K/V group, GQE, GQA"),
             "hopper-aot": (hopper_aot, "the Triton kernels compiled for an H100 without a GPU: shared memory, spills"),
             "upcycle": (upcycle, "dense -> MoH / pruned: conversion time and continued-training step vs dense")}
 

@@ -38,7 +38,21 @@ def run_to_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         HeadmixForCausalLM.from_headmix(model).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+            _name_tokenizer_class(Path(tmp) / "tokenizer_config.json")
     return out
+
+
+#: The tokenizer class ``tokenizer_config.json`` names: the fast tokenizer every transformers release knows
+#: (transformers 5 writes ``TokenizersBackend``, which releases before 5 do not).
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+def _name_tokenizer_class(path: Path) -> None:
+    import json
+
+    data = json.loads(path.read_text())
+    data["tokenizer_class"] = TOKENIZER_CLASS
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def hf_to_headmix(folder: str | os.PathLike) -> CausalLanguageModel:
@@ -58,7 +72,8 @@ def _hf_tokenizer(file: Path, config):
     """The run's tokenizer as a ``PreTrainedTokenizerFast`` with headmix's special tokens, or ``None``. It puts
     ``bos`` in front of every text it encodes (with ``add_special_tokens``, the default), as headmix's own
     training and ``headmix generate`` do, so ``tokenizer(text)``, ``generate`` and ``pipeline("text-generation")``
-    feed the model what it was trained on; it decodes without cleaning up spaces (headmix does not)."""
+    feed the model what it was trained on; it decodes without cleaning up spaces (headmix does not); its
+    ``model_max_length`` is the model's context, ``max_positions``."""
     if not file.is_file():
         return None
     from tokenizers import Tokenizer
@@ -72,4 +87,5 @@ def _hf_tokenizer(file: Path, config):
     bos = special["bos_token"]
     tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                   special_tokens=[(bos, config.bos_id)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, **special)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False,
+                                   model_max_length=config.max_positions, **special)

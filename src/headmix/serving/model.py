@@ -42,7 +42,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from ..attention import SwitchHeadAttention
+from ..attention import GroupedQueryExpertsAttention, SwitchHeadAttention
 from ..attention.moh import MoHHeadWeighting, head_ids
 from ..kernels import expert_map, expert_map_weighted, expert_reduce, expert_routing
 from ..models.config import AttentionConfig, ModelConfig
@@ -77,12 +77,14 @@ def _rope(att: AttentionConfig, head_size: int, max_positions: int) -> nn.Module
                     dtype=torch.float32)
 
 
-def _paged_attention(vllm_config: VllmConfig, heads: int, head_size: int, kv_heads: int, prefix: str) -> Attention:
-    """vLLM's paged attention, refused in one line for a head size its backend does not take."""
+def _paged_attention(vllm_config: VllmConfig, heads: int, head_size: int, kv_heads: int, prefix: str,
+                     name: str = "attn") -> Attention:
+    """vLLM's paged attention (the module's ``name`` under ``prefix``), refused in one line for a head size its
+    backend does not take."""
     attn = Attention(heads, head_size, head_size ** -0.5, num_kv_heads=kv_heads,
-                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.{name}")
     backend = attn.attn_backend
-    check_head_size(head_size, backend.get_supported_head_sizes(), backend.get_name())
+    check_head_size(head_size, backend.get_supported_head_sizes(), backend.get_name(), vllm_config.model_config.model)
     return attn
 
 
@@ -260,7 +262,68 @@ class SwitchHead(_Rotated):
         return y if self.out_bias is None else y + self.out_bias
 
 
-ATTENTION = {"mha": HeadsAttention, "moh": MixtureOfHeads, "moa": MixtureOfAttentionHeads, "switchhead": SwitchHead}
+class GroupedQueryExperts(nn.Module):
+    """GQE (:class:`~headmix.attention.GroupedQueryExpertsAttention`, Tripathi, Kumar 2026, eq. 6): headmix's router
+    (:meth:`~headmix.attention.GroupedQueryExpertsAttention.route`) picks ``top_k`` of each K/V group's experts per
+    token; their queries (gathered from ``q_proj``, all experts' queries in one GEMM as headmix's layer) are the
+    ``top_k * kv_heads`` query heads of one grouped-query paged attention over the ``kv_heads`` K/V heads (slot
+    ``(g, j)`` is query head ``g * top_k + j``, reading K/V head ``g``). The shared head (``q_proj``'s last rows)
+    is a second paged attention with one K/V head of its own, caching the shared head's K/V as headmix's
+    :meth:`~headmix.attention.GroupedQueryExpertsAttention.shared_kv` forms it (``shared_head_kv``: the mean of
+    the ``kv_heads`` rotated K/V heads, or K/V head 0): ``2 * head_dim`` more cached numbers per token and layer
+    than GQA's ``2 * kv_heads * head_dim``. ``y = Concat(hard slots, weighted slot, shared head) W_O``."""
+
+    route = GroupedQueryExpertsAttention.route
+    slot_weights = GroupedQueryExpertsAttention.slot_weights
+    shared_kv = GroupedQueryExpertsAttention.shared_kv
+
+    def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
+        super().__init__()
+        att, d = config.decoder_self_attention, config.d_model
+        q_bias, kv_bias, out_bias = att.resolved_biases()
+        self.num_experts, self.kv_heads, self.top_k = att.gqe_sizes()
+        self.head_dim = att.resolved_head_dim(d)
+        e, g, k, dh = self.num_experts, self.kv_heads, self.top_k, self.head_dim
+        self.experts_per_group = e // g
+        self.weighted_slot = att.weighted_slot is not False
+        self.weighted_slot_renormalize = att.weighted_slot_renormalize is not False
+        self.shared_head = att.shared_head is not False
+        self.hard_slot_scale, self.shared_head_kv = att.hard_slot_scale or "none", att.shared_head_kv or "mean"
+        self.num_slots = k * g + int(self.weighted_slot) + int(self.shared_head)
+        self.random_router = None  # refused by check_servable
+        self.router_gate = nn.Linear(d, e, bias=False)
+        self.q_proj = _linear(d, (e + int(self.shared_head)) * dh, q_bias, f"{prefix}.q_proj")
+        self.k_proj = _linear(d, g * dh, kv_bias, f"{prefix}.k_proj")
+        self.v_proj = _linear(d, g * dh, kv_bias, f"{prefix}.v_proj")
+        self.out_proj = _linear(self.num_slots * dh, d, out_bias, f"{prefix}.out_proj")
+        self.rotary_emb = _rope(att, dh, config.max_positions)
+        self.attn = _paged_attention(vllm_config, k * g, dh, g, prefix)
+        self.shared_attn = _paged_attention(vllm_config, 1, dh, 1, prefix, "shared_attn") if self.shared_head else None
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        n, g, k, dh, e = x.shape[0], self.kv_heads, self.top_k, self.head_dim, self.num_experts
+        _, _, index, top_p = self.route(x[None])  # (n, G, k), slot order
+        q_all = self.q_proj(x)[0]
+        pick = index.unsqueeze(-1).expand(-1, -1, -1, dh)
+        q = q_all[:, :e * dh].view(n, g, self.experts_per_group, dh).gather(2, pick).reshape(n, g * k * dh)
+        q = torch.cat([q, q_all[:, e * dh:]], 1)  # the slots' queries, then the shared head's
+        keys, values = self.k_proj(x)[0], self.v_proj(x)[0]
+        if self.rotary_emb is not None:
+            q, keys = self.rotary_emb(positions, q, keys)
+        o = self.attn(q[:, :g * k * dh].contiguous(), keys, values).view(n, g * k, dh)
+        slots = [o * top_p.reshape(n, g * k, 1).to(o.dtype) if self.hard_slot_scale == "p" else o]
+        if self.weighted_slot:
+            w = self.slot_weights(top_p).reshape(n, g * k, 1).to(o.dtype)
+            slots.append((o * w).sum(1, keepdim=True))
+        if self.shared_attn is not None:
+            k_s, v_s = self.shared_kv(keys.view(n, g, dh), values.view(n, g, dh))
+            o_s = self.shared_attn(q[:, g * k * dh:].contiguous(), k_s.reshape(n, dh), v_s.reshape(n, dh))
+            slots.append(o_s.view(n, 1, dh))
+        return self.out_proj(torch.cat(slots, 1).reshape(n, self.num_slots * dh))[0]
+
+
+ATTENTION = {"mha": HeadsAttention, "moh": MixtureOfHeads, "moa": MixtureOfAttentionHeads, "switchhead": SwitchHead,
+             "gqe": GroupedQueryExperts}
 
 
 class DenseFeedForward(nn.Module):

@@ -1,7 +1,7 @@
 """headmix's vLLM plugin: :func:`register`, the ``vllm.general_plugins`` entry point of headmix's package metadata
 (``pyproject.toml``), which vLLM calls in each of its processes before it reads a model.
 
-It makes three registrations, each once per process (vLLM may call it several times):
+It makes four registrations, each once per process (vLLM may call it several times):
 
 - the vLLM model :class:`headmix.serving.model.VllmHeadmixForCausalLM` under the architecture
   ``HeadmixForCausalLM`` (``vllm.ModelRegistry.register_model``, by name: the model module is imported when a
@@ -12,7 +12,11 @@ It makes three registrations, each once per process (vLLM may call it several ti
 - the config format ``"headmix"`` (``vllm serve FOLDER --config-format headmix``, ``LLM(FOLDER,
   config_format="headmix")``) for the folders headmix writes in its own form (a run's final model,
   ``CausalLanguageModel.save_pretrained``), whose ``config.json`` has no ``model_type``; it reads Hugging Face
-  folders of headmix models too.
+  folders of headmix models too;
+- a check of the model's config (``MODELS_CONFIG_MAP``, which vLLM consults when it reads a model's config, in the
+  process that starts the engine): a model vLLM cannot serve is refused there in one line
+  (:func:`~headmix.serving.support.check_servable`), before the engine starts, not 40 s later under the engine's
+  worker tracebacks. (A head size the attention backend refuses is known only where the model is built.)
 
 vLLM is imported here only inside :func:`register`: importing headmix never imports vLLM.
 """
@@ -23,7 +27,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .support import ARCHITECTURE
+from .support import ARCHITECTURE, check_servable
 
 #: The vLLM model class, as ``module:class`` (imported by vLLM when a headmix model is loaded).
 MODEL_CLASS = "headmix.serving.model:VllmHeadmixForCausalLM"
@@ -47,6 +51,7 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     _register_config_format()
+    _register_config_check()
 
 
 def hf_config_of_folder(folder: str | Path) -> Any:
@@ -74,6 +79,26 @@ def _register_config_format() -> None:
             if not Path(model).is_dir():
                 raise ValueError(f"config_format 'headmix' reads a local folder headmix wrote, got {model!r}")
             config = hf_config_of_folder(model)
+            check_servable(config)  # refused here, before vLLM resolves the architecture
             return config.to_dict(), config
 
     vllm_config.register_config_parser(CONFIG_FORMAT)(HeadmixConfigParser)
+
+
+class ServableCheck:
+    """vLLM's per-architecture config hook (``vllm.model_executor.models.config.VerifyAndUpdateConfig``'s two
+    methods): :func:`~headmix.serving.support.check_servable` on the config vLLM read, when it reads it."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config: Any) -> None:
+        check_servable(model_config.hf_config)
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        return
+
+
+def _register_config_check() -> None:
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, ServableCheck)

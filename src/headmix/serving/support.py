@@ -9,8 +9,9 @@ with or without ``route_per_group``, and SwitchHead; pre- or post-norm,
 RMSNorm or LayerNorm, rotary (any ``rotary_base`` and ``rotary_fraction``), learned or sinusoidal positions,
 the ``mlp`` (ReLU / GELU), ``swiglu`` and ``moe_swiglu`` (JetMoE) feed-forwards, tied or untied output.
 
-Refused, naming what to use instead: the paper's GQE (``kind="gqe"``: its shared head and slots are not yet
-laid out on vLLM's paged attention), Talking-Heads (it mixes attention scores across heads, which paged
+Also the paper's GQE (``kind="gqe"``, both ``shared_head_kv`` forms; its random control excepted).
+
+Refused, naming what to use instead (first what works for the folder at hand, :func:`elsewhere`): Talking-Heads (it mixes attention scores across heads, which paged
 attention never forms), MoSA (each head attends to its own subset of tokens, chosen from the whole sequence),
 a decoupled key size (``key_dim`` unlike ``head_dim``: the model caches keys and values of one head size, the only
 form vLLM's CPU attention takes), the random-routing controls (their draws are keyed on the batch row and position of a fixed batch,
@@ -20,15 +21,58 @@ model is built, against the backend's own list).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 from ..models.config import ModelConfig
 
 #: The architecture name headmix's Hugging Face folders carry (``config.json``'s ``architectures``), under which
 #: the plugin registers the vLLM model.
 ARCHITECTURE = "HeadmixForCausalLM"
 
-#: Where a refused model still generates.
-ELSEWHERE = ("generate with `headmix generate` or with transformers' generate through headmix.hf "
-             "(HeadmixForCausalLM)")
+#: Where a refused model still generates, when its folder is not known.
+ELSEWHERE = ("generate with `headmix generate` (a run folder) or, for an export-hf folder, with transformers' "
+             "generate through headmix.hf (HeadmixForCausalLM)")
+
+
+def elsewhere(folder: str | os.PathLike | None) -> str:
+    """Where the model of ``folder`` generates instead of vLLM, first what works for that folder's form: a run
+    (``headmix generate``), a Hugging Face folder (``export-hf``: transformers through headmix.hf), or headmix's
+    own ``save_pretrained`` form; :data:`ELSEWHERE` when ``folder`` is None or not a folder headmix wrote."""
+    from ..models.transformer import is_headmix_run, read_folder_config
+
+    if folder is None or not (Path(folder) / "config.json").is_file():
+        return ELSEWHERE
+    if is_headmix_run(folder):
+        return f"generate with `headmix generate {folder} --prompt TEXT`"
+    try:
+        hugging_face = read_folder_config(Path(folder))[1]
+    except ValueError:
+        return ELSEWHERE
+    if hugging_face:
+        return (f"generate with transformers: `import headmix.hf`, then "
+                f"`AutoModelForCausalLM.from_pretrained('{folder}')` and its generate")
+    return (f"generate with headmix: `headmix.models.load_pretrained('{folder}')` and `headmix.models.greedy_decode`, "
+            f"or `headmix export-hf {folder} OUT` for transformers' generate")
+
+
+def servable_config(config: Any) -> tuple[ModelConfig, str | None]:
+    """``config`` as a headmix :class:`ModelConfig` and the folder it came from (None when not known): a
+    ``ModelConfig``, a :class:`~headmix.hf.HeadmixConfig` (``AutoConfig.from_pretrained`` of a headmix folder after
+    ``import headmix.hf``, or vLLM's ``hf_config``), or a folder headmix wrote (read as JSON)."""
+    from ..models.transformer import read_folder_config
+
+    if isinstance(config, ModelConfig):
+        return config, None
+    if isinstance(config, (str, os.PathLike)):
+        return read_folder_config(Path(config))[0], str(config)
+    if callable(getattr(config, "model_config", None)):
+        folder = getattr(config, "name_or_path", None) or None
+        return config.model_config(), folder
+    kind = getattr(config, "model_type", None)
+    raise NotServableError(f"config must be a headmix ModelConfig, a HeadmixConfig or a folder headmix wrote, got "
+                           f"{type(config).__name__}" + (f" (model_type {kind!r}: not a headmix model)" if kind else ""))
 
 
 class NotServableError(ValueError):
@@ -41,34 +85,35 @@ def attention_head_sizes(config: ModelConfig) -> tuple[int, ...]:
     return (att.resolved_head_dim(config.d_model),)
 
 
-def check_servable(config: ModelConfig) -> None:
+def check_servable(config: ModelConfig | Any) -> None:
     """A one-line :class:`NotServableError` unless headmix's vLLM model computes what ``config``'s model
-    computes (the module docstring lists both)."""
+    computes (the module docstring lists both). ``config``: a ``ModelConfig``, a ``HeadmixConfig`` or a folder
+    (:func:`servable_config`); with a folder, the message's first suggestion is what works for it."""
+    config, folder = servable_config(config)
+    instead = elsewhere(folder)
     if config.task != "lm":
         raise NotServableError(f"vLLM serves headmix causal language models (task 'lm'), not task {config.task!r}")
     att = config.decoder_self_attention
-    if att.kind == "gqe":
-        raise NotServableError("the paper's GQE (decoder_self_attention.kind='gqe') is not served yet: headmix's vLLM "
-                               f"model does not lay out its slots and shared head on the paged attention; {ELSEWHERE}")
     if att.kind == "talking_heads":
         raise NotServableError("Talking-Heads mixes the attention scores across heads, which vLLM's paged attention "
-                               f"never forms: {ELSEWHERE}")
+                               f"never forms: {instead}")
     if att.kind == "mosa":
         raise NotServableError("MoSA's heads attend to token subsets each head chooses from the whole sequence, "
-                               f"which vLLM's paged attention cannot hold: {ELSEWHERE}")
+                               f"which vLLM's paged attention cannot hold: {instead}")
     if att.router == "random":
         raise NotServableError(f"the random-routing control (decoder_self_attention.router='random') draws its "
                                f"choices per batch row and position, which vLLM's continuous batching does not "
-                               f"keep: {ELSEWHERE}")
+                               f"keep: {instead}")
     if att.key_dim is not None and att.key_dim != att.resolved_head_dim(config.d_model):
         raise NotServableError(f"a decoupled key size (decoder_self_attention.key_dim={att.key_dim}, head_dim="
                                f"{att.resolved_head_dim(config.d_model)}) is not served: headmix's vLLM model caches keys "
-                               f"and values of one head size (vLLM's CPU attention has no other); {ELSEWHERE}")
+                               f"and values of one head size (vLLM's CPU attention has no other); {instead}")
 
 
-def check_head_size(size: int, accepted: list[int] | tuple[int, ...], backend: str) -> None:
+def check_head_size(size: int, accepted: list[int] | tuple[int, ...], backend: str,
+                    folder: str | os.PathLike | None = None) -> None:
     """A one-line :class:`NotServableError` when the attention ``backend`` (its name) refuses heads of ``size``;
-    ``accepted`` is the backend's list (empty: any size)."""
+    ``accepted`` is the backend's list (empty: any size); ``folder``: the model's, for :func:`elsewhere`."""
     if accepted and size not in accepted:
         raise NotServableError(f"vLLM's {backend} attention does not take heads of size {size}; it accepts "
-                               f"{sorted(accepted)}: build the model with one of those head sizes, or {ELSEWHERE}")
+                               f"{sorted(accepted)}: build the model with one of those head sizes, or {elsewhere(folder)}")

@@ -345,11 +345,24 @@ def cache_numbers_per_token(att: AttentionConfig) -> float:
     return cache.nbytes / 16 / 4
 
 
+def served_cache_numbers_per_token(att: AttentionConfig, own: float) -> float | None:
+    """What vLLM's paged cache holds per token for ``att`` when it differs from the layer's own cache ``own``
+    (None when it does not, or vLLM does not serve it): GQE's shared head has its own K/V head there (``2 * head_dim`` more; docs/serving.md),
+    where headmix's layer forms the shared head's K/V from the cached heads."""
+    if att.kind == "gqe" and att.shared_head is not False and att.router != "random":  # the control is not served
+        return own + 2 * att.resolved_head_dim(D_MODEL)
+    return None
+
+
 def number_cells(att: AttentionConfig) -> tuple[str, str]:
-    """The MACs cell (``full (x MHA) / causal``) and the cache cell of ``att``, both computed from it."""
+    """The MACs cell (``full (x MHA) / causal``) and the cache cell of ``att`` (the layer's own; vLLM's beside it
+    where it differs), both computed from it."""
     mha = macs_per_token(_mha(), causal=False)
     full, causal = macs_per_token(att, False), macs_per_token(att, True)
-    return f"{full / 1e6:.2f}M ({full / mha:.2f}) / {causal / 1e6:.2f}M", f"{cache_numbers_per_token(att):.0f}"
+    own = cache_numbers_per_token(att)
+    served = served_cache_numbers_per_token(att, own)
+    cache = f"{own:.0f}" + ("" if served is None else f" (served by vLLM: {served:.0f})")
+    return f"{full / 1e6:.2f}M ({full / mha:.2f}) / {causal / 1e6:.2f}M", cache
 
 
 # --------------------------------------------------------------------------------------------------
