@@ -113,6 +113,7 @@ def test_verdicts_and_ratio_cells():
     (["--compute-time", "0"], "--compute-time must be >= 1, got [0]"),
     (["--compute-repeats", "0"], "--compute-repeats must be >= 1, got 0"),
     (["--resume"], "--resume needs --compute-json"),
+    (["--compute-clock", "cpu", "--compute-threads", "1", "2"], "--compute-clock cpu measures one thread"),
 ])
 def test_bad_compute_options_are_one_line_errors(argv, message, capsys):
     assert main(["bench", "layers", "--compute", "--device", "cpu", *argv]) == 2

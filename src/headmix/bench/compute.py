@@ -197,18 +197,20 @@ def _inductor_kernels(fn: Callable[[], None]) -> int | None:
     return metrics.generated_kernel_count
 
 
-def _rounds(fns: dict[str, Callable[[], None]], repeats: int, device: torch.device) -> dict[str, list[float]]:
-    """Seconds of each function per round, every function once per round, in turn (wall clock)."""
+def _rounds(fns: dict[str, Callable[[], None]], repeats: int, device: torch.device,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds of each function per round, every function once per round, in turn (``clock``: wall clock, or this
+    process's CPU time)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 
@@ -223,7 +225,8 @@ def _busy(fn: Callable[[], None]) -> tuple[float, float]:
 
 
 def measure_row(row: ComputeRow, d_model: int, seq: int, batch: int, mode: str, device: torch.device,
-                dtype: torch.dtype, repeats: int, structure: bool) -> dict:
+                dtype: torch.dtype, repeats: int, structure: bool, clock: Callable[[], float] = time.perf_counter
+                ) -> dict:
     """One row of one block: the MAC ratio, the fwd+bwd and prefill time ratios, and (``structure``) the ATen
     operations and saved bytes per fwd+bwd, or (compiled) the kernels inductor generated."""
     g = torch.Generator().manual_seed(0)
@@ -252,7 +255,7 @@ def measure_row(row: ComputeRow, d_model: int, seq: int, batch: int, mode: str, 
             if "dense" in fns:
                 record[f"{what}_vs_dense"] = record[f"{what}_ms"]["routed"] / record[f"{what}_ms"]["dense"]
         else:
-            times = _rounds(fns, repeats, device)
+            times = _rounds(fns, repeats, device, clock)
             record[f"{what}_ms"] = {name: 1e3 * statistics.median(t) for name, t in times.items()}
             record[f"{what}_ratio"] = ratio_stats(times["routed"], times["baseline"])
             if "dense" in times:
@@ -264,7 +267,7 @@ def measure_row(row: ComputeRow, d_model: int, seq: int, batch: int, mode: str, 
 
 
 def measure_growth(d_model: int, seq: int, batch: int, mode: str, device: torch.device, dtype: torch.dtype,
-                   repeats: int) -> dict:
+                   repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict:
     """MoA with ``k = H/2`` of E = H, 2H, 4H experts: each one's fwd+bwd and prefill time over the fewest's."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, seq, d_model, generator=g).to(device, dtype).requires_grad_()
@@ -281,7 +284,7 @@ def measure_growth(d_model: int, seq: int, batch: int, mode: str, device: torch.
             busy = {e: _busy(fn)[0] for e, fn in fns.items()}
             record[what] = {str(e): busy[e] / busy[first] for e in layers}
         else:
-            times = _rounds(fns, repeats, device)
+            times = _rounds(fns, repeats, device, clock)
             record[what] = {str(e): ratio_stats(times[e], times[first])["median"] for e in layers}
     return record
 
@@ -342,7 +345,8 @@ def _verdict(ratio: float, target: float) -> str:
 def format_header(block: dict) -> list[str]:
     """A block's heading and table header."""
     slack = SLACK["cuda" if block["device"] == "cuda" else "cpu"]
-    timed = "GPU-busy time" if block["device"] == "cuda" else "wall time"
+    timed = ("GPU-busy time" if block["device"] == "cuda" else
+             "CPU time" if block.get("clock") == "cpu" else "wall time")
     eager = block["mode"] == "eager"
     return [f"### d_model {block['d_model']}, T {block['seq']}, batch {block['batch']}, {block['mode']}, "
             f"{block['dtype']}, " + (f"{block['threads']} threads" if block["device"] != "cuda" else "CUDA"), "",
@@ -398,7 +402,7 @@ def format_block(block: dict) -> list[str]:
 
 def block_key(block: dict) -> tuple:
     return (block["device"], block["dtype"], block["d_model"], block["seq"], block["batch"], block["threads"],
-            block["mode"])
+            block["mode"], block.get("clock", "wall"))
 
 
 def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[str], None] = print) -> list[dict]:
@@ -415,10 +419,12 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
     done = {block_key(b) for b in blocks}
     rows = [r for r in ROWS if not args.compute_rows or any(s.lower() in r.name.lower() for s in args.compute_rows)]
     threads = args.compute_threads if device.type == "cpu" else [torch.get_num_threads()]
+    clock = time.process_time if args.compute_clock == "cpu" else time.perf_counter
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     emit(f"## time beside compute: {where}, torch {torch.__version__}, commit {commit()}, {dtype}; "
          + ("GPU-busy time (torch.profiler)" if device.type == "cuda" else
-            f"wall clock, median of {args.compute_repeats} interleaved rounds [range], freed memory "
+            ("wall clock" if args.compute_clock == "wall" else "CPU time of this process")
+            + f", median of {args.compute_repeats} interleaved rounds [range], freed memory "
             + ("kept (headmix.keep_freed_memory)" if args.compute_malloc == "keep" else "returned (glibc default)")
             + f", {machine_load()}"))
     for d_model in args.compute_d_model:
@@ -428,7 +434,7 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
                     block = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "d_model": d_model,
                              "seq": seq, "batch": args.compute_batch, "threads": n_threads, "mode": mode,
                              "cpu": where, "torch": torch.__version__, "commit": commit(),
-                             "malloc": args.compute_malloc}
+                             "malloc": args.compute_malloc, "clock": args.compute_clock}
                     if block_key(block) in done:
                         continue
                     if device.type == "cpu":
@@ -439,7 +445,7 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
                     for row in rows:  # each row printed as it is measured (a step stopped at its limit keeps them)
                         try:
                             record = measure_row(row, d_model, seq, args.compute_batch, mode, device, dtype,
-                                                 args.compute_repeats, mode == "eager")
+                                                 args.compute_repeats, mode == "eager", clock)
                         except Exception as err:  # noqa: BLE001 - a failing row is reported, the others measured
                             record = {"layer": row.name, "baseline": row.baseline_name, "error": _error(err)}
                         block["rows"].append(record)
@@ -449,7 +455,7 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
                     if not args.compute_rows or any("moa" in s.lower() for s in args.compute_rows):
                         try:
                             block["growth"] = measure_growth(d_model, seq, args.compute_batch, mode, device, dtype,
-                                                             args.compute_repeats)
+                                                             args.compute_repeats, clock)
                         except Exception as err:  # noqa: BLE001
                             block["growth"] = {"error": _error(err)}
                         emit("")
@@ -493,6 +499,9 @@ def add_arguments(p) -> None:
     p.add_argument("--compute-repeats", type=int, default=5, help="interleaved rounds per block (CPU)")
     p.add_argument("--compute-rows", nargs="+", default=None, metavar="TEXT",
                    help="only the rows whose name contains one of these (case-insensitive)")
+    p.add_argument("--compute-clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: elapsed time; cpu: this process's CPU time (one thread only: what other processes on "
+                        "a shared machine disturb least)")
     p.add_argument("--compute-malloc", choices=("keep", "default"), default="keep",
                    help="keep: glibc keeps freed memory (headmix.keep_freed_memory, as the headmix command does); "
                         "default: glibc's own setting")
@@ -518,5 +527,8 @@ def check_args(args, device_type: str) -> None:
     for name in ("compute_batch", "compute_repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.compute_clock == "cpu" and (device_type != "cpu" or max(args.compute_threads) > 1):
+        raise ValueError(f"--compute-clock cpu measures one thread on the CPU: give --compute-threads 1 and --device "
+                         f"cpu, got --compute-threads {' '.join(map(str, args.compute_threads))} on {device_type}")
     if args.resume and not args.compute_json:
         raise ValueError("--resume needs --compute-json (the file of the blocks to keep)")
