@@ -134,3 +134,21 @@ def test_saved_bytes_leave_out_the_parameters_a_layer_holds_anyway():
 
     with_weight = saved_activation_bytes(step)
     assert saved_activation_bytes(step, exclude=list(lin.parameters())) == x.nbytes == with_weight - lin.weight.nbytes
+
+
+@pytest.mark.slow
+def test_compiled_rows_are_compiled_each_one(tmp_path, monkeypatch):
+    """Every row's layers compile afresh: without forgetting the earlier rows' frames, the shared compiled functions
+    pass dynamo's recompile limit and later rows silently run eagerly (no kernel generated). Two rows of three
+    layers each, the limit set to three (a minute or two on 2 cores)."""
+    import torch
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
+    path = tmp_path / "compiled.json"
+    assert main(["bench", "layers", "--compute", "--device", "cpu", "--compute-d-model", "64", "--compute-time", "16",
+                 "--compute-threads", "1", "--compute-repeats", "1", "--compute-modes", "compiled",
+                 "--compute-rows", "MoH per", "MoH one", "--no-compute-profile", "--compute-json", str(path)]) == 0
+    rows = json.loads(path.read_text())["blocks"][0]["rows"]
+    assert len(rows) == 2
+    for r in rows:
+        assert all(r["inductor_kernels"][name] > 0 for name in ("routed", "baseline", "dense")), r

@@ -187,14 +187,25 @@ class _Layer:
 
 
 def _inductor_kernels(fn: Callable[[], None]) -> int | None:
-    """Kernels inductor generates while ``fn`` compiles (its first call), or None where the count is unavailable."""
+    """Kernels inductor generates while ``fn`` compiles (its first call), with its caches of compiled graphs off
+    (a graph found there generates none), or None where the count is unavailable."""
     try:
-        from torch._inductor import metrics
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config, metrics
     except ImportError:  # pragma: no cover
         return None
     metrics.reset()
-    fn()
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        fn()
     return metrics.generated_kernel_count
+
+
+def _fresh_compiler(compiled: bool) -> None:
+    """Before a row's compiled layers: forget the compiled frames of earlier rows. The layers of every row share the
+    two functions compiled here (:func:`_call`, :func:`_prefill`), and each new layer is a recompilation of them:
+    past ``torch._dynamo.config.recompile_limit`` (8) the compiler would silently run them eagerly."""
+    if compiled:
+        torch._dynamo.reset()
 
 
 def _rounds(fns: dict[str, Callable[[], None]], repeats: int, device: torch.device,
@@ -236,6 +247,7 @@ def measure_row(row: ComputeRow, d_model: int, seq: int, batch: int, mode: str, 
     if row.dense_form is not None:
         configs["dense"] = row.dense_form(d_model)
     compiled = mode == "compiled"
+    _fresh_compiler(compiled)
     layers = {name: _Layer(c, d_model, x, grad, compiled) for name, c in configs.items()}
     record = {"layer": row.name, "baseline": row.baseline_name,
               "macs": {name: minimal_attention_macs(c, d_model, seq) for name, c in configs.items()}}
@@ -272,6 +284,7 @@ def measure_growth(d_model: int, seq: int, batch: int, mode: str, device: torch.
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, seq, d_model, generator=g).to(device, dtype).requires_grad_()
     grad = torch.randn(x.shape, generator=g).to(device, dtype)
+    _fresh_compiler(mode == "compiled")
     layers = {heads_of(d_model, e): _Layer(_moa(e, 1 / 2)(d_model), d_model, x, grad, mode == "compiled")
               for e in GROWTH}
     first = min(layers)
