@@ -1,7 +1,7 @@
 """headmix's vLLM plugin: :func:`register`, the ``vllm.general_plugins`` entry point of headmix's package metadata
 (``pyproject.toml``), which vLLM calls in each of its processes before it reads a model.
 
-It makes three registrations, each once per process (vLLM may call it several times):
+It makes four registrations, each once per process (vLLM may call it several times):
 
 - the vLLM model :class:`headmix.serving.model.VllmHeadmixForCausalLM` under the architecture
   ``HeadmixForCausalLM`` (``vllm.ModelRegistry.register_model``, by name: the model module is imported when a
@@ -12,7 +12,10 @@ It makes three registrations, each once per process (vLLM may call it several ti
 - the config format ``"headmix"`` (``vllm serve FOLDER --config-format headmix``, ``LLM(FOLDER,
   config_format="headmix")``) for the folders headmix writes in its own form (a run's final model,
   ``CausalLanguageModel.save_pretrained``), whose ``config.json`` has no ``model_type``; it reads Hugging Face
-  folders of headmix models too.
+  folders of headmix models too;
+- a check of the engine's config for the architecture (vLLM's per-architecture ``MODELS_CONFIG_MAP``, run where
+  the engine's config is made, before any worker starts): a ``tensor_parallel_size`` the model cannot be split
+  over is refused there in one line (:func:`~headmix.serving.support.check_tensor_parallel`).
 
 vLLM is imported here only inside :func:`register`: importing headmix never imports vLLM.
 """
@@ -47,6 +50,7 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     _register_config_format()
+    _register_config_check()
 
 
 def hf_config_of_folder(folder: str | Path) -> Any:
@@ -77,3 +81,25 @@ def _register_config_format() -> None:
             return config.to_dict(), config
 
     vllm_config.register_config_parser(CONFIG_FORMAT)(HeadmixConfigParser)
+
+
+class EngineConfigCheck:
+    """vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``), run in the process that makes the engine's
+    config: refuses a ``tensor_parallel_size`` the model cannot be split over before the workers start."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        from .support import check_tensor_parallel
+
+        check_tensor_parallel(vllm_config.model_config.hf_config.model_config(),
+                              vllm_config.parallel_config.tensor_parallel_size)
+
+    @staticmethod
+    def verify_and_update_model_config(model_config: Any) -> None:
+        return
+
+
+def _register_config_check() -> None:
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, EngineConfigCheck)
