@@ -201,10 +201,10 @@ def stop(llm) -> None:
     gc.collect()
 
 
-#: The router and norm weights inside the sublayers and the output projections' biases (added once, after the
-#: ranks' shares are summed), held whole by every rank: not counted as projections.
-REPLICATED = (*ROUTER_WEIGHTS, "q_norm.weight", "k_norm.weight", "out_proj.bias", "fc2.bias", "down_proj.bias",
-              "out_bias")
+#: The routers' weights (the noisy router's noise too), the QK-norms and the output projections' biases (added once,
+#: after the ranks' shares are summed): held whole by every rank, not counted as projections.
+REPLICATED = (*ROUTER_WEIGHTS, "router.noise.weight", "q_norm.weight", "k_norm.weight", "out_proj.bias", "fc2.bias",
+              "down_proj.bias", "out_bias")
 
 
 def parameter_bytes(model) -> dict[str, int]:
