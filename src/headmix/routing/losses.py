@@ -76,7 +76,7 @@ def grouped_load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask:
     flat = expert_index + per * torch.arange(groups, device=expert_index.device)[:, None]
     counts = torch.zeros(groups * per, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(0, flat.reshape(-1), slot_weight.reshape(-1))
-    f = (counts / (tokens * top_k if fractions == "normalized" else tokens)).detach()
+    f = counts.div(tokens * top_k if fractions == "normalized" else tokens).detach()
     p = probs.sum(0).reshape(-1) / tokens
     return per * (f * p).sum() / groups
 
