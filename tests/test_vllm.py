@@ -274,7 +274,7 @@ def generate(kind: str, model, folder, form: str, ranks: int) -> dict:
                 ids=lambda p: p[0] if p[1] == 1 else f"{p[0]}-tp{p[1]}")
 def served(request, engine_env, tmp_path_factory):
     """One kind on 1 rank or RANKS: its headmix model, and vLLM's outputs (:func:`generate`) from one engine started
-    on the saved folder (with RANKS, also 1 rank's where this session has not served the kind on 1 rank)."""
+    on the saved folder (with RANKS, also 1 rank's where this test run has not served the kind on 1 rank)."""
     kind, ranks = request.param
     config, groups, form = KINDS[kind]
     model = build_tiny(config)
