@@ -53,6 +53,16 @@ def routing_gradients(layer: torch.nn.Module, *, causal: bool = True) -> dict[st
     return {n: v / scale for n, v in norms.items() if n.endswith(ROUTING)}
 
 
+def built_or_refused(make, layer_name: str, learns: bool) -> torch.nn.Module:
+    """``make()``'s layer where its router learns from the task loss; where it does not, ``make()`` refused in one line
+    naming ``layer_name``, and the same layer asked for as an ablation (``allow_router_without_task_gradient``)."""
+    if learns:
+        return make()
+    with pytest.raises(ValueError, match=f"^{layer_name}: the learned router {REFUSED}"):
+        make()
+    return make(allow_router_without_task_gradient=True)
+
+
 def assert_learns(grads: dict[str, float], name: str, learns: bool) -> None:
     assert name in grads, f"{name} is not a parameter of the layer: {sorted(grads)}"
     if learns:
@@ -82,12 +92,7 @@ def test_moa_router_learns_or_is_refused(num_experts, top_k, router, renormalize
     learns = moa_learns(num_experts, top_k, router, renormalize)
     args = (D, num_experts, top_k, 4)
     options = dict(router=router, renormalize=renormalize, kv_heads=kv_heads)
-    if learns:
-        layer = MixtureOfAttentionHeads(*args, **options)
-    else:
-        with pytest.raises(ValueError, match=f"^MoA: the learned router {REFUSED}"):
-            MixtureOfAttentionHeads(*args, **options)
-        layer = MixtureOfAttentionHeads(*args, **options, allow_router_without_task_gradient=True)
+    layer = built_or_refused(lambda **kw: MixtureOfAttentionHeads(*args, **options, **kw), "MoA", learns)
     grads = routing_gradients(layer)
     assert_learns(grads, "router.gate.weight", learns)
     if router == "noisy_topk":
@@ -117,12 +122,8 @@ def _moh(heads: int, shared: int, top_k: int, weighting: str, per_group: bool, i
 def _check_moh(heads: int, shared: int, top_k: int, weighting: str, per_group: bool, impl: str,
                routed_per_group: int) -> None:
     learns = moh_learns(routed_per_group, top_k, weighting)
-    if learns:
-        layer = _moh(heads, shared, top_k, weighting, per_group, impl)
-    else:
-        with pytest.raises(ValueError, match=f"^{'MoH routed per K/V group' if per_group else 'MoH'}: the learned router {REFUSED}"):
-            _moh(heads, shared, top_k, weighting, per_group, impl)
-        layer = _moh(heads, shared, top_k, weighting, per_group, impl, allow_router_without_task_gradient=True)
+    layer = built_or_refused(lambda **kw: _moh(heads, shared, top_k, weighting, per_group, impl, **kw),
+                             "MoH routed per K/V group" if per_group else "MoH", learns)
     grads = routing_gradients(layer)
     assert_learns(grads, "routed_gate.weight", learns)
     if shared:
@@ -181,12 +182,7 @@ def test_gqe_router_learns_or_is_refused(experts, kv_heads, top_k, weighted_slot
     args = (D, experts, kv_heads, top_k, 4)
     options = dict(weighted_slot=weighted_slot, weighted_slot_renormalize=renormalize, hard_slot_scale=scale,
                    shared_head_kv=shared_head_kv, router_init=router_init)
-    if learns:
-        layer = GroupedQueryExpertsAttention(*args, **options)
-    else:
-        with pytest.raises(ValueError, match=f"^GQE: the learned router {REFUSED}"):
-            GroupedQueryExpertsAttention(*args, **options)
-        layer = GroupedQueryExpertsAttention(*args, **options, allow_router_without_task_gradient=True)
+    layer = built_or_refused(lambda **kw: GroupedQueryExpertsAttention(*args, **options, **kw), "GQE", learns)
     assert_learns(routing_gradients(layer), "router_gate.weight", learns)
 
 

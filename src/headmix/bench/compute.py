@@ -45,6 +45,7 @@ from ..models import AttentionConfig
 from ..models.counting import minimal_attention_macs
 from .attention import saved_activation_bytes
 from .kinds import heads_for
+from ..training.machine import cpu_model
 from .timing import count_aten_ops, kernel_profile, machine_load
 
 #: The target of the time ratio over the MAC ratio: ``time <= MACs + slack`` (wall clock on the CPU, GPU-busy time
@@ -131,11 +132,6 @@ ROWS: list[ComputeRow] = [
 ]
 #: MoA's expert-growth rows: ``k = H/2`` of E = H, 2H, 4H experts (16, 32, 64 at d_model 1024).
 GROWTH = [1.0, 2.0, 4.0]
-
-
-def cpu_model() -> str:
-    from ..training.machine import cpu_model as model
-    return model()
 
 
 def commit() -> str:
@@ -231,8 +227,12 @@ def ratio_stats(num: list[float], den: list[float]) -> dict:
     return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios)}
 
 
-def _busy(fn: Callable[[], None]) -> tuple[float, float]:
-    return kernel_profile(fn, 5)
+def _inputs(batch: int, seq: int, d_model: int, device: torch.device, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's input (requiring its gradient) and the gradient its output gets, the same for every layer and row."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, seq, d_model, generator=g).to(device, dtype).requires_grad_()
+    return x, torch.randn(x.shape, generator=g).to(device, dtype)
 
 
 def measure_row(row: ComputeRow, d_model: int, seq: int, batch: int, mode: str, device: torch.device,
@@ -240,9 +240,7 @@ def measure_row(row: ComputeRow, d_model: int, seq: int, batch: int, mode: str, 
                 ) -> dict:
     """One row of one block: the MAC ratio, the fwd+bwd and prefill time ratios, and (``structure``) the ATen
     operations and saved bytes per fwd+bwd, or (compiled) the kernels inductor generated."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, seq, d_model, generator=g).to(device, dtype).requires_grad_()
-    grad = torch.randn(x.shape, generator=g).to(device, dtype)
+    x, grad = _inputs(batch, seq, d_model, device, dtype)
     configs = {"routed": row.routed(d_model), "baseline": row.baseline(d_model)}
     if row.dense_form is not None:
         configs["dense"] = row.dense_form(d_model)
@@ -259,7 +257,7 @@ def measure_row(row: ComputeRow, d_model: int, seq: int, batch: int, mode: str, 
         for fn in fns.values():  # warm-up (compiles the prefill; the step compiled above)
             fn()
         if device.type == "cuda":
-            measured = {name: _busy(fn) for name, fn in fns.items()}
+            measured = {name: kernel_profile(fn, 5) for name, fn in fns.items()}
             record[f"{what}_ms"] = {name: m[0] for name, m in measured.items()}
             record[f"{what}_kernels"] = {name: m[1] for name, m in measured.items()}
             ratio = record[f"{what}_ms"]["routed"] / record[f"{what}_ms"]["baseline"]
@@ -281,9 +279,7 @@ def measure_row(row: ComputeRow, d_model: int, seq: int, batch: int, mode: str, 
 def measure_growth(d_model: int, seq: int, batch: int, mode: str, device: torch.device, dtype: torch.dtype,
                    repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict:
     """MoA with ``k = H/2`` of E = H, 2H, 4H experts: each one's fwd+bwd and prefill time over the fewest's."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, seq, d_model, generator=g).to(device, dtype).requires_grad_()
-    grad = torch.randn(x.shape, generator=g).to(device, dtype)
+    x, grad = _inputs(batch, seq, d_model, device, dtype)
     _fresh_compiler(mode == "compiled")
     layers = {heads_of(d_model, e): _Layer(_moa(e, 1 / 2)(d_model), d_model, x, grad, mode == "compiled")
               for e in GROWTH}
@@ -294,7 +290,7 @@ def measure_growth(d_model: int, seq: int, batch: int, mode: str, device: torch.
         for fn in fns.values():
             fn()
         if device.type == "cuda":
-            busy = {e: _busy(fn)[0] for e, fn in fns.items()}
+            busy = {e: kernel_profile(fn, 5)[0] for e, fn in fns.items()}
             record[what] = {str(e): busy[e] / busy[first] for e in layers}
         else:
             times = _rounds(fns, repeats, device, clock)
@@ -312,9 +308,7 @@ def profile_row(row: ComputeRow, d_model: int, seq: int, batch: int, device: tor
     operations by self time (CPU time on the CPU, kernel time on CUDA) with their share of the step's total."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, seq, d_model, generator=g).to(device, dtype).requires_grad_()
-    grad = torch.randn(x.shape, generator=g).to(device, dtype)
+    x, grad = _inputs(batch, seq, d_model, device, dtype)
     cuda = device.type == "cuda"
     out = {}
     for name, config in (("routed", row.routed(d_model)), ("baseline", row.baseline(d_model))):
@@ -434,7 +428,8 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
     threads = args.compute_threads if device.type == "cpu" else [torch.get_num_threads()]
     clock = time.process_time if args.compute_clock == "cpu" else time.perf_counter
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    emit(f"## time beside compute: {where}, torch {torch.__version__}, commit {commit()}, {dtype}; "
+    checkout = commit()
+    emit(f"## time beside compute: {where}, torch {torch.__version__}, commit {checkout}, {dtype}; "
          + ("GPU-busy time (torch.profiler)" if device.type == "cuda" else
             ("wall clock" if args.compute_clock == "wall" else "CPU time of this process")
             + f", median of {args.compute_repeats} interleaved rounds [range], freed memory "
@@ -446,7 +441,7 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
                 for mode in args.compute_modes:
                     block = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "d_model": d_model,
                              "seq": seq, "batch": args.compute_batch, "threads": n_threads, "mode": mode,
-                             "cpu": where, "torch": torch.__version__, "commit": commit(),
+                             "cpu": where, "torch": torch.__version__, "commit": checkout,
                              "malloc": args.compute_malloc, "clock": args.compute_clock}
                     if block_key(block) in done:
                         continue

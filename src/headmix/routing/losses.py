@@ -29,28 +29,10 @@ def load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor 
     ``load_balancing_loss_func`` and the MoH authors' code compute it with top-k): the loss is then exactly
     ``k`` times the ``"normalized"`` one (uniform router: ``k``).
 
-    ``probs``: ``(N, E)``; ``expert_index``: ``(N, k)``; ``token_mask``: ``(N,)`` True for real tokens.
+    ``probs``: ``(N, E)``; ``expert_index``: ``(N, k)``; ``token_mask``: ``(N,)`` True for real tokens. One router
+    group of :func:`grouped_load_balancing_loss`.
     """
-    check_fractions(fractions)
-    num_experts = probs.shape[-1]
-    if probs.shape[0] == 0:
-        return probs.sum() * 0.0
-    slot_weight = torch.ones_like(expert_index, dtype=probs.dtype)
-    top_k = expert_index.shape[1]
-    if token_mask is None:
-        tokens = float(probs.shape[0])
-    else:
-        # Padded tokens weigh 0 (masked, not dropped: the shapes stay static, so the loss compiles with
-        # no data-dependent shape); with no real token both fractions are 0 and so is the loss.
-        probs = probs.masked_fill(~token_mask[:, None], 0.0)
-        slot_weight = slot_weight.masked_fill(~token_mask[:, None], 0.0)
-        tokens = token_mask.sum().to(probs.dtype).clamp(min=1)
-    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
-    counts.scatter_add_(0, expert_index.reshape(-1), slot_weight.reshape(-1))
-    # every real token fills k slots, so the slots counted are tokens * k (no reduction needed)
-    f = (counts / (tokens * top_k if fractions == "normalized" else tokens)).detach()
-    p = probs.sum(0) / tokens
-    return num_experts * (f * p).sum()
+    return grouped_load_balancing_loss(probs[:, None], expert_index[:, None], token_mask, fractions)
 
 
 def grouped_load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask: Tensor | None = None,
@@ -70,12 +52,15 @@ def grouped_load_balancing_loss(probs: Tensor, expert_index: Tensor, token_mask:
     if token_mask is None:
         tokens = float(n)
     else:
+        # Padded tokens weigh 0 (masked, not dropped: the shapes stay static, so the loss compiles with
+        # no data-dependent shape); with no real token both fractions are 0 and so is the loss.
         probs = probs.masked_fill(~token_mask[:, None, None], 0.0)
         slot_weight = slot_weight.masked_fill(~token_mask[:, None, None], 0.0)
         tokens = token_mask.sum().to(probs.dtype).clamp(min=1)
     flat = expert_index + per * torch.arange(groups, device=expert_index.device)[:, None]
     counts = torch.zeros(groups * per, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(0, flat.reshape(-1), slot_weight.reshape(-1))
+    # every real token fills k slots per group, so the slots counted are tokens * k (no reduction needed)
     f = counts.div(tokens * top_k if fractions == "normalized" else tokens).detach()
     p = probs.sum(0).reshape(-1) / tokens
     return per * (f * p).sum() / groups
