@@ -215,7 +215,8 @@ def test_the_static_control_of_gqe_is_gqa_with_its_active_query_heads_at_equal_m
     static = rows["GQE static"].config.decoder_self_attention
     assert (static.kind, static.num_heads, static.kv_heads) == ("mha", 4, 2)
     assert {r.name: r.control_of for r in spec.rows if r.control_of} == {
-        "GQE random": "GQE", "MoA kv2 random": "MoA kv2", "GQE static": "GQE"}
+        "GQE random": "GQE", "MoA kv2 random": "MoA kv2", "GQE static": ["GQE", "GQE mean"],
+        "GQE mean random": "GQE mean"}
     t, d, h, g, dh = 128, 128, 4, 2, static.head_dim
     layers = rows["GQE static"].config.decoder_layers
     by_hand = layers * (t * d * h * dh + t * d * 2 * g * dh + 2 * h * t * t * dh + t * h * dh * d)
@@ -269,9 +270,18 @@ def test_a_study_folder_takes_new_rows_but_not_changed_ones(tmp_path):
     spec.rows.append(RowSpec("MoH", {"kind": "moh", "num_heads": 4, "num_shared_heads": 1, "top_k": 2},
                              ["head_dim"], control_of="MHA"))
     check_plan(spec, plan(spec), tmp_path)
-    spec.rows[0] = RowSpec("MHA", control_of="MoH")
-    with pytest.raises(ValueError, match="holds another study"):
-        check_plan(spec, plan(spec), tmp_path)
+    _write_plan(spec, plan(spec), tmp_path)
+    # which rows a control serves is how the report pairs runs, not what they train: it may change
+    spec.rows.append(RowSpec("MoH random", {**spec.rows[1].attention, "router": "random"}, ["head_dim"]))
+    _write_plan(spec, plan(spec), tmp_path)
+    spec.rows[2] = RowSpec("MoH random", spec.rows[2].attention, ["head_dim"], control_of="MoH")
+    check_plan(spec, plan(spec), tmp_path)
+    for changed in (RowSpec("MoH random", {**spec.rows[1].attention, "top_k": 1, "router": "random"}, ["head_dim"],
+                            control_of="MoH"),
+                    RowSpec("MoH random", spec.rows[2].attention, ["head_dim"], causal_eval=True, control_of="MoH")):
+        moved = StudySpec(name="s", task="lm", baseline="llama-tiny-mha", rows=[*spec.rows[:2], changed], max_steps=3)
+        with pytest.raises(ValueError, match="holds another study"):
+            check_plan(moved, plan(moved), tmp_path)
 
 
 def test_spec_errors_name_the_row():

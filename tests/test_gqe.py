@@ -345,8 +345,9 @@ def test_config_bad_options_get_one_line_errors(fields, match):
 
 
 # --------------------------------------------------------------------------- the shared head's K/V
-#: A GQE model config that lm-en-contenders stored before ``shared_head_kv`` existed (its shared head read K/V head 0).
-STORED_GQE = Path(__file__).resolve().parents[1] / "studies" / "lm-en-contenders" / "configs" / "GQE.json"
+#: A GQE model config that lm-en-contenders stored before ``shared_head_kv`` existed (its shared head read K/V head 0),
+#: with that study's study.json beside it: copied at f09f8eb, before the study's next run rewrote both with the key.
+STORED_GQE = Path(__file__).resolve().parent / "data" / "before-shared-head-kv" / "configs" / "GQE.json"
 
 
 @pytest.mark.parametrize("config", ["paper", "top2", "random"])
@@ -428,6 +429,7 @@ def test_a_study_stored_before_shared_head_kv_is_still_that_study():
     from headmix.study.runner import _with_new_defaults, check_plan
 
     folder = STORED_GQE.parents[1]
+    assert "shared_head_kv" not in (folder / "study.json").read_text()
     stored = _with_new_defaults(json.loads((folder / "study.json").read_text()))
     gqe_rows = [r for r in stored["rows"] if r["attention"]["kind"] == "gqe"]
     assert len(gqe_rows) == 3 and {r["attention"]["shared_head_kv"] for r in gqe_rows} == {"head0"}

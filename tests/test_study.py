@@ -279,8 +279,10 @@ def test_the_long_contenders_study_is_the_short_one_with_four_times_the_tokens()
     assert long.max_steps == 4 * short.max_steps and long.training == short.training
     assert long.baseline == short.baseline and long.task == short.task
     same = {r.name: r.config for r in plan(short)}
-    assert [r.name for r in plan(long)] == ["GQA", "Gated", "GQE", "GQE random", "GQE static", "GQE hard-only"]
-    assert {r.name: r.control_of for r in long.rows if r.control_of} == {"GQE random": "GQE", "GQE static": "GQE"}
+    assert [r.name for r in plan(long)] == ["GQA", "Gated", "GQE", "GQE random", "GQE static", "GQE hard-only",
+                                            "GQE mean", "GQE mean random", "GQE mean hard-only"]
+    assert {r.name: r.control_of for r in long.rows if r.control_of} == {
+        "GQE random": "GQE", "GQE static": ["GQE", "GQE mean"], "GQE mean random": "GQE mean"}
     assert all(r.config == same[r.name] for r in plan(long))
 
 

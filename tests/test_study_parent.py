@@ -172,6 +172,38 @@ def test_one_parent_is_trained_once_and_every_run_continues_it(tmp_path, docs_fi
     assert "runs recorded 2 different parents' weights" in (out / "results.md").read_text()
 
 
+def test_a_parent_without_its_weights_is_retrained_and_kept_only_with_the_recorded_sha256(tmp_path, docs_file):
+    """A clone of a finished continuation study (the parent's records, not its weights): ``retrain_parent`` trains
+    the parent again beside its records and puts its final files back when its weights' sha256 is the recorded one
+    (the records stay byte for byte); a recorded sha256 the retrained weights do not have is refused in one line,
+    and the study's parent stays as it was."""
+    from headmix.storage.files import sha256_file
+
+    spec, out = _spec(docs_file, seeds=[1], rows=[RowSpec("dense")]), tmp_path / "study"
+    run_study(spec, out, log=lambda m: None)
+    parent = out / PARENT_DIR
+    recorded = json.loads((parent / PARENT_RECORD).read_text())["sha256"]
+    records = {name: (parent / name).read_bytes() for name in ("summary.json", "metrics.jsonl", PARENT_RECORD)}
+    for name in ("model.safetensors", "config.json"):
+        (parent / name).unlink()
+    with pytest.raises(FileNotFoundError, match="give --retrain-parent"):
+        run_study(spec, out, log=lambda m: None)
+
+    run_study(spec, out, log=lambda m: None, retrain_parent=True)
+    assert sha256_file(parent / "model.safetensors") == recorded and (parent / "config.json").is_file()
+    assert {name: (parent / name).read_bytes() for name in records} == records
+    assert not (parent / "retrained").exists()
+    run_study(spec, out, log=lambda m: None)  # whole again: no flag needed
+
+    (parent / "model.safetensors").unlink()
+    (parent / PARENT_RECORD).write_text(json.dumps({**json.loads(records[PARENT_RECORD]), "sha256": "0" * 64}))
+    with pytest.raises(ValueError, match=r"the retrained parent's weights have sha256 .* the recorded parent's "
+                                         r"000000000000\.\.\.") as err:
+        run_study(spec, out, log=lambda m: None, retrain_parent=True)
+    assert "\n" not in str(err.value) and not (parent / "model.safetensors").exists()
+    assert sha256_file(parent / "retrained" / "model.safetensors") == recorded
+
+
 def test_every_learned_router_of_lm_en_upcycle_gets_a_task_gradient_from_its_zero_initialisation():
     """The study's learned rows start from zero router weights (a tie that ``torch.topk`` breaks by position):
     the task loss alone (no auxiliary loss) must still move every routing parameter, at the first step."""
@@ -184,7 +216,8 @@ def test_every_learned_router_of_lm_en_upcycle_gets_a_task_gradient_from_its_zer
     spec = get_study("lm-en-upcycle")
     learned = [r for r in spec.rows if r.init_options.get("attention") == "moh"
                and r.init_options.get("router", "softmax") == "softmax"]
-    assert [r.name for r in learned] == ["learned 75%", "learned 50%", "learned per group 50%"]
+    names = ["learned 75%", "learned 50%", "learned per group 50%"]
+    assert [r.name for r in learned] == names + [n + " distilled" for n in names]
     torch.manual_seed(0)
     parent = build_model(get_config("llama3-tiny-gqa", task="lm"))
     ids = torch.randint(4, parent.config.vocab_size, (2, 12))

@@ -72,6 +72,7 @@ Studies that want a GPU (``headmix study --list`` says how long a row takes on o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from ..models import analytic_macs
@@ -122,6 +123,9 @@ _GQE = {"kind": "gqe", "num_experts": 4, "kv_heads": 2, "top_k": 1}
 #: (``shared_head_kv="head0"``), kept so that their committed records stay these studies (a stored study refuses a
 #: changed row): rows with the authors' mean (the default) are new runs of these rows.
 _GQE_AS_RUN = {**_GQE, "shared_head_kv": "head0"}
+#: GQE as its authors run it (FrontiersMindAI/GQE: the shared head over the mean of the K/V heads), named so in
+#: the rows added for it ("GQE mean", its random control and its hard-slots-only ablation).
+_GQE_MEAN = {**_GQE, "shared_head_kv": "mean"}
 #: The paper's Table 2 ablation "hard concat only": GQE without the weighted-sum slot, whose router then gets no
 #: gradient from the task loss (only the load-balancing loss moves it): asked for by name as that ablation.
 _GQE_HARD_ONLY = {"weighted_slot": False, ALLOW_FLAG: True}
@@ -150,9 +154,19 @@ def _control_rows() -> list[RowSpec]:
             RowSpec("MoA kv2 random", {**moa.attention, "router": "random"}, moa.solve, moa.prefer,
                     control_of="MoA kv2"),
             RowSpec("GQE static", {"kind": "mha", "num_heads": 4, "kv_heads": 2}, ["head_dim"], _CONTENDERS_PREFER,
-                    control_of="GQE"),
+                    control_of=["GQE", "GQE mean"]),
             RowSpec("MoSA causal", dict(mosa.attention), mosa.solve, mosa.prefer, causal_eval=True),
-            RowSpec("GQE hard-only", {**gqe.attention, **_GQE_HARD_ONLY}, gqe.solve, gqe.prefer)]
+            RowSpec("GQE hard-only", {**gqe.attention, **_GQE_HARD_ONLY}, gqe.solve, gqe.prefer)] + _gqe_mean_rows()
+
+
+def _gqe_mean_rows() -> list[RowSpec]:
+    """The rows of GQE with the shared head over the mean of the K/V heads, as its authors' code runs it: the
+    same models as ``GQE``, ``GQE random`` and ``GQE hard-only`` (the same head size: the shared head's K/V
+    source costs no MACs), added after those ran with K/V head 0. ``GQE static`` controls both GQE rows."""
+    return [RowSpec("GQE mean", dict(_GQE_MEAN), ["head_dim"], _CONTENDERS_PREFER),
+            RowSpec("GQE mean random", {**_GQE_MEAN, "router": "random"}, ["head_dim"], _CONTENDERS_PREFER,
+                    control_of="GQE mean"),
+            RowSpec("GQE mean hard-only", {**_GQE_MEAN, **_GQE_HARD_ONLY}, ["head_dim"], _CONTENDERS_PREFER)]
 
 
 def lm_en_contenders() -> StudySpec:
@@ -164,7 +178,8 @@ def lm_en_contenders() -> StudySpec:
 #: the rows of ``lm-en-contenders-long``: the baseline and the two rows best at equal MACs after 400 steps
 #: (chosen after its seeds 1 and 2, still the two best with all three: docs/study.md), and GQE's controls as in
 #: ``lm-en-contenders`` (its random router, its static twin, the paper's hard-slots-only ablation).
-LONG_CONTENDERS = ("GQA", "Gated", "GQE", "GQE random", "GQE static", "GQE hard-only")
+LONG_CONTENDERS = ("GQA", "Gated", "GQE", "GQE random", "GQE static", "GQE hard-only", "GQE mean", "GQE mean random",
+                   "GQE mean hard-only")
 
 
 def lm_en_contenders_long() -> StudySpec:
@@ -180,21 +195,40 @@ UPCYCLE_TRAINING = {**_LM_TRAINING, "lr": 1e-3, "warmup_steps": 20}
 _SPARSE = {"attention": "moh", "moh_impl": "sparse"}
 
 
+#: ``lm-en-upcycle``'s distillation from the parent (``headmix train --distill-from``): the loss
+#: ``(1 - weight) task + weight T^2 KL(parent || row)`` at the defaults, weight 0.5 and temperature 1.
+UPCYCLE_DISTILL: dict = {}
+#: The suffix of a row continued with distillation from the parent.
+DISTILLED = " distilled"
+
+
 def upcycle_rows() -> list[RowSpec]:
-    """``lm-en-upcycle``'s rows: how each converts the parent (:mod:`headmix.interop.upcycle`)."""
+    """``lm-en-upcycle``'s rows: how each converts the parent (:mod:`headmix.interop.upcycle`), each continued
+    with the LM loss alone and again with distillation from the parent (``NAME distilled``). Every router row is
+    paired with the pruned row of the same active heads (its static control: 3 or 2 of each K/V group's 4 heads,
+    no router), and the random router per group with the learned one; a distilled row's controls are distilled."""
     def moh(shared: int, top_k: int, **more) -> dict:
         return {**_SPARSE, "num_shared_heads": shared, "top_k": top_k, **more}
 
-    return [RowSpec("dense continued"),
-            RowSpec("query-norm 75%", init_options=moh(4, 2, router="query_norm")),
-            RowSpec("query-norm 50%", init_options=moh(2, 2, router="query_norm")),
-            RowSpec("learned 75%", init_options=moh(4, 2)),
-            RowSpec("learned 50%", init_options=moh(2, 2)),
-            RowSpec("learned per group 50%", init_options=moh(0, 2, route_per_group=True)),
-            RowSpec("per group 50% random", init_options=moh(0, 2, route_per_group=True, router="random"),
-                    control_of="learned per group 50%"),
-            RowSpec("pruned 75%", init_options={"attention": "mha", "keep_heads": 3}, control_of="learned 75%"),
-            RowSpec("pruned 50%", init_options={"attention": "mha", "keep_heads": 2}, control_of="learned 50%")]
+    plain = [RowSpec("dense continued"),
+             RowSpec("query-norm 75%", init_options=moh(4, 2, router="query_norm")),
+             RowSpec("query-norm 50%", init_options=moh(2, 2, router="query_norm")),
+             RowSpec("learned 75%", init_options=moh(4, 2)),
+             RowSpec("learned 50%", init_options=moh(2, 2)),
+             RowSpec("learned per group 50%", init_options=moh(0, 2, route_per_group=True)),
+             RowSpec("per group 50% random", init_options=moh(0, 2, route_per_group=True, router="random"),
+                     control_of="learned per group 50%"),
+             RowSpec("pruned 75%", init_options={"attention": "mha", "keep_heads": 3},
+                     control_of=["learned 75%", "query-norm 75%"]),
+             RowSpec("pruned 50%", init_options={"attention": "mha", "keep_heads": 2},
+                     control_of=["learned 50%", "query-norm 50%", "learned per group 50%"])]
+
+    def distilled(row: RowSpec) -> RowSpec:
+        controls = [c + DISTILLED for c in row.controls] or None
+        return dataclasses.replace(row, name=row.name + DISTILLED, distill=dict(UPCYCLE_DISTILL),
+                                   control_of=controls[0] if controls and len(controls) == 1 else controls)
+
+    return plain + [distilled(row) for row in plain]
 
 
 def lm_en_upcycle() -> StudySpec:

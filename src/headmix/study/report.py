@@ -731,8 +731,10 @@ def _attention_sizes(att: dict[str, Any]) -> str:
         k = f"T/{att['sparsity']:g}" if att.get("sparsity") is not None else str(att.get("tokens_per_head"))
         return f"MoSA {att['num_sparse_heads']}×{att.get('head_dim')} sparse (k={k}) + {att.get('num_dense_heads') or 0} dense"
     if kind == "gqe":
+        # the shared head's K/V: the mean of the K/V heads (unset: the authors' form) or K/V head 0
+        shared = "shared head (K/V head 0)" if att.get("shared_head_kv") == "head0" else "shared head (mean K/V)"
         slots = [name for name, on in (("weighted slot", att.get("weighted_slot", True) is not False),
-                                       ("shared head", att.get("shared_head", True) is not False)) if on]
+                                       (shared, att.get("shared_head", True) is not False)) if on]
         scaled = ", hard slots scaled by p" if att.get("hard_slot_scale") == "p" else ""
         return (f"GQE {att['num_experts']}×{att['head_dim']}, top {att['top_k']} per K/V group, "
                 f"{' + '.join(slots) or 'hard slots only'}{scaled}")

@@ -29,9 +29,11 @@ row's second...), so a study stopped early still has comparable rows. Several wo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,7 +220,7 @@ def machine_turn(out: Path, *, exclusive: bool, stop: Callable[[], str | None] |
 def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False,
               log: Callable[[str], None] = print, stop: Callable[[], str | None] | None = None,
               on_result: Callable[[list[RunResult]], None] | None = None,
-              max_runs: int | None = None) -> list[RunResult]:
+              max_runs: int | None = None, retrain_parent: bool = False) -> list[RunResult]:
     """Time every row against the baseline (:mod:`headmix.study.timing`, once per row), train every (row, seed)
     run not yet finished, evaluate it, and return the results of all finished runs. Several processes may run
     this on one folder at once (workers): each takes the next row to time or run to train that no other holds
@@ -227,7 +229,9 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
     between runs and by the training loop (the ``headmix`` command's signal handler and time budget); a stopped
     study returns early, and the same call later continues it. ``max_runs``: train at most this many runs to
     their end, then return before starting another (a command that must end between runs: a run cut short
-    leaves a checkpoint to resume from, which a machine that keeps nothing would lose)."""
+    leaves a checkpoint to resume from, which a machine that keeps nothing would lose). ``retrain_parent``: a
+    continuation study whose parent finished but whose weights are not here (a clone of the committed records)
+    trains it again and keeps it if its weights' sha256 is the recorded one (:func:`retrain_parent`)."""
     if max_runs is not None and (isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1):
         raise ValueError(f"max_runs must be a positive integer, got {max_runs!r}")
     from ..training import TrainConfig, train
@@ -243,7 +247,7 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
         check_pack(spec)  # every file of the pack against its checksums, before the folder is touched
     check_timing_devices(spec, planned, out)
     if spec.parent is not None:
-        check_parent(spec, out)
+        check_parent(spec, out, retrain=retrain_parent)
     out.mkdir(parents=True, exist_ok=True)
     with study_lock(out):
         _write_plan(spec, planned, out)
@@ -274,7 +278,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                 log(f"study {spec.name}: timing {row.name!r} against {planned[0].name!r} (interleaved)")
                 record = measure_row(spec, out, configs[planned[0].name], configs[row.name], row.name)
                 write_timing(out, slug(row.name), {**record, "study_workers_excluded": True})
-    if spec.parent is not None and not train_parent(spec, out, log=log, stop=stop, progress=progress):
+    if spec.parent is not None and not train_parent(spec, out, log=log, stop=stop, progress=progress,
+                                                    retrain=retrain_parent):
         return finished()  # stopped while the parent trained (or waited for it)
     trained = 0  # runs this call has trained to their end
     for seed in spec.seeds:
@@ -366,28 +371,96 @@ def parent_config(spec: StudySpec, out: Path, progress: bool = False):
                        **data_options(spec, out), **{**spec.training, **spec.parent.training})
 
 
-def check_parent(spec: StudySpec, out: Path) -> None:
-    """``FileNotFoundError`` (one line) when a continuation study's parent has finished but its final model is not
-    there (a clone of the committed records): retraining it would rewrite its records, so nothing is done."""
+def parent_weights_missing(out: Path) -> str | None:
+    """The first of the parent's final files (:data:`~headmix.runs.FINAL_FILES`) that is missing although the parent
+    has finished (a clone of the committed records, which keep the parent's records but not its weights), else
+    ``None``."""
     from ..runs import FINAL_FILES
 
     folder = out / PARENT_DIR
     missing = [f for f in FINAL_FILES if not (folder / f).is_file()]
-    if (folder / "summary.json").is_file() and missing:
-        raise FileNotFoundError(f"study {spec.name}: the parent {folder} has finished but its {missing[0]} is missing "
-                                f"(committed studies keep the records, not the weights): put the parent's final model "
-                                f"back, or continue the study in another --out")
+    return missing[0] if (folder / "summary.json").is_file() and missing else None
+
+
+def check_parent(spec: StudySpec, out: Path, *, retrain: bool = False) -> None:
+    """``FileNotFoundError`` (one line) when a continuation study's parent has finished but its final model is not
+    there (a clone of the committed records): retraining it in place would rewrite its records, so nothing is done
+    unless ``retrain`` (:func:`retrain_parent`: the weights are made again beside the records and kept only if
+    their sha256 is the recorded one)."""
+    missing = parent_weights_missing(out)
+    if missing is not None and not retrain:
+        raise FileNotFoundError(f"study {spec.name}: the parent {out / PARENT_DIR} has finished but its {missing} is "
+                                f"missing (committed studies keep the records, not the weights): give --retrain-parent "
+                                f"to train it again as the spec says (kept if its weights' sha256 is the recorded one), "
+                                f"put the parent's final model back, or continue the study in another --out")
+    if missing is not None and not (out / PARENT_DIR / PARENT_RECORD).is_file():
+        raise FileNotFoundError(f"study {spec.name}: the parent {out / PARENT_DIR} has finished but has no "
+                                f"{PARENT_RECORD} (the sha256 of its weights): a retrained parent cannot be checked "
+                                f"against it; continue the study in another --out")
+
+
+#: Where :func:`retrain_parent` trains the parent again (inside ``OUT/parent/``, so the study's records ignore it).
+RETRAINED_DIR = "retrained"
+
+
+def retrain_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = print,
+                   stop: Callable[[], str | None] | None = None, progress: bool = False) -> bool:
+    """Make a finished parent's missing weights again: train it as the spec says into ``OUT/parent/retrained/``
+    (resumable), then keep its final files in ``OUT/parent/`` only if the sha256 of its ``model.safetensors`` is the
+    one the parent recorded (``parent.json``), which every run of the study recorded as its start; its records
+    (summary, metrics) stay as they were. A different sha256 (another machine, thread count or version: float sums
+    in another order) is refused in one line and nothing of the study changes. Returns whether the weights are
+    back (``False``: stopped first)."""
+    from ..runs import FINAL_FILES
+    from ..storage.files import sha256_file
+    from ..training import train
+
+    folder = out / PARENT_DIR
+    again = folder / RETRAINED_DIR
+    recorded = json.loads((folder / PARENT_RECORD).read_text())["sha256"]
+    with claim(out, "parent") as mine, contextlib.ExitStack() as machine:
+        if not mine:
+            raise RuntimeError(f"study {spec.name}: another worker holds the parent; retrain it from one worker")
+        if parent_weights_missing(out) is None:  # another worker put them back meanwhile
+            return True
+        if not machine.enter_context(machine_turn(out, exclusive=False, stop=stop)):
+            return False
+        if not (again / "summary.json").is_file():
+            log(f"study {spec.name}: training the parent again ({spec.parent.max_steps} steps, seed "
+                f"{spec.parent.seed}) in {again}, to be kept if its weights are the recorded ones")
+            cfg = dataclasses.replace(parent_config(spec, out, progress), out=str(again))
+            train(cfg, stop=stop)
+            if not (again / "summary.json").is_file():
+                return False
+        made = sha256_file(again / "model.safetensors")
+        if made != recorded:
+            raise ValueError(f"study {spec.name}: the retrained parent's weights have sha256 {made[:12]}..., the "
+                             f"recorded parent's {recorded[:12]}... (another machine, thread count or version sums "
+                             f"in another order): its runs did not start from it; continue the study in another "
+                             f"--out (the retrained parent is in {again})")
+        for name in FINAL_FILES:
+            target = folder / name
+            if not target.is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(again / name, target)
+        shutil.rmtree(again)
+        log(f"study {spec.name}: the parent's weights are back (sha256 {recorded[:12]}..., as recorded)")
+    return True
 
 
 def train_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = print,
-                 stop: Callable[[], str | None] | None = None, progress: bool = False, poll: float = 5.0) -> bool:
+                 stop: Callable[[], str | None] | None = None, progress: bool = False, poll: float = 5.0,
+                 retrain: bool = False) -> bool:
     """Train a continuation study's parent once (``OUT/parent``, resumable), or wait while another worker trains
-    it. Returns whether it has finished (``False``: stopped first)."""
+    it; with ``retrain``, make a finished parent's missing weights again (:func:`retrain_parent`). Returns whether
+    it has finished (``False``: stopped first)."""
     from ..runs import FINAL_FILES
     from ..training import train
 
     folder = out / PARENT_DIR
-    check_parent(spec, out)
+    check_parent(spec, out, retrain=retrain)
+    if parent_weights_missing(out) is not None:
+        return retrain_parent(spec, out, log=log, stop=stop, progress=progress)
     told = False
     while not all((folder / f).is_file() for f in ("summary.json", *FINAL_FILES)):
         if stop is not None and stop() is not None:
@@ -627,12 +700,18 @@ def check_plan(spec: StudySpec, planned: list[PlannedRow], out: Path) -> dict[st
 
 def _extends(stored: dict[str, Any], record: dict[str, Any]) -> bool:
     """Whether the study ``record`` is the ``stored`` one with seeds or rows added: every stored row (its spec and
-    its matched attention) is in ``record`` unchanged, and the rest of the spec is the same."""
+    its matched attention) is in ``record`` unchanged, and the rest of the spec is the same. A row's
+    ``control_of`` may change (e.g. a static control that also serves a row added later): it says how the report
+    pairs finished runs, not what a run trains."""
     def by_name(rows: list[Any]) -> dict[str, Any]:
         return {r.get("name"): r for r in rows if isinstance(r, dict)}
 
+    def trained(row: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if row is None else {k: v for k, v in row.items() if k != "control_of"}
+
     old_spec, new_spec = stored.get("spec", {}), record["spec"]
-    old_rows, new_rows = by_name(old_spec.get("rows", [])), by_name(new_spec.get("rows", []))
+    old_rows = {n: trained(r) for n, r in by_name(old_spec.get("rows", [])).items()}
+    new_rows = {n: trained(r) for n, r in by_name(new_spec.get("rows", [])).items()}
     old_plan, new_plan = by_name(stored.get("rows", [])), by_name(record["rows"])
     same_rows = all(new_rows.get(n) == r for n, r in old_rows.items()) and all(
         new_plan.get(n) == r for n, r in old_plan.items()) and len(old_plan) == len(stored.get("rows", []))
