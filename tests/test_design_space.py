@@ -100,7 +100,7 @@ def test_every_control_row_is_labelled_by_the_row_it_controls_and_is_its_configu
             assert (entry.config.kind, entry.config.num_heads, entry.config.kv_heads, entry.config.head_dim) == \
                 ("mha", groups * per_group, learned.kv_heads, learned.head_dim)
             controls += 1
-    assert controls == 7
+    assert controls == 9
 
 
 def test_every_named_test_exists():
@@ -190,11 +190,30 @@ def test_a_kind_the_page_does_not_describe_needs_its_description_given():
 
 
 def test_a_gqe_row_with_another_shared_head_kv_is_refused():
-    """The committed lm-en-contenders GQE rows ran with the shared head over K/V head 0 (stored without the key): the
-    page's entry says so; the default, the authors' mean, is another design than those records."""
+    """The committed lm-en-contenders "GQE" rows ran with the shared head over K/V head 0 (stored without the key),
+    its "GQE mean" rows with the authors' mean: the page's GQE entry is the authors' form and reads "GQE mean", its
+    head-0 entry reads "GQE"; either row read under the other's entry is refused."""
     studies = ROOT / "studies"
-    entry = design_space.GQE.config
-    assert entry.shared_head_kv == "head0"
-    assert design_space.study_cell(Study("lm-en-contenders", "GQE"), entry, studies).startswith("lm-en-contenders")
+    mean, head0 = design_space.GQE.config, design_space.GQE_HEAD0.config
+    assert mean.shared_head_kv is None and mean.build(64).shared_head_kv == "mean" and head0.shared_head_kv == "head0"
+    assert design_space.study_cell(Study("lm-en-contenders", "GQE"), head0, studies).startswith("lm-en-contenders")
+    assert design_space.study_cell(Study("lm-en-contenders", "GQE mean"), mean, studies).startswith("lm-en-contenders")
     with pytest.raises(ValueError, match=r"row 'GQE' is another design .*: its shared_head_kv differ"):
-        design_space.study_cell(Study("lm-en-contenders", "GQE"), replace(entry, shared_head_kv=None), studies)
+        design_space.study_cell(Study("lm-en-contenders", "GQE"), mean, studies)
+    with pytest.raises(ValueError, match=r"row 'GQE mean' is another design .*: its shared_head_kv differ"):
+        design_space.study_cell(Study("lm-en-contenders", "GQE mean"), head0, studies)
+
+
+def test_the_pruned_rows_sit_under_the_static_controls_of_the_designs_they_control():
+    """lm-en-upcycle's pruned rows are static controls of global MoH on grouped K/V (75%, 50%) and of MoH routed per
+    K/V group (50%): the page reads them there, and nowhere else (not under GQE's static control)."""
+    where: dict[str, list[str]] = {}
+    for e in design_space.ENTRIES:
+        for ref in e.studies:
+            if ref.study == design_space.UPCYCLE:
+                where.setdefault(ref.row, []).append(e.name)
+    assert where["pruned 75%"] == ["MoH with grouped K/V, sparse: static control"]
+    assert where["pruned 50%"] == ["MoH with grouped K/V, sparse: static control",
+                                   "MoH routed per K/V group, sparse: static control"]
+    assert where["learned 75%"] == where["learned 50%"] == ["MoH with grouped K/V, sparse"]
+    assert where["learned per group 50%"] == ["MoH routed per K/V group, sparse"]

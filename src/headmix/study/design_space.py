@@ -135,6 +135,8 @@ SWITCHHEAD_AUTHORS = ("the SwitchHead authors' module", "tests/test_switchhead.p
 MOSA_AUTHORS = ("the MoSA authors' pure and hybrid MoSA", "tests/test_mosa.py::test_matches_the_authors_pure_and_hybrid_mosa")
 GQE_REFERENCE = ("a plain reference written from the paper's equations (eq. 6)",
                  "tests/test_gqe.py::test_layer_matches_reference_outputs_and_gradients")
+GQE_AUTHORS = ("a plain oracle of the GQE authors' `GQEAttention` (FrontiersMindAI/GQE)",
+               "tests/test_gqe_authors.py::test_layer_matches_the_plain_oracle_of_the_authors_code")
 RANDOM_REFERENCE = ("a plain reference (integer hash)", "tests/test_controls.py::test_random_layers_match_the_plain_reference")
 QUERY_NORM_REFERENCE = ("a plain reference of the MoH authors' MoH-LLaMA3 rule",
                         "tests/test_query_norm.py::test_outputs_and_gradients_match_the_plain_reference")
@@ -146,21 +148,36 @@ MOA = Entry("MoA", _moa(), exact=(JETMOE,),
 MOA_KV = Entry("MoA with grouped K/V (JetMoE)", _moa(kv_heads=2), exact=(JETMOE,), studies=(Study(CONTENDERS, "MoA kv2"),))
 #: The continuation study: every row converts one trained dense parent (issue 44).
 UPCYCLE = "lm-en-upcycle"
+#: Global MoH on grouped K/V heads, 4 shared + top 2 of 4 routed: the upcycling study's learned rows (75%: this
+#: shape; 50%: 2 shared + top 2).
+MOH_KV = Entry("MoH with grouped K/V, sparse", AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, kv_heads=2,
+                                                            num_shared_heads=4, top_k=2, moh_impl="sparse"),
+               exact=(MOH_REFERENCE, MOH_SPARSE_DENSE),
+               studies=(Study(UPCYCLE, "learned 75%"), Study(UPCYCLE, "learned 50%")))
 MOH_PER_GROUP = Entry("MoH routed per K/V group, sparse", _moh("sparse", per_group=True),
                       exact=(MOH_REFERENCE, MOH_SPARSE_DENSE), studies=(Study(UPCYCLE, "learned per group 50%"),))
 #: The paper's GQE at the shape lm-en-contenders runs it (2 experts per K/V head, top 1: the paper's main setting
-#: per group) with the page's head size, and as it ran it: the shared head over K/V head 0 (the authors' mean, the
-#: default, has no study row yet).
+#: per group) with the page's head size, as its authors' code runs it (the shared head over the mean of the K/V
+#: heads, the default): the studies' "GQE mean" rows.
 GQE = Entry("GQE (Grouped Query Experts)", AttentionConfig(kind="gqe", num_experts=4, kv_heads=2, top_k=1,
-                                                           head_dim=HEAD_DIM, shared_head_kv="head0"),
-            exact=(GQE_REFERENCE,),
-            studies=(Study(CONTENDERS, "GQE"), Study(CONTENDERS_LONG, "GQE")))
+                                                           head_dim=HEAD_DIM),
+            exact=(GQE_REFERENCE, GQE_AUTHORS),
+            studies=(Study(CONTENDERS, "GQE mean"), Study(CONTENDERS_LONG, "GQE mean")))
+#: The same with the shared head over K/V head 0, as the studies first ran it (before the authors' code was read):
+#: their "GQE" rows.
+GQE_HEAD0 = Entry("GQE, shared head over K/V head 0", replace(GQE.config, shared_head_kv="head0"),
+                  exact=(GQE_REFERENCE,), studies=(Study(CONTENDERS, "GQE"), Study(CONTENDERS_LONG, "GQE")))
+_HARD_ONLY_RULE = ("token choice: top-k per K/V group of a router that gets no task gradient (only the "
+                   "load-balancing loss trains it)")
 GQE_HARD_ONLY = Entry("GQE, hard slots only (the paper's ablation)",
                       replace(GQE.config, weighted_slot=False, allow_router_without_task_gradient=True),
-                      exact=(GQE_REFERENCE,),
-                      studies=(Study(CONTENDERS, "GQE hard-only"), Study(CONTENDERS_LONG, "GQE hard-only")),
-                      rule="token choice: top-k per K/V group of a router that gets no task gradient (only the "
-                           "load-balancing loss trains it)")
+                      exact=(GQE_REFERENCE, GQE_AUTHORS),
+                      studies=(Study(CONTENDERS, "GQE mean hard-only"), Study(CONTENDERS_LONG, "GQE mean hard-only")),
+                      rule=_HARD_ONLY_RULE)
+GQE_HEAD0_HARD_ONLY = Entry("GQE, shared head over K/V head 0, hard slots only",
+                            replace(GQE_HARD_ONLY.config, shared_head_kv="head0"), exact=(GQE_REFERENCE,),
+                            studies=(Study(CONTENDERS, "GQE hard-only"), Study(CONTENDERS_LONG, "GQE hard-only")),
+                            rule=_HARD_ONLY_RULE)
 SWITCHHEAD = Entry("SwitchHead", _switchhead(), exact=(SWITCHHEAD_AUTHORS,),
                    studies=(Study("lm-en-llama", "SwitchHead"), Study(CONTENDERS, "SwitchHead")))
 
@@ -188,20 +205,21 @@ ENTRIES: list[Entry] = [
           studies=(Study(UPCYCLE, "query-norm 75%"), Study(UPCYCLE, "query-norm 50%")),
           rule="token choice: each token's top-k routed heads by the norm of their queries (before rotary), no "
                "router parameters, every active head weighs 1"),
-    Entry("MoH with grouped K/V, sparse", AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, kv_heads=2,
-                                                          num_shared_heads=4, top_k=2, moh_impl="sparse"),
-          exact=(MOH_REFERENCE, MOH_SPARSE_DENSE),
-          studies=(Study(UPCYCLE, "learned 75%"), Study(UPCYCLE, "learned 50%"))),
+    MOH_KV,
+    # a trained model pruned to as many query heads per K/V group is the same configuration as the static control:
+    # the upcycling study's pruning rows are read under the designs they control (global MoH: 75% and 50%; MoH
+    # routed per K/V group: 50%)
+    static_control(MOH_KV, Study(UPCYCLE, "pruned 75%"), Study(UPCYCLE, "pruned 50%")),
     MOH_PER_GROUP,
     random_control(MOH_PER_GROUP, Study(UPCYCLE, "per group 50% random")),
-    # a trained model pruned to as many query heads per K/V group is the same configuration: the upcycling
-    # study's pruning rows are read here
-    static_control(MOH_PER_GROUP, Study(UPCYCLE, "pruned 75%")),
+    static_control(MOH_PER_GROUP, Study(UPCYCLE, "pruned 50%")),
     GQE,
-    random_control(GQE, Study(CONTENDERS, "GQE random"), Study(CONTENDERS_LONG, "GQE random")),
-    static_control(GQE, Study(CONTENDERS, "GQE static"), Study(CONTENDERS_LONG, "GQE static"),
-                   Study(UPCYCLE, "pruned 50%")),
+    random_control(GQE, Study(CONTENDERS, "GQE mean random"), Study(CONTENDERS_LONG, "GQE mean random")),
+    static_control(GQE, Study(CONTENDERS, "GQE static"), Study(CONTENDERS_LONG, "GQE static")),
     GQE_HARD_ONLY,
+    GQE_HEAD0,
+    random_control(GQE_HEAD0, Study(CONTENDERS, "GQE random"), Study(CONTENDERS_LONG, "GQE random")),
+    GQE_HEAD0_HARD_ONLY,
     SWITCHHEAD,
     random_control(SWITCHHEAD),
     Entry("MoSA", _mosa(), exact=(MOSA_AUTHORS,),
