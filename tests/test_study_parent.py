@@ -229,3 +229,28 @@ def test_every_learned_router_of_lm_en_upcycle_gets_a_task_gradient_from_its_zer
         model(ids, labels=ids).lm_loss.backward()
         for name, p in routing.items():
             assert p.grad is not None and float(p.grad.abs().max()) > 1e-6, (row.name, name)
+
+
+def test_lm_en_upcycle_continues_every_conversion_with_and_without_distillation_each_router_against_pruning():
+    """Issue 52: every conversion row of ``lm-en-upcycle`` once with the LM loss alone and once distilled from the
+    parent (the same conversion, the defaults: weight 0.5, temperature 1); every router row is paired with the
+    pruned row of the same active heads, and the learned router per group with its random twin, in both forms."""
+    from headmix.study import get_study
+
+    spec = get_study("lm-en-upcycle")
+    rows = {r.name: r for r in spec.rows}
+    plain = [r for r in spec.rows if r.distill is None]
+    assert [r.name for r in spec.rows] == [r.name for r in plain] + [r.name + " distilled" for r in plain]
+    for row in plain:
+        twin = rows[row.name + " distilled"]
+        assert twin.distill == {} and twin.distill_options == {} and twin.init_options == row.init_options
+        assert twin.controls == [c + " distilled" for c in row.controls]
+    pruned_of = {name: c.name for c in plain if c.name.startswith("pruned") for name in c.controls}
+    assert pruned_of == {"learned 75%": "pruned 75%", "query-norm 75%": "pruned 75%", "learned 50%": "pruned 50%",
+                         "query-norm 50%": "pruned 50%", "learned per group 50%": "pruned 50%"}
+    assert rows["per group 50% random"].controls == ["learned per group 50%"]
+    # each pruned row keeps as many query heads (of the parent's 8 on 2 K/V heads) as a token of its routers uses
+    for name, pruned in pruned_of.items():
+        options, groups = rows[name].init_options, 2
+        active = (options["num_shared_heads"] + options["top_k"]) * (groups if options.get("route_per_group") else 1)
+        assert rows[pruned].init_options["keep_heads"] * groups == active, name
