@@ -100,7 +100,7 @@ def test_every_control_row_is_labelled_by_the_row_it_controls_and_is_its_configu
             assert (entry.config.kind, entry.config.num_heads, entry.config.kv_heads, entry.config.head_dim) == \
                 ("mha", groups * per_group, learned.kv_heads, learned.head_dim)
             controls += 1
-    assert controls == 9
+    assert controls == 8
 
 
 def test_every_named_test_exists():
@@ -206,14 +206,16 @@ def test_a_gqe_row_with_another_shared_head_kv_is_refused():
 
 def test_the_pruned_rows_sit_under_the_static_controls_of_the_designs_they_control():
     """lm-en-upcycle's pruned rows are static controls of global MoH on grouped K/V (75%, 50%) and of MoH routed per
-    K/V group (50%): the page reads them there, and nowhere else (not under GQE's static control)."""
+    K/V group (50%): the page reads them in the one static-control row of those designs (one configuration at the
+    page's shape), which names both, and nowhere else (not under GQE's static control)."""
     where: dict[str, list[str]] = {}
     for e in design_space.ENTRIES:
         for ref in e.studies:
             if ref.study == design_space.UPCYCLE:
                 where.setdefault(ref.row, []).append(e.name)
-    assert where["pruned 75%"] == ["MoH with grouped K/V, sparse: static control"]
-    assert where["pruned 50%"] == ["MoH with grouped K/V, sparse: static control",
-                                   "MoH routed per K/V group, sparse: static control"]
+    assert where["pruned 75%"] == where["pruned 50%"] == ["MoH with grouped K/V, sparse: static control"]
+    static = next(e for e in design_space.ENTRIES if e.name == "MoH with grouped K/V, sparse: static control")
+    assert '"MoH with grouped K/V, sparse" (and of "MoH routed per K/V group, sparse") uses' in static.routed
+    assert static.config == design_space.static_control(design_space.MOH_PER_GROUP).config
     assert where["learned 75%"] == where["learned 50%"] == ["MoH with grouped K/V, sparse"]
     assert where["learned per group 50%"] == ["MoH routed per K/V group, sparse"]

@@ -443,5 +443,6 @@ def test_every_builtin_study_rows_routers_get_a_task_gradient():
                 assert "ablation: router without task gradient" in _attention_text(row.to_dict()["attention"])
             _check_trained_config(f"study {study} row {row.name}", att, row.config.d_model)
     # the paper's Table 2 "hard concat only" rows, asked for by name
-    assert sorted(ablations) == [("lm-en-contenders", "GQE hard-only"), ("lm-en-contenders-long", "GQE hard-only"),
-                                 ("lm-en-gpu-contenders", "GQE hard-only")]
+    assert sorted(ablations) == [("lm-en-contenders", "GQE hard-only"), ("lm-en-contenders", "GQE mean hard-only"),
+                                 ("lm-en-contenders-long", "GQE hard-only"),
+                                 ("lm-en-contenders-long", "GQE mean hard-only"), ("lm-en-gpu-contenders", "GQE hard-only")]

@@ -175,8 +175,9 @@ def test_one_parent_is_trained_once_and_every_run_continues_it(tmp_path, docs_fi
 def test_a_parent_without_its_weights_is_retrained_and_kept_only_with_the_recorded_sha256(tmp_path, docs_file):
     """A clone of a finished continuation study (the parent's records, not its weights): ``retrain_parent`` trains
     the parent again beside its records and puts its final files back when its weights' sha256 is the recorded one
-    (the records stay byte for byte); a recorded sha256 the retrained weights do not have is refused in one line,
-    and the study's parent stays as it was."""
+    (the records stay byte for byte), also one recorded before headmix sorted the file's safetensors metadata (the
+    same weights, the entries in the other order: the file comes back as recorded); a recorded sha256 the retrained
+    weights do not have is refused in one line, and the study's parent stays as it was."""
     from headmix.storage.files import sha256_file
 
     spec, out = _spec(docs_file, seeds=[1], rows=[RowSpec("dense")]), tmp_path / "study"
@@ -195,13 +196,25 @@ def test_a_parent_without_its_weights_is_retrained_and_kept_only_with_the_record
     assert not (parent / "retrained").exists()
     run_study(spec, out, log=lambda m: None)  # whole again: no flag needed
 
+    # a parent recorded before headmix sorted the safetensors metadata (its entries in the other order): the same
+    # weights are recognised, and the file comes back byte for byte as recorded
+    from headmix.storage.safetensors_header import metadata_orders, read_header, write_header
+
+    write_header(parent / "model.safetensors", metadata_orders(read_header(parent / "model.safetensors"))[1])
+    unsorted = sha256_file(parent / "model.safetensors")
+    assert unsorted != recorded
+    (parent / PARENT_RECORD).write_text(json.dumps({**json.loads(records[PARENT_RECORD]), "sha256": unsorted}))
+    (parent / "model.safetensors").unlink()
+    run_study(spec, out, log=lambda m: None, retrain_parent=True)
+    assert sha256_file(parent / "model.safetensors") == unsorted
+
     (parent / "model.safetensors").unlink()
     (parent / PARENT_RECORD).write_text(json.dumps({**json.loads(records[PARENT_RECORD]), "sha256": "0" * 64}))
     with pytest.raises(ValueError, match=r"the retrained parent's weights have sha256 .* the recorded parent's "
                                          r"000000000000\.\.\.") as err:
         run_study(spec, out, log=lambda m: None, retrain_parent=True)
     assert "\n" not in str(err.value) and not (parent / "model.safetensors").exists()
-    assert sha256_file(parent / "retrained" / "model.safetensors") == recorded
+    assert sha256_file(parent / "retrained" / "model.safetensors") == recorded  # sorted, as headmix writes it
 
 
 def test_every_learned_router_of_lm_en_upcycle_gets_a_task_gradient_from_its_zero_initialisation():

@@ -528,6 +528,7 @@ class PreTrainedModel(nn.Module):
         (:mod:`headmix.storage.files`: a temporary file in the same folder, fsync'ed, renamed; mode 0644)."""
         from safetensors.torch import save_file
 
+        from ..storage.safetensors_header import sort_metadata
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -543,6 +544,7 @@ class PreTrainedModel(nn.Module):
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if k not in tied}
         with atomic_output(directory / WEIGHTS_NAME) as tmp:
             save_file(tensors, tmp, metadata={"format": "pt", "headmix_tied": json.dumps(tied)})
+            sort_metadata(tmp)  # the same weights, the same bytes (and sha256): safetensors orders its metadata anyhow
         self.config.save_json(directory / CONFIG_NAME)
 
     @classmethod

@@ -74,19 +74,22 @@ def random_control(learned: Entry, *studies: Study) -> Entry:
                  exact=(RANDOM_REFERENCE,), studies=studies)
 
 
-def static_control(learned: Entry, *studies: Study) -> Entry:
+def static_control(learned: Entry, *studies: Study, also: tuple[Entry, ...] = ()) -> Entry:
     """The static control of a MoH row ``learned``: grouped-query attention with the query heads a token of it
     uses (its shared and ``top_k`` routed heads, per K/V group with ``route_per_group``), no router; of a GQE
-    row: its ``k G`` slots and its shared head rounded up to whole K/V groups, ``(k + 1) G`` query heads."""
+    row: its ``k G`` slots and its shared head rounded up to whole K/V groups, ``(k + 1) G`` query heads.
+    ``also``: other rows whose tokens use as many query heads, which the same configuration controls (the page
+    has one row per configuration)."""
     att = learned.config
     if att.kind == "gqe":  # k G slots and the shared head, rounded up to whole K/V groups: (k + 1) G query heads
         active = att.kv_heads * (att.top_k + 1)
     else:
         active = (att.kv_heads if att.route_per_group else 1) * (att.num_shared_heads + att.top_k)
     config = AttentionConfig(kind="mha", num_heads=active, kv_heads=att.kv_heads, head_dim=att.head_dim)
+    also_text = "".join(f' (and of "{other.name}")' for other in also)
     uses = (f"{active} query heads, the {att.kv_heads * att.top_k + 1} a token of \"{learned.name}\" computes (its "
             f"slots and shared head) rounded up to whole K/V groups" if att.kind == "gqe" else
-            f"the {active} query heads a token of \"{learned.name}\" uses")
+            f"the {active} query heads a token of \"{learned.name}\"{also_text} uses")
     return Entry(f"{learned.name}: static control", config, studies=studies, routed=f"nothing: {uses}, always the same")
 
 
@@ -206,13 +209,12 @@ ENTRIES: list[Entry] = [
           rule="token choice: each token's top-k routed heads by the norm of their queries (before rotary), no "
                "router parameters, every active head weighs 1"),
     MOH_KV,
-    # a trained model pruned to as many query heads per K/V group is the same configuration as the static control:
-    # the upcycling study's pruning rows are read under the designs they control (global MoH: 75% and 50%; MoH
-    # routed per K/V group: 50%)
-    static_control(MOH_KV, Study(UPCYCLE, "pruned 75%"), Study(UPCYCLE, "pruned 50%")),
     MOH_PER_GROUP,
     random_control(MOH_PER_GROUP, Study(UPCYCLE, "per group 50% random")),
-    static_control(MOH_PER_GROUP, Study(UPCYCLE, "pruned 50%")),
+    # a trained model pruned to as many query heads per K/V group is the static control's configuration: the
+    # upcycling study's pruning rows are read here, the static control of the designs they control (global MoH on
+    # grouped K/V: 75% and 50%; MoH routed per K/V group: 50%), whose tokens use as many heads at the page's shape
+    static_control(MOH_KV, Study(UPCYCLE, "pruned 75%"), Study(UPCYCLE, "pruned 50%"), also=(MOH_PER_GROUP,)),
     GQE,
     random_control(GQE, Study(CONTENDERS, "GQE mean random"), Study(CONTENDERS_LONG, "GQE mean random")),
     static_control(GQE, Study(CONTENDERS, "GQE static"), Study(CONTENDERS_LONG, "GQE static")),

@@ -407,12 +407,14 @@ def retrain_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = p
                    stop: Callable[[], str | None] | None = None, progress: bool = False) -> bool:
     """Make a finished parent's missing weights again: train it as the spec says into ``OUT/parent/retrained/``
     (resumable), then keep its final files in ``OUT/parent/`` only if the sha256 of its ``model.safetensors`` is the
-    one the parent recorded (``parent.json``), which every run of the study recorded as its start; its records
-    (summary, metrics) stay as they were. A different sha256 (another machine, thread count or version: float sums
+    one the parent recorded (``parent.json``), which every run of the study recorded as its start, with its
+    metadata entries in the recorded order (safetensors wrote them in no fixed order before headmix sorted them:
+    :mod:`headmix.storage.safetensors_header`); its records (summary, metrics) stay as they were. A different sha256 (another machine, thread count or version: float sums
     in another order) is refused in one line and nothing of the study changes. Returns whether the weights are
     back (``False``: stopped first)."""
     from ..runs import FINAL_FILES
     from ..storage.files import sha256_file
+    from ..storage.safetensors_header import header_with_sha256, write_header
     from ..training import train
 
     folder = out / PARENT_DIR
@@ -433,7 +435,10 @@ def retrain_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = p
             if not (again / "summary.json").is_file():
                 return False
         made = sha256_file(again / "model.safetensors")
-        if made != recorded:
+        header = header_with_sha256(again / "model.safetensors", recorded) if made != recorded else None
+        if header is not None:  # the recorded file's bytes: the same weights, its metadata in the recorded order
+            write_header(again / "model.safetensors", header)
+        elif made != recorded:
             raise ValueError(f"study {spec.name}: the retrained parent's weights have sha256 {made[:12]}..., the "
                              f"recorded parent's {recorded[:12]}... (another machine, thread count or version sums "
                              f"in another order): its runs did not start from it; continue the study in another "
