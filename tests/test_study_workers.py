@@ -279,10 +279,16 @@ def test_a_row_is_timed_with_the_study_to_itself_and_the_report_says_so(spec_fil
     record = read_timing(out, "MoA")
     assert record["study_workers_excluded"] is True
     assert len(record["load_average"]) == 2 and all(isinstance(v, float) for v in record["load_average"])
+    from headmix.process import freed_memory_kept
+
+    # whether this process keeps freed memory (an earlier test in it may have run the headmix command)
+    assert record["freed_memory"] == ("kept" if freed_memory_kept() else "returned")
+    freed = {"kept": "kept (headmix.keep_freed_memory)",
+             "returned": "returned to the system (glibc's default)"}[record["freed_memory"]]
     assert timing_conditions(record) == (f"no other worker of the study training or timing, load average "
                                          f"{record['load_average'][0]:.2f} before and "
-                                         f"{record['load_average'][1]:.2f} after")
-    old = {k: v for k, v in record.items() if k not in ("study_workers_excluded", "load_average")}
+                                         f"{record['load_average'][1]:.2f} after, freed memory {freed}")
+    old = {k: v for k, v in record.items() if k not in ("study_workers_excluded", "load_average", "freed_memory")}
     timing_path(out, "MoA").write_text(json.dumps(old))
     assert read_timing(out, "MoA") == old
     assert timing_conditions(old) == ("other workers of the study not excluded (not recorded: one may have been "
@@ -298,3 +304,30 @@ def test_a_row_is_timed_with_the_study_to_itself_and_the_report_says_so(spec_fil
            f"load average" in lines[-1]
     assert lines[-1].endswith(f"{record['measured_at']}, other workers of the study not excluded (not recorded: one "
                               f"may have been training or timing).")
+
+
+def test_the_study_command_keeps_freed_memory_and_its_timings_say_so(monkeypatch):
+    """``headmix study`` trains and times models: like ``train``, it keeps freed memory
+    (:func:`headmix.keep_freed_memory`; without it a CPU step page-faults its activations back in: half of a study
+    run's CPU time was system time); a timing made so says it in the report's conditions."""
+    import headmix.cli.main as cli
+    from headmix.study.report import timing_conditions
+
+    calls = []
+    monkeypatch.setattr(cli, "keep_freed_memory", lambda: calls.append(1) or True)
+    assert cli.main(["study", "--list"]) == 0 and calls == [1]
+    assert cli.main(["macs", "--help"]) == 0 and calls == [1]  # a command that trains nothing leaves it
+    kept = {"study_workers_excluded": True, "load_average": [0.5, 0.75], "freed_memory": "kept"}
+    assert timing_conditions(kept) == ("no other worker of the study training or timing, load average 0.50 before "
+                                       "and 0.75 after, freed memory kept (headmix.keep_freed_memory)")
+
+
+def test_freed_memory_kept_says_whether_the_setting_was_made():
+    import subprocess
+    import sys
+
+    code = ("import headmix; from headmix.process import freed_memory_kept; before = freed_memory_kept(); "
+            "made = headmix.keep_freed_memory(); print(before, made, freed_memory_kept())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "True"]  # glibc on Linux, as on the machines the suite runs on

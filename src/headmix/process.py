@@ -2,8 +2,8 @@
 
 :func:`keep_freed_memory` is the one that matters for speed on the CPU: it is what makes a CPU training step,
 and the routed layers most, cost what their arithmetic costs (``docs/performance.md``, "Time beside compute").
-The ``headmix`` command calls it for ``train``, ``demo`` and the benchmarks; a script of your own calls it once at
-its start.
+The ``headmix`` command calls it for ``train``, ``study``, ``demo`` and the benchmarks; a script of your own calls it
+once at its start.
 """
 
 from __future__ import annotations
@@ -12,6 +12,14 @@ import sys
 
 #: glibc's ``mallopt`` parameters (``malloc.h``).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Whether :func:`keep_freed_memory` has made its setting in this process.
+_kept = False
+
+
+def freed_memory_kept() -> bool:
+    """Whether this process keeps freed memory (:func:`keep_freed_memory` succeeded in it): a timing records it,
+    since a CPU step's time depends on it."""
+    return _kept
 
 
 def keep_freed_memory() -> bool:
@@ -24,11 +32,14 @@ def keep_freed_memory() -> bool:
     1024 floats took 11.5 ms into a fresh buffer and 0.9 ms into a reused one. The process then keeps its peak
     memory until it exits. Returns whether the setting was made (False off Linux and on other C libraries,
     where nothing changes)."""
+    global _kept
     if sys.platform != "linux":
         return False
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+        made = bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
     except (OSError, AttributeError):  # not glibc
         return False
+    _kept = _kept or made
+    return made

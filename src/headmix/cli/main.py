@@ -414,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help, or a bad command line (already reported)
         return stop.code if isinstance(stop.code, int) else USAGE_ERROR
-    if args.command in ("train", "demo", "bench"):
+    if args.command in MEMORY_KEEPING_COMMANDS:
         keep_freed_memory()
     from ..runs import RunError, RunFileNotFoundError, RunMismatchError
     from ..training import TrainingError
@@ -436,6 +436,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if err.errno == errno.ENOSPC:
             return _fail(args.command, f"no space left on device ({err.filename or err})", RUN_FAILED)
         raise
+
+
+#: The commands that train or time models: they keep freed memory (:func:`headmix.keep_freed_memory`; without it a
+#: CPU training step page-faults its activations back in, and a study paid that in every run and timing).
+MEMORY_KEEPING_COMMANDS = ("train", "study", "demo", "bench")
 
 
 def _dispatch(args) -> int:

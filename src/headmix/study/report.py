@@ -614,13 +614,17 @@ def _timing_device(timing: dict[str, Any]) -> str:
 
 def timing_conditions(timing: dict[str, Any]) -> str:
     """Under which load a row was timed: alone among the study's workers (the study's machine lock) or not
-    recorded (records written before it: another worker of the study may have been training or timing), and the
-    machine's load average before and after where recorded."""
+    recorded (records written before it: another worker of the study may have been training or timing), the
+    machine's load average before and after, and whether the process kept freed memory, where recorded."""
     alone = ("no other worker of the study training or timing" if timing.get("study_workers_excluded") else
              "other workers of the study not excluded (not recorded: one may have been training or timing)")
     load = timing.get("load_average") or []
     if len(load) == 2 and None not in load:
         alone += f", load average {load[0]:.2f} before and {load[1]:.2f} after"
+    freed = timing.get("freed_memory")  # recorded since 2026-12-02 (before, a study returned it: glibc's default)
+    if freed is not None:
+        alone += {"kept": ", freed memory kept (headmix.keep_freed_memory)",
+                  "returned": ", freed memory returned to the system (glibc's default)"}.get(freed, f", freed memory {freed}")
     return alone
 
 

@@ -145,7 +145,8 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
     """Time ``row_config``'s training step against ``baseline_config``'s (both model config files of the study
     ``out``) as the module docstring says, on the study's shared train split, device, precision and compile
     setting; returns the record :func:`write_timing` stores, with the machine's 1-minute load average before and
-    after (``load_average``). The study's runner times holding its machine lock alone
+    after (``load_average``) and whether the process kept freed memory (``freed_memory``: ``"kept"`` by
+    :func:`headmix.keep_freed_memory`, as ``headmix study`` does, or ``"returned"``). The study's runner times holding its machine lock alone
     (:func:`headmix.study.runner.machine_turn`) and adds ``study_workers_excluded``; records written before it
     lack the field, and the report says their conditions were not recorded."""
     import torch
@@ -154,6 +155,7 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
     from ..models import build_model
     from ..training import TrainConfig
     from ..training.config import pick_device
+    from ..process import freed_memory_kept
     from ..training.machine import load_average, machine_record
     from ..training.setup import (autocast_for, cached_dataset, compile_model, forever, model_config,
                                   optimizer_and_schedule, read_pack)
@@ -237,6 +239,7 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
             "device": str(device), "bf16": cfg.bf16, "compile": cfg.compile, "machine": machine_record(device),
             "software": software_record(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average": [load_before, load_average()],
+            "freed_memory": "kept" if freed_memory_kept() else "returned",
             **({"distill": {**distill, "parent_forward": "timed: the baseline's model, frozen, in each of the row's "
                                                          "steps"}} if distill is not None else {}),
             "method": f"interleaved in one process: {spec.timing_warmup} warm-up steps of each model, then "
