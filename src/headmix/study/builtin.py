@@ -123,9 +123,6 @@ _GQE = {"kind": "gqe", "num_experts": 4, "kv_heads": 2, "top_k": 1}
 #: (``shared_head_kv="head0"``), kept so that their committed records stay these studies (a stored study refuses a
 #: changed row): rows with the authors' mean (the default) are new runs of these rows.
 _GQE_AS_RUN = {**_GQE, "shared_head_kv": "head0"}
-#: GQE as its authors run it (FrontiersMindAI/GQE: the shared head over the mean of the K/V heads), named so in
-#: the rows added for it ("GQE mean", its random control and its hard-slots-only ablation).
-_GQE_MEAN = {**_GQE, "shared_head_kv": "mean"}
 #: The paper's Table 2 ablation "hard concat only": GQE without the weighted-sum slot, whose router then gets no
 #: gradient from the task loss (only the load-balancing loss moves it): asked for by name as that ablation.
 _GQE_HARD_ONLY = {"weighted_slot": False, ALLOW_FLAG: True}
@@ -156,23 +153,31 @@ def _control_rows() -> list[RowSpec]:
             RowSpec("GQE static", {"kind": "mha", "num_heads": 4, "kv_heads": 2}, ["head_dim"], _CONTENDERS_PREFER,
                     control_of=["GQE", "GQE mean"]),
             RowSpec("MoSA causal", dict(mosa.attention), mosa.solve, mosa.prefer, causal_eval=True),
-            RowSpec("GQE hard-only", {**gqe.attention, **_GQE_HARD_ONLY}, gqe.solve, gqe.prefer)] + _gqe_mean_rows()
+            RowSpec("GQE hard-only", {**gqe.attention, **_GQE_HARD_ONLY}, gqe.solve, gqe.prefer)]
 
 
-def _gqe_mean_rows() -> list[RowSpec]:
-    """The rows of GQE with the shared head over the mean of the K/V heads, as its authors' code runs it: the
-    same models as ``GQE``, ``GQE random`` and ``GQE hard-only`` (the same head size: the shared head's K/V
-    source costs no MACs), added after those ran with K/V head 0. ``GQE static`` controls both GQE rows."""
-    return [RowSpec("GQE mean", dict(_GQE_MEAN), ["head_dim"], _CONTENDERS_PREFER),
-            RowSpec("GQE mean random", {**_GQE_MEAN, "router": "random"}, ["head_dim"], _CONTENDERS_PREFER,
-                    control_of="GQE mean"),
-            RowSpec("GQE mean hard-only", {**_GQE_MEAN, **_GQE_HARD_ONLY}, ["head_dim"], _CONTENDERS_PREFER)]
+def _with_the_authors_shared_head(row: RowSpec) -> RowSpec:
+    """A GQE row of ``lm-en-contenders`` (run with the shared head over K/V head 0) as its authors' code runs it:
+    the same model with the shared head over the mean of the K/V heads (the same head size: the K/V source costs
+    no MACs), named with "mean" after "GQE"; its control, if any, is the same row's."""
+    def mean(name: str) -> str:
+        return name.replace("GQE", "GQE mean", 1)
+
+    return dataclasses.replace(row, name=mean(row.name), attention={**row.attention, "shared_head_kv": "mean"},
+                               control_of=mean(row.control_of) if row.control_of else None)
+
+
+def _all_contender_rows() -> list[RowSpec]:
+    """``lm-en-contenders``' rows: the contenders, their controls, and ``GQE``, ``GQE random`` and ``GQE hard-only``
+    again with the authors' shared head (added after those ran with K/V head 0; ``GQE static`` controls both GQE
+    rows)."""
+    rows = _contender_rows() + _control_rows()
+    return rows + [_with_the_authors_shared_head(r) for r in rows if r.name in ("GQE", "GQE random", "GQE hard-only")]
 
 
 def lm_en_contenders() -> StudySpec:
-    return StudySpec(name="lm-en-contenders", task="lm", baseline="llama3-mini-gqa",
-                     rows=_contender_rows() + _control_rows(), seeds=[1, 2, 3], max_steps=400,
-                     training=dict(_LM_TRAINING))
+    return StudySpec(name="lm-en-contenders", task="lm", baseline="llama3-mini-gqa", rows=_all_contender_rows(),
+                     seeds=[1, 2, 3], max_steps=400, training=dict(_LM_TRAINING))
 
 
 #: the rows of ``lm-en-contenders-long``: the baseline and the two rows best at equal MACs after 400 steps
@@ -183,7 +188,7 @@ LONG_CONTENDERS = ("GQA", "Gated", "GQE", "GQE random", "GQE static", "GQE hard-
 
 
 def lm_en_contenders_long() -> StudySpec:
-    rows = [row for row in _contender_rows() + _control_rows() if row.name in LONG_CONTENDERS]
+    rows = [row for row in _all_contender_rows() if row.name in LONG_CONTENDERS]
     return StudySpec(name="lm-en-contenders-long", task="lm", baseline="llama3-mini-gqa", rows=rows, seeds=[1, 2, 3],
                      max_steps=1600, training=dict(_LM_TRAINING))
 

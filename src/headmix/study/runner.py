@@ -405,13 +405,14 @@ RETRAINED_DIR = "retrained"
 
 def retrain_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = print,
                    stop: Callable[[], str | None] | None = None, progress: bool = False) -> bool:
-    """Make a finished parent's missing weights again: train it as the spec says into ``OUT/parent/retrained/``
-    (resumable), then keep its final files in ``OUT/parent/`` only if the sha256 of its ``model.safetensors`` is the
-    one the parent recorded (``parent.json``), which every run of the study recorded as its start, with its
-    metadata entries in the recorded order (safetensors wrote them in no fixed order before headmix sorted them:
-    :mod:`headmix.storage.safetensors_header`); its records (summary, metrics) stay as they were. A different sha256 (another machine, thread count or version: float sums
-    in another order) is refused in one line and nothing of the study changes. Returns whether the weights are
-    back (``False``: stopped first)."""
+    """Make a finished parent's missing weights again (the caller holds the parent's claim and a share of the
+    machine: :func:`train_parent`): train it as the spec says into ``OUT/parent/retrained/`` (resumable), then keep
+    its final files in ``OUT/parent/`` only if its ``model.safetensors`` has the sha256 the parent recorded
+    (``parent.json``, which every run of the study recorded as its start), its metadata entries put in the order
+    that gives it (safetensors wrote them in no fixed order before headmix sorted them:
+    :mod:`headmix.storage.safetensors_header`); its records (summary, metrics) stay as they were. Another sha256
+    (another machine, thread count or version: float sums in another order) is refused in one line and nothing of
+    the study changes. Returns whether the weights are back (``False``: stopped first)."""
     from ..runs import FINAL_FILES
     from ..storage.files import sha256_file
     from ..storage.safetensors_header import header_with_sha256, write_header
@@ -420,36 +421,26 @@ def retrain_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = p
     folder = out / PARENT_DIR
     again = folder / RETRAINED_DIR
     recorded = json.loads((folder / PARENT_RECORD).read_text())["sha256"]
-    with claim(out, "parent") as mine, contextlib.ExitStack() as machine:
-        if not mine:
-            raise RuntimeError(f"study {spec.name}: another worker holds the parent; retrain it from one worker")
-        if parent_weights_missing(out) is None:  # another worker put them back meanwhile
-            return True
-        if not machine.enter_context(machine_turn(out, exclusive=False, stop=stop)):
-            return False
+    if not (again / "summary.json").is_file():
+        log(f"study {spec.name}: training the parent again ({spec.parent.max_steps} steps, seed "
+            f"{spec.parent.seed}) in {again}, to be kept if its weights are the recorded ones")
+        train(dataclasses.replace(parent_config(spec, out, progress), out=str(again)), stop=stop)
         if not (again / "summary.json").is_file():
-            log(f"study {spec.name}: training the parent again ({spec.parent.max_steps} steps, seed "
-                f"{spec.parent.seed}) in {again}, to be kept if its weights are the recorded ones")
-            cfg = dataclasses.replace(parent_config(spec, out, progress), out=str(again))
-            train(cfg, stop=stop)
-            if not (again / "summary.json").is_file():
-                return False
-        made = sha256_file(again / "model.safetensors")
-        header = header_with_sha256(again / "model.safetensors", recorded) if made != recorded else None
-        if header is not None:  # the recorded file's bytes: the same weights, its metadata in the recorded order
-            write_header(again / "model.safetensors", header)
-        elif made != recorded:
-            raise ValueError(f"study {spec.name}: the retrained parent's weights have sha256 {made[:12]}..., the "
-                             f"recorded parent's {recorded[:12]}... (another machine, thread count or version sums "
-                             f"in another order): its runs did not start from it; continue the study in another "
-                             f"--out (the retrained parent is in {again})")
-        for name in FINAL_FILES:
-            target = folder / name
-            if not target.is_file():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(again / name, target)
-        shutil.rmtree(again)
-        log(f"study {spec.name}: the parent's weights are back (sha256 {recorded[:12]}..., as recorded)")
+            return False
+    header = header_with_sha256(again / "model.safetensors", recorded)
+    if header is None:
+        raise ValueError(f"study {spec.name}: the retrained parent's weights have sha256 "
+                         f"{sha256_file(again / 'model.safetensors')[:12]}..., the recorded parent's {recorded[:12]}... "
+                         f"(another machine, thread count or version sums in another order): its runs did not start "
+                         f"from it; continue the study in another --out (the retrained parent is in {again})")
+    write_header(again / "model.safetensors", header)  # the recorded bytes (the stored order already, usually)
+    for name in FINAL_FILES:
+        target = folder / name
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(again / name, target)
+    shutil.rmtree(again)
+    log(f"study {spec.name}: the parent's weights are back (sha256 {recorded[:12]}..., as recorded)")
     return True
 
 
@@ -457,15 +448,13 @@ def train_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = pri
                  stop: Callable[[], str | None] | None = None, progress: bool = False, poll: float = 5.0,
                  retrain: bool = False) -> bool:
     """Train a continuation study's parent once (``OUT/parent``, resumable), or wait while another worker trains
-    it; with ``retrain``, make a finished parent's missing weights again (:func:`retrain_parent`). Returns whether
-    it has finished (``False``: stopped first)."""
+    it; with ``retrain``, make a finished parent's missing weights again (:func:`retrain_parent`), or wait while
+    another worker does. Returns whether it has finished (``False``: stopped first)."""
     from ..runs import FINAL_FILES
     from ..training import train
 
     folder = out / PARENT_DIR
     check_parent(spec, out, retrain=retrain)
-    if parent_weights_missing(out) is not None:
-        return retrain_parent(spec, out, log=log, stop=stop, progress=progress)
     told = False
     while not all((folder / f).is_file() for f in ("summary.json", *FINAL_FILES)):
         if stop is not None and stop() is not None:
@@ -474,6 +463,10 @@ def train_parent(spec: StudySpec, out: Path, *, log: Callable[[str], None] = pri
             if mine:
                 if not machine.enter_context(machine_turn(out, exclusive=False, stop=stop)):
                     return False
+                if parent_weights_missing(out) is not None:  # finished, weights not here: retrain (checked above)
+                    if not retrain_parent(spec, out, log=log, stop=stop, progress=progress):
+                        return False
+                    continue
                 log(f"study {spec.name}: training the parent ({spec.parent.max_steps} steps, seed {spec.parent.seed})")
                 train(parent_config(spec, out, progress), stop=stop)
                 if not (folder / "summary.json").is_file():

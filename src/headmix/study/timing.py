@@ -146,9 +146,9 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
     ``out``) as the module docstring says, on the study's shared train split, device, precision and compile
     setting; returns the record :func:`write_timing` stores, with the machine's 1-minute load average before and
     after (``load_average``) and whether the process kept freed memory (``freed_memory``: ``"kept"`` by
-    :func:`headmix.keep_freed_memory`, as ``headmix study`` does, or ``"returned"``). The study's runner times holding its machine lock alone
-    (:func:`headmix.study.runner.machine_turn`) and adds ``study_workers_excluded``; records written before it
-    lack the field, and the report says their conditions were not recorded."""
+    :func:`headmix.keep_freed_memory`, as ``headmix study`` does, or ``"returned"``). The study's runner times
+    holding its machine lock alone (:func:`headmix.study.runner.machine_turn`) and adds ``study_workers_excluded``;
+    records written before it lack the field, and the report says their conditions were not recorded."""
     import torch
 
     from ..data import Tokenizer
