@@ -149,6 +149,20 @@ def test_a_control_cell_adds_its_learned_row_minus_it(tmp_path):
                          '-0.050 [-0.080, -0.020] (n 3), equal time -0.010 (n 1)')
 
 
+def test_a_distilled_cell_adds_itself_minus_its_undistilled_twin(tmp_path):
+    twin = {"row": "U", "undistilled": "R", "equal_macs": {"mean": -0.04, "low": -0.06, "high": -0.02, "n": 3},
+            "equal_time": {"mean": 0.01, "low": -0.01, "high": 0.03, "n": 3}}
+    studies = write_results(tmp_path, distillation=[twin])
+    rows = json.loads((studies / "s" / "results.json").read_text())
+    rows["rows"][3]["vs_baseline"] = {"valid_nll": {"mean": -0.08, "low": -0.09, "high": -0.07, "n": 3}}
+    (studies / "s" / "results.json").write_text(json.dumps(rows))
+    cell = design_space.study_cell(Study("s", "U"), AttentionConfig(**GQE), studies)
+    assert cell.endswith('minus "B": equal MACs -0.080 [-0.090, -0.070] (n 3); it minus "R" (not distilled): equal '
+                         'steps -0.040 [-0.060, -0.020] (n 3), equal time +0.010 [-0.010, +0.030] (n 3)')
+    # the twin's own cell does not take it
+    assert "not distilled" not in design_space.study_cell(Study("s", "R"), AttentionConfig(**GQE), studies)
+
+
 def test_the_causal_cell_shows_the_causal_rules_score_and_its_gap_not_the_top_k_score(tmp_path):
     record = {"row": "R", "topk": {"mean": 4.9437, "std": 0.0022, "n": 3},
               "threshold": {"mean": 5.0395, "std": 0.0092, "n": 3},
@@ -219,3 +233,6 @@ def test_the_pruned_rows_sit_under_the_static_controls_of_the_designs_they_contr
     assert static.config == design_space.static_control(design_space.MOH_PER_GROUP).config
     assert where["learned 75%"] == where["learned 50%"] == ["MoH with grouped K/V, sparse"]
     assert where["learned per group 50%"] == ["MoH routed per K/V group, sparse"]
+    # the distilled rows sit beside their undistilled twins
+    assert {row: places for row, places in where.items() if row.endswith(" distilled")} == {
+        row + " distilled": places for row, places in where.items() if not row.endswith(" distilled")}

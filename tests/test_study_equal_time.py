@@ -259,6 +259,46 @@ def test_the_controls_equal_time_verdict_follows_the_same_rule():
         "not decided at equal time: the step-time ratio has no interval")
 
 
+def test_each_distilled_row_is_read_against_its_undistilled_twin_in_the_report():
+    """Issue 52: a distilled row minus the same conversion undistilled (its twin: every field the same but the
+    name, ``distill`` and ``control_of``), paired by seed at equal steps and at equal time; the headline says it."""
+    from headmix.study.report import controls_markdown, distillation, headline_markdown
+    from headmix.study.spec import RowSpec, undistilled_twins
+
+    assert undistilled_twins([RowSpec("A"), RowSpec("B", init_options={"keep_heads": 2}, control_of="A"),
+                              RowSpec("A distilled", distill={}), RowSpec("odd", init_options={"top_k": 2},
+                                                                            distill={"weight": 0.3}),
+                              RowSpec("B distilled", init_options={"keep_heads": 2}, distill={})]) == [
+        ("A distilled", "A"), ("B distilled", "B")]  # "odd" converts as no undistilled row does
+    # two undistilled rows that convert alike: no twin (which one would be a guess)
+    assert undistilled_twins([RowSpec("A"), RowSpec("A again"), RowSpec("D", distill={})]) == []
+    results = [_run(r, s, c) for (r, s), c in FLIP.items()]
+    for run in results:  # the final validation: the curve's end
+        run.summary["valid"]["nll"] = run.curve[400]
+    spec = SimpleNamespace(rows=[RowSpec("MHA"), RowSpec("Flip", distill={})])
+    narrow = {"Flip": {"ratio": 1.25, "low": 1.2, "high": 1.3}}
+    (entry,) = distillation(spec, [{"name": "MHA"}, {"name": "Flip"}], results, narrow)
+    assert (entry["row"], entry["undistilled"]) == ("Flip", "MHA")
+    # at equal steps Flip's end (3.6 + offsets) minus MHA's (3.0 + offsets)
+    assert entry["equal_macs"]["mean"] == pytest.approx(0.6 + (0.02 - 0.01) / 3)
+    assert entry["equal_macs"]["verdict"] == "worse than MHA"
+    # at equal time Flip (1.25 times MHA's step) is read at step 320 against MHA's end
+    assert entry["ratio"] == pytest.approx(1.25) and entry["equal_time"]["verdict"] == "worse than MHA"
+    assert entry["equal_time"]["mean"] == pytest.approx(3.68 - 3.0 + (0.02 - 0.01) / 3)
+    table = {"baseline": "MHA", "metrics": ["valid_nll"], "matching": "none", "distillation": [entry],
+             "rows": [{"name": "MHA", "seeds": [1, 2, 3], "vs_baseline": {}, "equal_time_interleaved": {}},
+                      {"name": "Flip", "seeds": [1, 2, 3], "vs_baseline": {}, "equal_time_interleaved": {}}]}
+    lines = controls_markdown(table)
+    assert lines[0] == "#### Distillation: what the parent's signal is worth"
+    assert next(line for line in lines if line.startswith("| Flip |")).startswith(
+        f"| Flip | MHA | {entry['equal_macs']['mean']:+.3f} [")
+    steps, timed = (line for line in headline_markdown(table) if line.startswith("- **Distillation"))
+    assert steps.startswith("- **Distillation at equal steps** (each distilled row minus its undistilled twin): "
+                            f"Worse than its undistilled twin: Flip {entry['equal_macs']['mean']:+.3f} [")
+    assert timed.startswith("- **Distillation at equal time** (each distilled row minus its undistilled twin): "
+                            f"Worse than its undistilled twin: Flip {entry['equal_time']['mean']:+.3f} [")
+
+
 def test_each_report_opens_with_what_won_and_how_sure():
     from headmix.study.report import headline_markdown
 

@@ -156,9 +156,11 @@ UPCYCLE = "lm-en-upcycle"
 MOH_KV = Entry("MoH with grouped K/V, sparse", AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, kv_heads=2,
                                                             num_shared_heads=4, top_k=2, moh_impl="sparse"),
                exact=(MOH_REFERENCE, MOH_SPARSE_DENSE),
-               studies=(Study(UPCYCLE, "learned 75%"), Study(UPCYCLE, "learned 50%")))
+               studies=(Study(UPCYCLE, "learned 75%"), Study(UPCYCLE, "learned 50%"),
+                        Study(UPCYCLE, "learned 75% distilled"), Study(UPCYCLE, "learned 50% distilled")))
 MOH_PER_GROUP = Entry("MoH routed per K/V group, sparse", _moh("sparse", per_group=True),
-                      exact=(MOH_REFERENCE, MOH_SPARSE_DENSE), studies=(Study(UPCYCLE, "learned per group 50%"),))
+                      exact=(MOH_REFERENCE, MOH_SPARSE_DENSE),
+                      studies=(Study(UPCYCLE, "learned per group 50%"), Study(UPCYCLE, "learned per group 50% distilled")))
 #: The paper's GQE at the shape lm-en-contenders runs it (2 experts per K/V head, top 1: the paper's main setting
 #: per group) with the page's head size, as its authors' code runs it (the shared head over the mean of the K/V
 #: heads, the default): the studies' "GQE mean" rows.
@@ -205,16 +207,18 @@ ENTRIES: list[Entry] = [
     Entry("MoH, query-norm router (MoH-LLaMA3)",
           AttentionConfig(kind="moh", num_heads=HEADS, head_dim=HEAD_DIM, kv_heads=2, num_shared_heads=4, top_k=2,
                           router="query_norm", moh_impl="sparse"), exact=(QUERY_NORM_REFERENCE,),
-          studies=(Study(UPCYCLE, "query-norm 75%"), Study(UPCYCLE, "query-norm 50%")),
+          studies=(Study(UPCYCLE, "query-norm 75%"), Study(UPCYCLE, "query-norm 50%"),
+                   Study(UPCYCLE, "query-norm 75% distilled"), Study(UPCYCLE, "query-norm 50% distilled")),
           rule="token choice: each token's top-k routed heads by the norm of their queries (before rotary), no "
                "router parameters, every active head weighs 1"),
     MOH_KV,
     MOH_PER_GROUP,
-    random_control(MOH_PER_GROUP, Study(UPCYCLE, "per group 50% random")),
+    random_control(MOH_PER_GROUP, Study(UPCYCLE, "per group 50% random"), Study(UPCYCLE, "per group 50% random distilled")),
     # a trained model pruned to as many query heads per K/V group is the static control's configuration: the
     # upcycling study's pruning rows are read here, the static control of the designs they control (global MoH on
     # grouped K/V: 75% and 50%; MoH routed per K/V group: 50%), whose tokens use as many heads at the page's shape
-    static_control(MOH_KV, Study(UPCYCLE, "pruned 75%"), Study(UPCYCLE, "pruned 50%"), also=(MOH_PER_GROUP,)),
+    static_control(MOH_KV, Study(UPCYCLE, "pruned 75%"), Study(UPCYCLE, "pruned 50%"), Study(UPCYCLE, "pruned 75% distilled"),
+                   Study(UPCYCLE, "pruned 50% distilled"), also=(MOH_PER_GROUP,)),
     GQE,
     random_control(GQE, Study(CONTENDERS, "GQE mean random"), Study(CONTENDERS_LONG, "GQE mean random")),
     static_control(GQE, Study(CONTENDERS, "GQE static"), Study(CONTENDERS_LONG, "GQE static")),
@@ -449,6 +453,11 @@ def study_cell(ref: Study, att: AttentionConfig, studies: Path) -> str:
                     if (control.get(key) or {}).get("n")]
         if measured:
             cell += f'; "{control["row"]}" minus it: ' + ", ".join(measured)
+    for twin in (t for t in results.get("distillation", []) if t["row"] == ref.row):
+        measured = [f"equal {budget} {_delta(twin[key])}" for budget, key in (("steps", "equal_macs"), ("time", "equal_time"))
+                    if (twin.get(key) or {}).get("n")]
+        if measured:
+            cell += f'; it minus "{twin["undistilled"]}" (not distilled): ' + ", ".join(measured)
     return cell
 
 

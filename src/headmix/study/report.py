@@ -222,6 +222,8 @@ def aggregate(spec: StudySpec, planned: list[PlannedRow], results: list[RunResul
     extra: dict[str, Any] = {}
     if any(r.control_of is not None for r in spec.rows):
         extra["controls"] = controls(spec, rows, results, timings or {})
+    if any(r.distill is not None for r in spec.rows):
+        extra["distillation"] = distillation(spec, rows, results, timings or {})
     if any(r.causal_eval for r in spec.rows):
         extra["causal_selection"] = causal_selection(spec, results)
     if spec.parent is not None:
@@ -434,6 +436,12 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
                     for where, d in
                     ((f"at {_equal_budget(table)}", c.get("equal_macs")), ("at equal time", c.get("equal_time")))]
         lines.append(f"- **Control**: {c['row']} against {c['control']}, {'; '.join(verdicts)}.")
+    twins = table.get("distillation") or []
+    for where, key in ((_equal_budget(table), "equal_macs"), ("equal time", "equal_time")):
+        if twins:
+            lines.append(f"- **Distillation at {where}** (each distilled row minus its undistilled twin): "
+                         + _verdicts_text([(c["row"], c.get(key)) for c in twins], "its undistilled twin", True,
+                                          winner=False))
     seeds = sorted({len(r["seeds"]) for r in table["rows"] if r["seeds"]})
     if not seeds:
         return lines + ["- **How sure**: no run has finished yet."]
@@ -515,9 +523,11 @@ def _options_text(options: dict[str, Any], distill: dict[str, Any] | None = None
     return f"MoH, {router} router: {options.get('num_shared_heads')} shared + top {options.get('top_k')}{where}"
 
 
-def _verdicts_text(cells: list[tuple[str, dict[str, Any] | None]], baseline: str, lower_is_better: bool) -> str:
-    """The rows grouped by their verdict against ``baseline``: the winner (the best mean among those better),
-    then better, worse, not separated, not decided (with the reasons)."""
+def _verdicts_text(cells: list[tuple[str, dict[str, Any] | None]], baseline: str, lower_is_better: bool, *,
+                   winner: bool = True) -> str:
+    """The rows grouped by their verdict against ``baseline``: the winner (the best mean among those better;
+    ``winner=False``: not named, where each row has its own ``baseline``), then better, worse, not separated,
+    not decided (with the reasons)."""
     groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for name, diff in cells:
         if diff is None:
@@ -538,8 +548,8 @@ def _verdicts_text(cells: list[tuple[str, dict[str, Any] | None]], baseline: str
 
     better = groups.get("better", [])
     sign = 1 if lower_is_better else -1
-    parts = [f"**{min(better, key=lambda c: sign * c[1]['mean'])[0]}** won." if better else
-             f"no row was shown better than {baseline}."]
+    parts = ([f"**{min(better, key=lambda c: sign * c[1]['mean'])[0]}** won." if better else
+              f"no row was shown better than {baseline}."] if winner else [])
     for kind, label in (("better", f"Better than {baseline}"), ("worse", f"Worse than {baseline}"),
                         ("no significant difference", "No significant difference"),
                         (NOT_DECIDED, "Not decided at equal time"), ("too few seeds for an interval",
@@ -898,39 +908,53 @@ def _timed_at(stored: dict[str, Any]) -> dict[str, Any]:
 
 def controls(spec: StudySpec, table_rows: list[dict[str, Any]], results: list[RunResult],
              timings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each control row (``control_of``) against each row it controls: the controlled row minus the control,
-    paired by seed, at equal MACs (the final validation NLL) and at equal time (both validation curves read by
-    step at the time the faster of the two needs for the study's steps, the step-time ratio being the ratio of
-    their two ratios against the baseline, each timed side by side with it)."""
-    metrics = {r["name"]: r for r in table_rows}
-    out = []
+    """Each control row (``control_of``) against each row it controls: the controlled row minus the control
+    (:func:`paired_against`)."""
     from .spec import controlled_rows
 
-    for control, routed in ((r, routed) for r in spec.rows for routed in controlled_rows(r.control_of)):
-        entry: dict[str, Any] = {"row": routed, "control": control.name, "equal_macs": None, "ratio": None,
-                                 "ratio_range": None, "equal_time": None}
-        out.append(entry)
-        nll = {name: {r.seed: run_metrics(r)["valid_nll"] for r in results if r.row == name}
-               for name in (routed, control.name)}
-        if not nll[routed] or not set(nll[routed]) & set(nll[control.name]):
-            continue
-        diff = paired_difference(nll[routed], nll[control.name])
-        entry["equal_macs"] = {**diff.to_dict(), "verdict": diff.verdict(True, f"{control.name}")}
-        ratio = _ratio_between(routed, control.name, metrics, timings)
-        if ratio is None:
-            continue
-        entry["ratio"], entry["ratio_range"] = ratio
-        runs = {name: {r.seed: r for r in results if r.row == name and r.curve} for name in (routed, control.name)}
-        seeds = sorted(set(runs[routed]) & set(runs[control.name]))
-        diff = _difference_at(entry["ratio"], runs[routed], runs[control.name], seeds) if seeds else None
-        if diff is None:
-            continue
-        ends = None if entry["ratio_range"] is None else [
-            _difference_at(r, runs[routed], runs[control.name], seeds) for r in entry["ratio_range"]]
-        entry["equal_time_at_ratio_ends"] = None if ends is None else [None if d is None else d.to_dict()
-                                                                       for d in ends]
-        entry["equal_time"] = {**diff.to_dict(), "verdict": equal_time_verdict(diff, ends, than=control.name)}
-    return out
+    return [paired_against(routed, control.name, table_rows, results, timings, key="control")
+            for control in spec.rows for routed in controlled_rows(control.control_of)]
+
+
+def distillation(spec: StudySpec, table_rows: list[dict[str, Any]], results: list[RunResult],
+                 timings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each distilled row against its undistilled twin (:func:`headmix.study.spec.undistilled_twins`): the
+    distilled row minus the twin (:func:`paired_against`). At equal time the distilled row's step includes the
+    parent's forward pass."""
+    from .spec import undistilled_twins
+
+    return [paired_against(row, twin, table_rows, results, timings, key="undistilled")
+            for row, twin in undistilled_twins(spec.rows)]
+
+
+def paired_against(row: str, other: str, table_rows: list[dict[str, Any]], results: list[RunResult],
+                   timings: dict[str, dict[str, Any]], *, key: str) -> dict[str, Any]:
+    """``row`` minus ``other`` (named under ``key`` in the entry), paired by seed, at the study's equal budget
+    (the final validation NLL) and at equal time (both validation curves read by step at the time the faster of
+    the two needs for the study's steps, the step-time ratio being the ratio of their two ratios against the
+    baseline, each timed side by side with it)."""
+    metrics = {r["name"]: r for r in table_rows}
+    entry: dict[str, Any] = {"row": row, key: other, "equal_macs": None, "ratio": None, "ratio_range": None,
+                             "equal_time": None}
+    nll = {name: {r.seed: run_metrics(r)["valid_nll"] for r in results if r.row == name} for name in (row, other)}
+    if not nll[row] or not set(nll[row]) & set(nll[other]):
+        return entry
+    diff = paired_difference(nll[row], nll[other])
+    entry["equal_macs"] = {**diff.to_dict(), "verdict": diff.verdict(True, other)}
+    ratio = _ratio_between(row, other, metrics, timings)
+    if ratio is None:
+        return entry
+    entry["ratio"], entry["ratio_range"] = ratio
+    runs = {name: {r.seed: r for r in results if r.row == name and r.curve} for name in (row, other)}
+    seeds = sorted(set(runs[row]) & set(runs[other]))
+    diff = _difference_at(entry["ratio"], runs[row], runs[other], seeds) if seeds else None
+    if diff is None:
+        return entry
+    ends = None if entry["ratio_range"] is None else [
+        _difference_at(r, runs[row], runs[other], seeds) for r in entry["ratio_range"]]
+    entry["equal_time_at_ratio_ends"] = None if ends is None else [None if d is None else d.to_dict() for d in ends]
+    entry["equal_time"] = {**diff.to_dict(), "verdict": equal_time_verdict(diff, ends, than=other)}
+    return entry
 
 
 def _ratio_between(row: str, other: str, rows: dict[str, dict[str, Any]],
@@ -967,9 +991,25 @@ def causal_selection(spec: StudySpec, results: list[RunResult]) -> list[dict[str
     return out
 
 
+def _pairs_rows(entries: list[dict[str, Any]], key: str) -> list[str]:
+    """Table lines of :func:`paired_against` entries: each row, the row it is against (``key``), Δ and verdict at
+    the equal budget, the step-time ratio, and Δ and verdict at equal time."""
+    lines = []
+    for c in entries:
+        macs, timed = c.get("equal_macs"), c.get("equal_time")
+        ratio = "–" if c.get("ratio") is None else f"{c['ratio']:.2f}" + (
+            f" [{c['ratio_range'][0]:.2f}, {c['ratio_range'][1]:.2f}]" if c.get("ratio_range") else "")
+        at_time = ["–", "–", "–"] if timed is None else [
+            _delta_text(timed), _ends_text(c.get("equal_time_at_ratio_ends")), timed["verdict"]]
+        lines.append(f"| {c['row']} | {c[key]} | " + " | ".join(
+            ["–", "–"] if macs is None else [_delta_text(macs), macs["verdict"]]) + f" | {ratio} | "
+            + " | ".join(at_time) + " |")
+    return lines
+
+
 def controls_markdown(table: dict[str, Any]) -> list[str]:
-    """The controls table (learned vs random routing, routed vs static) and the MoSA causal-selection table,
-    when the study has such rows."""
+    """The controls table (learned vs random routing, routed vs static), the distillation table (each distilled
+    row vs its undistilled twin) and the MoSA causal-selection table, when the study has such rows."""
     lines = []
     equal = _equal_budget(table)
     if table.get("controls"):
@@ -985,15 +1025,20 @@ def controls_markdown(table: dict[str, Any]) -> list[str]:
                   f"| row | control | Δ valid NLL at {equal} [95% CI] | verdict | step time, row / control | "
                   "Δ at equal time [95% CI] | Δ at the ratio's range ends (low; high) | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
-        for c in table["controls"]:
-            macs, timed = c.get("equal_macs"), c.get("equal_time")
-            ratio = "–" if c.get("ratio") is None else f"{c['ratio']:.2f}" + (
-                f" [{c['ratio_range'][0]:.2f}, {c['ratio_range'][1]:.2f}]" if c.get("ratio_range") else "")
-            at_time = ["–", "–", "–"] if timed is None else [
-                _delta_text(timed), _ends_text(c.get("equal_time_at_ratio_ends")), timed["verdict"]]
-            lines.append(f"| {c['row']} | {c['control']} | " + " | ".join(
-                ["–", "–"] if macs is None else [_delta_text(macs), macs["verdict"]]) + f" | {ratio} | "
-                + " | ".join(at_time) + " |")
+        lines += _pairs_rows(table["controls"], "control")
+        lines.append("")
+    if table.get("distillation"):
+        lines += ["#### Distillation: what the parent's signal is worth", "",
+                  "Each distilled row against its undistilled twin: the same conversion of the parent, continued "
+                  "with the same seeds and steps on the LM loss alone. Δ is the distilled row minus the twin, paired "
+                  f"by seed, with its 95% Student-t interval (negative: distillation helped). At {equal}: the final "
+                  "validation NLL. At equal time: as in the controls, from the two rows' side-by-side step times; a "
+                  "distilled step includes the parent's forward pass, so in the same time it takes fewer steps. "
+                  f"{EQUAL_TIME_RULE}", "",
+                  f"| row | undistilled twin | Δ valid NLL at {equal} [95% CI] | verdict | step time, distilled / "
+                  "undistilled | Δ at equal time [95% CI] | Δ at the ratio's range ends (low; high) | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += _pairs_rows(table["distillation"], "undistilled")
         lines.append("")
     if table.get("causal_selection"):
         lines += ["#### MoSA: causal selection at evaluation", "",

@@ -85,6 +85,22 @@ def controlled_rows(control_of: str | list[str] | None) -> list[str]:
     return [control_of] if isinstance(control_of, str) else list(control_of)
 
 
+def undistilled_twins(rows: list["RowSpec"]) -> list[tuple[str, str]]:
+    """Each distilled row (``distill`` set) with its undistilled twin, ``(distilled, twin)``: the one row without
+    distillation that converts and trains as it does (every field the same but the name, ``distill`` and
+    ``control_of``). A distilled row with no such row, or with more than one, has no twin."""
+    def converts(row: RowSpec) -> tuple:
+        return (row.attention, row.solve, row.prefer, row.init_options, row.causal_eval)
+
+    plain = [r for r in rows if r.distill is None]
+    pairs = []
+    for row in (r for r in rows if r.distill is not None):
+        twins = [r.name for r in plain if converts(r) == converts(row)]
+        if len(twins) == 1:
+            pairs.append((row.name, twins[0]))
+    return pairs
+
+
 @dataclass
 class RowSpec:
     """One row of a study: an attention variant."""
