@@ -991,10 +991,13 @@ def causal_selection(spec: StudySpec, results: list[RunResult]) -> list[dict[str
     return out
 
 
-def _pairs_rows(entries: list[dict[str, Any]], key: str) -> list[str]:
-    """Table lines of :func:`paired_against` entries: each row, the row it is against (``key``), Δ and verdict at
-    the equal budget, the step-time ratio, and Δ and verdict at equal time."""
-    lines = []
+def _pairs_table(entries: list[dict[str, Any]], key: str, equal: str, against: str, ratio: str) -> list[str]:
+    """The table of :func:`paired_against` entries, with a blank line after it: each row, the row it is against
+    (``key``, headed ``against``), Δ and verdict at the ``equal`` budget, the step-time ratio (headed ``ratio``),
+    and Δ and verdict at equal time."""
+    lines = [f"| row | {against} | Δ valid NLL at {equal} [95% CI] | verdict | step time, {ratio} | "
+             "Δ at equal time [95% CI] | Δ at the ratio's range ends (low; high) | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in entries:
         macs, timed = c.get("equal_macs"), c.get("equal_time")
         ratio = "–" if c.get("ratio") is None else f"{c['ratio']:.2f}" + (
@@ -1004,7 +1007,7 @@ def _pairs_rows(entries: list[dict[str, Any]], key: str) -> list[str]:
         lines.append(f"| {c['row']} | {c[key]} | " + " | ".join(
             ["–", "–"] if macs is None else [_delta_text(macs), macs["verdict"]]) + f" | {ratio} | "
             + " | ".join(at_time) + " |")
-    return lines
+    return lines + [""]
 
 
 def controls_markdown(table: dict[str, Any]) -> list[str]:
@@ -1022,11 +1025,7 @@ def controls_markdown(table: dict[str, Any]) -> list[str]:
                   "needs for the study's steps; the step-time ratio of the two is the ratio of their side-by-side "
                   "ratios against the baseline (in brackets: from the ends of those two intervals), and Δ is read "
                   f"at that ratio and at both ends of its range. {EQUAL_TIME_RULE}", "",
-                  f"| row | control | Δ valid NLL at {equal} [95% CI] | verdict | step time, row / control | "
-                  "Δ at equal time [95% CI] | Δ at the ratio's range ends (low; high) | verdict |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += _pairs_rows(table["controls"], "control")
-        lines.append("")
+                  *_pairs_table(table["controls"], "control", equal, "control", "row / control")]
     if table.get("distillation"):
         lines += ["#### Distillation: what the parent's signal is worth", "",
                   "Each distilled row against its undistilled twin: the same conversion of the parent, continued "
@@ -1035,11 +1034,8 @@ def controls_markdown(table: dict[str, Any]) -> list[str]:
                   "validation NLL. At equal time: as in the controls, from the two rows' side-by-side step times; a "
                   "distilled step includes the parent's forward pass, so in the same time it takes fewer steps. "
                   f"{EQUAL_TIME_RULE}", "",
-                  f"| row | undistilled twin | Δ valid NLL at {equal} [95% CI] | verdict | step time, distilled / "
-                  "undistilled | Δ at equal time [95% CI] | Δ at the ratio's range ends (low; high) | verdict |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += _pairs_rows(table["distillation"], "undistilled")
-        lines.append("")
+                  *_pairs_table(table["distillation"], "undistilled", equal, "undistilled twin",
+                                "distilled / undistilled")]
     if table.get("causal_selection"):
         lines += ["#### MoSA: causal selection at evaluation", "",
                   "MoSA trains and is evaluated (as in its paper) with each sparse head's top-k over the whole "
