@@ -236,6 +236,23 @@ def test_the_report_gives_no_equal_time_verdict_when_the_sign_flips_inside_the_r
         "worse than the baseline")
 
 
+def test_the_report_states_each_timings_conditions_from_the_stored_record():
+    """The equal-time table's conditions line is written from what the report keeps of each timing record: whether
+    the process kept freed memory, the code's commit, the parent's forward in a distilled row's step."""
+    results = [_run(r, s, c) for (r, s), c in CURVES.items()]
+    planned = [SimpleNamespace(name=n) for n in ("MHA", "Slow", "Fast")]
+    record = {**TIMINGS["Slow"], "method": "interleaved", "study_workers_excluded": True, "load_average": [1.0, 1.0],
+              "freed_memory": "kept",
+              "software": {"headmix": "0.1.0", "commit": "abc1234"}, "distill": {"parent_forward": "timed"}}
+    kept = equal_time_interleaved(planned, results, {"Slow": record})["Slow"]["timing"]
+    assert kept["freed_memory"] == "kept" and kept["distill"] == record["distill"]
+    lines = interleaved_markdown({"baseline": "MHA", "rows": [
+        {"name": n, "equal_time_interleaved": e} for n, e in
+        equal_time_interleaved(planned, results, {"Slow": record}).items()]})
+    assert lines[-1].endswith("load average 1.00 before and 1.00 after, freed memory kept "
+                              "(headmix.keep_freed_memory), code at abc1234.")
+
+
 def test_the_controls_equal_time_verdict_follows_the_same_rule():
     from headmix.study.report import controls
 

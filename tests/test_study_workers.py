@@ -285,10 +285,15 @@ def test_a_row_is_timed_with_the_study_to_itself_and_the_report_says_so(spec_fil
     assert record["freed_memory"] == ("kept" if freed_memory_kept() else "returned")
     freed = {"kept": "kept (headmix.keep_freed_memory)",
              "returned": "returned to the system (glibc's default)"}[record["freed_memory"]]
+    from headmix.training.machine import source_commit
+
+    assert record["software"]["commit"] == source_commit()  # which code was timed
     assert timing_conditions(record) == (f"no other worker of the study training or timing, load average "
                                          f"{record['load_average'][0]:.2f} before and "
-                                         f"{record['load_average'][1]:.2f} after, freed memory {freed}")
+                                         f"{record['load_average'][1]:.2f} after, freed memory {freed}, code at "
+                                         f"{source_commit()}")
     old = {k: v for k, v in record.items() if k not in ("study_workers_excluded", "load_average", "freed_memory")}
+    old["software"] = {k: v for k, v in record["software"].items() if k != "commit"}
     timing_path(out, "MoA").write_text(json.dumps(old))
     assert read_timing(out, "MoA") == old
     assert timing_conditions(old) == ("other workers of the study not excluded (not recorded: one may have been "

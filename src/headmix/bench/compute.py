@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ from ..models import AttentionConfig
 from ..models.counting import minimal_attention_macs
 from .attention import saved_activation_bytes
 from .kinds import heads_for
-from ..training.machine import cpu_model
+from ..training.machine import cpu_model, source_commit
 from .timing import count_aten_ops, kernel_profile, machine_load
 
 #: The target of the time ratio over the MAC ratio: ``time <= MACs + slack`` (wall clock on the CPU, GPU-busy time
@@ -132,19 +131,6 @@ ROWS: list[ComputeRow] = [
 ]
 #: MoA's expert-growth rows: ``k = H/2`` of E = H, 2H, 4H experts (16, 32, 64 at d_model 1024).
 GROWTH = [1.0, 2.0, 4.0]
-
-
-def commit() -> str:
-    """The checkout's commit (``+`` when it has uncommitted changes), or ``unknown``."""
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha + ("+" if dirty else "")) or "unknown"
 
 
 def _call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -428,7 +414,7 @@ def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[
     threads = args.compute_threads if device.type == "cpu" else [torch.get_num_threads()]
     clock = time.process_time if args.compute_clock == "cpu" else time.perf_counter
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    checkout = commit()
+    checkout = source_commit()
     emit(f"## time beside compute: {where}, torch {torch.__version__}, commit {checkout}, {dtype}; "
          + ("GPU-busy time (torch.profiler)" if device.type == "cuda" else
             ("wall clock" if args.compute_clock == "wall" else "CPU time of this process")

@@ -137,9 +137,11 @@ def equal_time_interleaved(planned: list[PlannedRow], results: list[RunResult],
         elif row.name in timings:
             record = timings[row.name]
             entry.update(ratio=record["ratio"], low=record.get("low"), high=record.get("high"),
-                         timing={k: record.get(k) for k in ("device", "bf16", "compile", "machine", "software",
-                                                            "measured_at", "method", "batch_tokens",
-                                                            "study_workers_excluded", "load_average")})
+                         timing={**{k: record.get(k) for k in ("device", "bf16", "compile", "machine", "software",
+                                                               "measured_at", "method", "batch_tokens",
+                                                               "study_workers_excluded", "load_average")},
+                                 # recorded since 2026-12-02: kept where a record has them
+                                 **{k: record[k] for k in ("freed_memory", "distill") if k in record}})
         else:
             continue
         runs = {r.seed: r for r in results if r.row == row.name and r.curve and r.seed in base_runs}
@@ -625,7 +627,8 @@ def _timing_device(timing: dict[str, Any]) -> str:
 def timing_conditions(timing: dict[str, Any]) -> str:
     """Under which load a row was timed: alone among the study's workers (the study's machine lock) or not
     recorded (records written before it: another worker of the study may have been training or timing), the
-    machine's load average before and after, and whether the process kept freed memory, where recorded."""
+    machine's load average before and after, whether the process kept freed memory and the code's commit, where
+    recorded."""
     alone = ("no other worker of the study training or timing" if timing.get("study_workers_excluded") else
              "other workers of the study not excluded (not recorded: one may have been training or timing)")
     load = timing.get("load_average") or []
@@ -635,6 +638,9 @@ def timing_conditions(timing: dict[str, Any]) -> str:
     if freed is not None:
         alone += {"kept": ", freed memory kept (headmix.keep_freed_memory)",
                   "returned": ", freed memory returned to the system (glibc's default)"}.get(freed, f", freed memory {freed}")
+    commit = (timing.get("software") or {}).get("commit")  # recorded since 2026-12-02
+    if commit:
+        alone += f", code at {commit}"
     return alone
 
 

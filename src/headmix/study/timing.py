@@ -137,7 +137,10 @@ def software_record() -> dict[str, str]:
 
     from .. import __version__
 
-    return {"headmix": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    from ..training.machine import source_commit
+
+    return {"headmix": __version__, "commit": source_commit(), "torch": torch.__version__,
+            "python": platform.python_version()}
 
 
 def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_name: str, *,

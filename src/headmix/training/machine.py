@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,3 +50,18 @@ def describe_machine(record: dict[str, Any]) -> str:
         return "not recorded"
     return (f"{record.get('device_name', '?')} ({record.get('device_type', '?')}), {record.get('torch_threads', '?')} "
             f"threads, torch {record.get('torch', '?')}")
+
+
+def source_commit() -> str:
+    """The commit of the headmix checkout this code runs from (``+`` appended when tracked files have uncommitted
+    changes), or ``unknown`` (an installed copy, no git): recorded beside measurements whose answer depends on the
+    code (step times), so a reader can tell which code they ran."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("+" if dirty else "")) or "unknown"
