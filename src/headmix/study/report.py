@@ -439,11 +439,10 @@ def headline_markdown(table: dict[str, Any]) -> list[str]:
                     ((f"at {_equal_budget(table)}", c.get("equal_macs")), ("at equal time", c.get("equal_time")))]
         lines.append(f"- **Control**: {c['row']} against {c['control']}, {'; '.join(verdicts)}.")
     twins = table.get("distillation") or []
-    for where, key in ((_equal_budget(table), "equal_macs"), ("equal time", "equal_time")):
-        if twins:
-            lines.append(f"- **Distillation at {where}** (each distilled row minus its undistilled twin): "
-                         + _verdicts_text([(c["row"], c.get(key)) for c in twins], "its undistilled twin", True,
-                                          winner=False))
+    for where, key in ((_equal_budget(table), "equal_macs"), ("equal time", "equal_time")) if twins else ():
+        lines.append(f"- **Distillation at {where}** (each distilled row minus its undistilled twin): "
+                     + _verdicts_text([(c["row"], c.get(key)) for c in twins], "its undistilled twin", True,
+                                      winner=False))
     seeds = sorted({len(r["seeds"]) for r in table["rows"] if r["seeds"]})
     if not seeds:
         return lines + ["- **How sure**: no run has finished yet."]

@@ -136,7 +136,6 @@ def software_record() -> dict[str, str]:
     import torch
 
     from .. import __version__
-
     from ..training.machine import source_commit
 
     return {"headmix": __version__, "commit": source_commit(), "torch": torch.__version__,

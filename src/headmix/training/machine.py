@@ -55,10 +55,15 @@ def describe_machine(record: dict[str, Any]) -> str:
 def source_commit() -> str:
     """The commit of the headmix checkout this code runs from (``+`` appended when the package's tracked files
     differ from it; the checkout's other files, a study's records among them, do not count), or ``unknown`` (an
-    installed copy, no git): recorded beside measurements whose answer depends on the code (step times), so a
+    installed copy: no git, or a git checkout that does not track this package, such as a project whose virtual
+    environment holds it): recorded beside measurements whose answer depends on the code (step times), so a
     reader can tell which code they ran."""
     package = Path(__file__).resolve().parents[1]
     try:
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "__init__.py"], cwd=package,
+                                 capture_output=True, text=True, timeout=10).returncode == 0
+        if not tracked:
+            return "unknown"
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=package, capture_output=True, text=True,
                              timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=package,
