@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..storage.files import atomic_write, atomic_write_json
+from ..training.machine import source_commit
 
 PARTS = ("quick", "full1", "full2", "compute")
 #: The most seconds each part's steps may take: quick fits one 10-minute job with the machine's start and the
@@ -167,14 +168,6 @@ def _machine() -> dict:
     return info
 
 
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 #: a markdown table's header separator (``|---|:--:|``)
 SEPARATOR = re.compile(r"^\|(\s*:?-{3,}:?\s*\|)+$")
 
@@ -247,7 +240,7 @@ def run_part(part: str, out: Path, tiny: bool = False, python: str = sys.executa
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     src = str(Path.cwd() / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    summary = {"part": part, "tiny": tiny, "machine": _machine(), "commit": _commit(),
+    summary = {"part": part, "tiny": tiny, "machine": _machine(), "commit": source_commit(),
                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget_s": budget_s(part), "steps": []}
     for step in STEPS[part]:
         log = out / f"{part}-{step.name}.log"
