@@ -449,16 +449,18 @@ def study_cell(ref: Study, att: AttentionConfig, studies: Path) -> str:
         return f"{named}: not finished"
     cell = f'{named} minus "{results["baseline"]}": ' + ", ".join(parts)
     for control in (c for c in results.get("controls", []) if c["control"] == ref.row):
-        measured = [f"equal {budget} {_delta(control[key])}" for budget, key in (("MACs", "equal_macs"), ("time", "equal_time"))
-                    if (control.get(key) or {}).get("n")]
-        if measured:
-            cell += f'; "{control["row"]}" minus it: ' + ", ".join(measured)
+        cell += _paired_text(f'"{control["row"]}" minus it', control, "MACs")
     for twin in (t for t in results.get("distillation", []) if t["row"] == ref.row):
-        measured = [f"equal {budget} {_delta(twin[key])}" for budget, key in (("steps", "equal_macs"), ("time", "equal_time"))
-                    if (twin.get(key) or {}).get("n")]
-        if measured:
-            cell += f'; it minus "{twin["undistilled"]}" (not distilled): ' + ", ".join(measured)
+        cell += _paired_text(f'it minus "{twin["undistilled"]}" (not distilled)', twin, "steps")
     return cell
+
+
+def _paired_text(label: str, entry: dict[str, Any], budget: str) -> str:
+    """``; LABEL: equal BUDGET Δ, equal time Δ`` from a report's paired entry (a control's or a distilled row's),
+    the differences it has; empty without any."""
+    measured = [f"equal {name} {_delta(entry[key])}" for name, key in ((budget, "equal_macs"), ("time", "equal_time"))
+                if (entry.get(key) or {}).get("n")]
+    return f"; {label}: " + ", ".join(measured) if measured else ""
 
 
 def _causal_cell(named: str, row: str, results: dict[str, Any]) -> str:
