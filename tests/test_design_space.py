@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -147,18 +148,24 @@ def test_a_control_cell_adds_its_learned_row_minus_it(tmp_path):
     cell = design_space.study_cell(Study("s", "Z"), AttentionConfig(**GQE, router="random"), studies)
     assert cell.endswith('minus "B": equal MACs +0.010 [-0.020, +0.040] (n 3); "R" minus it: equal MACs '
                          '-0.050 [-0.080, -0.020] (n 3), equal time -0.010 (n 1)')
+    # a study whose rows keep their own MACs (matching "none") compares them at equal steps, the control too
+    shutil.rmtree(tmp_path / "s")
+    studies = write_results(tmp_path, controls=[control], matching="none")
+    cell = design_space.study_cell(Study("s", "Z"), AttentionConfig(**GQE, router="random"), studies)
+    assert cell.endswith('minus "B": after equal steps +0.010 [-0.020, +0.040] (n 3); "R" minus it: equal steps '
+                         '-0.050 [-0.080, -0.020] (n 3), equal time -0.010 (n 1)')
 
 
 def test_a_distilled_cell_adds_itself_minus_its_undistilled_twin(tmp_path):
     twin = {"row": "U", "undistilled": "R", "equal_macs": {"mean": -0.04, "low": -0.06, "high": -0.02, "n": 3},
             "equal_time": {"mean": 0.01, "low": -0.01, "high": 0.03, "n": 3}}
-    studies = write_results(tmp_path, distillation=[twin])
+    studies = write_results(tmp_path, distillation=[twin], matching="none")  # as every study with a parent
     rows = json.loads((studies / "s" / "results.json").read_text())
     rows["rows"][3]["vs_baseline"] = {"valid_nll": {"mean": -0.08, "low": -0.09, "high": -0.07, "n": 3}}
     (studies / "s" / "results.json").write_text(json.dumps(rows))
     cell = design_space.study_cell(Study("s", "U"), AttentionConfig(**GQE), studies)
-    assert cell.endswith('minus "B": equal MACs -0.080 [-0.090, -0.070] (n 3); it minus "R" (not distilled): equal '
-                         'steps -0.040 [-0.060, -0.020] (n 3), equal time +0.010 [-0.010, +0.030] (n 3)')
+    assert cell.endswith('minus "B": after equal steps -0.080 [-0.090, -0.070] (n 3); it minus "R" (not distilled): '
+                         'equal steps -0.040 [-0.060, -0.020] (n 3), equal time +0.010 [-0.010, +0.030] (n 3)')
     # the twin's own cell does not take it
     assert "not distilled" not in design_space.study_cell(Study("s", "R"), AttentionConfig(**GQE), studies)
 

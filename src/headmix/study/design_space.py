@@ -439,9 +439,9 @@ def study_cell(ref: Study, att: AttentionConfig, studies: Path) -> str:
     continued = next((r for r in (results.get("continuation") or {}).get("rows", []) if r["name"] == ref.row), None)
     if continued and (continued.get("at_conversion_vs_baseline") or {}).get("n"):
         parts.append(f"at conversion {_delta(continued['at_conversion_vs_baseline'])}")
+    matched = results.get("matching", "macs") == "macs"  # else each row at its own MACs, the same steps
     if macs and macs.get("n"):
-        parts.append(f"{'equal MACs' if results.get('matching', 'macs') == 'macs' else 'after equal steps'} "
-                     f"{_delta(macs)}")
+        parts.append(f"{'equal MACs' if matched else 'after equal steps'} {_delta(macs)}")
     timed = ((found.get("equal_time_interleaved") or {}).get("vs_baseline")) or None
     if timed and timed.get("n"):
         parts.append(f"equal time {_delta(timed)}")
@@ -449,9 +449,9 @@ def study_cell(ref: Study, att: AttentionConfig, studies: Path) -> str:
         return f"{named}: not finished"
     cell = f'{named} minus "{results["baseline"]}": ' + ", ".join(parts)
     for control in (c for c in results.get("controls", []) if c["control"] == ref.row):
-        cell += _paired_text(f'"{control["row"]}" minus it', control, "MACs")
+        cell += _paired_text(f'"{control["row"]}" minus it', control, "MACs" if matched else "steps")
     for twin in (t for t in results.get("distillation", []) if t["row"] == ref.row):
-        cell += _paired_text(f'it minus "{twin["undistilled"]}" (not distilled)', twin, "steps")
+        cell += _paired_text(f'it minus "{twin["undistilled"]}" (not distilled)', twin, "MACs" if matched else "steps")
     return cell
 
 
