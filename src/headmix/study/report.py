@@ -944,7 +944,7 @@ def paired_against(row: str, other: str, table_rows: list[dict[str, Any]], resul
     nll = {name: {r.seed: run_metrics(r)["valid_nll"] for r in results if r.row == name} for name in (row, other)}
     if not nll[row] or not set(nll[row]) & set(nll[other]):
         return entry
-    diff = paired_difference(nll[other], nll[row])
+    diff = paired_difference(nll[row], nll[other])
     entry["equal_macs"] = {**diff.to_dict(), "verdict": diff.verdict(True, other)}
     ratio = _ratio_between(row, other, metrics, timings)
     if ratio is None:
