@@ -25,10 +25,11 @@ LAYOUTS = {
 }
 
 
-def foreign_tokenizer(folder: Path, layout: str, texts: list[str], size: int = 290) -> dict[str, int]:
+def foreign_tokenizer(folder: Path, layout: str | tuple[list[str], dict], texts: list[str],
+                      size: int = 290) -> dict[str, int]:
     """A byte-level BPE of ``size`` ids trained on ``texts`` with no special token among them, the layout's
     special tokens appended after it, saved with its ``tokenizer_config.json`` in ``folder``; returns the ids of
-    the appended tokens by name."""
+    the appended tokens by name. ``layout``: a name of :data:`LAYOUTS`, or its ``(specials, config)``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -36,7 +37,7 @@ def foreign_tokenizer(folder: Path, layout: str, texts: list[str], size: int = 2
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=[], show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    specials, config = LAYOUTS[layout]
+    specials, config = LAYOUTS[layout] if isinstance(layout, str) else layout
     tok.add_special_tokens(specials)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
