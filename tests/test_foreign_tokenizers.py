@@ -208,8 +208,9 @@ def test_a_tokenizer_or_vocabulary_that_does_not_match_the_parent_is_refused_bef
     other = tmp_path / "other"  # the Qwen3 layout: its eos token is another id than the Llama model's
     theirs = foreign_tokenizer(other, "qwen3", corpus_texts(docs_file))
     (other / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
-    assert f"--tokenizer {other}: its eos token is id {theirs['<|im_end|>']}, the model of init_from {folder} " \
-           f"has eos_id {ids['<|end_of_text|>']}: give the tokenizer its model was trained with" in refused(
+    assert f"--tokenizer {other}: its eos token is id {theirs['<|im_end|>']}, none of the stop ids " \
+           f"[{ids['<|end_of_text|>']}] of the model of init_from {folder}: give the tokenizer its model was trained " \
+           f"with" in refused(
                lm_args(out, docs_file, "--init-from", str(folder), "--tokenizer", str(other)), out, capsys)
     bigger = tmp_path / "bigger"
     foreign_tokenizer(bigger, "llama3", corpus_texts(docs_file), size=400)
