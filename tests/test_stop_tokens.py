@@ -81,11 +81,11 @@ def force_headmix(model, chain: list[int]) -> None:
                 [w for layer in layers for w in (layer.self_attn.out_proj.weight, layer.ffn.down_proj.weight)], chain)
 
 
-def source_folder(folder: Path, layout: str, docs_file: Path) -> dict[str, int]:
+def source_folder(folder: Path, layout: str, docs_file: Path, **sizes) -> dict[str, int]:
     """A tiny Hugging Face model in the layout (Llama 3.1 Instruct or Qwen3, grouped K/V heads, untied output)
     with its tokenizer, ``config.json`` and ``generation_config.json`` naming the stop ids as the released models
     do, its weights forced to stop at the layout's non-first stop id (:func:`force_chain`); returns the special
-    tokens' ids and those of :data:`CHAIN` by name."""
+    tokens' ids and those of :data:`CHAIN` by name. ``sizes``: other config fields (``hidden_size``, ...)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     spec = LAYOUTS[layout]
@@ -94,9 +94,10 @@ def source_folder(folder: Path, layout: str, docs_file: Path) -> dict[str, int]:
     common = dict(vocab_size=max(ids.values()) + 7, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
                   bos_token_id=ids[spec["bos"]], eos_token_id=ids_of(spec["eos"], ids))
+    common.update(sizes)
     torch.manual_seed(0)
     model = (LlamaForCausalLM(LlamaConfig(**common)) if layout.startswith("llama") else
-             Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8)))
+             Qwen3ForCausalLM(Qwen3Config(**common, head_dim=common["hidden_size"] // common["num_attention_heads"])))
     model.generation_config.eos_token_id = ids_of(spec["generation"], ids)
     ids.update({t: vocab[t] for t in CHAIN})
     force_hf(model, chain(ids, layout))
@@ -126,12 +127,10 @@ def hf_new_tokens(folder: Path, ids: dict[str, int], layout: str) -> list[int]:
 
 
 def headmix_new_tokens(model, ids: dict[str, int], layout: str) -> list[int]:
-    """headmix's greedy continuation, up to its first stop (the rest is filler)."""
+    """headmix's greedy continuation of one prompt: it ends where decoding stopped."""
     from headmix.models import greedy_decode
 
-    tokens = greedy_decode(model, torch.tensor([prompt(ids, layout)]), 6).tokens[0].tolist()
-    stops = model.config.stop_token_ids()
-    return tokens[:next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))]
+    return greedy_decode(model, torch.tensor([prompt(ids, layout)]), 6).tokens[0].tolist()
 
 
 def written_stops(folder: Path) -> tuple:
@@ -166,9 +165,11 @@ def test_conversion_and_upcycling_keep_every_stop_id_through_export(tmp_path, do
     from headmix.cli.main import main
     from headmix.hf import HeadmixForCausalLM
     from headmix.interop import causal_lm_to_llama, causal_lm_to_qwen3, from_pretrained, upcycle
+    from headmix.interop.upcycle import source_config
 
     ids = source_folder(tmp_path / "src", layout, docs_file)
     stops, stop = expected_stops(layout, ids), ids[LAYOUTS[layout]["stop"]]
+    assert source_config(tmp_path / "src").stop_token_ids() == stops  # what train --init-from checks against
     converted = from_pretrained(tmp_path / "src")
     assert converted.config.stop_token_ids() == stops and converted.config.eos_id == stops[0]
     assert headmix_new_tokens(converted, ids, layout) == [ids['b'], stop]
