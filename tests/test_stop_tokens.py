@@ -283,3 +283,19 @@ def test_beam_search_and_sampling_stop_at_every_stop_id(tmp_path, docs_file):
     assert beam_search(model, src, beam_size=2, max_len=6).tokens[0].tolist() == [ids['b'], stop]
     drawn = sample_decode(model, src, 6, temperature=0.01, generator=torch.Generator().manual_seed(0))
     assert drawn.tokens[0].tolist() == [ids['b'], stop]
+
+
+def test_a_tokenizer_eos_that_no_config_names_is_a_stop_id_too(tmp_path, docs_file):
+    """A folder whose configs name only ``<|end_of_text|>`` (as Llama 3 Instruct's first release did) with a
+    tokenizer whose eos is ``<|eot_id|>``: the converted model stops at both, and so does the parent config that
+    ``train --init-from`` checks its tokenizer against."""
+    from headmix.interop import from_pretrained
+    from headmix.interop.upcycle import source_config
+
+    ids = source_folder(tmp_path / "src", "llama31-instruct", docs_file)
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, "eos_token_id": ids["<|end_of_text|>"]}))
+    (tmp_path / "src" / "generation_config.json").unlink()
+    expected = [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
+    assert from_pretrained(tmp_path / "src").config.stop_token_ids() == expected
+    assert source_config(tmp_path / "src").stop_token_ids() == expected
