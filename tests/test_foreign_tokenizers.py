@@ -25,10 +25,11 @@ LAYOUTS = {
 }
 
 
-def foreign_tokenizer(folder: Path, layout: str, texts: list[str], size: int = 290) -> dict[str, int]:
+def foreign_tokenizer(folder: Path, layout: str | tuple[list[str], dict], texts: list[str],
+                      size: int = 290) -> dict[str, int]:
     """A byte-level BPE of ``size`` ids trained on ``texts`` with no special token among them, the layout's
     special tokens appended after it, saved with its ``tokenizer_config.json`` in ``folder``; returns the ids of
-    the appended tokens by name."""
+    the appended tokens by name. ``layout``: a name of :data:`LAYOUTS`, or its ``(specials, config)``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -36,7 +37,7 @@ def foreign_tokenizer(folder: Path, layout: str, texts: list[str], size: int = 2
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=[], show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    specials, config = LAYOUTS[layout]
+    specials, config = LAYOUTS[layout] if isinstance(layout, str) else layout
     tok.add_special_tokens(specials)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
@@ -207,8 +208,9 @@ def test_a_tokenizer_or_vocabulary_that_does_not_match_the_parent_is_refused_bef
     other = tmp_path / "other"  # the Qwen3 layout: its eos token is another id than the Llama model's
     theirs = foreign_tokenizer(other, "qwen3", corpus_texts(docs_file))
     (other / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
-    assert f"--tokenizer {other}: its eos token is id {theirs['<|im_end|>']}, the model of init_from {folder} " \
-           f"has eos_id {ids['<|end_of_text|>']}: give the tokenizer its model was trained with" in refused(
+    assert f"--tokenizer {other}: its eos token is id {theirs['<|im_end|>']}, none of the stop ids " \
+           f"[{ids['<|end_of_text|>']}] of the model of init_from {folder}: give the tokenizer its model was trained " \
+           f"with" in refused(
                lm_args(out, docs_file, "--init-from", str(folder), "--tokenizer", str(other)), out, capsys)
     bigger = tmp_path / "bigger"
     foreign_tokenizer(bigger, "llama3", corpus_texts(docs_file), size=400)
