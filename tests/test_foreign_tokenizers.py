@@ -8,6 +8,7 @@ match the parent, or a role no config names, is refused in one line before anyth
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -212,6 +213,13 @@ def test_a_tokenizer_or_vocabulary_that_does_not_match_the_parent_is_refused_bef
            f"[{ids['<|end_of_text|>']}] of the model of init_from {folder}: give the tokenizer its model was trained " \
            f"with" in refused(
                lm_args(out, docs_file, "--init-from", str(folder), "--tokenizer", str(other)), out, capsys)
+    swapped = tmp_path / "swapped"  # the parent's own tokenizer, its bos role given to another token
+    shutil.copy(folder / "tokenizer.json", swapped.mkdir() or swapped / "tokenizer.json")
+    (swapped / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>"}))
+    assert f"--tokenizer {swapped}: its bos token is id {ids['<|end_of_text|>']}, the model of init_from {folder} " \
+           f"has bos_id {ids['<|begin_of_text|>']}: give the tokenizer its model was trained with" in refused(
+               lm_args(out, docs_file, "--init-from", str(folder), "--tokenizer", str(swapped)), out, capsys)
     bigger = tmp_path / "bigger"
     foreign_tokenizer(bigger, "llama3", corpus_texts(docs_file), size=400)
     assert f"--tokenizer {bigger} has 403 ids but the model of init_from {folder} embeds {size + 8}" in refused(
@@ -219,7 +227,6 @@ def test_a_tokenizer_or_vocabulary_that_does_not_match_the_parent_is_refused_bef
 
 
 def test_a_folder_without_a_tokenizer_or_a_missing_one_is_refused_before_writing(trained, docs_file, tmp_path, capsys):
-    import shutil
 
     folder, _, _ = trained["llama3"]
     bare = tmp_path / "bare"
@@ -271,7 +278,6 @@ def test_the_commands_of_docs_hf_run_as_written(docs_file, tmp_path, monkeypatch
     (steps, batch and block length; the last value of a repeated option wins)."""
     import re
     import shlex
-    import shutil
 
     from headmix.cli.main import main
 
