@@ -227,7 +227,6 @@ def test_a_tokenizer_or_vocabulary_that_does_not_match_the_parent_is_refused_bef
 
 
 def test_a_folder_without_a_tokenizer_or_a_missing_one_is_refused_before_writing(trained, docs_file, tmp_path, capsys):
-
     folder, _, _ = trained["llama3"]
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("tokenizer*"))
