@@ -42,9 +42,9 @@ from torch import nn
 
 from ..models import AttentionConfig
 from ..models.counting import minimal_attention_macs
+from ..provenance import cpu_model, source_commit
 from .attention import saved_activation_bytes
 from .kinds import heads_for
-from ..training.machine import cpu_model, source_commit
 from .timing import count_aten_ops, kernel_profile, machine_load
 
 #: The target of the time ratio over the MAC ratio: ``time <= MACs + slack`` (wall clock on the CPU, GPU-busy time

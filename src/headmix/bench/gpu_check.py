@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..storage.files import atomic_write, atomic_write_json
-from ..training.machine import source_commit
+from ..provenance import source_commit
 
 PARTS = ("quick", "full1", "full2", "compute")
 #: The most seconds each part's steps may take: quick fits one 10-minute job with the machine's start and the
@@ -146,7 +146,7 @@ def budget_s(part: str) -> int:
 def _machine() -> dict:
     import torch
 
-    from ..training.machine import cpu_model
+    from ..provenance import cpu_model
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..storage.files import atomic_output, atomic_write
-from ..training.machine import describe_machine
+from ..provenance import describe_machine
 from ..models.counting import ATTENTION_MACS, FLASH_TILE
 from ..models.config import AttentionConfig
 from ..routing.task_gradient import ALLOW_FLAG
