@@ -159,9 +159,17 @@ def test_named_sizes_run_one_after_the_other_in_one_run(tmp_path, capsys, monkey
     tiny here: the code path, not the measurement)."""
     monkeypatch.setitem(compute.SIZES, "study", compute.Size("study", 64, (16,), 2))
     monkeypatch.setitem(compute.SIZES, "1024", compute.Size("1024", 32, (8, 12), 1))
+    import torch
+
     path = tmp_path / "sizes.json"
-    assert main(["bench", "compute", "--size", "study", "1024", "--device", "cpu", "--threads", "1", "--repeats", "1",
-                 "--modes", "eager", "--rows", "GQE (paper)", "--no-profile", "--json", str(path)]) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # the command measures at 1 and gives the count back
+    try:
+        assert main(["bench", "compute", "--size", "study", "1024", "--device", "cpu", "--threads", "1", "--repeats",
+                     "1", "--modes", "eager", "--rows", "GQE (paper)", "--no-profile", "--json", str(path)]) == 0
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
     out = capsys.readouterr().out
     blocks = json.loads(path.read_text())["blocks"]
     assert [(b["size"], b["d_model"], b["seq"], b["batch"]) for b in blocks] == [
