@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.counting import ATTENTION_MACS
-from ..training.machine import describe_machine
+from ..provenance import describe_machine
 from .matching import attention_macs_of
 from .plan import PlannedRow, macs_lengths
 from .results import RunResult

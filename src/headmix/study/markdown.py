@@ -7,8 +7,8 @@ from typing import Any
 
 from ..models.config import AttentionConfig
 from ..models.counting import FLASH_TILE
+from ..provenance import describe_machine
 from ..routing.task_gradient import ALLOW_FLAG
-from ..training.machine import describe_machine
 from .comparison import LOWER_IS_BETTER, along_training, other_convention
 from .stats import FEW_SEEDS, NOT_DECIDED
 
