@@ -10,21 +10,24 @@ MoA (Zhang et al. 2022, arXiv 2210.05144), with ``e = expert_index[n, j]``:
 
 Implementations (``impl=``):
 
-========== ==================================================================
-reference  loop over experts with boolean masks (ground truth; E dense GEMMs)
-dense      one GEMM over all E experts then gather / gate-weighted scatter;
-           ``E/k`` x the useful FLOPs, but one big GEMM
-sorted     slots sorted by expert, one GEMM per expert, hand-written backward
-           (:mod:`.grouped_cpu`); cost ~ N*k, not E
-gather     per-slot weights ``W[expert_index]`` + batched mat-vec (forced only)
-bag        one ``embedding_bag`` over the selected experts' weight rows (decoding)
-triton     Triton grouped GEMM (:mod:`.grouped_triton`); CUDA, or CPU tensors
-           under ``TRITON_INTERPRET=1`` (tests only)
-grouped_mm PyTorch's grouped GEMM ``torch.nn.functional.grouped_mm``
-           (:mod:`.grouped_torch`); bfloat16 on CUDA / under compile,
-           float32/bfloat16/float16 on the CPU in eager mode
-auto       see :func:`choose_impl`
-========== ==================================================================
+=========== =================================================================
+reference   loop over experts with boolean masks (ground truth; E dense GEMMs)
+dense       one GEMM over all E experts then gather / gate-weighted scatter;
+            ``E/k`` x the useful FLOPs, but one big GEMM
+sorted      slots sorted by expert, one GEMM per expert, hand-written backward
+            (:mod:`.grouped_cpu`); cost ~ N*k, not E
+gather      per-slot weights ``W[expert_index]`` + batched mat-vec (forced only)
+bag         one ``embedding_bag`` over the selected experts' weight rows (decoding)
+triton      Triton grouped GEMM (:mod:`.grouped_triton`); CUDA, or CPU tensors
+            under ``TRITON_INTERPRET=1`` (tests only)
+grouped_cpp C++ grouped GEMM on the CPU, experts across cores, each expert's GEMM whole on
+            one core, rows read in place, outputs gated into the tokens' rows
+            (:mod:`.grouped_cpp`); the ``sorted`` path where it cannot be built
+grouped_mm  PyTorch's grouped GEMM ``torch.nn.functional.grouped_mm``
+            (:mod:`.grouped_torch`); bfloat16 on CUDA / under compile,
+            float32/bfloat16/float16 on the CPU in eager mode
+auto        see :func:`choose_impl`
+=========== =================================================================
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import grouped_cpu, grouped_torch, reference
+from . import grouped_cpp, grouped_cpu, grouped_torch, reference
 from .routing_info import ExpertRouting
 
 __all__ = ["IMPLS", "choose_impl", "expert_map", "expert_map_weighted", "expert_reduce"]
 
-IMPLS = ("auto", "reference", "dense", "sorted", "gather", "bag", "triton", "grouped_mm")
+IMPLS = ("auto", "reference", "dense", "sorted", "gather", "bag", "triton", "grouped_mm", "grouped_cpp")
 
 # CPU ``auto`` thresholds, measured with ``headmix bench grouped --sweep`` on a
 # 2-core CPU (float32, d_model 512, d_head 64, map + reduce, min of 5-15 runs):
@@ -197,6 +200,8 @@ def expert_map(x: Tensor, weight: Tensor, routing: ExpertRouting, impl: str = "a
         return grouped_cpu.sorted_map(x, weight, routing)
     if impl == "grouped_mm":
         return grouped_torch.grouped_mm_map(x, weight, routing)
+    if impl == "grouped_cpp":
+        return grouped_cpp.grouped_cpp_map(x, weight, routing)
     from . import grouped_triton
 
     return grouped_triton.triton_map(x, weight, routing)
@@ -229,6 +234,8 @@ def expert_map_weighted(x: Tensor, weight: Tensor, gates: Tensor, routing: Exper
         return grouped_triton.triton_map_weighted(x, weight, gates, routing, groups)
     if resolved == "grouped_mm":
         return grouped_torch.grouped_mm_map_weighted(x, weight, gates, routing, groups)
+    if resolved == "grouped_cpp":
+        return grouped_cpp.grouped_cpp_map_weighted(x, weight, gates, routing, groups)
     y = expert_map(x, weight, routing, impl)
     return (y * gates.unsqueeze(-1)).view(n, groups, k // groups, weight.shape[2]).sum(2)
 
@@ -252,6 +259,8 @@ def expert_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouti
     n, k = routing.num_tokens, routing.top_k
     gates = _checked_gates(gates, h, n, k)
     impl = _resolve(impl, h, routing, _needs_grad(h, weight, gates))
+    if impl == "grouped_cpp":  # reads a stride-0 expanded (N, G, k / G, d_in) view in place
+        return grouped_cpp.grouped_cpp_reduce(h, weight, gates, routing)
     if h.dim() == 4 and impl != "triton":
         h = h.reshape(n, k, h.shape[-1])
     if impl == "reference":
