@@ -83,6 +83,11 @@ DECODE_MIN_EXPERTS_PER_K = 2
 #: stays the choice (E 8, 64 slots: dense 0.51, bag 0.56).
 BAG_MAX_SLOTS = 512
 
+# grouped_cpp vs sorted with gradients (``benchmarks/grouped_gemm_cpu.py``: MoA's map then reduce, forward +
+# backward, float32, one thread, the 2-core Xeon shared with other work, 2026-12-07), time / sorted's:
+# d_model 1024, 1024 tokens, top 8 of 32, heads of 64: 0.72; d_model 128, 2048 tokens, top 4 of 16, heads
+# of 16: 0.53. Both under the dense rules above where those apply. Without gradients not measured: sorted.
+
 
 def choose_impl(
     device: torch.device, num_slots: int, num_experts: int, top_k: int, needs_grad: bool = True,
@@ -99,7 +104,9 @@ def choose_impl(
       2. no gradient needed and ``E > 2k`` (decoding: read only the selected experts): ``bag`` if
          ``N*k <= 512``, else ``sorted``
       3. ``dense``  if ``N*k <= 128`` and ``E <= 8k`` (small batches)
-      4. ``sorted`` otherwise (cost ~ N*k, independent of E)
+      4. otherwise (cost ~ N*k, independent of E): ``grouped_cpp`` with gradients (forward + backward measured
+         faster than ``sorted``, see the comment above; ``sorted`` runs where it cannot be built),
+         ``sorted`` without
     """
     if device.type == "cuda":
         if dtype == torch.bfloat16:
@@ -113,7 +120,7 @@ def choose_impl(
         return "bag" if num_slots <= BAG_MAX_SLOTS else "sorted"
     if num_slots <= DENSE_SMALL_SLOTS and num_experts <= DENSE_SMALL_MAX_EXPERTS_PER_K * top_k:
         return "dense"
-    return "sorted"
+    return "grouped_cpp" if needs_grad else "sorted"
 
 
 def _shape(t) -> str:

@@ -153,7 +153,7 @@ def grouped_gemm_backward_op(grad_y: Tensor, src: Tensor, weight: Tensor, gates:
     """Gradients of :func:`grouped_gemm_op` with respect to ``src``, ``weight`` and ``gates`` (empty when not
     asked for)."""
     ops, grad_y = _ops(), grad_y.contiguous()
-    grad_src = grad_g = grad_w = src.new_empty(0)
+    grad_src, grad_w, grad_g = src.new_empty(0), src.new_empty(0), src.new_empty(0)  # distinct: no aliasing
     if need_src or need_g:
         grad_src, grad_g = ops.slot_pass(grad_y, dst_div, weight.transpose(1, 2), gates, sort_order, offsets, src_div,
                                          need_src, src if need_g else None, src_div)
