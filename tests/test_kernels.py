@@ -373,8 +373,8 @@ def test_auto_rule():
     assert choose_impl(cpu, 8, 32, 8, needs_grad=True) == "dense"
     assert choose_impl(cpu, 8, 16, 8, needs_grad=False) == "dense"  # E <= 2k: dense
     assert choose_impl(cpu, 128, 64, 8) == "dense"  # small batch
-    assert choose_impl(cpu, 128, 65, 8) == "sorted"
-    assert choose_impl(cpu, 256, 64, 8) == "sorted"
+    assert choose_impl(cpu, 128, 65, 8) == "grouped_cpp"
+    assert choose_impl(cpu, 256, 64, 8) == "grouped_cpp"
 
 
 def test_auto_uses_grad_mode():
