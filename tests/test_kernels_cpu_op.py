@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import warnings
 
 import pytest
@@ -196,6 +197,9 @@ def test_flop_counter_counts_the_useful_gemms():
     with FlopCounterMode(display=False) as counter:
         expert_reduce(h.detach(), w_red, gates.detach(), routing, "grouped_cpp").sum().backward()  # grad W only
     assert counter.get_total_flops() == 2 * gemm
+    with FlopCounterMode(display=False) as counter:
+        expert_reduce(h.detach(), w_red.detach(), gates, routing, "grouped_cpp").sum().backward()  # grad gates only
+    assert counter.get_total_flops() == 2 * gemm
 
 
 def test_opcheck():
@@ -243,6 +247,16 @@ def test_failed_build_warns_once_and_runs_sorted(monkeypatch):
         warnings.simplefilter("error")  # said once
         run("grouped_cpp", idx, 5, *tensors)
     assert calls == ["sorted_map", "sorted_reduce"] * 2
+
+
+def test_build_directory_honours_the_cache_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert grouped_cpp.build_directory().parent.parent == tmp_path / "ext"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert grouped_cpp.build_directory().parent.parent == tmp_path / "xdg" / "headmix" / "torch_extensions"
+    tag = grouped_cpp.build_directory().parent.name
+    assert torch.__version__.replace("+", "_") in tag and f"py{sys.version_info[0]}{sys.version_info[1]}_" in tag
 
 
 def test_auto_picks_the_cpp_kernel_for_training_on_the_cpu():
