@@ -17,11 +17,12 @@ Implementations, timed interleaved (each once per round, in a rotated order), at
   before and a scatter after;
 * ``dense (all E)``: ``impl="dense"``, every expert for every token (E / k x the MACs), one GEMM.
 
-Prints, per size and thread count, the median (and minimum) wall-clock time per call and the median over rounds of the
+Prints, per size and thread count, the median (and minimum) time per call and the median over rounds of the
 per-round ratio to the dense GEMM and to ``sorted`` (ranges in brackets). Every implementation is first
 checked against ``impl="reference"``.
 
-    PYTHONPATH=src python benchmarks/grouped_gemm_cpu.py --rounds 7
+    PYTHONPATH=src python benchmarks/grouped_gemm_cpu.py --rounds 7                        # 1 and 2 threads, wall
+    PYTHONPATH=src python benchmarks/grouped_gemm_cpu.py --threads 1 --clock cpu  # one thread, CPU time
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def check(index, experts, x, w_q, w_o, gates):
             torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=lambda s, name=name: f"{name}: {s}")
 
 
-def measure(size, threads, rounds, warmup):
+def measure(size, threads, rounds, warmup, clock=time.perf_counter):
     torch.set_num_threads(threads)
     tokens, d_model, experts, k, d_head = SIZES[size]
     index, x, w_q, w_o, gates, w_q_dense, w_o_dense = make_inputs(tokens, d_model, experts, k, d_head)
@@ -138,9 +139,9 @@ def measure(size, threads, rounds, warmup):
         for name in order:
             for t in tensors:
                 t.grad = None
-            start = time.perf_counter()
+            start = clock()
             steps[name]()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if r >= warmup:
                 times[name].append(elapsed)
     return times
@@ -157,13 +158,19 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=list(SIZES))
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the process's CPU time (one thread on a shared machine; with several threads it "
+                             "adds their times, spinning included, so it is no measure of speed)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, float32, forward + backward of map then reduce, wall clock, "
+    if args.clock == "cpu" and args.threads != [1]:
+        parser.error("--clock cpu measures one thread only: add --threads 1")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"torch {torch.__version__}, float32, forward + backward of map then reduce, {args.clock} clock, "
           f"median of {args.rounds} rounds after {args.warmup} warm-up rounds")
     for size in args.sizes:
         tokens, d_model, experts, k, d_head = SIZES[size]
         for threads in args.threads:
-            times = measure(size, threads, args.rounds, args.warmup)
+            times = measure(size, threads, args.rounds, args.warmup, clock)
             base, sorted_ = times[NAMES[0]], times["sorted"]
             print(f"\n{size}: {tokens} tokens, d_model {d_model}, top {k} of {experts} experts, heads of {d_head}, "
                   f"{threads} thread(s)\n")
