@@ -259,12 +259,35 @@ def test_build_directory_honours_the_cache_variables(monkeypatch, tmp_path):
     assert torch.__version__.replace("+", "_") in tag and f"py{sys.version_info[0]}{sys.version_info[1]}_" in tag
 
 
-def test_auto_picks_the_cpp_kernel_for_training_on_the_cpu():
+def test_auto_picks_the_cpp_kernel_for_training_at_one_thread(threads):
     cpu = torch.device("cpu")
-    assert choose_impl(cpu, 1024 * 8, 32, 8) == "grouped_cpp"  # the issue's size
-    assert choose_impl(cpu, 2048 * 4, 16, 4) == "grouped_cpp"  # the study size
-    assert choose_impl(cpu, 4096 * 8, 12, 8) == "dense"  # E <= 1.5 k
-    assert choose_impl(cpu, 513, 64, 8, needs_grad=False) == "sorted"  # decoding: not measured
+    assert choose_impl(cpu, 1024 * 8, 32, 8, threads=1) == "grouped_cpp"  # the issue's size
+    assert choose_impl(cpu, 2048 * 4, 16, 4, threads=1) == "grouped_cpp"  # the study size
+    assert choose_impl(cpu, 2048 * 4, 16, 4, threads=2) == "sorted"  # two threads: not measured yet
+    assert choose_impl(cpu, 4096 * 8, 12, 8, threads=1) == "dense"  # E <= 1.5 k
+    assert choose_impl(cpu, 513, 64, 8, needs_grad=False, threads=1) == "sorted"  # decoding: not measured
+    threads(1)  # the default: torch's thread count
+    assert choose_impl(cpu, 1024 * 8, 32, 8) == "grouped_cpp"
+    threads(2)
+    assert choose_impl(cpu, 1024 * 8, 32, 8) == "sorted"
+
+
+def test_auto_compiles_fullgraph_at_one_thread(threads):
+    """``auto`` reads the thread count as a constant under ``torch.compile``: no graph break."""
+    threads(1)
+    idx, (x, w_map, *_) = make_case(100, 2, 8, 6, 4, torch.float64)  # 200 slots: past the small-batch rule
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
+        return gm.forward
+
+    def fn(x, w, idx):
+        return expert_map(x, w, expert_routing(idx, 8, check_range=False))
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend=backend, fullgraph=True)(x, w_map, idx), fn(x, w_map, idx))
+    assert sum("headmix.grouped_gemm" in t for t in graphs[0]) == 1
 
 
 def test_bad_device_is_one_line():

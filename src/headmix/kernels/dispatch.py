@@ -83,15 +83,17 @@ DECODE_MIN_EXPERTS_PER_K = 2
 #: stays the choice (E 8, 64 slots: dense 0.51, bag 0.56).
 BAG_MAX_SLOTS = 512
 
-# grouped_cpp vs sorted with gradients (``benchmarks/grouped_gemm_cpu.py``: MoA's map then reduce, forward +
-# backward, float32, one thread, the 2-core Xeon shared with other work, 2026-12-07), time / sorted's:
-# d_model 1024, 1024 tokens, top 8 of 32, heads of 64: 0.72; d_model 128, 2048 tokens, top 4 of 16, heads
-# of 16: 0.53. Both under the dense rules above where those apply. Without gradients not measured: sorted.
+# grouped_cpp vs sorted with gradients (``benchmarks/grouped_gemm_cpu.py --threads 1 --clock cpu``: MoA's map
+# then reduce, forward + backward, float32, one thread, CPU time, median of 9, the 2-core Xeon shared with other
+# work, 2026-12-07), time / sorted's: d_model 1024, 1024 tokens, top 8 of 32, heads of 64: 0.77; d_model 128,
+# 2048 tokens, top 4 of 16, heads of 16: 0.62. Both under the dense rules above where those apply. At two
+# threads the machine was too loaded to measure (docs/performance.md), and without gradients it was not
+# measured: sorted there until it is.
 
 
 def choose_impl(
     device: torch.device, num_slots: int, num_experts: int, top_k: int, needs_grad: bool = True,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, threads: int | None = None,
 ) -> str:
     """The ``auto`` rule (``num_slots = N*k``).
 
@@ -104,9 +106,11 @@ def choose_impl(
       2. no gradient needed and ``E > 2k`` (decoding: read only the selected experts): ``bag`` if
          ``N*k <= 512``, else ``sorted``
       3. ``dense``  if ``N*k <= 128`` and ``E <= 8k`` (small batches)
-      4. otherwise (cost ~ N*k, independent of E): ``grouped_cpp`` with gradients (forward + backward measured
-         faster than ``sorted``, see the comment above; ``sorted`` runs where it cannot be built),
-         ``sorted`` without
+      4. otherwise (cost ~ N*k, independent of E): ``grouped_cpp`` with gradients at one thread (forward +
+         backward measured faster than ``sorted`` there, see the comment above; ``sorted`` runs where it
+         cannot be built), else ``sorted``
+
+    ``threads``: torch's CPU threads (default ``torch.get_num_threads()``, a constant under ``torch.compile``).
     """
     if device.type == "cuda":
         if dtype == torch.bfloat16:
@@ -120,7 +124,14 @@ def choose_impl(
         return "bag" if num_slots <= BAG_MAX_SLOTS else "sorted"
     if num_slots <= DENSE_SMALL_SLOTS and num_experts <= DENSE_SMALL_MAX_EXPERTS_PER_K * top_k:
         return "dense"
-    return "grouped_cpp" if needs_grad else "sorted"
+    if threads is None:
+        threads = _cpu_threads()
+    return "grouped_cpp" if needs_grad and threads == 1 else "sorted"
+
+
+@torch.compiler.assume_constant_result
+def _cpu_threads() -> int:
+    return torch.get_num_threads()
 
 
 def _shape(t) -> str:
