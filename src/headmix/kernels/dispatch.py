@@ -10,21 +10,24 @@ MoA (Zhang et al. 2022, arXiv 2210.05144), with ``e = expert_index[n, j]``:
 
 Implementations (``impl=``):
 
-========== ==================================================================
-reference  loop over experts with boolean masks (ground truth; E dense GEMMs)
-dense      one GEMM over all E experts then gather / gate-weighted scatter;
-           ``E/k`` x the useful FLOPs, but one big GEMM
-sorted     slots sorted by expert, one GEMM per expert, hand-written backward
-           (:mod:`.grouped_cpu`); cost ~ N*k, not E
-gather     per-slot weights ``W[expert_index]`` + batched mat-vec (forced only)
-bag        one ``embedding_bag`` over the selected experts' weight rows (decoding)
-triton     Triton grouped GEMM (:mod:`.grouped_triton`); CUDA, or CPU tensors
-           under ``TRITON_INTERPRET=1`` (tests only)
-grouped_mm PyTorch's grouped GEMM ``torch.nn.functional.grouped_mm``
-           (:mod:`.grouped_torch`); bfloat16 on CUDA / under compile,
-           float32/bfloat16/float16 on the CPU in eager mode
-auto       see :func:`choose_impl`
-========== ==================================================================
+=========== =================================================================
+reference   loop over experts with boolean masks (ground truth; E dense GEMMs)
+dense       one GEMM over all E experts then gather / gate-weighted scatter;
+            ``E/k`` x the useful FLOPs, but one big GEMM
+sorted      slots sorted by expert, one GEMM per expert, hand-written backward
+            (:mod:`.grouped_cpu`); cost ~ N*k, not E
+gather      per-slot weights ``W[expert_index]`` + batched mat-vec (forced only)
+bag         one ``embedding_bag`` over the selected experts' weight rows (decoding)
+triton      Triton grouped GEMM (:mod:`.grouped_triton`); CUDA, or CPU tensors
+            under ``TRITON_INTERPRET=1`` (tests only)
+grouped_cpp C++ grouped GEMM on the CPU, experts across cores, each expert's GEMM whole on
+            one core, rows read in place, outputs gated into the tokens' rows
+            (:mod:`.grouped_cpp`); the ``sorted`` path where it cannot be built
+grouped_mm  PyTorch's grouped GEMM ``torch.nn.functional.grouped_mm``
+            (:mod:`.grouped_torch`); bfloat16 on CUDA / under compile,
+            float32/bfloat16/float16 on the CPU in eager mode
+auto        see :func:`choose_impl`
+=========== =================================================================
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import grouped_cpu, grouped_torch, reference
+from . import grouped_cpp, grouped_cpu, grouped_torch, reference
 from .routing_info import ExpertRouting
 
 __all__ = ["IMPLS", "choose_impl", "expert_map", "expert_map_weighted", "expert_reduce"]
 
-IMPLS = ("auto", "reference", "dense", "sorted", "gather", "bag", "triton", "grouped_mm")
+IMPLS = ("auto", "reference", "dense", "sorted", "gather", "bag", "triton", "grouped_mm", "grouped_cpp")
 
 # CPU ``auto`` thresholds, measured with ``headmix bench grouped --sweep`` on a
 # 2-core CPU (float32, d_model 512, d_head 64, map + reduce, min of 5-15 runs):
@@ -80,10 +83,17 @@ DECODE_MIN_EXPERTS_PER_K = 2
 #: stays the choice (E 8, 64 slots: dense 0.51, bag 0.56).
 BAG_MAX_SLOTS = 512
 
+# grouped_cpp vs sorted with gradients (``benchmarks/grouped_gemm_cpu.py --threads 1 --clock cpu``: MoA's map
+# then reduce, forward + backward, float32, one thread, CPU time, median of 9, the 2-core Xeon shared with other
+# work, 2026-12-07), time / sorted's: d_model 1024, 1024 tokens, top 8 of 32, heads of 64: 0.77; d_model 128,
+# 2048 tokens, top 4 of 16, heads of 16: 0.62. Both under the dense rules above where those apply. At two
+# threads the machine was too loaded to measure (docs/performance.md), and without gradients it was not
+# measured: sorted there until it is.
+
 
 def choose_impl(
     device: torch.device, num_slots: int, num_experts: int, top_k: int, needs_grad: bool = True,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, threads: int | None = None,
 ) -> str:
     """The ``auto`` rule (``num_slots = N*k``).
 
@@ -96,7 +106,11 @@ def choose_impl(
       2. no gradient needed and ``E > 2k`` (decoding: read only the selected experts): ``bag`` if
          ``N*k <= 512``, else ``sorted``
       3. ``dense``  if ``N*k <= 128`` and ``E <= 8k`` (small batches)
-      4. ``sorted`` otherwise (cost ~ N*k, independent of E)
+      4. otherwise (cost ~ N*k, independent of E): ``grouped_cpp`` with gradients at one thread (forward +
+         backward measured faster than ``sorted`` there, see the comment above; ``sorted`` runs where it
+         cannot be built), else ``sorted``
+
+    ``threads``: torch's CPU threads (default ``torch.get_num_threads()``, a constant under ``torch.compile``).
     """
     if device.type == "cuda":
         if dtype == torch.bfloat16:
@@ -110,7 +124,14 @@ def choose_impl(
         return "bag" if num_slots <= BAG_MAX_SLOTS else "sorted"
     if num_slots <= DENSE_SMALL_SLOTS and num_experts <= DENSE_SMALL_MAX_EXPERTS_PER_K * top_k:
         return "dense"
-    return "sorted"
+    if threads is None:
+        threads = _cpu_threads()
+    return "grouped_cpp" if needs_grad and threads == 1 else "sorted"
+
+
+@torch.compiler.assume_constant_result
+def _cpu_threads() -> int:
+    return torch.get_num_threads()
 
 
 def _shape(t) -> str:
@@ -197,6 +218,8 @@ def expert_map(x: Tensor, weight: Tensor, routing: ExpertRouting, impl: str = "a
         return grouped_cpu.sorted_map(x, weight, routing)
     if impl == "grouped_mm":
         return grouped_torch.grouped_mm_map(x, weight, routing)
+    if impl == "grouped_cpp":
+        return grouped_cpp.grouped_cpp_map(x, weight, routing)
     from . import grouped_triton
 
     return grouped_triton.triton_map(x, weight, routing)
@@ -229,6 +252,8 @@ def expert_map_weighted(x: Tensor, weight: Tensor, gates: Tensor, routing: Exper
         return grouped_triton.triton_map_weighted(x, weight, gates, routing, groups)
     if resolved == "grouped_mm":
         return grouped_torch.grouped_mm_map_weighted(x, weight, gates, routing, groups)
+    if resolved == "grouped_cpp":
+        return grouped_cpp.grouped_cpp_map_weighted(x, weight, gates, routing, groups)
     y = expert_map(x, weight, routing, impl)
     return (y * gates.unsqueeze(-1)).view(n, groups, k // groups, weight.shape[2]).sum(2)
 
@@ -252,6 +277,8 @@ def expert_reduce(h: Tensor, weight: Tensor, gates: Tensor, routing: ExpertRouti
     n, k = routing.num_tokens, routing.top_k
     gates = _checked_gates(gates, h, n, k)
     impl = _resolve(impl, h, routing, _needs_grad(h, weight, gates))
+    if impl == "grouped_cpp":  # reads a stride-0 expanded (N, G, k / G, d_in) view in place
+        return grouped_cpp.grouped_cpp_reduce(h, weight, gates, routing)
     if h.dim() == 4 and impl != "triton":
         h = h.reshape(n, k, h.shape[-1])
     if impl == "reference":
