@@ -718,12 +718,22 @@ def finished(run):
 
 
 def test_final_files_are_written_with_mode_0644(finished):
+    """Every file of a run, the weights of its checkpoints and its final model included, has mode 0644 (the
+    writers that create their own files, safetensors' among them, use 0600)."""
     run, model = finished
     for path in (run.model_path, run.model_config_path, run.summary_path):
         assert oct(path.stat().st_mode & 0o777) == "0o644", path
-    assert json.loads(run.summary_path.read_text()) == {"steps": 3}
     assert sorted(p.name for p in run.path.iterdir()) == [".lock", "config.json", "model.safetensors", "summary.json",
                                                           "tokenizer", "train_config.json"]
+    old = os.umask(0o022)
+    try:
+        run.save_checkpoint(3, model, {"step": 3}, {"metrics_lines": 0}, keep=None, reason="periodic")
+    finally:
+        os.umask(old)
+    checkpoint = [p for p in run.checkpoints_dir.rglob("*") if p.is_file()]
+    assert "model.safetensors" in {p.name for p in checkpoint}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in checkpoint} == {p.name: "0o644" for p in checkpoint}
+    assert json.loads(run.summary_path.read_text()) == {"steps": 3}
 
 
 def test_load_run_gives_model_tokenizer_and_config(finished):
