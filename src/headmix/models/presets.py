@@ -21,8 +21,9 @@ CPU work.
 - Llama-3-style decoders (task ``lm`` only; the ``llama-*`` options, rotary base 500000 and grouped-query
   attention, 4 query heads per K/V head): ``llama3-{tiny,mini}-gqa`` (MHA, 8 query heads on 2 K/V heads),
   ``llama3-{tiny,mini}-gated`` (the same with QK-norm and Gated Attention's elementwise output gate, as
-  Qwen3-Next) and ``llama3-{tiny,mini}-gqe`` (MoH routed per K/V group, Grouped Query Experts: per group 1
-  shared head and the top 2 of the 3 others, so 6 of the 8 query heads run per token).
+  Qwen3-Next), ``llama3-{tiny,mini}-moh-per-group`` (MoH routed per K/V group: per group 1 shared head and the
+  top 2 of the 3 others, so 6 of the 8 query heads run per token) and ``llama3-{tiny,mini}-gqe`` (the paper's
+  Grouped Query Experts, kind ``"gqe"``: 8 query-head experts on the 2 K/V heads, the top 2 of each group's 4).
 
 :func:`get_config` takes a preset name, a ``{K}K{E}E{D}D`` string or a path to a JSON config.
 """
