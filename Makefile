@@ -72,11 +72,13 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 # headmix models served by vLLM (tests/test_vllm.py: one engine at a time, a 1 GiB KV cache, float32 on the CPU;
-# .ci/run runs it after test-oldest), and lm-evaluation-harness's vLLM model type on them (tests/test_lmeval.py, the
-# [eval] extra: lm-eval)
+# .ci/run runs it after test-oldest), and lm-evaluation-harness on them (tests/test_lmeval.py, all of it: its
+# Hugging Face model type and its vLLM one; the [eval] extra installs lm-eval here, and its import is checked first so
+# that the file cannot skip itself)
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py tests/test_lmeval.py
+	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm, lm_eval; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'lm-eval', lm_eval.__version__)"
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_lmeval.py
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -n 2 -m slow

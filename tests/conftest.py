@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from headmix.process import freed_memory_kept, return_freed_memory
 from headmix.data import load_embedded_documents, load_embedded_translation, write_jsonl_documents, write_tsv_pairs
 
 # The tests use tiny models, which gain nothing from intra-op threads; on a busy 2-core machine (and
@@ -27,6 +28,16 @@ def docs_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "docs.jsonl"
     write_jsonl_documents(load_embedded_documents(sources="kjv-bible")[:40], path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def freed_memory_returned():
+    """A test that runs a training command in-process (``headmix.cli.main.main``) makes its process keep freed memory
+    (:func:`headmix.keep_freed_memory`, a process-wide allocator setting): it is undone after the test, so that the
+    later tests of this worker run as they would alone."""
+    yield
+    if freed_memory_kept():
+        return_freed_memory()
 
 
 def pytest_configure(config):

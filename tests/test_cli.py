@@ -278,3 +278,42 @@ def test_train_and_evaluate_on_the_gpu_with_every_device_form(tmp_path, pairs_fi
     assert main(tiny(out, pairs_file, "--device", device)) == 0
     assert main(["evaluate", str(out), "--device", device, "--limit", "5", "--beam", "1"]) == 0
     assert '"bleu"' in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------- issue 57: refusals
+@pytest.mark.parametrize("argv, nearest", [
+    (["train", "lm", "--max-stepz", "3", "--out", "r"], "--max-steps"),
+    (["train", "lm", "--distil-from=runs/dense", "--out", "r"], "--distill-from"),
+    (["generate", "r", "--prompt", "a", "--max-new-token", "3", "--temprature", "0.5"], "--temperature"),
+])
+def test_a_misspelt_flag_names_the_nearest_flag_of_its_command(argv, nearest, capsys):
+    assert main(argv) == 2
+    line = one_line_error(capsys, "unrecognized arguments: ", f"(did you mean {nearest}?)")
+    assert line.startswith("headmix: error: ")
+
+
+def test_a_flag_near_none_gets_no_guess(capsys):
+    assert main(["train", "lm", "--zzzzzz", "--out", "r"]) == 2
+    assert "did you mean" not in one_line_error(capsys, "unrecognized arguments: --zzzzzz")
+
+
+def test_preset_takes_a_model_config_as_a_json_string(tmp_path, docs_file, capsys):
+    """``--preset`` given the model config itself (the help says so): the run trains that model, however long the
+    string (a long one is no file name); a bad JSON string is refused in one line."""
+    import json
+
+    from headmix.models import get_config
+    from headmix.runs import load_run
+
+    config = get_config("tiny-mha", task="lm", vocab_size=300).to_dict()
+    inline = json.dumps(config, indent=1)
+    assert len(inline) > 1000
+    assert main(tiny(tmp_path / "r", docs_file, task="lm")[:2] + ["--preset", inline]
+                + tiny(tmp_path / "r", docs_file, task="lm")[4:]) == 0
+    capsys.readouterr()
+    assert load_run(tmp_path / "r").model.config == get_config("tiny-mha", task="lm", vocab_size=300)
+    assert main(["train", "lm", "--preset", '{"d_model": 64,', "--out", str(tmp_path / "bad"),
+                 "--data", str(docs_file)]) == 2
+    one_line_error(capsys, "the inline JSON model config is not valid JSON", "give a JSON object")
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
+    assert "or a JSON model config itself (a string starting with '{')" in help_text

@@ -216,7 +216,7 @@ def test_a_gqe_row_with_another_shared_head_kv_is_refused():
     head-0 entry reads "GQE"; either row read under the other's entry is refused."""
     studies = ROOT / "studies"
     mean, head0 = design_space.GQE.config, design_space.GQE_HEAD0.config
-    assert mean.shared_head_kv is None and mean.build(64).shared_head_kv == "mean" and head0.shared_head_kv == "head0"
+    assert mean.shared_head_kv == "mean" and mean.build(64).shared_head_kv == "mean" and head0.shared_head_kv == "head0"
     assert design_space.study_cell(Study("lm-en-contenders", "GQE"), head0, studies).startswith("lm-en-contenders")
     assert design_space.study_cell(Study("lm-en-contenders", "GQE mean"), mean, studies).startswith("lm-en-contenders")
     with pytest.raises(ValueError, match=r"row 'GQE' is another design .*: its shared_head_kv differ"):

@@ -882,6 +882,29 @@ def python_snippets(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
+def test_the_readme_gives_its_two_commands_with_the_makefiles_timing_and_a_row_for_each_question():
+    """The README's two commands each carry one timing, the Makefile's (no log of timings per commit); its
+    "Where to go next" table answers distilling, lm-eval and serving across ranks, each row linking a section that
+    exists; the docs name what vLLM serves as docs/serving.md does."""
+    import re
+
+    readme, makefile = (ROOT / "README.md").read_text(), (ROOT / "Makefile").read_text()
+    for command in ("demo", "test"):
+        line = next(l for l in readme.splitlines() if l.startswith(f"make {command} "))
+        timing = re.search(rf"^#   make {command} .*?(\d+-\d+) min", makefile, re.M).group(1)
+        assert re.findall(r"\d+(?:-\d+)? minutes?", line)[0].startswith(timing), line
+        assert len(re.findall(r"\(\d+ under load\)|\d+ s\b", line)) == 0, line
+    assert not re.search(r"fresh clone at [0-9a-f]{7}", readme)
+    table = readme.split("## Where to go next", 1)[1].split("\n## ", 1)[0]
+    for question, page, section in (("distil", "docs/training.md", "## Distillation"),
+                                    ("headmix lm-eval", "docs/hf.md", "## Evaluating with lm-evaluation-harness"),
+                                    ("several devices", "docs/serving.md", "## Across devices")):
+        row = next((l for l in table.splitlines() if question in l), None)
+        assert row and f"]({page})" in row and section in (ROOT / page).read_text(), question
+    hf = " ".join((ROOT / "docs" / "hf.md").read_text().split())
+    assert "not GQE" not in hf and "every kind but Talking-Heads, MoSA" in hf
+
+
 @pytest.mark.parametrize("doc", ["README.md", "docs/layers.md", "docs/models.md", "docs/hf.md"])
 def test_the_python_snippets_of_the_docs_run(doc, tmp_path, monkeypatch):
     """Each doc's snippets in order, in one namespace (a reader runs them top to bottom); the checkpoint folder

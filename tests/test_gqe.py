@@ -376,7 +376,8 @@ def test_cached_decoding_equals_full_forward_for_each_shared_head_kv(kv):
 
 def test_a_config_stored_without_shared_head_kv_loads_as_trained_over_k_v_head_0():
     """A stored config (every field written but the new one) reads ``"head0"``; written again by this version it
-    says so; a dict written by hand, or one stored with the key, reads as it says (unset: the mean)."""
+    says so; a dict written by hand, or one stored with the key, reads as it says (unset: the mean, resolved on
+    construction, so that a new config is stored with ``"mean"``, not a ``null`` a later default would change)."""
     from headmix.models import ModelConfig
 
     assert "shared_head_kv" not in STORED_GQE.read_text()
@@ -385,9 +386,11 @@ def test_a_config_stored_without_shared_head_kv_loads_as_trained_over_k_v_head_0
     assert config.decoder_self_attention.build(config.d_model).shared_head_kv == "head0"
     again = ModelConfig.from_dict(json.loads(config.to_json()))
     assert again.decoder_self_attention.shared_head_kv == "head0"
-    assert AttentionConfig.from_dict({"kind": "gqe", "num_experts": 4, "kv_heads": 2}).shared_head_kv is None
+    assert AttentionConfig.from_dict({"kind": "gqe", "num_experts": 4, "kv_heads": 2}).shared_head_kv == "mean"
     new = AttentionConfig(kind="gqe").to_dict()
-    assert new["shared_head_kv"] is None and AttentionConfig.from_dict(new).build(64).shared_head_kv == "mean"
+    assert new["shared_head_kv"] == "mean" and AttentionConfig.from_dict(new).build(64).shared_head_kv == "mean"
+    stored_null = {**new, "shared_head_kv": None}  # stored by a version that wrote null: the mean, as trained then
+    assert AttentionConfig.from_dict(stored_null).shared_head_kv == "mean"
 
 
 def test_a_run_stored_without_shared_head_kv_gives_the_outputs_it_was_trained_with(tmp_path):

@@ -432,6 +432,27 @@ def test_exported_tokenizer_loads_with_plain_transformers(tmp_path):
     assert "custom code" not in done.stdout + done.stderr
 
 
+def test_export_hf_of_an_export_keeps_its_tokenizer_and_every_file_has_one_mode(tmp_path):
+    """``headmix export-hf`` of an export folder writes the same model with the same tokenizer (its files as they
+    are); the weights have the mode of every other file of the folder (safetensors creates them 0600), in an
+    export and in ``HeadmixForCausalLM.save_pretrained``'s folder."""
+    import stat
+
+    run = tiny_run(tmp_path / "run")
+    assert cli_main(["export-hf", str(run), str(tmp_path / "hf")]) == 0
+    assert cli_main(["export-hf", str(tmp_path / "hf"), str(tmp_path / "hf2")]) == 0
+    first, second = tmp_path / "hf", tmp_path / "hf2"
+    assert (second / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+    assert (second / "tokenizer_config.json").read_bytes() == (first / "tokenizer_config.json").read_bytes()
+    text = "In the beginning"
+    assert (transformers.AutoTokenizer.from_pretrained(second)(text).input_ids
+            == transformers.AutoTokenizer.from_pretrained(first)(text).input_ids)
+    HeadmixForCausalLM.from_pretrained(str(first)).save_pretrained(tmp_path / "saved")
+    for folder in (first, second, tmp_path / "saved"):
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+        assert "model.safetensors" in modes and set(modes.values()) == {modes["config.json"]}, (folder, modes)
+
+
 def test_boundary_errors_are_one_line_naming_the_argument_or_file(tmp_path):
     """An empty prompt, token ids outside the vocabulary, hf_to_headmix on a run folder, load_pretrained on a
     Llama folder, a config.json without its headmix field: each a one-line ValueError saying what was expected."""

@@ -466,3 +466,24 @@ def test_parameter_formula_matches_every_layer_option(att):
 
     layer = att.build(32)
     assert attention_parameters(att, 32)[0] == count_parameters(layer)
+
+
+@pytest.mark.parametrize("kind, sizes", [("moa", dict(num_experts=4, top_k=2, head_dim=16)),
+                                         ("moh", dict(num_heads=4, num_shared_heads=1, top_k=2)), ("gqe", {}),
+                                         ("switchhead", dict(num_heads=2, num_experts=4, top_k=2)),
+                                         ("talking_heads", dict(num_heads=4))])
+def test_a_stored_config_holds_the_resolved_value_of_every_defaulted_field_its_kind_uses(kind, sizes, tmp_path):
+    """A field whose unset value means "today's default" is stored resolved (MoH's head_weighting, GQE's
+    hard_slot_scale and shared_head_kv, SwitchHead's dropout_on, ...), never as a null a later default would
+    change; the config reads back equal."""
+    from headmix.models.config import _KIND_DEFAULTS, field_applies
+
+    config = get_config("tiny-mha", task="lm").replace(decoder_self_attention=AttentionConfig(kind=kind, **sizes))
+    config.save_json(tmp_path / "config.json")
+    stored = json.loads((tmp_path / "config.json").read_text())["decoder_self_attention"]
+    used = [name for name in _KIND_DEFAULTS if field_applies(name, kind) and name != "router"]
+    assert used and None not in [stored[name] for name in used], stored
+    resolved = {"moh": {"head_weighting": "renormalized"}, "gqe": {"hard_slot_scale": "none", "shared_head_kv": "mean"},
+                "switchhead": {"dropout_on": "attention"}}.get(kind, {})
+    assert {name: stored[name] for name in resolved} == resolved
+    assert ModelConfig.load_json(tmp_path / "config.json") == config

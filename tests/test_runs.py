@@ -147,6 +147,27 @@ def test_relative_data_paths_are_stored_resolved(tmp_path, config, data_file, mo
                          identity=IDENTITY).unlock()
 
 
+def test_init_from_distill_from_and_init_options_compare_what_they_name(tmp_path, config, monkeypatch):
+    """``--init-from`` and ``--distill-from`` are stored as absolute paths: the same folder named relatively from
+    another directory, or absolutely, resumes the run; ``--init-options`` compares the JSON it parses to (spacing,
+    key order). Another folder or other options are refused."""
+    (tmp_path / "parent").mkdir()
+    (tmp_path / "teacher").mkdir()
+    identity = (*IDENTITY, "init_from", "distill_from", "init_options")
+    config = {**config, "init_from": "parent", "distill_from": "teacher", "init_options": '{"a": 1, "b": [2, 3]}'}
+    monkeypatch.chdir(tmp_path)
+    with Run.create_or_resume(tmp_path / "r", config, identity=identity) as r:
+        stored = r.read_config()
+    assert (stored["init_from"], stored["distill_from"]) == (str(tmp_path / "parent"), str(tmp_path / "teacher"))
+    monkeypatch.chdir(tmp_path / "inputs")
+    same = {**config, "init_from": str(tmp_path / "parent"), "distill_from": "../teacher",
+            "init_options": '{"b":[2,3],  "a":1}'}
+    Run.create_or_resume(tmp_path / "r", same, identity=identity).unlock()
+    for field, other in (("init_from", "../teacher"), ("distill_from", "../parent"), ("init_options", '{"a": 2}')):
+        with pytest.raises(RunMismatchError, match=f"was created with {field}="):
+            Run.create_or_resume(tmp_path / "r", {**same, field: other}, identity=identity)
+
+
 CHANGES = {"task": "mlm", "preset": "tiny-mha", "vocab_size": 400, "max_len": 64, "seed": 2, "valid_size": 0.1,
            "test_size": 0.1, "src_lang": "fr", "tgt_lang": "en"}
 
@@ -697,12 +718,22 @@ def finished(run):
 
 
 def test_final_files_are_written_with_mode_0644(finished):
+    """Every file of a run, the weights of its checkpoints and its final model included, has mode 0644 (the
+    writers that create their own files, safetensors' among them, use 0600)."""
     run, model = finished
     for path in (run.model_path, run.model_config_path, run.summary_path):
         assert oct(path.stat().st_mode & 0o777) == "0o644", path
-    assert json.loads(run.summary_path.read_text()) == {"steps": 3}
     assert sorted(p.name for p in run.path.iterdir()) == [".lock", "config.json", "model.safetensors", "summary.json",
                                                           "tokenizer", "train_config.json"]
+    old = os.umask(0o022)
+    try:
+        run.save_checkpoint(3, model, {"step": 3}, {"metrics_lines": 0}, keep=None, reason="periodic")
+    finally:
+        os.umask(old)
+    checkpoint = [p for p in run.checkpoints_dir.rglob("*") if p.is_file()]
+    assert "model.safetensors" in {p.name for p in checkpoint}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in checkpoint} == {p.name: "0o644" for p in checkpoint}
+    assert json.loads(run.summary_path.read_text()) == {"steps": 3}
 
 
 def test_load_run_gives_model_tokenizer_and_config(finished):

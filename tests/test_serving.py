@@ -136,9 +136,53 @@ def test_the_check_command_says_in_one_line_per_folder(tmp_path, capsys):
     served = tmp_path / "gqe"
     build_model(get_config("llama3-tiny-gqe", task="lm")).save_pretrained(served)
     assert main([str(served)]) == 0
-    assert capsys.readouterr().out == (f"{served}: served (gqe, heads of 8): vllm serve {served} --config-format "
-                                       f"headmix --skip-tokenizer-init\n")
+    assert capsys.readouterr().out == (f"{served}: served (gqe, heads of 8, in float32 as saved): vllm serve "
+                                       f"{served} --config-format headmix --skip-tokenizer-init\n")
     assert main([str(served), str(folders["hf"]), str(tmp_path / "missing")]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and lines[1].startswith(f"{folders['hf']}: not served: Talking-Heads mixes")
     assert lines[2].startswith(f"{tmp_path / 'missing'}: not served: ") and "config.json not found" in lines[2]
+
+
+def test_a_folder_tells_vllm_the_dtype_its_weights_were_saved_in(tmp_path):
+    """The config vLLM reads of a run folder (``--config-format headmix``) and of an export-hf folder names the
+    dtype of the saved weights: float32 saved, float32 read; bfloat16 saved, bfloat16 read (export-hf loads a run
+    as headmix does, in float32, and its config says so)."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoConfig
+
+    from headmix.hf import run_to_hf
+    from headmix.models import build_model
+    from headmix.serving.plugin import hf_config_of_folder
+    from headmix.storage.safetensors_header import floating_dtype
+
+    model = build_model(get_config("llama3-tiny-gqe", task="lm"))
+    for dtype in (torch.float32, torch.bfloat16):
+        run = tmp_path / f"run-{dtype}"
+        model.to(dtype).save_pretrained(run)
+        (run / "train_config.json").write_text("{}")
+        out = run_to_hf(run, tmp_path / f"hf-{dtype}")
+        stored = getattr(torch, floating_dtype(out / "model.safetensors"))
+        assert hf_config_of_folder(run).dtype == dtype and stored == torch.float32
+        assert hf_config_of_folder(out).dtype == stored
+        assert AutoConfig.from_pretrained(out).dtype == stored  # vLLM's reading of an export (config_format "hf")
+
+
+def test_vllm_serves_a_headmix_model_in_its_saved_dtype_unless_told_otherwise():
+    """vLLM's ``dtype="auto"`` serves a float32 model in its platform's preferred 16-bit dtype; the plugin's resolver
+    keeps a headmix model's saved dtype where the platform supports it, and leaves other models to vLLM."""
+    import torch
+
+    from headmix.serving.plugin import saved_dtype_resolver
+
+    def vllm_auto(model_type, config_dtype, *, is_pooling_model):  # vLLM's rule: downcast float32
+        return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
+
+    supported = [torch.bfloat16, torch.float16, torch.float32]
+    resolve = saved_dtype_resolver(vllm_auto, lambda: supported)
+    assert resolve("headmix", torch.float32, is_pooling_model=False) == torch.float32
+    assert resolve("headmix", torch.bfloat16, is_pooling_model=False) == torch.bfloat16
+    assert resolve("llama", torch.float32, is_pooling_model=False) == torch.bfloat16
+    supported.remove(torch.float32)  # a platform without float32: vLLM's choice
+    assert resolve("headmix", torch.float32, is_pooling_model=False) == torch.bfloat16

@@ -55,3 +55,19 @@ def test_gqe_is_served_on_one_rank_only():
     check_tensor_parallel(config, 1)
     with pytest.raises(NotServableError, match="GQE .* is served on one rank only, not at tensor_parallel_size=2"):
         check_tensor_parallel(config, 2)
+
+
+@pytest.mark.parametrize("name, changes, sizes", [
+    ("llama3-tiny-gqa", {"num_heads": 6, "kv_heads": 3, "head_dim": 16}, [1, 3, 6]),  # 2 ranks: 3 K/V heads do not split
+    ("llama-tiny-moa", {"num_experts": 6}, [1, 2, 3, 6]),                                 # by expert
+    ("llama-tiny-switchhead", {}, [1, 2]),
+])
+def test_a_refused_size_lists_the_sizes_that_work(name, changes, sizes):
+    """The refusal names every tensor_parallel_size the model splits over, each of which check_tensor_parallel
+    accepts (a feed-forward width of 192 divides by each)."""
+    config = _config(name, 192, **changes)
+    with pytest.raises(NotServableError) as caught:
+        check_tensor_parallel(config, 4)
+    assert str(caught.value).endswith(f"(the sizes that work for this model: {', '.join(map(str, sizes))})")
+    for ranks in sizes:
+        check_tensor_parallel(config, ranks)

@@ -21,7 +21,6 @@ differ by more than :data:`TIE` (so that equal tokens are a claim, not luck).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import importlib.metadata
 import json
@@ -502,7 +501,8 @@ def documented_serve_line(placeholder: str) -> str:
     give that line too)."""
     lines = documented_lines()
     # the one-rank line (the tensor-parallel one is tested through the engine, test_ranks_split_...)
-    serve = [line for line in lines if line.startswith(f"vllm serve {placeholder} ") and "--tensor-parallel" not in line]
+    serve = [line for line in lines if (line + " ").startswith(f"vllm serve {placeholder} ")
+             and "--tensor-parallel" not in line]
     assert len(serve) == 1, (placeholder, serve)
     cpu = serve[0].replace("vllm serve", CPU_SERVER, 1)
     assert cpu in lines, f"docs/serving.md gives no CPU-build line for {serve[0]!r}"
@@ -543,21 +543,23 @@ def test_documented_commands_serve_completions(tmp_path, placeholder):
     """docs/serving.md's own lines, copied as written with the folder filled in: the server command for a run folder
     (RUN) and for an export-hf folder (OUT), then the curl line that queries it, on 127.0.0.1; the answer is
     headmix's greedy continuation of a GQE model (until its end-of-sequence token, which the curl line does not
-    ignore)."""
+    ignore). No ``--dtype`` is added: the engine serves the float32 model in float32, as saved."""
     model, folder, prompt = _folder_for(placeholder, tmp_path)
     port = _free_port()
     fill = lambda line: re.sub(rf"\b{placeholder}\b", folder, line)  # noqa: E731
     command = shlex.split(fill(documented_serve_line(placeholder)))
     command += ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", str(MAX_POSITIONS),
-                "--max-num-seqs", "8"] + ([] if "--dtype" in command else ["--dtype", "float32"])
+                "--max-num-seqs", "8"]
     curl = [line for line in documented_lines() if line.startswith("curl") and f'"model": "{placeholder}"' in line]
     assert len(curl) == 1, curl
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "server.log"
+    with open(log, "w") as output:  # vLLM logs to stdout
+        server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
         while True:
-            assert server.poll() is None, server.stderr.read()[-3000:]
+            assert server.poll() is None, log.read_text()[-3000:]
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
@@ -575,6 +577,8 @@ def test_documented_commands_serve_completions(tmp_path, placeholder):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+    engine = re.findall(r"dtype=(torch\.\w+)", log.read_text())
+    assert engine and set(engine) == {"torch.float32"}, engine  # vLLM's engine config line: served as saved
     expected = headmix_greedy(model, prompt)[0]
     if placeholder == "RUN":
         got = choice["token_ids"]
@@ -615,3 +619,31 @@ def test_an_upcycled_model_stops_at_every_stop_id_of_its_source(engine_env, tmp_
     finally:
         stop(llm)
     assert list(output.token_ids) == [ids["b"], stop_id] and output.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("form", ["native", "hf"])
+def test_served_in_the_dtype_it_was_saved_in_without_dtype(engine_env, tmp_path, form):
+    """A float32 model, a run's own form (``config_format="headmix"``) or an export's, started without ``dtype``: vLLM
+    serves it in float32, as saved (its own "auto" would serve it in bfloat16), and its greedy tokens are headmix's;
+    an explicit ``dtype`` still wins."""
+    config, _, _ = KINDS["gqe"]
+    model = build_tiny(config)
+    save(model, tmp_path / "model", form)
+    engine = {key: value for key, value in ENGINE.items() if key != "dtype"}
+    extra = {"config_format": "headmix"} if form == "native" else {}
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(str(tmp_path / "model"), **engine, **extra)
+    try:
+        assert llm.llm_engine.model_config.dtype == torch.float32
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        for prompt, output in zip(PROMPTS, outputs):
+            assert list(output.outputs[0].token_ids) == headmix_greedy(model, prompt)[0], prompt
+    finally:
+        stop(llm)
+    llm = LLM(str(tmp_path / "model"), **{**engine, "dtype": "bfloat16"}, **extra)
+    try:
+        assert llm.llm_engine.model_config.dtype == torch.bfloat16
+    finally:
+        stop(llm)

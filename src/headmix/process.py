@@ -12,6 +12,8 @@ import sys
 
 #: glibc's ``mallopt`` parameters (``malloc.h``).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: glibc's default of both thresholds (``DEFAULT_MMAP_THRESHOLD_MIN``, ``DEFAULT_TRIM_THRESHOLD``): 128 KiB.
+_GLIBC_DEFAULT_THRESHOLD = 128 * 1024
 #: Whether :func:`keep_freed_memory` has made its setting in this process.
 _kept = False
 
@@ -33,13 +35,31 @@ def keep_freed_memory() -> bool:
     memory until it exits. Returns whether the setting was made (False off Linux and on other C libraries,
     where nothing changes)."""
     global _kept
+    made = _set_thresholds(1 << 30)
+    _kept = _kept or made
+    return made
+
+
+def return_freed_memory() -> bool:
+    """Undo :func:`keep_freed_memory`: glibc's thresholds back at their default, 128 KiB (fixed there, where glibc
+    would have adapted its mmap threshold), and :func:`freed_memory_kept` false again. For a process that ran a
+    command in-process and goes on with other work (the test suite restores it after each test). Returns whether
+    the setting was made."""
+    global _kept
+    made = _set_thresholds(_GLIBC_DEFAULT_THRESHOLD)
+    if made:
+        _kept = False
+    return made
+
+
+def _set_thresholds(size: int) -> bool:
+    """glibc's mmap and trim thresholds set to ``size`` bytes; whether the C library took both (False off Linux and
+    on other C libraries, where nothing changes)."""
     if sys.platform != "linux":
         return False
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
-        made = bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, size)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, size))
     except (OSError, AttributeError):  # not glibc
         return False
-    _kept = _kept or made
-    return made

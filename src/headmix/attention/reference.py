@@ -252,9 +252,9 @@ def reference_moh_weights(layer: MixtureOfHeadsAttention, x: Tensor) -> Tensor:
     - ``"scaled"``: ``g = [a_s S s, a_r R p * 1[TopK]]``, ``[a_s, a_r] = 2 softmax(x W_h)``.
     Without shared heads the routed weights are used alone (``a_r = 1``).
 
-    ``route_per_group`` (GQE): the same, group by group: group ``j`` (heads ``j H/G .. (j+1) H/G - 1``, its
-    first ``S`` shared) has its own rows of ``W_r`` and ``W_s``, its own pair of ``W_h``, its own softmaxes and
-    top-k, with ``S``, ``k`` and ``R`` counted in the group.
+    ``route_per_group`` (MoH per K/V group; not the paper's GQE): the same, group by group: group ``j`` (heads
+    ``j H/G .. (j+1) H/G - 1``, its first ``S`` shared) has its own rows of ``W_r`` and ``W_s``, its own pair of
+    ``W_h``, its own softmaxes and top-k, with ``S``, ``k`` and ``R`` counted in the group.
 
     The random control (``router="random"``): every router logit 0, the routed heads selected at random
     (:func:`reference_random_selection`). ``router="query_norm"``: :func:`reference_query_norm_weights`."""

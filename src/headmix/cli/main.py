@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import errno
 import json
 import signal
@@ -31,10 +32,30 @@ USAGE_ERROR, RUN_FAILED = 2, 1
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with a bad command line reported in one line (``headmix train: error: ...``)."""
+    """argparse, with a bad command line reported in one line (``headmix train: error: ...``); an unknown flag
+    names the nearest flag of its command (``did you mean --max-steps?``)."""
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{_nearest_flag(unknown, self, parsed)}")
+        return parsed
+
+
+def _nearest_flag(unknown: list[str], parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> str:
+    """`` (did you mean --x?)`` for the first unknown flag, ``x`` the nearest option of the (sub)command the command
+    line chose (difflib's closest match); ``""`` when no flag is near."""
+    options: list[str] = []
+    while parser is not None:
+        options += [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+        chosen = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = chosen[0].choices.get(getattr(parsed, chosen[0].dest, None)) if chosen else None
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]
+    near = difflib.get_close_matches(flags[0], options, n=1) if flags else []
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 # ------------------------------------------------------------------------------ flags from a dataclass

@@ -15,6 +15,7 @@ existing one is refused, never overwritten.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from headmix.models.transformer import CausalLanguageModel, load_pretrained
@@ -25,7 +26,8 @@ from .modeling_headmix import HeadmixForCausalLM
 
 def run_to_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the causal LM of the headmix folder ``source`` (``config.json`` + ``model.safetensors``, and
-    ``tokenizer/tokenizer.json`` when present) as a Hugging Face folder ``out``; returns ``out``. A ``ValueError``
+    ``tokenizer/tokenizer.json`` when present; of a Hugging Face folder, an export, its tokenizer files as they are)
+    as a Hugging Face folder ``out``; returns ``out``. A ``ValueError``
     for a folder that is not a causal LM, or an ``out`` that exists."""
     source, out = Path(source), Path(out)
     if out.exists():
@@ -34,12 +36,20 @@ def run_to_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     if not isinstance(model, CausalLanguageModel):
         raise ValueError(f"{source} holds a {type(model).__name__}; only causal LMs (task 'lm') become Hugging Face models")
     tokenizer = _hf_tokenizer(source / "tokenizer" / "tokenizer.json", model.config)
+    exported = [source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
     with atomic_directory(out) as tmp:
         HeadmixForCausalLM.from_headmix(model).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
             _name_tokenizer_class(Path(tmp) / "tokenizer_config.json")
+        elif exported:  # a Hugging Face folder (an export): its tokenizer as it is
+            for file in exported:
+                shutil.copyfile(file, Path(tmp) / file.name)
     return out
+
+
+#: The files of a Hugging Face folder's tokenizer, copied as they are when the source is such a folder.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 #: The tokenizer class ``tokenizer_config.json`` names: the fast tokenizer every transformers release knows

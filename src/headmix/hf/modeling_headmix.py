@@ -205,6 +205,19 @@ class HeadmixForCausalLM(PreTrainedModel, GenerationMixin):
             wrapped.generation_config.suppress_tokens = [model.config.pad_id]
         return wrapped
 
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        """``PreTrainedModel.save_pretrained``; then the weight files get the mode of the folder's other files
+        (``config.json``'s): safetensors creates them 0600."""
+        import os
+        import stat
+        from pathlib import Path
+
+        super().save_pretrained(save_directory, *args, **kwargs)
+        config = Path(save_directory) / "config.json"
+        if config.is_file():
+            for weights in Path(save_directory).glob("*.safetensors"):
+                os.chmod(weights, stat.S_IMODE(config.stat().st_mode))
+
     def to_headmix(self) -> CausalLanguageModel:
         """The headmix model inside (shared, not copied): headmix's ``generate``, ``save_pretrained``, analyses."""
         return self.model

@@ -92,6 +92,12 @@ _KIND_DEFAULTS = {
     "post_softmax": True,
     "expert_impl": "auto",
     "load_balance_fractions": "normalized",
+    # stored resolved, so that a config reads as it was trained whatever a later default becomes
+    # (shared_head_kv_as_trained repairs the configs stored before, when an unset field meant K/V head 0)
+    "head_weighting": "renormalized",
+    "hard_slot_scale": "none",
+    "shared_head_kv": "mean",
+    "dropout_on": "attention",
 }
 
 
@@ -108,6 +114,15 @@ ROUTER_CHOICES = {"moa": ("softmax", "noisy_topk", "random"), "moh": ("softmax",
 
 def _takes_default(field: str, kind: str) -> bool:
     return kind in _DEFAULT_KINDS.get(field, _KIND_FIELDS[field])
+
+
+def with_kind_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """An attention config dict with its kind's unset (``None``) fields of :data:`_KIND_DEFAULTS` filled in, as
+    :class:`AttentionConfig` fills them on construction (a dict stored with ``null`` there, compared with one
+    this version writes)."""
+    kind = data.get("kind", "mha")
+    return {**data, **{k: v for k, v in _KIND_DEFAULTS.items() if k in data and data[k] is None
+                       and _takes_default(k, kind)}}
 
 
 def without_foreign_defaults(data: dict[str, Any]) -> dict[str, Any]:
@@ -258,7 +273,9 @@ class AttentionConfig:
     naming it (the table ``_KIND_FIELDS`` says which kinds use which field). Unset fields the kind uses take
     their defaults on construction (``_KIND_DEFAULTS``: ``router="softmax"`` (MoA), ``renormalize="detached"``,
     ``load_balance_weight=0.01``, ``z_loss_weight=0.001``, ``pre_softmax=post_softmax=True``,
-    ``expert_impl="auto"``, ``load_balance_fractions="normalized"``).
+    ``expert_impl="auto"``, ``load_balance_fractions="normalized"``, ``head_weighting="renormalized"`` (MoH),
+    ``hard_slot_scale="none"``, ``shared_head_kv="mean"`` (GQE), ``dropout_on="attention"`` (SwitchHead)): a
+    stored config holds the value it was trained with, never a ``null`` that a later default would change.
     """
 
     kind: str = "mha"

@@ -21,8 +21,9 @@ CPU work.
 - Llama-3-style decoders (task ``lm`` only; the ``llama-*`` options, rotary base 500000 and grouped-query
   attention, 4 query heads per K/V head): ``llama3-{tiny,mini}-gqa`` (MHA, 8 query heads on 2 K/V heads),
   ``llama3-{tiny,mini}-gated`` (the same with QK-norm and Gated Attention's elementwise output gate, as
-  Qwen3-Next) and ``llama3-{tiny,mini}-gqe`` (MoH routed per K/V group, Grouped Query Experts: per group 1
-  shared head and the top 2 of the 3 others, so 6 of the 8 query heads run per token).
+  Qwen3-Next), ``llama3-{tiny,mini}-moh-per-group`` (MoH routed per K/V group: per group 1 shared head and the
+  top 2 of the 3 others, so 6 of the 8 query heads run per token) and ``llama3-{tiny,mini}-gqe`` (the paper's
+  Grouped Query Experts, kind ``"gqe"``: 8 query-head experts on the 2 K/V heads, the top 2 of each group's 4).
 
 :func:`get_config` takes a preset name, a ``{K}K{E}E{D}D`` string or a path to a JSON config.
 """
@@ -365,11 +366,35 @@ MOA_STRING_MODELS: dict[str, Callable[[int, int, int, int], ModelConfig]] = {
 
 def _valid_forms() -> str:
     return (f"valid forms: a preset name ({', '.join(PRESETS)}), a MoA string {MOA_PATTERN_TEXT}, "
-            f"or a path to a JSON model config")
+            f"a path to a JSON model config, or the config itself as JSON (starting with '{{')")
+
+
+def _inline_config(text: str, task: str | None) -> dict:
+    """The dict of a model config given as a JSON string (its ``task`` the one asked for where it names none); a
+    one-line ``ValueError`` for a string that is not a JSON object."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"the inline JSON model config is not valid JSON ({err}): give a JSON object, "
+                         f"or a path to a JSON file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"the inline JSON model config must be a JSON object, got {type(data).__name__}")
+    return data if task is None or "task" in data else {**data, "task": task}
+
+
+def _is_file(name: str) -> bool:
+    """Whether ``name`` is an existing file (False for a name the system cannot take, such as a long string)."""
+    try:
+        return Path(name).is_file()
+    except OSError:
+        return False
 
 
 def get_config(name_or_path: str | Path, task: str | None = None, vocab_size: int | None = None) -> ModelConfig:
-    """A :class:`ModelConfig` from a preset name, a ``{K}K{E}E{D}D`` string or a JSON file.
+    """A :class:`ModelConfig` from a preset name, a ``{K}K{E}E{D}D`` string, a JSON file or a JSON string (a model
+    config given inline: a string starting with ``{``).
 
     ``task`` defaults to the preset's (``translation`` for the CPU presets and MoA strings); ``vocab_size``
     to 32000 for translation, 50265 for the masked LM, and 8000 / 1000 for the small / tiny presets. For a
@@ -393,7 +418,12 @@ def get_config(name_or_path: str | Path, task: str | None = None, vocab_size: in
             return MOA_STRING_MODELS[task](vocab_size or DEFAULT_VOCAB[task], k, e, d)
         raise ValueError(f"{MOA_PATTERN_TEXT} strings name translation or mlm models, not task {task!r}; "
                          f"for a causal LM use tiny-moa / small-moa / llama-tiny-moa / llama-mini-moa or a JSON config")
-    if name.endswith(".json") or Path(name).is_file():
+    if name.lstrip().startswith("{"):  # a model config given inline, as JSON
+        config = ModelConfig.from_dict(_inline_config(name, task), "the inline JSON model config")
+        if task is not None and task != config.task:
+            raise ValueError(f"the inline JSON model config is a {config.task!r} config, but task={task!r} was asked for")
+        return config if vocab_size is None else config.replace(vocab_size=vocab_size)
+    if name.endswith(".json") or _is_file(name):
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"config file {path} not found; {_valid_forms()}")

@@ -54,6 +54,12 @@ FINGERPRINT_KEY = "content_sha256"
 #: Configuration fields that name input files or folders: stored as absolute paths and, when they are
 #: identity fields, compared by content (sha256) as well as by path.
 FILE_FIELDS = ("data", "tokenizer")
+#: Configuration fields that name a model folder (``--init-from``, ``--distill-from``): stored as absolute paths and
+#: compared as such (the folder's weights are checked where they are read), so a run resumes from any directory.
+FOLDER_FIELDS = ("init_from", "distill_from")
+#: Configuration fields holding a JSON string (``--init-options``): compared by the value they parse to, so the
+#: same object spaced or ordered otherwise is the same option.
+JSON_FIELDS = ("init_options",)
 
 
 def log_to_stderr(message: str) -> None:
@@ -63,6 +69,14 @@ def log_to_stderr(message: str) -> None:
 def _json_value(value: Any) -> Any:
     """The value as it reads back from JSON (tuples become lists), for comparisons."""
     return json.loads(json.dumps(value, default=str))
+
+
+def _parsed(value: Any) -> Any:
+    """A JSON field's value as compared: what the string parses to (the string itself when it is no JSON)."""
+    try:
+        return json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
 
 
 def _resolve(value: Any) -> Any:
@@ -201,7 +215,8 @@ class Run:
           :class:`RunMismatchError` naming the field and both values, raised before anything is written
           (the lock file included). Then the lock: :class:`RunLockedError` names the holder.
           Fields in ``file_fields`` (input files) are compared as absolute paths and by the sha256 of
-          their content. Other fields may change: the stored configuration is then rewritten.
+          their content, those in :data:`FOLDER_FIELDS` as absolute paths, those in :data:`JSON_FIELDS` by the
+          value they parse to. Other fields may change: the stored configuration is then rewritten.
         - a non-empty folder that is not a run (no ``train_config.json``): :class:`RunError`.
         - with ``restart_untrained``, a run that never trained (:meth:`never_trained`: a first attempt that
           failed before its first checkpoint) does not pin its identity: on a difference, what that attempt
@@ -222,6 +237,9 @@ class Run:
         new = {k: _json_value(v) for k, v in config.items()}
         if FINGERPRINT_KEY in new:
             raise ValueError(f"config must not have a field named {FINGERPRINT_KEY!r} (reserved by the run folder)")
+        for name in FOLDER_FIELDS:
+            if new.get(name) is not None:
+                new[name] = _resolve(new[name])
         fingerprints = {}
         for name in file_fields:
             if new.get(name) not in (None, []):
@@ -313,8 +331,10 @@ class Run:
             if name not in stored:  # a field that runs of an older version did not record
                 continue
             old, value = stored[name], new[name]
-            if name in file_fields and old not in (None, []):
-                old = _resolve(old)
+            if (name in file_fields or name in FOLDER_FIELDS) and old not in (None, []):
+                old = _resolve(old)  # a run stored before with a relative path: as it reads from here
+            if name in JSON_FIELDS and _parsed(old) == _parsed(value):
+                continue
             if old != value:
                 raise RunMismatchError(f"{self.path} was created with {name}={old!r}; this command has "
                                        f"{name}={value!r} (a run's {name} cannot change: give the same value, "

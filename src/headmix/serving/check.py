@@ -1,7 +1,9 @@
 """``python -m headmix.serving.check FOLDER ...``: whether vLLM serves the model of each folder headmix wrote (a run,
 ``save_pretrained``, ``export-hf``), one line each, in a second and without vLLM (docs/serving.md).
 
-A served folder's line names the flags ``vllm serve`` needs for its form; a refused one's is
+A served folder's line names the dtype it is served in (the one its weights were saved in: no ``--dtype``, see
+:func:`~headmix.serving.plugin.saved_dtype_resolver`) and the flags ``vllm serve`` needs for its form, a command
+that gives headmix's tokens; a refused one's is
 :func:`~headmix.serving.support.check_servable`'s reason, first naming what generates with that folder instead.
 The exit status is 1 when any folder is refused or unreadable. The head size is checked against the attention
 backend's sizes only where vLLM builds the model (the line names the size).
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .plugin import saved_dtype
 from .support import check_servable, servable_config
 
 
@@ -42,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
             continue
         att = config.decoder_self_attention
-        print(f"{folder}: served ({att.kind}, heads of {att.resolved_head_dim(config.d_model)}): "
-              f"vllm serve {folder}{serve_flags(folder)}")
+        print(f"{folder}: served ({att.kind}, heads of {att.resolved_head_dim(config.d_model)}, in "
+              f"{saved_dtype(folder)} as saved): vllm serve {folder}{serve_flags(folder)}")
     return status
 
 

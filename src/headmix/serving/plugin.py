@@ -1,7 +1,7 @@
 """headmix's vLLM plugin: :func:`register`, the ``vllm.general_plugins`` entry point of headmix's package metadata
 (``pyproject.toml``), which vLLM calls in each of its processes before it reads a model.
 
-It makes four registrations, each once per process (vLLM may call it several times):
+It makes four registrations and one change, each once per process (vLLM may call it several times):
 
 - the vLLM model :class:`headmix.serving.model.VllmHeadmixForCausalLM` under the architecture
   ``HeadmixForCausalLM`` (``vllm.ModelRegistry.register_model``, by name: the model module is imported when a
@@ -19,6 +19,9 @@ It makes four registrations, each once per process (vLLM may call it several tim
   (:func:`~headmix.serving.support.check_servable`), not 40 s later under the engine's worker tracebacks, and so is
   a ``tensor_parallel_size`` the model cannot be split over (:func:`~headmix.serving.support.check_tensor_parallel`).
   (A head size the attention backend refuses is known only where the model is built.)
+
+And it serves a headmix model in the dtype its weights were saved in when no ``dtype`` is given
+(:func:`serve_in_saved_dtype`: vLLM's ``"auto"`` would serve a float32 model in bfloat16).
 
 vLLM is imported here only inside :func:`register`: importing headmix never imports vLLM.
 """
@@ -54,16 +57,56 @@ def register() -> None:
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     _register_config_format()
     _register_config_check()
+    serve_in_saved_dtype()
 
 
 def hf_config_of_folder(folder: str | Path) -> Any:
-    """The :class:`~headmix.hf.HeadmixConfig` (``architectures`` ``["HeadmixForCausalLM"]``) of a folder headmix
-    wrote, in its own form or as a Hugging Face folder, read as JSON (no code from the folder runs)."""
+    """The :class:`~headmix.hf.HeadmixConfig` (``architectures`` ``["HeadmixForCausalLM"]``, ``dtype`` the one its
+    weights are saved in, :func:`saved_dtype`) of a folder headmix wrote, in its own form or as a Hugging Face
+    folder, read as JSON (no code from the folder runs)."""
     from headmix.hf import HeadmixConfig
     from headmix.models.transformer import read_folder_config
 
     config, _ = read_folder_config(Path(folder))
-    return HeadmixConfig(headmix=config, architectures=[ARCHITECTURE], name_or_path=str(folder))
+    return HeadmixConfig(headmix=config, architectures=[ARCHITECTURE], name_or_path=str(folder),
+                         dtype=saved_dtype(folder))
+
+
+def saved_dtype(folder: str | Path) -> str | None:
+    """The dtype the folder's weights are saved in (its ``*.safetensors`` files' headers), as ``config.json``'s
+    ``dtype`` names it: what vLLM serves the model in (:func:`serve_in_saved_dtype`); ``None`` without weights."""
+    from headmix.storage.safetensors_header import FLOAT_DTYPES, floating_dtype
+
+    stored = {floating_dtype(path) for path in sorted(Path(folder).glob("*.safetensors"))} - {None}
+    return next((name for name in FLOAT_DTYPES.values() if name in stored), None)
+
+
+def saved_dtype_resolver(resolve: Any, supported_dtypes: Any) -> Any:
+    """vLLM's resolution of ``dtype="auto"`` (``resolve``: ``vllm.config.model._resolve_auto_dtype(model_type,
+    config_dtype, *, is_pooling_model)``), except that a headmix model (``model_type`` ``"headmix"``) is served in
+    the dtype its config names, the one its weights were saved in, where the platform supports it
+    (``supported_dtypes()``): vLLM's own rule serves a float32 model in bfloat16 ("Downcast for float32 models"),
+    whose greedy tokens then differ from headmix's. An explicit ``--dtype`` is not resolved here and wins."""
+    from headmix.hf import HeadmixConfig
+
+    def resolve_auto_dtype(model_type: str, config_dtype: Any, **kwargs: Any) -> Any:
+        if model_type == HeadmixConfig.model_type and config_dtype in supported_dtypes():
+            return config_dtype
+        return resolve(model_type, config_dtype, **kwargs)
+
+    resolve_auto_dtype.headmix_saved_dtype = True  # type: ignore[attr-defined]
+    return resolve_auto_dtype
+
+
+def serve_in_saved_dtype() -> None:
+    """Install :func:`saved_dtype_resolver` in vLLM (once per process): ``vllm serve FOLDER`` and ``LLM(FOLDER)``
+    serve a headmix model in the precision it was saved in, without ``--dtype``."""
+    from vllm.config import model as model_config
+    from vllm.platforms import current_platform
+
+    if not getattr(model_config._resolve_auto_dtype, "headmix_saved_dtype", False):
+        model_config._resolve_auto_dtype = saved_dtype_resolver(model_config._resolve_auto_dtype,
+                                                                lambda: current_platform.supported_dtypes)
 
 
 def _register_config_format() -> None:

@@ -118,7 +118,32 @@ def check_tensor_parallel(config: ModelConfig, ranks: int) -> None:
     """A one-line :class:`NotServableError` unless headmix's vLLM model splits ``config``'s model over ``ranks``
     tensor-parallel ranks (docs/serving.md, "Across devices"): every rank the same share of the heads (MHA, MoH,
     SwitchHead), of the K/V heads or, fewer K/V heads than ranks, each held whole by ``ranks / kv_heads`` ranks
-    (vLLM's rule for GQA), MoA's K/V heads or else its experts, and of the feed-forward width."""
+    (vLLM's rule for GQA), MoA's K/V heads or else its experts, and of the feed-forward width. The refusal lists
+    the sizes that work (:func:`tensor_parallel_sizes`)."""
+    try:
+        _check_split(config, ranks)
+    except NotServableError as err:
+        sizes = ", ".join(str(size) for size in tensor_parallel_sizes(config))
+        raise NotServableError(f"{err} (the sizes that work for this model: {sizes})") from None
+
+
+def tensor_parallel_sizes(config: ModelConfig) -> list[int]:
+    """Every ``tensor_parallel_size`` headmix's vLLM model splits ``config``'s model over, from 1 (each divides the
+    query heads, or MoA's K/V heads or experts, so none is larger than those)."""
+    att = config.decoder_self_attention
+    largest = max(att.num_heads or 0, att.num_experts or 0, att.kv_heads or 0, 1)
+    sizes = []
+    for ranks in range(1, largest + 1):
+        try:
+            _check_split(config, ranks)
+        except NotServableError:
+            continue
+        sizes.append(ranks)
+    return sizes
+
+
+def _check_split(config: ModelConfig, ranks: int) -> None:
+    """:func:`check_tensor_parallel`'s refusal, without the list of the sizes that work."""
     if ranks == 1:
         return
     att, where = config.decoder_self_attention, f"tensor_parallel_size={ranks}"

@@ -27,6 +27,9 @@ from typing import Any
 
 from .errors import RunError, RunWriteError
 
+#: The mode of every file headmix writes: its owner writes it, anyone may read it.
+FILE_MODE = 0o644
+
 #: Every temporary name the run layer creates starts with this (see :func:`remove_temporaries`).
 TMP_PREFIX = ".tmp-"
 
@@ -148,7 +151,7 @@ def _make_parent(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
 
 
-def atomic_write(path: str | os.PathLike, data: str | bytes, *, mode: int = 0o644) -> None:
+def atomic_write(path: str | os.PathLike, data: str | bytes, *, mode: int = FILE_MODE) -> None:
     """Write ``data`` (``str`` as UTF-8) to ``path`` atomically, with permissions ``mode``."""
     path = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
@@ -168,13 +171,13 @@ def atomic_write(path: str | os.PathLike, data: str | bytes, *, mode: int = 0o64
         fsync_dir(path.parent)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, *, mode: int = 0o644) -> None:
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, mode: int = FILE_MODE) -> None:
     """``obj`` as indented JSON (one trailing newline), written with :func:`atomic_write`."""
     atomic_write(path, json.dumps(obj, indent=2, default=str) + "\n", mode=mode)
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, *, mode: int = 0o644) -> Iterator[Path]:
+def atomic_output(path: str | os.PathLike, *, mode: int = FILE_MODE) -> Iterator[Path]:
     """Yield a temporary path for a writer that takes a file name (``safetensors.save_file``,
     ``torch.save``, ``write_tsv_pairs``); when the block succeeds the file gets ``mode``, is flushed and
     renamed over ``path``. When it fails the temporary file is removed and ``path`` is untouched."""
@@ -231,17 +234,26 @@ def replace_directory(tmp: Path, path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a new empty temporary folder; when the block succeeds, everything in it is flushed and the
-    folder replaces ``path`` (a tokenizer folder, a checkpoint). When it fails the temporary folder is
-    removed and ``path`` is untouched."""
+    """Yield a new empty temporary folder; when the block succeeds, every file in it gets :data:`FILE_MODE`,
+    everything in it is flushed and the folder replaces ``path`` (a tokenizer folder, a checkpoint, an export).
+    When it fails the temporary folder is removed and ``path`` is untouched."""
     path = Path(path)
     _make_parent(path)
     tmp = temporary_name(path)
     with write_guard(path, tmp):
         tmp.mkdir()
         yield tmp
+        give_file_mode(tmp)
         fsync_tree(tmp)
         replace_directory(tmp, path)
+
+
+def give_file_mode(folder: Path, mode: int = FILE_MODE) -> None:
+    """Give every file under ``folder`` ``mode``: writers that create their files themselves do not all use the
+    same one (safetensors' ``save_file`` and ``save_model`` create theirs 0600, ``open`` the umask's)."""
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            os.chmod(Path(parent) / name, mode)
 
 
 def remove_temporaries(folder: Path) -> list[Path]:

@@ -85,3 +85,15 @@ def sort_metadata(path: str | os.PathLike) -> None:
         wanted = next(h for h in orders if list(json.loads(h.decode("utf-8"))["__metadata__"]) == keys)
         if wanted != header:
             write_header(path, wanted)
+
+
+#: The floating-point dtypes of the safetensors format, by its name, as torch names them, widest first.
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def floating_dtype(path: str | os.PathLike) -> str | None:
+    """The dtype (torch's name) the floating-point tensors of the file are stored in, read from its header (no
+    tensor is loaded): the widest where they differ, ``None`` where the file holds none."""
+    stored = {entry.get("dtype") for name, entry in json.loads(read_header(path).decode("utf-8")).items()
+              if name != "__metadata__" and isinstance(entry, dict)}
+    return next((torch_name for name, torch_name in FLOAT_DTYPES.items() if name in stored), None)

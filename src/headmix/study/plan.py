@@ -139,7 +139,8 @@ def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
     (absent from the file) take their defaults, which is what the older version did without naming them; the
     file is then rewritten with them (:func:`_write_plan`)."""
     from ..models import AttentionConfig
-    from ..models.config import marked_as_trained, shared_head_kv_as_trained, without_foreign_defaults
+    from ..models.config import (marked_as_trained, shared_head_kv_as_trained, with_kind_defaults,
+                                 without_foreign_defaults)
     from ..routing.task_gradient import ALLOW_FLAG
 
     def as_trained(stored_attention: dict[str, Any]) -> dict[str, Any]:
@@ -150,8 +151,10 @@ def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
     def attention(stored_attention: dict[str, Any]) -> dict[str, Any]:
         # fields added since take their defaults; the defaults older files stored for kinds that do not use a
         # field are unset (None), as this version writes them
+        # (and the unset fields the kind resolves on construction take the value it resolves them to)
         kept = as_trained(stored_attention)
-        return {**_defaults(AttentionConfig), **kept, **{k: None for k in stored_attention.keys() - kept.keys()}}
+        return with_kind_defaults({**_defaults(AttentionConfig), **kept,
+                                   **{k: None for k in stored_attention.keys() - kept.keys()}})
 
     from .spec import RowSpec
 

@@ -43,8 +43,9 @@ class TrainConfig:
     RoBERTa's (learning rate 5e-4, linear schedule)."""
 
     task: str = option("translation", "what to train", choices=tuple(TASKS), cli="positional")
-    preset: str | None = option(None, "preset name, {K}K{E}E{D}D string, or JSON model config file (default: "
-                                      "tiny-moa; not with --init-from, whose model is used)")
+    preset: str | None = option(None, "preset name, {K}K{E}E{D}D string, JSON model config file, or a JSON model "
+                                      "config itself (a string starting with '{') (default: tiny-moa; not with "
+                                      "--init-from, whose model is used)")
     out: str = option("runs/run", "run folder (created, or resumed when it holds a run)", cli="required")
     data: list[str] = option(factory=list, metavar="FILE",
                              help="translation: a TSV of pairs or two aligned text files; mlm/lm: a JSONL of "
@@ -341,14 +342,15 @@ DATA_FORMS = {"translation": "a TSV of pairs (src<TAB>tgt) or two aligned text f
 
 
 def _json_preset_vocab_size(preset: str) -> int | None:
-    """The ``vocab_size`` a JSON model config file ``preset`` holds (``None`` for a preset name, or a file that
-    does not hold one: :meth:`TrainConfig.validate` reports a bad file)."""
+    """The ``vocab_size`` a JSON model config ``preset`` holds, a file or given inline (``None`` for a preset name,
+    or a config that does not hold one: :meth:`TrainConfig.validate` reports a bad one)."""
     import json
 
-    if not str(preset).endswith(".json") or not Path(preset).is_file():
+    inline = str(preset).lstrip().startswith("{")
+    if not inline and (not str(preset).endswith(".json") or not Path(preset).is_file()):
         return None
     try:
-        value = json.loads(Path(preset).read_text()).get("vocab_size")
+        value = json.loads(preset if inline else Path(preset).read_text()).get("vocab_size")
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
