@@ -127,8 +127,9 @@ class MoHHeadWeighting:
             else:
                 top_p, index = probs.topk(self.top_k, dim=-1)
             if self.head_weighting == "renormalized":
-                denominator = top_p.sum(-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
-                routed = top_p / denominator * self.top_k
+                # no clamp: the selected probabilities hold the largest (>= 1 / routed heads), or with
+                # router="random" equal ones (zero logits), so their sum is positive
+                routed = top_p / top_p.sum(-1, keepdim=True) * self.top_k
             elif self.head_weighting == "scaled":
                 routed = top_p * self.num_routed_per_group
             else:
@@ -360,7 +361,8 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
     def routed_queries(self, x: Tensor) -> Tensor:
         """The routed heads' queries ``x W_q^i + b_q^i`` ``(N, R, key_dim)`` (``N = batch * time``), heads in
         :attr:`routed_head_ids` order: what ``router="query_norm"`` reads (before rotary and QK-norm)."""
-        w_q, b_q = self.q_proj.weight, self.q_proj.bias
+        compute = autocast_dtype(x)  # under autocast the weight is cast whole (not its routed rows apart)
+        w_q, b_q = (None if t is None else t.to(compute or t.dtype) for t in (self.q_proj.weight, self.q_proj.bias))
         rows = _head_block(w_q, self.routed_head_ids, self.key_dim, 0)
         bias = None if b_q is None else _head_block(b_q, self.routed_head_ids, self.key_dim, 0)
         return F.linear(x.reshape(-1, x.shape[-1]), rows, bias).view(-1, self.num_routed_heads, self.key_dim)
@@ -442,8 +444,10 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         dk, dv = self.key_dim, self.head_dim
         shared_ids, routed_ids = self.shared_head_ids, self.routed_head_ids
         shared = len(shared_ids)
-        w_q, b_q = self.q_proj.weight, self.q_proj.bias
-        w_o = self.out_proj.weight
+        # Under autocast each weight is cast whole, once per call, and sliced after (as autocast casts a dense
+        # layer's weights); casting each head block apart would cast parts of one parameter several times.
+        w_q, b_q, w_o = (None if t is None else t.to(compute)
+                         for t in (self.q_proj.weight, self.q_proj.bias, self.out_proj.weight))
         gates_all = self.output_gates(query)  # Gated Attention G1, (batch, time, heads, 1 or d_v), or None
         y = None
         if shared:
@@ -548,23 +552,32 @@ def _consecutive(heads: list[int]) -> bool:
 
 def _head_block(weight: Tensor, heads: list[int], size: int, dim: int) -> Tensor:
     """The rows (``dim=0``) or columns (``dim=1``) of the query heads ``heads`` in a per-head weight (``size``
-    each): a view when the heads are consecutive (always without ``route_per_group``), else gathered."""
+    each): a view when the heads are consecutive (always without ``route_per_group``), else the same run of heads
+    in each of several equal groups (:func:`head_ids`' shared or routed heads with ``route_per_group``), copied
+    out of a view of the groups (one copy; no index tensor built from the head numbers, which would be a
+    host-to-device copy on a GPU)."""
     if _consecutive(heads):
         return weight.narrow(dim, heads[0] * size, len(heads) * size)
-    index = (torch.tensor(heads, device=weight.device)[:, None] * size
-             + torch.arange(size, device=weight.device)).reshape(-1)
-    return weight.index_select(dim, index)
+    run = next(i for i in range(1, len(heads)) if heads[i] != heads[0] + i)  # heads per group
+    stride, first = heads[run] - heads[0], heads[0]
+    groups = len(heads) // run
+    if len(heads) % run or heads != [first + g * stride + j for g in range(groups) for j in range(run)]:
+        raise ValueError(f"heads must be one run of consecutive heads per group, got {heads}")
+    blocks = weight.unflatten(dim, (weight.shape[dim] // (stride * size), stride * size))  # (groups, heads of one)
+    block = blocks.narrow(dim, first // stride, groups).narrow(dim + 1, (first % stride) * size, run * size)
+    return block.flatten(dim, dim + 1)
 
 
 def _kv_of_heads(k: Tensor, v: Tensor, heads: list[int], num_heads: int) -> tuple[Tensor, Tensor]:
     """The K/V heads that the query heads ``heads`` read (query head ``h`` reads K/V head ``h // (num_heads /
     kv_heads)``), laid out for grouped-query attention over ``heads``: the ``i``-th of ``m`` query heads reads
     returned head ``i // (m / G')``. In place (a slice) when ``heads`` fill whole consecutive groups, or all sit in
-    one group; a gathered copy when they split groups unevenly (global MoH whose shared heads end inside a group)."""
+    one group; a copy when they split groups unevenly (global MoH whose shared heads end inside a group): each K/V
+    head repeated for its query heads, one concatenation (no index tensor built from the head numbers)."""
     per = num_heads // k.shape[1]
     ids = [h // per for h in heads]
     first, count = ids[0], ids[-1] - ids[0] + 1
     if len(heads) % count == 0 and ids == [first + i // (len(heads) // count) for i in range(len(heads))]:
         return k[:, first:first + count], v[:, first:first + count]
-    index = torch.tensor(ids, device=k.device)
-    return k.index_select(1, index), v.index_select(1, index)
+    runs = [(i, ids.count(i)) for i in sorted(set(ids))]
+    return tuple(torch.cat([t[:, i:i + 1].expand(-1, n, -1, -1) for i, n in runs], dim=1) for t in (k, v))
