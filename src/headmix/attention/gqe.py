@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..routing import Routing
-from ..routing.losses import check_fractions, grouped_load_balancing_loss
+from ..routing.losses import check_fractions, weighted_load_balance
 from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
 from ..routing.task_gradient import check_router_learns, gqe_router_without_task_gradient
@@ -285,8 +285,10 @@ class GroupedQueryExpertsAttention(AttentionLayer):
                           (batch, tgt))
         if self.random_routing:
             return AttentionOutput(y, zero_loss(query), new_cache, routing)
-        lb = self._load_balance(p, index, mask)
-        return AttentionOutput(y, self.load_balance_weight * lb, new_cache, routing, {"load_balance": lb})
+        # the mean over the groups of each group's load-balancing loss (MoA eq. 13-15) over its M experts
+        aux, lb = weighted_load_balance(routing.probs, routing.expert_index, mask, self.load_balance_weight,
+                                        self.load_balance_fractions, groups)
+        return AttentionOutput(y, aux, new_cache, routing, {"load_balance": lb})
 
     def shared_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The shared head's keys and values ``(B, 1, S, d_h)`` from the ``G`` K/V heads ``k``, ``v`` ``(B, G, S,
@@ -295,7 +297,3 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         if self.shared_head_kv == "head0":
             return k[:, :1], v[:, :1]
         return k.mean(1, keepdim=True), v.mean(1, keepdim=True)
-
-    def _load_balance(self, p: Tensor, index: Tensor, mask: Tensor | None) -> Tensor:
-        """The mean over the groups of each group's load-balancing loss (MoA eq. 13-15) over its ``M`` experts."""
-        return grouped_load_balancing_loss(p, index, mask, fractions=self.load_balance_fractions)

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
-from ..routing import Routing, load_balancing_loss
-from ..routing.losses import check_fractions, grouped_load_balancing_loss
+from ..routing import Routing
+from ..routing.losses import check_fractions, weighted_load_balance
 from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
 from ..routing.task_gradient import check_router_learns, moh_router_without_task_gradient
@@ -407,22 +407,15 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
 
     def _output(self, y: Tensor, cache: KVCache | None, routing: Routing) -> AttentionOutput:
         """The layer's output with its auxiliary loss: the load-balancing loss (MoA eq. 13-15) over the routed
-        heads, weighted by ``load_balance_weight``; none (zero) with ``router="random"`` or ``"query_norm"``."""
+        heads, weighted by ``load_balance_weight``; none (zero) with ``router="random"`` or ``"query_norm"``.
+        With ``route_per_group``, the mean over the groups of each group's loss (each group's router is balanced
+        over its own heads): :func:`~headmix.routing.losses.weighted_load_balance`, whose backward is written by
+        hand."""
         if self.random_routing or self.query_norm_routing:
             return AttentionOutput(y, zero_loss(y), cache, routing)
-        lb = self._load_balance(routing)
-        return AttentionOutput(y, self.load_balance_weight * lb, cache, routing, {"load_balance": lb})
-
-    def _load_balance(self, routing: Routing) -> Tensor:
-        """The load-balancing loss (MoA eq. 13-15) over the routed heads; with ``route_per_group``, the mean
-        over the groups of each group's loss (each group's router is balanced over its own heads)."""
-        groups = self.route_groups
-        if groups == 1:
-            return load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask,
-                                       fractions=self.load_balance_fractions)
-        n, per = routing.probs.shape[0], self.num_routed_per_group
-        probs, local = routing.probs.view(n, groups, per), routing.expert_index.view(n, groups, -1) % per
-        return grouped_load_balancing_loss(probs, local, routing.token_mask, fractions=self.load_balance_fractions)
+        aux, lb = weighted_load_balance(routing.probs, routing.expert_index, routing.token_mask,
+                                        self.load_balance_weight, self.load_balance_fractions, self.route_groups)
+        return AttentionOutput(y, aux, cache, routing, {"load_balance": lb})
 
     def _forward_sparse(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
                         key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
