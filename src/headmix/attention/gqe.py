@@ -278,7 +278,8 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         y = self.out_proj(torch.cat(slots, dim=2).reshape(batch, tgt, self.num_slots * d_h))
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
-        experts = index + self.experts_per_group * torch.arange(groups, device=index.device)[:, None]
+        per = self.experts_per_group  # group g's first expert g M: one arange with a step
+        experts = index + torch.arange(0, groups * per, per, device=index.device)[:, None]
         mask = None if token_mask is None else token_mask.reshape(n)
         routing = Routing(logits.view(n, self.num_experts), p.view(n, self.num_experts),
                           experts.view(n, groups * k_sel), w.view(n, groups * k_sel).to(query.dtype), mask,

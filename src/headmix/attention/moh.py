@@ -151,7 +151,8 @@ class MoHHeadWeighting:
         batch, time, _ = x.shape
         n, route_groups = batch * time, self.route_groups
         if route_groups > 1:  # routed heads numbered group by group
-            index = index + self.num_routed_per_group * torch.arange(route_groups, device=x.device)[:, None]
+            per = self.num_routed_per_group  # each group's first routed head: one arange with a step
+            index = index + torch.arange(0, route_groups * per, per, device=x.device)[:, None]
         mask = None if token_mask is None else token_mask.reshape(-1)
         slots = route_groups * self.top_k
         return Routing(logits.reshape(n, self.num_routed_heads), probs.reshape(n, self.num_routed_heads),
@@ -358,13 +359,17 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         grouped-query attention call (:func:`~headmix.attention.moh_sparse.routed_layout`)."""
         return bool(self.route_per_group or self.kv_heads == 1)
 
+    def _head_blocks(self, weight: Tensor, size: int, dim: int) -> tuple[Tensor | None, Tensor]:
+        """The shared and the routed heads' blocks of a per-head weight (:func:`_head_blocks`)."""
+        return _head_blocks(weight, self.route_groups, self.num_shared_heads, size, dim)
+
     def routed_queries(self, x: Tensor) -> Tensor:
         """The routed heads' queries ``x W_q^i + b_q^i`` ``(N, R, key_dim)`` (``N = batch * time``), heads in
         :attr:`routed_head_ids` order: what ``router="query_norm"`` reads (before rotary and QK-norm)."""
         compute = autocast_dtype(x)  # under autocast the weight is cast whole (not its routed rows apart)
         w_q, b_q = (None if t is None else t.to(compute or t.dtype) for t in (self.q_proj.weight, self.q_proj.bias))
-        rows = _head_block(w_q, self.routed_head_ids, self.key_dim, 0)
-        bias = None if b_q is None else _head_block(b_q, self.routed_head_ids, self.key_dim, 0)
+        rows = self._head_blocks(w_q, self.key_dim, 0)[1]
+        bias = None if b_q is None else self._head_blocks(b_q, self.key_dim, 0)[1]
         return F.linear(x.reshape(-1, x.shape[-1]), rows, bias).view(-1, self.num_routed_heads, self.key_dim)
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
@@ -441,11 +446,14 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         # layer's weights); casting each head block apart would cast parts of one parameter several times.
         w_q, b_q, w_o = (None if t is None else t.to(compute)
                          for t in (self.q_proj.weight, self.q_proj.bias, self.out_proj.weight))
+        # the shared heads' and the routed heads' blocks: W_q^i rows (R d_k, d_model), W_o^i columns (d_model, R d_v)
+        w_q_shared, w_q_rows = self._head_blocks(w_q, dk, 0)
+        b_q_shared, b_q_routed = (None, None) if b_q is None else self._head_blocks(b_q, dk, 0)
+        w_o_shared, w_o_cols = self._head_blocks(w_o, dv, 1)
         gates_all = self.output_gates(query)  # Gated Attention G1, (batch, time, heads, 1 or d_v), or None
         y = None
         if shared:
-            q_s = split_heads(F.linear(query, _head_block(w_q, shared_ids, dk, 0),
-                                       None if b_q is None else _head_block(b_q, shared_ids, dk, 0)), shared)
+            q_s = split_heads(F.linear(query, w_q_shared, b_q_shared), shared)
             if self.q_norm is not None:
                 q_s = self.q_norm(q_s)
             q_s = self._rotate_queries(q_s, key, cache, past_len)
@@ -455,11 +463,9 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             if gates_all is not None:
                 o_s = o_s * gates_all[:, :, shared_ids].transpose(1, 2).to(o_s.dtype)
             o_s = o_s * shared_w.to(o_s.dtype).view(batch, tgt, shared).transpose(1, 2).unsqueeze(-1)
-            y = F.linear(merge_heads(o_s), _head_block(w_o, shared_ids, dv, 1))
+            y = F.linear(merge_heads(o_s), w_o_shared)
         n, routed, index = batch * tgt, self.num_routed_heads, routing.expert_index
         slots_per_token = index.shape[1]  # top_k, times the groups with route_per_group
-        w_q_rows = _head_block(w_q, routed_ids, dk, 0)  # the routed heads' W_q^i, (R d_k, d_model)
-        w_o_cols = _head_block(w_o, routed_ids, dv, 1)  # their W_o^i, (d_model, R d_v)
         # head i's W_q^i (d_k, d_model) and W_o^i (d_model, d_v), read in place by the grouped kernels as their
         # transposes (no copy of the weights per call: the CPU kernels multiply by views, the GPU ones take strides)
         w_q_routed = w_q_rows.view(routed, dk, dim)
@@ -479,7 +485,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             q_r = expert_map(query.reshape(n, dim).to(compute), w_q_routed.transpose(1, 2).to(compute),
                              info, impl=self.expert_impl)
         if b_q is not None and routed_q is None:
-            q_r = q_r + _head_block(b_q, routed_ids, dk, 0).view(routed, dk).to(q_r.dtype)[index]
+            q_r = q_r + b_q_routed.view(routed, dk).to(q_r.dtype)[index]
         if self.q_norm is not None:
             q_r = self.q_norm(q_r)
         if self.rotary is not None and key is None and not (cache is not None and cache.static):
@@ -543,22 +549,22 @@ def _consecutive(heads: list[int]) -> bool:
     return heads == list(range(heads[0], heads[0] + len(heads)))
 
 
-def _head_block(weight: Tensor, heads: list[int], size: int, dim: int) -> Tensor:
-    """The rows (``dim=0``) or columns (``dim=1``) of the query heads ``heads`` in a per-head weight (``size``
-    each): a view when the heads are consecutive (always without ``route_per_group``), else the same run of heads
-    in each of several equal groups (:func:`head_ids`' shared or routed heads with ``route_per_group``), copied
-    out of a view of the groups (one copy; no index tensor built from the head numbers, which would be a
-    host-to-device copy on a GPU)."""
-    if _consecutive(heads):
-        return weight.narrow(dim, heads[0] * size, len(heads) * size)
-    run = next(i for i in range(1, len(heads)) if heads[i] != heads[0] + i)  # heads per group
-    stride, first = heads[run] - heads[0], heads[0]
-    groups = len(heads) // run
-    if len(heads) % run or heads != [first + g * stride + j for g in range(groups) for j in range(run)]:
-        raise ValueError(f"heads must be one run of consecutive heads per group, got {heads}")
-    blocks = weight.unflatten(dim, (weight.shape[dim] // (stride * size), stride * size))  # (groups, heads of one)
-    block = blocks.narrow(dim, first // stride, groups).narrow(dim + 1, (first % stride) * size, run * size)
-    return block.flatten(dim, dim + 1)
+def _head_blocks(weight: Tensor, groups: int, shared: int, size: int, dim: int) -> tuple[Tensor | None, Tensor]:
+    """The rows (``dim=0``) or columns (``dim=1``) of the shared and of the routed query heads (:func:`head_ids`:
+    ``groups`` groups of equal size, the first ``shared`` heads of each shared) in a per-head weight (``size``
+    each), split in one operation (its backward is one concatenation; a slice per block would cost a
+    zero-filled copy each and their sum): views with one group, a copy of each block with several (no index
+    tensor built from the head numbers, which would be a host-to-device copy on a GPU). The shared block is None
+    without shared heads."""
+    if not shared:
+        return None, weight
+    group_size = weight.shape[dim] // groups
+    blocks = weight.unflatten(dim, (groups, group_size)) if groups > 1 else weight
+    at = dim + 1 if groups > 1 else dim
+    shared_block, routed_block = blocks.split([shared * size, group_size - shared * size], at)
+    if groups == 1:
+        return shared_block, routed_block
+    return shared_block.contiguous().flatten(dim, at), routed_block.contiguous().flatten(dim, at)
 
 
 def _kv_of_heads(k: Tensor, v: Tensor, heads: list[int], num_heads: int) -> tuple[Tensor, Tensor]:
