@@ -62,9 +62,26 @@ LAYERS: dict[str, tuple[AttentionConfig, AttentionConfig]] = {
 
 #: Issue 58's target: at most 2x the dense baseline's operations per training step.
 TARGET = 2.0
-#: The layers that do not reach it yet, with the ratio they must stay under at both sizes (docs/performance.md,
-#: "ATen operations per training step": what remains and why).
-BOUNDS: dict[str, float] = {}
+#: The layers that do not reach it yet, per size: the ratio measured at this commit, which they must not exceed
+#: (one operation more breaks it; docs/performance.md, "ATen operations per training step", says what remains and
+#: why). Before issue 58 (operations / baseline's, 2x16 and 16x128): GQE 89/24 and 87/26 at both sizes, MoH per group
+#: 91 and 81/24, with a shared head 171 and 161/24, one K/V head 144 and 134/26, global sparse 194 and 184/24, global
+#: dense 104/24; MoA and SwitchHead as now.
+BOUNDS: dict[tuple[str, str], float] = {
+    ("gqe H on H/2, top 1", "2x16"): 77 / 24, ("gqe H on H/2, top 1", "16x128"): 77 / 24,
+    ("gqe H/2 on H/8, top 2", "2x16"): 75 / 26, ("gqe H/2 on H/8, top 2", "16x128"): 75 / 26,
+    ("moh per group, top 2 of 4", "2x16"): 71 / 24, ("moh per group, top 2 of 4", "16x128"): 63 / 24,
+    ("moh per group, 1 shared + top 1 of 3", "2x16"): 124 / 24,
+    ("moh per group, 1 shared + top 1 of 3", "16x128"): 114 / 24,
+    ("moh one K/V head, 2 shared + top 2", "2x16"): 123 / 26,
+    ("moh one K/V head, 2 shared + top 2", "16x128"): 113 / 26,
+    ("moh global sparse, 2 shared + top 2", "2x16"): 173 / 24,
+    ("moh global sparse, 2 shared + top 2", "16x128"): 163 / 24,
+    ("moh global dense, 2 shared + top 2", "2x16"): 89 / 24, ("moh global dense, 2 shared + top 2", "16x128"): 89 / 24,
+    ("moa H/2 of 2H, 1 K/V", "2x16"): 74 / 26, ("moa H/2 of 2H, 1 K/V", "16x128"): 58 / 26,
+    ("moa H/4 of H, 2 K/V", "2x16"): 80 / 24, ("moa H/4 of H, 2 K/V", "16x128"): 64 / 24,
+    ("switchhead 2H4E2K", "2x16"): 78 / 24, ("switchhead 2H4E2K", "16x128"): 62 / 24,
+}
 
 
 class OpRecorder(TorchDispatchMode):
@@ -122,8 +139,8 @@ def counts() -> dict[tuple[str, str], tuple[int, int]]:
 @pytest.mark.parametrize("name", LAYERS)
 def test_training_step_dispatches_at_most_twice_the_baseline(counts, name, size):
     ops, base = counts[name, size]
-    bound = BOUNDS.get(name, TARGET)
-    assert ops / base <= bound, (f"{name} at {size}: {ops} ATen operations per forward+backward, {ops / base:.2f}x "
+    bound = BOUNDS.get((name, size), TARGET)
+    assert ops / base <= bound + 1e-12, (f"{name} at {size}: {ops} ATen operations per forward+backward, {ops / base:.2f}x "
                                  f"its dense baseline's {base} (at most {bound}x)")
 
 
