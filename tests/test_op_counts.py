@@ -52,6 +52,8 @@ LAYERS: dict[str, tuple[AttentionConfig, AttentionConfig]] = {
     "moh one K/V head, 2 shared + top 2": (_moh("sparse", 2, 2, kv=1), _mha(8, 1)),
     "moh global sparse, 2 shared + top 2": (_moh("sparse", 2, 2), _mha(8)),
     "moh global dense, 2 shared + top 2": (_moh("dense", 2, 2), _mha(8)),
+    # the shared heads end inside K/V group 0: the sparse path copies the K/V heads the shared and routed heads read
+    "moh global sparse on 2 K/V, 3 shared + top 2": (_moh("sparse", 3, 2, kv=2), _mha(8, 2)),
     "moa H/2 of 2H, 1 K/V": (AttentionConfig(kind="moa", num_experts=16, top_k=4, head_dim=HEAD, kv_heads=1),
                              _mha(4, 1)),
     "moa H/4 of H, 2 K/V": (AttentionConfig(kind="moa", num_experts=8, top_k=2, head_dim=HEAD, kv_heads=2),
@@ -77,6 +79,8 @@ BOUNDS: dict[tuple[str, str], float] = {
     ("moh one K/V head, 2 shared + top 2", "16x128"): 113 / 26,
     ("moh global sparse, 2 shared + top 2", "2x16"): 173 / 24,
     ("moh global sparse, 2 shared + top 2", "16x128"): 163 / 24,
+    ("moh global sparse on 2 K/V, 3 shared + top 2", "2x16"): 183 / 24,
+    ("moh global sparse on 2 K/V, 3 shared + top 2", "16x128"): 173 / 24,
     ("moh global dense, 2 shared + top 2", "2x16"): 89 / 24, ("moh global dense, 2 shared + top 2", "16x128"): 89 / 24,
     ("moa H/2 of 2H, 1 K/V", "2x16"): 74 / 26, ("moa H/2 of 2H, 1 K/V", "16x128"): 58 / 26,
     ("moa H/4 of H, 2 K/V", "2x16"): 80 / 24, ("moa H/4 of H, 2 K/V", "16x128"): 64 / 24,
