@@ -62,6 +62,21 @@ LAYERS: dict[str, tuple[AttentionConfig, AttentionConfig]] = {
                                           head_dim=-(-D_MODEL // 3)), _mha(8)),
 }
 
+#: More routed layers for the checks under autocast: the random and query-norm routers, rotary embeddings.
+ROUTED_VARIANTS: dict[str, AttentionConfig] = {
+    "moa random router, rotary": AttentionConfig(kind="moa", num_experts=16, top_k=4, head_dim=HEAD, router="random",
+                                                 rotary=True),
+    "moh random router": _moh("sparse", 2, 2, router="random"),
+    "moh query-norm router": _moh("sparse", 2, 2, router="query_norm"),
+    "moh per group query-norm router, rotary": _moh("sparse", 1, 2, kv=2, per_group=True, router="query_norm",
+                                                    rotary=True),
+    "gqe random router": AttentionConfig(kind="gqe", num_experts=8, kv_heads=4, top_k=1, head_dim=HEAD,
+                                         router="random"),
+    "switchhead random router": AttentionConfig(kind="switchhead", num_heads=2, num_experts=4, top_k=2,
+                                                head_dim=-(-D_MODEL // 3), router="random"),
+}
+ROUTED = {name: routed for name, (routed, _) in LAYERS.items()} | ROUTED_VARIANTS
+
 #: Issue 58's target: at most 2x the dense baseline's operations per training step.
 TARGET = 2.0
 #: The layers that do not reach it yet, per size: the ratio measured at this commit, which they must not exceed
@@ -113,13 +128,20 @@ def build(config: AttentionConfig) -> torch.nn.Module:
     return config.build(D_MODEL).train()
 
 
-def training_step(layer: torch.nn.Module, batch: int, time: int, autocast: bool = False) -> OpRecorder:
+def training_step(layer: torch.nn.Module, batch: int, time: int, autocast: bool = False,
+                  padded: bool = False) -> OpRecorder:
     """The operations of one forward + backward of ``layer`` (causal self-attention; loss: the output's sum plus
-    the auxiliary loss); ``autocast``: under CPU autocast to bfloat16."""
+    the auxiliary loss); ``autocast``: under CPU autocast to bfloat16; ``padded``: the last row's last 3 tokens are
+    padding (key and query padding masks)."""
     x = torch.randn(batch, time, D_MODEL, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    masks = {}
+    if padded:
+        pad = torch.zeros(batch, time, dtype=torch.bool)
+        pad[-1, -3:] = True
+        masks = {"key_padding_mask": pad, "query_padding_mask": pad}
     with OpRecorder() as rec:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = layer(x, is_causal=True)
+            out = layer(x, is_causal=True, **masks)
             loss = out.output.float().sum() + out.aux_loss.float()
         loss.backward()
     return rec
@@ -167,11 +189,26 @@ def test_recorder_sees_tensors_from_python_values():
     assert rec.all_ops == ["lift_fresh", "lift_fresh"]
 
 
-@pytest.mark.parametrize("name", LAYERS)
-def test_step_under_autocast_builds_no_tensor_from_python_values(name):
-    rec = training_step(build(LAYERS[name][0]), *SIZES["2x16"], autocast=True)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("name", ROUTED)
+def test_step_under_autocast_builds_no_tensor_from_python_values(name, padded):
+    rec = training_step(build(ROUTED[name]), *SIZES["2x16"], autocast=True, padded=padded)
     built = [op for op in rec.all_ops if op in FROM_PYTHON]
     assert not built, f"{name}: a step under autocast builds tensors from Python values: {built}"
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_decoding_under_autocast_builds_no_tensor_from_python_values(name):
+    """A prefill, a cached step, the cache preallocated and two steps more: each step on the device only."""
+    layer = build(ROUTED[name]).eval()
+    x = torch.randn(2, 12, D_MODEL, generator=torch.Generator().manual_seed(2))
+    with OpRecorder() as rec, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = layer(x[:, :8], is_causal=True, use_cache=True).cache
+        cache = layer(x[:, 8:9], cache=cache, use_cache=True).cache.preallocate(12)
+        for t in (9, 10):
+            cache = layer(x[:, t:t + 1], cache=cache, use_cache=True).cache
+    built = [op for op in rec.all_ops if op in FROM_PYTHON]
+    assert not built, f"{name}: cached decoding under autocast builds tensors from Python values: {built}"
 
 
 def parameter_casts(layer: torch.nn.Module, rec: OpRecorder) -> tuple[list[str], list[str]]:
@@ -196,10 +233,11 @@ def parameter_casts(layer: torch.nn.Module, rec: OpRecorder) -> tuple[list[str],
     return partial, repeated
 
 
-@pytest.mark.parametrize("name", LAYERS)
-def test_step_under_autocast_casts_each_parameter_whole_once(name):
-    layer = build(LAYERS[name][0])
-    rec = training_step(layer, *SIZES["2x16"], autocast=True)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("name", ROUTED)
+def test_step_under_autocast_casts_each_parameter_whole_once(name, padded):
+    layer = build(ROUTED[name])
+    rec = training_step(layer, *SIZES["2x16"], autocast=True, padded=padded)
     partial, repeated = parameter_casts(layer, rec)
     assert not partial and not repeated, (f"{name}: under autocast a step casts parts of parameters {partial} and "
                                           f"parameters again {repeated}")

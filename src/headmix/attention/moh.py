@@ -171,7 +171,8 @@ class MoHHeadWeighting:
             norms = routed_queries.detach().to(router_dtype(x)).norm(dim=-1).view(n, route_groups, per)
             if per > 1:
                 std = norms.std(dim=-1, keepdim=True)
-                logits = torch.where(std > 0, norms / torch.where(std > 0, std, 1.0), 0.0)
+                no_spread = ~(std > 0)  # std 0 or NaN (masked fills: torch.where of Python numbers builds tensors)
+                logits = (norms / std.masked_fill(no_spread, 1.0)).masked_fill(no_spread, 0.0)
             else:  # one routed head: no standard deviation; it is always selected
                 logits = torch.zeros_like(norms)
             probs = logits.softmax(-1)
@@ -363,13 +364,16 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         """The shared and the routed heads' blocks of a per-head weight (:func:`_head_blocks`)."""
         return _head_blocks(weight, self.route_groups, self.num_shared_heads, size, dim)
 
-    def routed_queries(self, x: Tensor) -> Tensor:
+    def routed_queries(self, x: Tensor, rows: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
         """The routed heads' queries ``x W_q^i + b_q^i`` ``(N, R, key_dim)`` (``N = batch * time``), heads in
-        :attr:`routed_head_ids` order: what ``router="query_norm"`` reads (before rotary and QK-norm)."""
-        compute = autocast_dtype(x)  # under autocast the weight is cast whole (not its routed rows apart)
-        w_q, b_q = (None if t is None else t.to(compute or t.dtype) for t in (self.q_proj.weight, self.q_proj.bias))
-        rows = self._head_blocks(w_q, self.key_dim, 0)[1]
-        bias = None if b_q is None else self._head_blocks(b_q, self.key_dim, 0)[1]
+        :attr:`routed_head_ids` order: what ``router="query_norm"`` reads (before rotary and QK-norm). ``rows``,
+        ``bias``: the routed heads' rows of ``W_q`` and ``b_q`` where the caller has them (cast already); by
+        default the layer's, its weight cast whole under autocast (not its routed rows apart)."""
+        if rows is None:
+            compute = autocast_dtype(x)
+            w_q, b_q = (None if t is None else t.to(compute or t.dtype) for t in (self.q_proj.weight, self.q_proj.bias))
+            rows = self._head_blocks(w_q, self.key_dim, 0)[1]
+            bias = None if b_q is None else self._head_blocks(b_q, self.key_dim, 0)[1]
         return F.linear(x.reshape(-1, x.shape[-1]), rows, bias).view(-1, self.num_routed_heads, self.key_dim)
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
@@ -432,16 +436,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
         compute = autocast_dtype(query) or query.dtype
-        # router="query_norm" reads every routed head's query: the routed projection is computed whole, once
-        routed_q = self.routed_queries(query.to(compute)) if self.query_norm_routing else None
-        shared_w, routing = self._weights(query, token_mask, past_len, routed_q)
-        bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
-                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
-                                             dtype=k.dtype, device=k.device)
-        dropout = self.dropout if self.training else 0.0
         dk, dv = self.key_dim, self.head_dim
-        shared_ids, routed_ids = self.shared_head_ids, self.routed_head_ids
-        shared = len(shared_ids)
         # Under autocast each weight is cast whole, once per call, and sliced after (as autocast casts a dense
         # layer's weights); casting each head block apart would cast parts of one parameter several times.
         w_q, b_q, w_o = (None if t is None else t.to(compute)
@@ -450,6 +445,15 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         w_q_shared, w_q_rows = self._head_blocks(w_q, dk, 0)
         b_q_shared, b_q_routed = (None, None) if b_q is None else self._head_blocks(b_q, dk, 0)
         w_o_shared, w_o_cols = self._head_blocks(w_o, dv, 1)
+        # router="query_norm" reads every routed head's query: the routed projection is computed whole, once
+        routed_q = self.routed_queries(query.to(compute), w_q_rows, b_q_routed) if self.query_norm_routing else None
+        shared_w, routing = self._weights(query, token_mask, past_len, routed_q)
+        bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
+                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
+                                             dtype=k.dtype, device=k.device)
+        dropout = self.dropout if self.training else 0.0
+        shared_ids, routed_ids = self.shared_head_ids, self.routed_head_ids
+        shared = len(shared_ids)
         gates_all = self.output_gates(query)  # Gated Attention G1, (batch, time, heads, 1 or d_v), or None
         y = None
         if shared:
