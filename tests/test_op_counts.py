@@ -98,7 +98,7 @@ BOUNDS: dict[tuple[str, str], float] = {
     ("moh global sparse on 2 K/V, 3 shared + top 2", "16x128"): 173 / 24,
     ("moh global dense, 2 shared + top 2", "2x16"): 89 / 24, ("moh global dense, 2 shared + top 2", "16x128"): 89 / 24,
     ("moa H/2 of 2H, 1 K/V", "2x16"): 74 / 26, ("moa H/2 of 2H, 1 K/V", "16x128"): 58 / 26,
-    ("moa H/4 of H, 2 K/V", "2x16"): 80 / 24, ("moa H/4 of H, 2 K/V", "16x128"): 64 / 24,
+    ("moa H/4 of H, 2 K/V", "2x16"): 78 / 24, ("moa H/4 of H, 2 K/V", "16x128"): 62 / 24,
     ("switchhead 2H4E2K", "2x16"): 78 / 24, ("switchhead 2H4E2K", "16x128"): 62 / 24,
 }
 
