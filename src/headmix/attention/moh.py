@@ -467,7 +467,8 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             if gates_all is not None:
                 o_s = o_s * gates_all[:, :, shared_ids].transpose(1, 2).to(o_s.dtype)
             o_s = o_s * shared_w.to(o_s.dtype).view(batch, tgt, shared).transpose(1, 2).unsqueeze(-1)
-            y = F.linear(merge_heads(o_s), w_o_shared)
+            # over (batch * time) rows: a 3-d input without bias costs F.linear an _unsafe_view
+            y = F.linear(merge_heads(o_s).flatten(0, 1), w_o_shared).view(batch, tgt, dim)
         n, routed, index = batch * tgt, self.num_routed_heads, routing.expert_index
         slots_per_token = index.shape[1]  # top_k, times the groups with route_per_group
         # head i's W_q^i (d_k, d_model) and W_o^i (d_model, d_v), read in place by the grouped kernels as their
