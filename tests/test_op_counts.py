@@ -86,8 +86,8 @@ TARGET = 2.0
 #: 91 and 81/24, with a shared head 171 and 161/24, one K/V head 144 and 134/26, global sparse 194 and 184/24, global
 #: dense 104/24; MoA and SwitchHead as now.
 BOUNDS: dict[tuple[str, str], float] = {
-    ("gqe H on H/2, top 1", "2x16"): 77 / 24,
-    ("gqe H/2 on H/8, top 2", "2x16"): 75 / 26,
+    ("gqe H on H/2, top 1", "2x16"): 75 / 24,
+    ("gqe H/2 on H/8, top 2", "2x16"): 73 / 26,
     ("moh per group, top 2 of 4", "2x16"): 71 / 24,
     ("moh per group, 1 shared + top 1 of 3", "2x16"): 123 / 24,
     ("moh one K/V head, 2 shared + top 2", "2x16"): 122 / 26,
@@ -97,8 +97,8 @@ BOUNDS: dict[tuple[str, str], float] = {
     ("moa H/2 of 2H, 1 K/V", "2x16"): 74 / 26,
     ("moa H/4 of H, 2 K/V", "2x16"): 78 / 24,
     ("switchhead 2H4E2K", "2x16"): 78 / 24,
-    ("gqe H on H/2, top 1", "16x128"): 77 / 24,
-    ("gqe H/2 on H/8, top 2", "16x128"): 75 / 26,
+    ("gqe H on H/2, top 1", "16x128"): 75 / 24,
+    ("gqe H/2 on H/8, top 2", "16x128"): 73 / 26,
     ("moh per group, top 2 of 4", "16x128"): 63 / 24,
     ("moh per group, 1 shared + top 1 of 3", "16x128"): 113 / 24,
     ("moh one K/V head, 2 shared + top 2", "16x128"): 112 / 26,

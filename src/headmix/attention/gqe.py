@@ -257,8 +257,10 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         logits, p, index, top_p = self.route(query, past_len)
         # all the experts' queries in one GEMM, then each token's selected ones (faster on the CPU at the paper's
         # shapes than gathering per-token expert weights; counted as computed in models/counting.py)
-        q_all = self.q_proj(query)
-        q_experts = q_all[..., :self.num_experts * d_h].view(batch, tgt, groups, self.experts_per_group, d_h)
+        q_experts = self.q_proj(query)
+        if self.shared_head:  # the experts' queries and the shared head's: one split (backward: one concatenation)
+            q_experts, q_shared = q_experts.split([self.num_experts * d_h, d_h], -1)
+        q_experts = q_experts.view(batch, tgt, groups, self.experts_per_group, d_h)
         pick = index.view(batch, tgt, groups, k_sel, 1).expand(-1, -1, -1, -1, d_h)
         q = q_experts.gather(3, pick).view(batch, tgt, groups * k_sel, d_h).transpose(1, 2)
         q = self._rotate_queries(q, key, cache, past_len)
@@ -272,7 +274,7 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         if self.weighted_slot:
             slots.append((o * w.view(batch, tgt, groups * k_sel, 1).to(o.dtype)).sum(2, keepdim=True))
         if self.shared_head:
-            q_s = self._rotate_queries(q_all[..., self.num_experts * d_h:].unsqueeze(1), key, cache, past_len)
+            q_s = self._rotate_queries(q_shared.unsqueeze(1), key, cache, past_len)
             o_s = scaled_dot_product(q_s, *self.shared_kv(k, v), bias, empty, dropout, causal=causal)
             slots.append(o_s.transpose(1, 2))
         y = self.out_proj(torch.cat(slots, dim=2).reshape(batch, tgt, self.num_slots * d_h))

@@ -152,7 +152,7 @@ class MoHHeadWeighting:
         n, route_groups = batch * time, self.route_groups
         if route_groups > 1:  # routed heads numbered group by group
             per = self.num_routed_per_group  # each group's first routed head: one arange with a step
-            index = index + torch.tensor(list(range(0, route_groups * per, per)), device=x.device)[:, None]
+            index = index + torch.arange(0, route_groups * per, per, device=x.device)[:, None]
         mask = None if token_mask is None else token_mask.reshape(-1)
         slots = route_groups * self.top_k
         return Routing(logits.reshape(n, self.num_routed_heads), probs.reshape(n, self.num_routed_heads),
