@@ -174,8 +174,8 @@ def counts() -> dict[tuple[str, str], tuple[int, int]]:
 def test_training_step_dispatches_at_most_twice_the_baseline(counts, name, size):
     ops, base = counts[name, size]
     bound = BOUNDS.get((name, size), TARGET)
-    assert ops / base <= bound + 1e-12, (f"{name} at {size}: {ops} ATen operations per forward+backward, {ops / base:.2f}x "
-                                 f"its dense baseline's {base} (at most {bound}x)")
+    assert ops / base <= bound + 1e-12, (f"{name} at {size}: {ops} ATen operations per forward+backward, "
+                                         f"{ops / base:.2f}x its dense baseline's {base} (at most {bound:.2f}x)")
 
 
 #: The GPU path (``expert_impl="triton"``: the Triton kernels, here in the interpreter) of the layers that

@@ -78,7 +78,7 @@ def weighted_load_balance(probs: Tensor, expert_index: Tensor, token_mask: Tenso
     :func:`load_balancing_loss` weighted by ``weight``."""
     check_fractions(fractions)
     if probs.shape[0] == 0:
-        (n, num_experts), per = probs.shape, probs.shape[1] // groups
+        n, per = probs.shape[0], probs.shape[1] // groups
         la = grouped_load_balancing_loss(probs.view(n, groups, per),
                                          expert_index.view(n, groups, expert_index.shape[1] // groups) % per,
                                          token_mask, fractions)
