@@ -71,7 +71,8 @@ class KVCache:
             out[:, :, :t.shape[2]] = t
             return out
 
-        position = torch.tensor(self.length, dtype=torch.long, device=self.key.device)
+        # filled on the device (torch.tensor of a Python int would be a host-to-device copy on a GPU)
+        position = torch.full((), self.length, dtype=torch.long, device=self.key.device)
         return KVCache(buffer(self.key), buffer(self.value), self.layer_id, position=position)
 
     @property

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..routing import Routing
-from ..routing.losses import check_fractions, grouped_load_balancing_loss
+from ..routing.losses import check_fractions, weighted_load_balance
 from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
 from ..routing.task_gradient import check_router_learns, gqe_router_without_task_gradient
@@ -257,8 +257,10 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         logits, p, index, top_p = self.route(query, past_len)
         # all the experts' queries in one GEMM, then each token's selected ones (faster on the CPU at the paper's
         # shapes than gathering per-token expert weights; counted as computed in models/counting.py)
-        q_all = self.q_proj(query)
-        q_experts = q_all[..., :self.num_experts * d_h].view(batch, tgt, groups, self.experts_per_group, d_h)
+        q_experts = self.q_proj(query)
+        if self.shared_head:  # the experts' queries and the shared head's: one split (backward: one concatenation)
+            q_experts, q_shared = q_experts.split([self.num_experts * d_h, d_h], -1)
+        q_experts = q_experts.view(batch, tgt, groups, self.experts_per_group, d_h)
         pick = index.view(batch, tgt, groups, k_sel, 1).expand(-1, -1, -1, -1, d_h)
         q = q_experts.gather(3, pick).view(batch, tgt, groups * k_sel, d_h).transpose(1, 2)
         q = self._rotate_queries(q, key, cache, past_len)
@@ -272,21 +274,24 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         if self.weighted_slot:
             slots.append((o * w.view(batch, tgt, groups * k_sel, 1).to(o.dtype)).sum(2, keepdim=True))
         if self.shared_head:
-            q_s = self._rotate_queries(q_all[..., self.num_experts * d_h:].unsqueeze(1), key, cache, past_len)
+            q_s = self._rotate_queries(q_shared.unsqueeze(1), key, cache, past_len)
             o_s = scaled_dot_product(q_s, *self.shared_kv(k, v), bias, empty, dropout, causal=causal)
             slots.append(o_s.transpose(1, 2))
         y = self.out_proj(torch.cat(slots, dim=2).reshape(batch, tgt, self.num_slots * d_h))
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
-        experts = index + self.experts_per_group * torch.arange(groups, device=index.device)[:, None]
+        per = self.experts_per_group  # group g's first expert g M: one arange with a step
+        experts = index + torch.arange(0, groups * per, per, device=index.device)[:, None]
         mask = None if token_mask is None else token_mask.reshape(n)
         routing = Routing(logits.view(n, self.num_experts), p.view(n, self.num_experts),
                           experts.view(n, groups * k_sel), w.view(n, groups * k_sel).to(query.dtype), mask,
                           (batch, tgt))
         if self.random_routing:
             return AttentionOutput(y, zero_loss(query), new_cache, routing)
-        lb = self._load_balance(p, index, mask)
-        return AttentionOutput(y, self.load_balance_weight * lb, new_cache, routing, {"load_balance": lb})
+        # the mean over the groups of each group's load-balancing loss (MoA eq. 13-15) over its M experts
+        aux, lb = weighted_load_balance(routing.probs, routing.expert_index, mask, self.load_balance_weight,
+                                        self.load_balance_fractions, groups)
+        return AttentionOutput(y, aux, new_cache, routing, {"load_balance": lb})
 
     def shared_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The shared head's keys and values ``(B, 1, S, d_h)`` from the ``G`` K/V heads ``k``, ``v`` ``(B, G, S,
@@ -295,7 +300,3 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         if self.shared_head_kv == "head0":
             return k[:, :1], v[:, :1]
         return k.mean(1, keepdim=True), v.mean(1, keepdim=True)
-
-    def _load_balance(self, p: Tensor, index: Tensor, mask: Tensor | None) -> Tensor:
-        """The mean over the groups of each group's load-balancing loss (MoA eq. 13-15) over its ``M`` experts."""
-        return grouped_load_balancing_loss(p, index, mask, fractions=self.load_balance_fractions)

@@ -155,15 +155,16 @@ class MixtureOfAttentionHeads(AttentionLayer):
         # eq. 10: q_{i,t} = q_t W_q^i for the k selected experts: k * kv_heads query heads, ordered
         # (K/V head g, expert slot j) so that query head g * k + j uses K/V head g (grouped-query attention).
         q = expert_map(query.reshape(n, dim).to(compute), self.query_experts.to(compute), info, impl=self.expert_impl)
-        q = q.view(batch, tgt, k, self.kv_heads, self.head_dim).permute(0, 3, 2, 1, 4).reshape(
-            batch, self.kv_heads * k, tgt, self.head_dim)
+        q = q.view(batch, tgt, k, self.kv_heads, self.head_dim).permute(0, 3, 2, 1, 4)
+        # one K/V head: a view; more: one copy (contiguous, then a view: reshape would add an _unsafe_view operation)
+        q = (q if self.kv_heads == 1 else q.contiguous()).reshape(batch, self.kv_heads * k, tgt, self.head_dim)
         q = self._rotate_queries(q, key, cache, past_len)
         bias, empty, causal = attention_bias(batch, 1, tgt, k_shared.shape[2], key_padding_mask=key_padding_mask,
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=q.dtype, device=q.device)
         o = scaled_dot_product(q, k_shared, v_shared, bias, empty, self.dropout if self.training else 0.0, causal=causal)
         # eq. 11-12 and 6: o_{i,t} W_o^i, weighted by w_{i,t} and summed over the selected experts.
-        o = o.view(batch, self.kv_heads, k, tgt, self.head_dim).permute(0, 3, 2, 1, 4).reshape(
+        o = o.view(batch, self.kv_heads, k, tgt, self.head_dim).permute(0, 3, 2, 1, 4).contiguous().view(
             n, k, self.kv_heads * self.head_dim).to(compute)
         y = expert_reduce(o, self.output_experts.to(compute), routing.gates.to(compute), info,
                           impl=self.expert_impl).view(batch, tgt, dim)

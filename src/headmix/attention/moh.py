@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
-from ..routing import Routing, load_balancing_loss
-from ..routing.losses import check_fractions, grouped_load_balancing_loss
+from ..routing import Routing
+from ..routing.losses import check_fractions, weighted_load_balance
 from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
 from ..routing.task_gradient import check_router_learns, moh_router_without_task_gradient
@@ -127,8 +127,9 @@ class MoHHeadWeighting:
             else:
                 top_p, index = probs.topk(self.top_k, dim=-1)
             if self.head_weighting == "renormalized":
-                denominator = top_p.sum(-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
-                routed = top_p / denominator * self.top_k
+                # no clamp: the selected probabilities hold the largest (>= 1 / routed heads), or with
+                # router="random" equal ones (zero logits), so their sum is positive
+                routed = top_p / top_p.sum(-1, keepdim=True) * self.top_k
             elif self.head_weighting == "scaled":
                 routed = top_p * self.num_routed_per_group
             else:
@@ -150,7 +151,8 @@ class MoHHeadWeighting:
         batch, time, _ = x.shape
         n, route_groups = batch * time, self.route_groups
         if route_groups > 1:  # routed heads numbered group by group
-            index = index + self.num_routed_per_group * torch.arange(route_groups, device=x.device)[:, None]
+            per = self.num_routed_per_group  # each group's first routed head: one arange with a step
+            index = index + torch.arange(0, route_groups * per, per, device=x.device)[:, None]
         mask = None if token_mask is None else token_mask.reshape(-1)
         slots = route_groups * self.top_k
         return Routing(logits.reshape(n, self.num_routed_heads), probs.reshape(n, self.num_routed_heads),
@@ -169,7 +171,8 @@ class MoHHeadWeighting:
             norms = routed_queries.detach().to(router_dtype(x)).norm(dim=-1).view(n, route_groups, per)
             if per > 1:
                 std = norms.std(dim=-1, keepdim=True)
-                logits = torch.where(std > 0, norms / torch.where(std > 0, std, 1.0), 0.0)
+                no_spread = ~(std > 0)  # std 0 or NaN (masked fills: torch.where of Python numbers builds tensors)
+                logits = (norms / std.masked_fill(no_spread, 1.0)).masked_fill(no_spread, 0.0)
             else:  # one routed head: no standard deviation; it is always selected
                 logits = torch.zeros_like(norms)
             probs = logits.softmax(-1)
@@ -357,12 +360,20 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         grouped-query attention call (:func:`~headmix.attention.moh_sparse.routed_layout`)."""
         return bool(self.route_per_group or self.kv_heads == 1)
 
-    def routed_queries(self, x: Tensor) -> Tensor:
+    def _head_blocks(self, weight: Tensor, size: int, dim: int) -> tuple[Tensor | None, Tensor]:
+        """The shared and the routed heads' blocks of a per-head weight (:func:`_head_blocks`)."""
+        return _head_blocks(weight, self.route_groups, self.num_shared_heads, size, dim)
+
+    def routed_queries(self, x: Tensor, rows: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
         """The routed heads' queries ``x W_q^i + b_q^i`` ``(N, R, key_dim)`` (``N = batch * time``), heads in
-        :attr:`routed_head_ids` order: what ``router="query_norm"`` reads (before rotary and QK-norm)."""
-        w_q, b_q = self.q_proj.weight, self.q_proj.bias
-        rows = _head_block(w_q, self.routed_head_ids, self.key_dim, 0)
-        bias = None if b_q is None else _head_block(b_q, self.routed_head_ids, self.key_dim, 0)
+        :attr:`routed_head_ids` order: what ``router="query_norm"`` reads (before rotary and QK-norm). ``rows``,
+        ``bias``: the routed heads' rows of ``W_q`` and ``b_q`` where the caller has them (cast already); by
+        default the layer's, its weight cast whole under autocast (not its routed rows apart)."""
+        if rows is None:
+            compute = autocast_dtype(x)
+            w_q, b_q = (None if t is None else t.to(compute or t.dtype) for t in (self.q_proj.weight, self.q_proj.bias))
+            rows = self._head_blocks(w_q, self.key_dim, 0)[1]
+            bias = None if b_q is None else self._head_blocks(b_q, self.key_dim, 0)[1]
         return F.linear(x.reshape(-1, x.shape[-1]), rows, bias).view(-1, self.num_routed_heads, self.key_dim)
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
@@ -405,22 +416,15 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
 
     def _output(self, y: Tensor, cache: KVCache | None, routing: Routing) -> AttentionOutput:
         """The layer's output with its auxiliary loss: the load-balancing loss (MoA eq. 13-15) over the routed
-        heads, weighted by ``load_balance_weight``; none (zero) with ``router="random"`` or ``"query_norm"``."""
+        heads, weighted by ``load_balance_weight``; none (zero) with ``router="random"`` or ``"query_norm"``.
+        With ``route_per_group``, the mean over the groups of each group's loss (each group's router is balanced
+        over its own heads): :func:`~headmix.routing.losses.weighted_load_balance`, whose backward is written by
+        hand."""
         if self.random_routing or self.query_norm_routing:
             return AttentionOutput(y, zero_loss(y), cache, routing)
-        lb = self._load_balance(routing)
-        return AttentionOutput(y, self.load_balance_weight * lb, cache, routing, {"load_balance": lb})
-
-    def _load_balance(self, routing: Routing) -> Tensor:
-        """The load-balancing loss (MoA eq. 13-15) over the routed heads; with ``route_per_group``, the mean
-        over the groups of each group's loss (each group's router is balanced over its own heads)."""
-        groups = self.route_groups
-        if groups == 1:
-            return load_balancing_loss(routing.probs, routing.expert_index, routing.token_mask,
-                                       fractions=self.load_balance_fractions)
-        n, per = routing.probs.shape[0], self.num_routed_per_group
-        probs, local = routing.probs.view(n, groups, per), routing.expert_index.view(n, groups, -1) % per
-        return grouped_load_balancing_loss(probs, local, routing.token_mask, fractions=self.load_balance_fractions)
+        aux, lb = weighted_load_balance(routing.probs, routing.expert_index, routing.token_mask,
+                                        self.load_balance_weight, self.load_balance_fractions, self.route_groups)
+        return AttentionOutput(y, aux, cache, routing, {"load_balance": lb})
 
     def _forward_sparse(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
                         key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
@@ -432,23 +436,28 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
         compute = autocast_dtype(query) or query.dtype
+        dk, dv = self.key_dim, self.head_dim
+        # Under autocast each weight is cast whole, once per call, and sliced after (as autocast casts a dense
+        # layer's weights); casting each head block apart would cast parts of one parameter several times.
+        w_q, b_q, w_o = (None if t is None else t.to(compute)
+                         for t in (self.q_proj.weight, self.q_proj.bias, self.out_proj.weight))
+        # the shared heads' and the routed heads' blocks: W_q^i rows (R d_k, d_model), W_o^i columns (d_model, R d_v)
+        w_q_shared, w_q_rows = self._head_blocks(w_q, dk, 0)
+        b_q_shared, b_q_routed = (None, None) if b_q is None else self._head_blocks(b_q, dk, 0)
+        w_o_shared, w_o_cols = self._head_blocks(w_o, dv, 1)
         # router="query_norm" reads every routed head's query: the routed projection is computed whole, once
-        routed_q = self.routed_queries(query.to(compute)) if self.query_norm_routing else None
+        routed_q = self.routed_queries(query.to(compute), w_q_rows, b_q_routed) if self.query_norm_routing else None
         shared_w, routing = self._weights(query, token_mask, past_len, routed_q)
         bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=k.dtype, device=k.device)
         dropout = self.dropout if self.training else 0.0
-        dk, dv = self.key_dim, self.head_dim
         shared_ids, routed_ids = self.shared_head_ids, self.routed_head_ids
         shared = len(shared_ids)
-        w_q, b_q = self.q_proj.weight, self.q_proj.bias
-        w_o = self.out_proj.weight
         gates_all = self.output_gates(query)  # Gated Attention G1, (batch, time, heads, 1 or d_v), or None
         y = None
         if shared:
-            q_s = split_heads(F.linear(query, _head_block(w_q, shared_ids, dk, 0),
-                                       None if b_q is None else _head_block(b_q, shared_ids, dk, 0)), shared)
+            q_s = split_heads(F.linear(query, w_q_shared, b_q_shared), shared)
             if self.q_norm is not None:
                 q_s = self.q_norm(q_s)
             q_s = self._rotate_queries(q_s, key, cache, past_len)
@@ -458,11 +467,10 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             if gates_all is not None:
                 o_s = o_s * gates_all[:, :, shared_ids].transpose(1, 2).to(o_s.dtype)
             o_s = o_s * shared_w.to(o_s.dtype).view(batch, tgt, shared).transpose(1, 2).unsqueeze(-1)
-            y = F.linear(merge_heads(o_s), _head_block(w_o, shared_ids, dv, 1))
+            # over (batch * time) rows: a 3-d input without bias costs F.linear an _unsafe_view
+            y = F.linear(merge_heads(o_s).flatten(0, 1), w_o_shared).view(batch, tgt, dim)
         n, routed, index = batch * tgt, self.num_routed_heads, routing.expert_index
         slots_per_token = index.shape[1]  # top_k, times the groups with route_per_group
-        w_q_rows = _head_block(w_q, routed_ids, dk, 0)  # the routed heads' W_q^i, (R d_k, d_model)
-        w_o_cols = _head_block(w_o, routed_ids, dv, 1)  # their W_o^i, (d_model, R d_v)
         # head i's W_q^i (d_k, d_model) and W_o^i (d_model, d_v), read in place by the grouped kernels as their
         # transposes (no copy of the weights per call: the CPU kernels multiply by views, the GPU ones take strides)
         w_q_routed = w_q_rows.view(routed, dk, dim)
@@ -482,7 +490,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             q_r = expert_map(query.reshape(n, dim).to(compute), w_q_routed.transpose(1, 2).to(compute),
                              info, impl=self.expert_impl)
         if b_q is not None and routed_q is None:
-            q_r = q_r + _head_block(b_q, routed_ids, dk, 0).view(routed, dk).to(q_r.dtype)[index]
+            q_r = q_r + b_q_routed.view(routed, dk).to(q_r.dtype)[index]
         if self.q_norm is not None:
             q_r = self.q_norm(q_r)
         if self.rotary is not None and key is None and not (cache is not None and cache.static):
@@ -546,25 +554,34 @@ def _consecutive(heads: list[int]) -> bool:
     return heads == list(range(heads[0], heads[0] + len(heads)))
 
 
-def _head_block(weight: Tensor, heads: list[int], size: int, dim: int) -> Tensor:
-    """The rows (``dim=0``) or columns (``dim=1``) of the query heads ``heads`` in a per-head weight (``size``
-    each): a view when the heads are consecutive (always without ``route_per_group``), else gathered."""
-    if _consecutive(heads):
-        return weight.narrow(dim, heads[0] * size, len(heads) * size)
-    index = (torch.tensor(heads, device=weight.device)[:, None] * size
-             + torch.arange(size, device=weight.device)).reshape(-1)
-    return weight.index_select(dim, index)
+def _head_blocks(weight: Tensor, groups: int, shared: int, size: int, dim: int) -> tuple[Tensor | None, Tensor]:
+    """The rows (``dim=0``) or columns (``dim=1``) of the shared and of the routed query heads (:func:`head_ids`:
+    ``groups`` groups of equal size, the first ``shared`` heads of each shared) in a per-head weight (``size``
+    each), split in one operation (its backward is one concatenation; a slice per block would cost a
+    zero-filled copy each and their sum): views with one group, a copy of each block with several (no index
+    tensor built from the head numbers, which would be a host-to-device copy on a GPU). The shared block is None
+    without shared heads."""
+    if not shared:
+        return None, weight
+    group_size = weight.shape[dim] // groups
+    blocks = weight.unflatten(dim, (groups, group_size)) if groups > 1 else weight
+    at = dim + 1 if groups > 1 else dim
+    shared_block, routed_block = blocks.split([shared * size, group_size - shared * size], at)
+    if groups == 1:
+        return shared_block, routed_block
+    return shared_block.contiguous().flatten(dim, at), routed_block.contiguous().flatten(dim, at)
 
 
 def _kv_of_heads(k: Tensor, v: Tensor, heads: list[int], num_heads: int) -> tuple[Tensor, Tensor]:
     """The K/V heads that the query heads ``heads`` read (query head ``h`` reads K/V head ``h // (num_heads /
     kv_heads)``), laid out for grouped-query attention over ``heads``: the ``i``-th of ``m`` query heads reads
     returned head ``i // (m / G')``. In place (a slice) when ``heads`` fill whole consecutive groups, or all sit in
-    one group; a gathered copy when they split groups unevenly (global MoH whose shared heads end inside a group)."""
+    one group; a copy when they split groups unevenly (global MoH whose shared heads end inside a group): each K/V
+    head repeated for its query heads, one concatenation (no index tensor built from the head numbers)."""
     per = num_heads // k.shape[1]
     ids = [h // per for h in heads]
     first, count = ids[0], ids[-1] - ids[0] + 1
     if len(heads) % count == 0 and ids == [first + i // (len(heads) // count) for i in range(len(heads))]:
         return k[:, first:first + count], v[:, first:first + count]
-    index = torch.tensor(ids, device=k.device)
-    return k.index_select(1, index), v.index_select(1, index)
+    runs = [(i, ids.count(i)) for i in sorted(set(ids))]
+    return tuple(torch.cat([t[:, i:i + 1].expand(-1, n, -1, -1) for i, n in runs], dim=1) for t in (k, v))
