@@ -774,3 +774,20 @@ def test_a_docs_block_of_a_study_that_does_not_exist_is_refused(tmp_path):
     (tmp_path / "nowhere" / "results.md").write_text("### nowhere: lm\n\n#### Table\n\n| a |\n")
     assert study_docs.rewrite(page, tmp_path) == (
         "x\n<!-- study-report nowhere:begin -->\n##### Table\n\n| a |\n<!-- study-report nowhere:end -->\n")
+
+
+def test_an_older_study_json_reads_with_the_defaults_it_stored_for_other_kinds_unset():
+    """A ``study.json`` of an older version stored every field's default for every kind (``router="softmax"`` on
+    MHA rows); read back, such a field is unset for the kinds that do not use it, and a field the row's kind
+    resolves on construction holds its resolved value, as this version writes them."""
+    from headmix.models.config import AttentionConfig
+    from headmix.study.runner import _with_new_defaults
+
+    stored = {"rows": [{"name": "MHA", "attention": {"kind": "mha", "num_heads": 4, "head_dim": 32,
+                                                     "router": "softmax"}},
+                       {"name": "MoH", "attention": {"kind": "moh", "num_heads": 4, "head_dim": 32, "top_k": 2,
+                                                     "num_shared_heads": 1, "head_weighting": None}}]}
+    mha, moh = (row["attention"] for row in _with_new_defaults(stored)["rows"])
+    assert mha["router"] is None and mha == AttentionConfig(kind="mha", num_heads=4, head_dim=32).to_dict()
+    assert moh["head_weighting"] == AttentionConfig(kind="moh", num_heads=4, head_dim=32, top_k=2,
+                                                    num_shared_heads=1).head_weighting is not None

@@ -153,8 +153,8 @@ def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
         # field are unset (None), as this version writes them
         # (and the unset fields the kind resolves on construction take the value it resolves them to)
         kept = as_trained(stored_attention)
-        return with_kind_defaults({**_defaults(AttentionConfig), **kept,
-                                   **{k: None for k in stored_attention.keys() - kept.keys()}})
+        unset = {k: None for k in stored_attention.keys() - kept.keys()}
+        return with_kind_defaults({**_defaults(AttentionConfig), **kept, **unset})
 
     from .spec import RowSpec
 
