@@ -43,7 +43,7 @@ def test_the_pack_holds_the_stream_a_run_tokenises(tiny_pack):
                             seed=1)
     tok = Tokenizer.load(pack.tokenizer_dir)
     for name, part in (("train", split.train), ("valid", split.valid), ("test", split.test)):
-        expected = CausalLMBlockDataset.from_documents(part, tok, 32).stream
+        expected = CausalLMBlockDataset.from_documents(part, tok, 32, sequence_start="eos").stream
         assert np.array_equal(pack.stream(name), expected) and pack.stream(name).dtype == np.int32
         assert manifest["splits"][name] == {"documents": len(part), "tokens": len(expected)}
     # a rebuild elsewhere has the same checksum (what the pack holds, not where it was built)
@@ -67,7 +67,7 @@ def test_a_run_on_the_pack_trains_on_its_blocks(tiny_pack):
                             seed=1)
     for name, part in (("train", split.train), ("valid", split.valid)):
         ours = cached_dataset(cfg, name, parts[name], tok, None)
-        theirs = CausalLMBlockDataset.from_documents(part, tok, 32)
+        theirs = CausalLMBlockDataset.from_documents(part, tok, 32, sequence_start="eos")
         assert len(ours) == len(theirs) > 0
         assert all(np.array_equal(ours[i]["input_ids"], theirs[i]["input_ids"]) and
                    np.array_equal(ours[i]["labels"], theirs[i]["labels"]) for i in range(len(ours)))

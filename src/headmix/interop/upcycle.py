@@ -296,6 +296,7 @@ def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None
         return read_folder_config(folder)[0]
     from . import CONFIGS
     from ._hf import require_transformers
+    from .sequence_start import folder_sequence_start
 
     if not (folder / "config.json").is_file():
         raise (FileNotFoundError if not folder.exists() else ValueError)(
@@ -307,7 +308,8 @@ def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None
                          f"{sorted(CONFIGS)}")
     mapping = CONFIGS[hf_config.model_type]
     taken = inspect.signature(mapping).parameters  # JetMoe's mapping has no expand_kv (its source is refused anyway)
-    return mapping(hf_config, **{k: v for k, v in (loader_options or {}).items() if k in taken})
+    config = mapping(hf_config, **{k: v for k, v in (loader_options or {}).items() if k in taken})
+    return config.replace(sequence_start=folder_sequence_start(folder, hf_config.model_type))
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -122,10 +122,11 @@ def read_pack(cfg: TrainConfig, run=None) -> tuple[dict[str, Any], Tokenizer]:
     return {s: pack.stream(s) for s in SPLITS}, tok
 
 
-def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, tokenizer_file: Path):
-    """``task.dataset(items, tok, max_len)``, tokenised once per shared folder: with ``cfg.shared_data`` the
-    dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, the tokenizer's checksum and the
-    headmix version) as a numpy archive read with ``allow_pickle=False`` (:func:`save_dataset`,
+def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, tokenizer_file: Path,
+                   sequence_start: str | None = None):
+    """``task.dataset(items, tok, max_len, sequence_start=...)``, tokenised once per shared folder: with
+    ``cfg.shared_data`` the dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, the
+    tokenizer's checksum, a causal LM's ``sequence_start`` and the headmix version) as a numpy archive read with ``allow_pickle=False`` (:func:`save_dataset`,
     :func:`load_dataset`): opening it never runs code, so a study folder from elsewhere is safe to continue. The
     pickle caches of older versions (``*.pkl``) are never opened: the ids are tokenised again. Without
     ``shared_data``, tokenised here as before."""
@@ -138,12 +139,13 @@ def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, to
 
         return CausalLMBlockDataset(items, cfg.max_len)
     if cfg.shared_data is None:
-        return task.dataset(items, tok, cfg.max_len)
+        return task.dataset(items, tok, cfg.max_len, sequence_start=sequence_start)
     digest = content_sha256(tokenizer_file)[:16]
-    path = Path(cfg.shared_data) / "tokenized" / f"{split}-len{cfg.max_len}-{digest}-v{__version__}.npz"
+    start = "" if sequence_start is None else f"-{sequence_start}"
+    path = Path(cfg.shared_data) / "tokenized" / f"{split}-len{cfg.max_len}{start}-{digest}-v{__version__}.npz"
     if path.is_file():
         return load_dataset(path)
-    dataset = task.dataset(items, tok, cfg.max_len)
+    dataset = task.dataset(items, tok, cfg.max_len, sequence_start=sequence_start)
     save_dataset(dataset, path)
     return dataset
 
