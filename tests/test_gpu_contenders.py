@@ -135,6 +135,9 @@ def test_the_gpu_study_runs_end_to_end_at_a_tiny_size_in_slices(tiny_pack, tmp_p
     assert not (out / "shared").exists()  # no corpus read, no tokenizer trained: the pack is the data
     for run in out.glob("runs/*/seed-1"):
         assert (run / "tokenizer/tokenizer.json").read_bytes() == (tiny_pack / "tokenizer/tokenizer.json").read_bytes()
+        # the pack's stream is eos-first: the run records that convention, in its options and in its model
+        assert json.loads((run / "train_config.json").read_text())["sequence_start"] == "eos"
+        assert json.loads((run / "config.json").read_text())["sequence_start"] == "eos"
     assert all(json.loads(p.read_text())["device"] == "cpu" for p in out.glob("timing/*.json"))
     # a later slice on a "fresh machine": only the records travel (no weights, no checkpoints, no token cache)
     fresh = tmp_path / "fresh"

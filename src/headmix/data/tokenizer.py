@@ -144,14 +144,15 @@ class Tokenizer:
         """How this tokenizer starts a text, as ``transformers`` reads the same files (a causal LM's
         :data:`~headmix.models.config.SEQUENCE_STARTS`): ``"bos"`` where it puts its bos token first, ``"eos"``
         where it puts its eos token first (an export of a run trained before the option), ``"none"`` where it adds
-        nothing. Read from ``tokenizer_config.json``'s ``add_bos_token`` where it says, else from the first special
-        token of ``tokenizer.json``'s post-processor (Llama 3's puts ``<|begin_of_text|>`` first; Qwen3's has none);
-        a tokenizer headmix trains has no post-processor and its ``<s>``: ``"bos"``. A post-processor that puts
-        another token first is refused in one line (no convention of headmix's)."""
-        if self._add_bos_token is not None:
-            return "bos" if self._add_bos_token and self.bos_id is not None else "none"
+        nothing. Read from the first special token of ``tokenizer.json``'s post-processor (Llama 3's puts
+        ``<|begin_of_text|>`` first; Qwen3's puts none: transformers 5 goes by it alone), else from
+        ``tokenizer_config.json``'s ``add_bos_token`` where it says, else ``"bos"`` for a tokenizer headmix trains
+        (no post-processor, its ``<s>``) and ``"none"`` for any other. A post-processor that puts another token first
+        is refused in one line (no convention of headmix's)."""
         first = _first_added_token(self._tok)
         if first is None:
+            if self._add_bos_token is not None:
+                return "bos" if self._add_bos_token and self.bos_id is not None else "none"
             return "bos" if self.headmix_layout else "none"
         for role in ("bos", "eos"):
             if first == self._tokens[role]:
