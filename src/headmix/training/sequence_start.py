@@ -8,6 +8,9 @@ resumes) and in the model's ``config.json`` (read by ``evaluate``, ``generate`` 
   refused in one line (its documents could not continue as it was trained).
 - ``init_from``: the parent's (a headmix run's stored one; a Hugging Face folder's is its tokenizer's,
   :func:`headmix.interop.from_pretrained`).
+- ``shared_data`` (a study's runs, the demo's): the shared folder's, stored when it was prepared
+  (:func:`headmix.training.setup.prepare_shared_data`); a folder prepared before the option stored none and its
+  runs trained eos-first: ``"eos"``, so a study continued later (another seed, another row) trains as it began.
 - Otherwise the tokenizer's (:attr:`headmix.data.Tokenizer.sequence_start`: ``"bos"`` where it puts its bos first,
   as Llama 3's and headmix's own do; ``"none"`` where it adds nothing, as Qwen3's).
 """
@@ -42,6 +45,18 @@ def stored_sequence_start(out: str | Path) -> str | None:
     return stored.get(STORED_KEY, EOS_FIRST) if isinstance(stored, dict) else None
 
 
+def shared_sequence_start(shared: str | Path) -> str | None:
+    """The convention of the runs that share the folder ``shared``: the one its ``train_config.json`` stores,
+    ``"eos"`` for a folder prepared before the option; ``None`` where it holds no configuration yet."""
+    from ..runs.run import CONFIG_FILE
+
+    try:
+        stored = json.loads((Path(shared) / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None  # not prepared yet (or damaged: reading its splits reports it in one line)
+    return stored.get(STORED_KEY, EOS_FIRST) if isinstance(stored, dict) else None
+
+
 def run_sequence_start(cfg: TrainConfig) -> str | None:
     """The convention of the run ``cfg`` (module docstring); ``None`` for a task other than the causal LM."""
     if cfg.task != "lm":
@@ -61,6 +76,9 @@ def run_sequence_start(cfg: TrainConfig) -> str | None:
         return EOS_FIRST
     if parent is not None:
         return parent
+    shared = shared_sequence_start(cfg.shared_data) if cfg.shared_data is not None else None
+    if shared is not None:
+        return shared
     if cfg.tokenizer:
         from ..data import Tokenizer
 

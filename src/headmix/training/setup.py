@@ -209,11 +209,17 @@ def load_dataset(path: Path):
 def prepare_shared_data(cfg: TrainConfig, log: Callable[[str], None]) -> Path:
     """Split the corpus and train the tokenizer once, in the run folder ``cfg.out`` (locked while it is
     written), for several runs to share: they pass the returned tokenizer folder as ``tokenizer`` and the
-    same ``split_seed`` (the demo's two models, a study's runs). A second call reads them back."""
+    same ``split_seed`` (the demo's two models, a study's runs), and a causal LM's sequence convention, which
+    they all train with (:mod:`headmix.training.sequence_start`). A second call reads them back."""
     from ..runs import Run
     from .config import IDENTITY
+    from .sequence_start import STORED_KEY, run_sequence_start, shared_sequence_start
 
-    with Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY) as run:
+    stored = cfg.to_dict()
+    start = shared_sequence_start(cfg.out) or run_sequence_start(cfg)  # a folder prepared before keeps its own
+    if start is not None:  # the convention of every run that shares it
+        stored[STORED_KEY] = start
+    with Run.create_or_resume(cfg.out, stored, identity=IDENTITY) as run:
         prepare_data(cfg, run, log)
         return run.tokenizer_dir
 
