@@ -82,5 +82,8 @@ def run_sequence_start(cfg: TrainConfig) -> str | None:
     if cfg.tokenizer:
         from ..data import Tokenizer
 
-        return Tokenizer.load(cfg.tokenizer).sequence_start
+        try:
+            return Tokenizer.load(cfg.tokenizer).sequence_start
+        except ValueError as err:
+            raise ValueError(f"tokenizer {cfg.tokenizer}: {err}") from None
     return "bos"  # the tokenizer headmix trains has its <s> and no post-processor: Tokenizer.sequence_start
