@@ -373,6 +373,24 @@ def test_a_role_no_config_names_is_refused_in_one_line(docs_file, tmp_path, caps
         ["train", "mlm", *args[2:]], out, capsys)
 
 
+def test_a_tokenizer_that_starts_a_text_with_another_token_is_refused_in_one_line(docs_file, tmp_path, capsys):
+    """A tokenizer whose post-processor puts a token other than its bos or eos before every text has no sequence
+    convention of headmix's: refused before anything is written, naming it and the token."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    tok = tmp_path / "tok"
+    ids = foreign_tokenizer(tok, "llama3", corpus_texts(docs_file))
+    other = "<|reserved_special_token_0|>"
+    hf = HFTokenizer.from_file(str(tok / "tokenizer.json"))
+    hf.post_processor = processors.TemplateProcessing(single=f"{other} $A", special_tokens=[(other, ids[other])])
+    hf.save(str(tok / "tokenizer.json"))
+    out = tmp_path / "run"
+    assert (f"{tok}: the tokenizer's post-processor puts '{other}' before every text, which is neither its bos token "
+            f"('<|begin_of_text|>') nor its eos token ('<|end_of_text|>')") in refused(
+        lm_args(out, docs_file, "--tokenizer", str(tok)), out, capsys)
+
+
 def test_a_new_model_on_a_foreign_tokenizer_trains_with_its_ids(docs_file, tmp_path):
     """A preset's model on a Llama 3 tokenizer (no padding token): pad_id None, bos / eos the tokenizer's."""
     from headmix.cli.main import main
