@@ -125,9 +125,10 @@ def read_pack(cfg: TrainConfig, run=None) -> tuple[dict[str, Any], Tokenizer]:
 def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, tokenizer_file: Path,
                    sequence_start: str | None = None):
     """``task.dataset(items, tok, max_len, sequence_start=...)``, tokenised once per shared folder: with
-    ``cfg.shared_data`` the dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, the
-    tokenizer's checksum, a causal LM's ``sequence_start`` and the headmix version) as a numpy archive read with ``allow_pickle=False`` (:func:`save_dataset`,
-    :func:`load_dataset`): opening it never runs code, so a study folder from elsewhere is safe to continue. The
+    ``cfg.shared_data`` the dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, a causal
+    LM's ``sequence_start``, the tokenizer's checksum and the headmix version) as a numpy archive read with
+    ``allow_pickle=False`` (:func:`save_dataset`, :func:`load_dataset`): opening it never runs code, so a study
+    folder from elsewhere is safe to continue. The
     pickle caches of older versions (``*.pkl``) are never opened: the ids are tokenised again. Without
     ``shared_data``, tokenised here as before."""
     from .. import __version__
