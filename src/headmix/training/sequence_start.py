@@ -38,11 +38,7 @@ def stored_sequence_start(out: str | Path) -> str | None:
     run = Run(out)
     if not run.config_path.is_file() or run.never_trained():
         return None
-    try:
-        stored = json.loads(run.config_path.read_text())
-    except (OSError, ValueError):
-        return None  # a damaged file: create_or_resume reports it in one line
-    return stored.get(STORED_KEY, EOS_FIRST) if isinstance(stored, dict) else None
+    return _stored_in(run.config_path)
 
 
 def shared_sequence_start(shared: str | Path) -> str | None:
@@ -50,10 +46,17 @@ def shared_sequence_start(shared: str | Path) -> str | None:
     ``"eos"`` for a folder prepared before the option; ``None`` where it holds no configuration yet."""
     from ..runs.run import CONFIG_FILE
 
+    return _stored_in(Path(shared) / CONFIG_FILE)
+
+
+def _stored_in(config: Path) -> str | None:
+    """The convention the ``train_config.json`` ``config`` stores, ``"eos"`` where it stores none (written before
+    the option); ``None`` where there is no readable file (not written yet; a damaged one is reported in one line
+    where the run or shared folder is opened)."""
     try:
-        stored = json.loads((Path(shared) / CONFIG_FILE).read_text())
+        stored = json.loads(config.read_text())
     except (OSError, ValueError):
-        return None  # not prepared yet (or damaged: reading its splits reports it in one line)
+        return None
     return stored.get(STORED_KEY, EOS_FIRST) if isinstance(stored, dict) else None
 
 
