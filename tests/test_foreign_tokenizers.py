@@ -373,6 +373,28 @@ def test_a_role_no_config_names_is_refused_in_one_line(docs_file, tmp_path, caps
         ["train", "mlm", *args[2:]], out, capsys)
 
 
+def test_a_hugging_face_folder_starts_its_documents_as_its_own_tokenizer_does(docs_file, tmp_path):
+    """A Llama-architecture checkpoint whose tokenizer adds no bos (SmolLM's, say) converts with sequence_start
+    "none", not the Llama family's "bos", read without its weights (``--init-from``) and with them; a folder
+    without a tokenizer takes its family's."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    from headmix.interop import from_pretrained
+    from headmix.interop.upcycle import source_config
+
+    folder = tmp_path / "llama"
+    hf_folder(folder, "llama3", docs_file)
+    assert from_pretrained(folder).config.sequence_start == source_config(folder).sequence_start == "bos"
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.post_processor = processors.ByteLevel(trim_offsets=False)  # adds no token
+    hf.save(str(folder / "tokenizer.json"))
+    assert from_pretrained(folder).config.sequence_start == source_config(folder).sequence_start == "none"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    assert from_pretrained(folder).config.sequence_start == source_config(folder).sequence_start == "bos"
+
+
 def test_a_tokenizer_that_starts_a_text_with_another_token_is_refused_in_one_line(docs_file, tmp_path, capsys):
     """A tokenizer whose post-processor puts a token other than its bos or eos before every text has no sequence
     convention of headmix's: refused before anything is written, naming it and the token."""
