@@ -66,7 +66,8 @@ def from_pretrained(name_or_path: str | os.PathLike, **options):
                 raise ValueError(f"{name!r} is not an option of {loader.__name__}"
                                  + (f" (did you mean {close[0]!r}?)" if close else "") + f": expected {', '.join(named)}")
     model = loader(name_or_path, **options)
-    model.config = model.config.replace(sequence_start=folder_sequence_start(name_or_path, model_type))
+    model.config = model.decoder.config = model.config.replace(
+        sequence_start=folder_sequence_start(name_or_path, model_type))
     return model
 
 
