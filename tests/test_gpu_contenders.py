@@ -77,6 +77,24 @@ def test_a_run_on_the_pack_trains_on_its_blocks(tiny_pack):
             TrainConfig(**{"task": "lm", "pack": str(tiny_pack), "out": "unused", **bad}).check_values()
 
 
+def test_a_run_on_the_pack_is_eos_first_and_a_parent_trained_otherwise_is_refused(tiny_pack, tmp_path):
+    """The pack's stream is eos-first, so a run on it is too (sequence_start "eos"), and continuing a parent
+    trained with its documents starting otherwise (bos, a model of today) is refused in one line: its documents
+    could not continue as it was trained."""
+    from headmix.models import build_model, get_config
+    from headmix.training import TrainConfig
+    from headmix.training.sequence_start import run_sequence_start
+
+    assert run_sequence_start(TrainConfig(task="lm", pack=str(tiny_pack), out=str(tmp_path / "run"))) == "eos"
+    parent = tmp_path / "parent"
+    build_model(get_config("tiny-mha", task="lm", vocab_size=300)).save_pretrained(parent)
+    cfg = TrainConfig(task="lm", pack=str(tiny_pack), init_from=str(parent), out=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match=rf"^init_from {parent} was trained with sequence_start 'bos', but the "
+                                         rf"token pack {tiny_pack} holds eos-first documents \('eos'\): continue it "
+                                         rf"on --data instead$"):
+        run_sequence_start(cfg)
+
+
 def test_a_damaged_or_different_pack_is_refused_in_one_line(tiny_pack, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_pack, broken)
