@@ -51,6 +51,7 @@ from headmix.data import (
     write_tsv_pairs,
 )
 from headmix.data.wmt14 import convert_hf_jsonl_to_tsv, convert_newstest_to_tsv
+from headmix.models.config import SEQUENCE_STARTS
 
 DATA = Path(__file__).parent / "data"
 GERMAN = "Schöne Grüße aus Köln: Die Straße ist größer als üblich, Äpfel & Öl kosten 3,50 €."
@@ -562,7 +563,7 @@ def test_mlm_collator_seeding(tok):
     assert out["input_ids"].shape[0] == 4
 
 
-@pytest.mark.parametrize("start", ["bos", "none", "eos"])
+@pytest.mark.parametrize("start", SEQUENCE_STARTS)  # every convention a model config takes, the stream lays out
 def test_causal_blocks_shift_and_cover(tok, start):
     """Each document as the sequence convention says (``bos text eos``; ``text eos``; ``eos`` once first, then
     ``text eos``: runs trained before the option), and every stream token after the first a label exactly once."""

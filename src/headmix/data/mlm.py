@@ -233,10 +233,9 @@ class CausalLMBlockDataset(Dataset):
     ) -> CausalLMBlockDataset:
         """Tokenize and pack documents, each as ``sequence_start`` says (``"bos"``: ``bos text eos``; ``"none"``:
         ``text eos``; ``"eos"``: ``eos`` once first, then ``text eos``: the module docstring)."""
-        from ..models.config import SEQUENCE_STARTS
-
-        if sequence_start not in SEQUENCE_STARTS:
-            raise ValueError(f"sequence_start must be one of {', '.join(SEQUENCE_STARTS)}, got {sequence_start!r}")
+        layouts = ("bos", "none", "eos")  # headmix.models.config.SEQUENCE_STARTS (a floor above this one)
+        if sequence_start not in layouts:
+            raise ValueError(f"sequence_start must be one of {', '.join(layouts)}, got {sequence_start!r}")
         tokenizer.require("eos", *(["bos"] if sequence_start == "bos" else []), what=f"sequence_start {sequence_start!r}")
         stream, _ = build_token_stream(_encode_documents(docs, tokenizer), tokenizer.eos_id,
                                        start_token=tokenizer.eos_id if sequence_start == "eos" else None,
