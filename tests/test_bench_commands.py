@@ -18,7 +18,7 @@ from headmix.cli.main import main
 ROOT = Path(__file__).resolve().parent.parent
 #: Modules of headmix.bench that are not commands: shared code, and the GPU check that runs the commands
 #: (``benchmarks/gpu_check.sh``).
-NOT_COMMANDS = {"timing", "kinds", "gpu_check", "compute"}
+NOT_COMMANDS = {"timing", "kinds", "gpu_check"}
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))
@@ -169,10 +169,11 @@ def test_bench_bad_options_are_one_line_errors(argv, message, capsys):
 
 
 def test_standalone_modules_take_the_same_options(capsys):
-    """``python -m headmix.bench.gpu_layers`` / ``quick`` (the GPU check's steps): a bad option is a usage error."""
-    from headmix.bench import gpu_layers, quick
+    """``python -m headmix.bench.gpu_layers`` / ``quick`` / ``compute`` (the GPU check's steps): a bad option is a usage error."""
+    from headmix.bench import compute, gpu_layers, quick
 
-    for module, argv in ((gpu_layers, ["--device", "cpu", "--time", "0"]), (quick, ["models", "--layers", "0"])):
+    for module, argv in ((gpu_layers, ["--device", "cpu", "--time", "0"]), (quick, ["models", "--layers", "0"]),
+                         (compute, ["--device", "cpu", "--repeats", "0"])):
         with pytest.raises(SystemExit) as stop:
             module.main(argv)
         assert stop.value.code == 2

@@ -38,7 +38,7 @@ MOH = {"attention": "moh", "num_shared_heads": 4, "top_k": 2}
 @pytest.mark.parametrize("options,message", [
     ({"attention": "moh", "num_shared_head": 4, "top_k": 2},
      "'num_shared_head' is not a conversion option (did you mean 'num_shared_heads'?): expected attention, "
-     "num_shared_heads, top_k, pad_id, expand_kv, torch_dtype or a field of 'moh' attention (router, "),
+     "num_shared_heads, top_k, pad_id, stop_ids, expand_kv, torch_dtype or a field of 'moh' attention (router, "),
     ({**MOH, "routr": "query_norm"}, "'routr' is not a conversion option (did you mean 'router'?)"),
     ({"keep_heads": 2}, "'keep_heads' is an upcycling option, not a conversion option: convert and upcycle with "
                         "headmix.interop.upcycle(folder, ...)"),

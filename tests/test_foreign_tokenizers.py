@@ -8,6 +8,7 @@ match the parent, or a role no config names, is refused in one line before anyth
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,11 @@ LAYOUTS = {
 }
 
 
-def foreign_tokenizer(folder: Path, layout: str, texts: list[str], size: int = 290) -> dict[str, int]:
+def foreign_tokenizer(folder: Path, layout: str | tuple[list[str], dict], texts: list[str],
+                      size: int = 290) -> dict[str, int]:
     """A byte-level BPE of ``size`` ids trained on ``texts`` with no special token among them, the layout's
     special tokens appended after it, saved with its ``tokenizer_config.json`` in ``folder``; returns the ids of
-    the appended tokens by name."""
+    the appended tokens by name. ``layout``: a name of :data:`LAYOUTS`, or its ``(specials, config)``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -36,7 +38,7 @@ def foreign_tokenizer(folder: Path, layout: str, texts: list[str], size: int = 2
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=[], show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    specials, config = LAYOUTS[layout]
+    specials, config = LAYOUTS[layout] if isinstance(layout, str) else layout
     tok.add_special_tokens(specials)
     if layout == "llama3":  # Llama 3's tokenizer.json puts <|begin_of_text|> before every text; Qwen3's adds nothing
         from tokenizers import processors
@@ -334,9 +336,17 @@ def test_a_tokenizer_or_vocabulary_that_does_not_match_the_parent_is_refused_bef
     other = tmp_path / "other"  # the Qwen3 layout: its eos token is another id than the Llama model's
     theirs = foreign_tokenizer(other, "qwen3", corpus_texts(docs_file))
     (other / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
-    assert f"--tokenizer {other}: its eos token is id {theirs['<|im_end|>']}, the model of init_from {folder} " \
-           f"has eos_id {ids['<|end_of_text|>']}: give the tokenizer its model was trained with" in refused(
+    assert f"--tokenizer {other}: its eos token is id {theirs['<|im_end|>']}, none of the stop ids " \
+           f"[{ids['<|end_of_text|>']}] of the model of init_from {folder}: give the tokenizer its model was trained " \
+           f"with" in refused(
                lm_args(out, docs_file, "--init-from", str(folder), "--tokenizer", str(other)), out, capsys)
+    swapped = tmp_path / "swapped"  # the parent's own tokenizer, its bos role given to another token
+    shutil.copy(folder / "tokenizer.json", swapped.mkdir() or swapped / "tokenizer.json")
+    (swapped / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>"}))
+    assert f"--tokenizer {swapped}: its bos token is id {ids['<|end_of_text|>']}, the model of init_from {folder} " \
+           f"has bos_id {ids['<|begin_of_text|>']}: give the tokenizer its model was trained with" in refused(
+               lm_args(out, docs_file, "--init-from", str(folder), "--tokenizer", str(swapped)), out, capsys)
     bigger = tmp_path / "bigger"
     foreign_tokenizer(bigger, "llama3", corpus_texts(docs_file), size=400)
     assert f"--tokenizer {bigger} has 403 ids but the model of init_from {folder} embeds {size + 8}" in refused(
@@ -344,8 +354,6 @@ def test_a_tokenizer_or_vocabulary_that_does_not_match_the_parent_is_refused_bef
 
 
 def test_a_folder_without_a_tokenizer_or_a_missing_one_is_refused_before_writing(trained, docs_file, tmp_path, capsys):
-    import shutil
-
     folder, _, _ = trained["llama3"]
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("tokenizer*"))
@@ -436,7 +444,6 @@ def test_the_commands_of_docs_hf_run_as_written(docs_file, tmp_path, monkeypatch
     (steps, batch and block length; the last value of a repeated option wins)."""
     import re
     import shlex
-    import shutil
 
     from headmix.cli.main import main
 

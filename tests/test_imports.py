@@ -161,7 +161,7 @@ def test_no_circle_even_through_imports_inside_functions():
 #: its neighbours on the same floor), counting imports inside functions. ``headmix`` is the package's face
 #: (its ``__init__``: the layers). A new package must be given a floor here.
 FLOORS = [
-    {"storage", "process"},                      # atomic files; process-wide settings a script opts into
+    {"storage", "process", "provenance"},        # atomic files; process-wide settings; which machine and code ran
     {"kernels", "routing", "data"},              # kernels, the router, corpora and tokenizers
     {"attention"},                               # the layers
     {"headmix", "models"},                       # the face; models, presets, counting, matching, generation
@@ -223,3 +223,66 @@ def test_packages_import_in_fresh_interpreters_in_both_orders():
         if proc.returncode:
             failures.append(f"{' then '.join(order)}: {err.strip().splitlines()[-1]}")
     assert not failures, failures
+
+
+def imported_names(file: Path, package: str = "headmix") -> list[tuple[str, str]]:
+    """``(module, name)`` for every import in ``file``, inside functions too, relative imports resolved against
+    the file's package: ``from ..training.config import pick_device`` in ``headmix/bench/x.py`` is
+    ``("headmix.training.config", "pick_device")``, ``import headmix.training.demo`` is
+    ``("headmix.training.demo", "")``."""
+    own_package = list(file.relative_to(SRC).parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(own_package[:len(own_package) - node.level + 1] + ([base] if base else []))
+            found += [(base, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+    return [(module, name) for module, name in found if module == package or module.startswith(package + ".")]
+
+
+#: What :mod:`headmix.provenance` owns: the machine and the code a measurement ran on.
+PROVENANCE = {"cpu_model", "machine_record", "load_average", "describe_machine", "source_commit"}
+
+
+def provenance_from_training(files) -> list[str]:
+    """``"file: module.name"`` for each import of a provenance helper (or of a module ``machine``) from
+    ``headmix.training``."""
+    return sorted(f"{file.relative_to(SRC)}: {module}.{name}" for file in files
+                  for module, name in imported_names(file)
+                  if (module == "headmix.training" or module.startswith("headmix.training."))
+                  and (name in PROVENANCE or name == "machine" or module.endswith(".machine")))
+
+
+def test_bench_and_study_take_provenance_from_below_training():
+    """The commit and the machine a measurement ran on come from :mod:`headmix.provenance`, below ``training``,
+    ``study`` and ``bench`` (issue 60): no module under ``bench/`` or ``study/`` imports them from ``training``,
+    and ``training`` keeps no copy of them (no ``machine`` module, no function of that name)."""
+    import headmix.provenance as provenance
+
+    assert PROVENANCE <= set(vars(provenance))
+    files = sorted((SRC / "headmix" / "bench").rglob("*.py")) + sorted((SRC / "headmix" / "study").rglob("*.py"))
+    assert ("headmix.provenance", "source_commit") in imported_names(SRC / "headmix" / "bench" / "compute.py")
+    assert provenance_from_training(files) == []
+    training = sorted((SRC / "headmix" / "training").rglob("*.py"))
+    assert not (SRC / "headmix" / "training" / "machine.py").exists()
+    defined = {node.name for file in training for node in ast.walk(ast.parse(file.read_text()))
+               if isinstance(node, ast.FunctionDef)}
+    assert defined & PROVENANCE == set()
+
+
+def test_the_provenance_check_finds_an_import_from_training(tmp_path, monkeypatch):
+    """The check above on files that import a provenance helper from ``training``: at module level, inside a
+    function, relative and absolute, and the module itself."""
+    bench = tmp_path / "headmix" / "bench"
+    bench.mkdir(parents=True)
+    (bench / "a.py").write_text("from ..training.machine import cpu_model\nfrom ..provenance import load_average\n")
+    (bench / "b.py").write_text("def f():\n    from headmix.training import source_commit\n")
+    (bench / "c.py").write_text("import headmix.training.machine\nfrom ..training.config import pick_device\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    assert provenance_from_training(sorted(bench.glob("*.py"))) == [
+        "headmix/bench/a.py: headmix.training.machine.cpu_model",
+        "headmix/bench/b.py: headmix.training.source_commit",
+        "headmix/bench/c.py: headmix.training.machine."]

@@ -221,6 +221,30 @@ def test_a_run_folder_is_refused_in_one_line_naming_export_hf(tmp_path, monkeypa
             assert f"export it first with `headmix export-hf {folder} OUT`, then pass pretrained=OUT" in err
 
 
+@pytest.mark.parametrize("layout", ["llama31-instruct", "qwen3"])
+def test_the_hf_route_stops_at_every_stop_id_of_the_source(layout, tmp_path, docs_file):
+    """A model upcycled from a Llama 3.1 Instruct or Qwen3 folder (tests/test_stop_tokens.py: forced to emit "b",
+    then a stop id that is not the first, then "c"), exported with its tokenizer: the harness's ``generate_until``
+    (``--model hf``) ends at that stop id, as the source does, with only "b" as its answer."""
+    import shutil
+
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from test_stop_tokens import source_folder
+
+    from headmix.interop import upcycle
+
+    source_folder(tmp_path / "src", layout, docs_file)
+    model = upcycle(tmp_path / "src", attention="moh", num_shared_heads=1, top_k=2)
+    model.save_pretrained(tmp_path / "run")
+    (tmp_path / "run" / "tokenizer").mkdir()
+    shutil.copy(tmp_path / "src" / "tokenizer.json", tmp_path / "run" / "tokenizer" / "tokenizer.json")
+    lm = HFLM(pretrained=str(run_to_hf(tmp_path / "run", tmp_path / "hf")), device="cpu", batch_size=1)
+    request = Instance(request_type="generate_until", doc={}, idx=0,
+                       arguments=("a", {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}))
+    assert lm.generate_until([request]) == ["b"]
+
+
 #: The kinds vLLM serves (docs/serving.md), as tests/test_vllm.py builds them (heads of 64, decisive routers).
 VLLM_KINDS = ["gqa-gated", "mha-headwise", "moa", "jetmoe", "moh", "gqe", "moh-query-norm", "switchhead"]
 

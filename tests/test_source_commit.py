@@ -1,4 +1,4 @@
-"""``headmix.training.machine.source_commit``: which code a measurement ran (recorded in study timings and the
+"""``headmix.provenance.source_commit``: which code a measurement ran (recorded in study timings and the
 compute bench). It is read from git where the package is tracked, marks the package's own uncommitted changes
 with ``+`` (not the checkout's other files: a study writing its records must not mark its own timing dirty) and
 says ``unknown`` where the package is not tracked (an installed copy inside some other project's checkout)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import headmix.training.machine as machine
+import headmix.provenance as provenance
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
@@ -23,11 +23,11 @@ def _git(root: Path, *args: str) -> str:
 
 
 def _copy_of_the_module(root: Path):
-    """machine.py copied to ``root/pkg/training/machine.py`` (beside a package ``__init__.py``), loaded from there."""
-    (root / "pkg" / "training").mkdir(parents=True)
+    """provenance.py copied to ``root/pkg/provenance.py`` (beside a package ``__init__.py``), loaded from there."""
+    (root / "pkg").mkdir(parents=True)
     (root / "pkg" / "__init__.py").write_text("")
-    shutil.copy(machine.__file__, root / "pkg" / "training" / "machine.py")
-    spec = importlib.util.spec_from_file_location("copied_machine", root / "pkg" / "training" / "machine.py")
+    shutil.copy(provenance.__file__, root / "pkg" / "provenance.py")
+    spec = importlib.util.spec_from_file_location("copied_provenance", root / "pkg" / "provenance.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -285,7 +285,7 @@ def test_a_row_is_timed_with_the_study_to_itself_and_the_report_says_so(spec_fil
     assert record["freed_memory"] == ("kept" if freed_memory_kept() else "returned")
     freed = {"kept": "kept (headmix.keep_freed_memory)",
              "returned": "returned to the system (glibc's default)"}[record["freed_memory"]]
-    from headmix.training.machine import source_commit
+    from headmix.provenance import source_commit
 
     assert record["software"]["commit"] == source_commit()  # which code was timed
     assert timing_conditions(record) == (f"no other worker of the study training or timing, load average "

@@ -583,3 +583,35 @@ def test_documented_commands_serve_completions(tmp_path, placeholder):
         names = {3: "The", 4: "Lord", 5: "is"}
         words = choice["text"].split()
         assert words and words == [names.get(i, f"w{i}") for i in expected[:len(words)]], (choice["text"], expected)
+
+
+@pytest.mark.parametrize("layout, form", [("llama31-instruct", "hf"), ("qwen3", "hf"), ("llama31-instruct", "native")])
+def test_an_upcycled_model_stops_at_every_stop_id_of_its_source(engine_env, tmp_path, docs_file, layout, form):
+    """A model upcycled from a Llama 3.1 Instruct or Qwen3 folder (tests/test_stop_tokens.py: its weights forced to
+    emit a stop id that is not the first as its second new token), served as ``export-hf`` writes it with its
+    tokenizer ("hf"), or in headmix's own form (a run's final model, ``config_format="headmix"``: "native"), stops
+    there, as the source does: vLLM reads every stop id from the folder."""
+    import shutil
+
+    from test_stop_tokens import LAYOUTS, prompt, source_folder
+    from vllm import SamplingParams
+
+    from headmix.hf import run_to_hf
+    from headmix.interop import upcycle
+
+    ids = source_folder(tmp_path / "src", layout, docs_file, hidden_size=256)  # 4 heads of 64, 2 K/V heads
+    stop_id = ids[LAYOUTS[layout]["stop"]]
+    model = upcycle(tmp_path / "src", attention="moh", num_shared_heads=1, top_k=2)
+    model.save_pretrained(tmp_path / "saved")
+    if form == "hf":
+        (tmp_path / "saved" / "tokenizer").mkdir()
+        shutil.copy(tmp_path / "src" / "tokenizer.json", tmp_path / "saved" / "tokenizer" / "tokenizer.json")
+        llm = start(run_to_hf(tmp_path / "saved", tmp_path / "hf"), skip_tokenizer_init=False, max_model_len=64)
+    else:
+        llm = start(tmp_path / "saved", config_format="headmix", max_model_len=64)
+    try:
+        output = llm.generate([{"prompt_token_ids": prompt(ids, layout)}], SamplingParams(temperature=0.0, max_tokens=6),
+                              use_tqdm=False)[0].outputs[0]
+    finally:
+        stop(llm)
+    assert list(output.token_ids) == [ids["b"], stop_id] and output.finish_reason == "stop"

@@ -1,29 +1,43 @@
 """Time beside compute: each routed attention kind against its dense baseline, the minimal MAC ratio beside the
-measured time ratio (``headmix bench layers --compute``).
+measured time ratio (``headmix bench compute``).
+
+Run::
+
+    headmix bench compute --size study          # lm-en's rows: d_model 128, 8 heads of 16, 16 x 128 tokens
+    headmix bench compute --size 1024           # d_model 1024, batch 1, T 1024 and T 4096
+    headmix bench compute --size gpu            # the GPU check's: d_model 2048, T 4096, bf16 on CUDA
+    headmix bench compute --tiny --device cpu   # the code path, in seconds
+
+(``python -m headmix.bench.compute`` takes the same options: the GPU check runs it so.) Sizes given together run one
+after the other in one process (default ``study 1024`` on the CPU, ``gpu`` on CUDA); ``--d-model``, ``--time`` and
+``--batch`` give a size of one's own instead.
 
 A routed layer is worth its routing when its time follows its compute. For every row of :data:`ROWS` (a routed
 kind, the dense layer of the same width, heads, K/V heads and options with every head on, and for MoH its own
-dense form) and every block of (d_model, T, threads, eager or compiled) it prints, measured in one process with
+dense form) and every block of (size, T, threads, eager or compiled) it prints, measured in one process with
 the layers interleaved (each round runs every layer of the row once, in turn; the ratio is taken per round):
 
 - the **minimal MAC ratio**: :func:`~headmix.models.counting.minimal_attention_macs` of the routed layer over its
   baseline's, causal (what a token needs: the selected heads' queries, attention rows and output projections,
   every K/V head, the router);
 - the **time ratio** of one forward+backward and of a prefill (forward without gradient, building the cache),
-  batch ``--compute-batch`` (1) x T, causal: the median of the per-round ratios and their range. On the CPU wall
-  clock; on CUDA the GPU-busy time (the kernels' own times under ``torch.profiler``) and the kernels per step;
+  the size's batch x T, causal: the median of the per-round ratios and their range. On the CPU wall clock (or,
+  ``--clock cpu``, the process's CPU time); on CUDA the GPU-busy time (the kernels' own times under
+  ``torch.profiler``) and the kernels per step;
 - the target ``time <= MACs + 0.10`` (CPU; ``+ 0.15`` on CUDA) and, for MoH, the sparse form over its own dense
   form;
-- eager: the ATen operations per forward+backward (on CUDA each launches at least one kernel) and the bytes
-  autograd saves for the backward, each over the baseline's (targets <= 2x and <= 1.2x); compiled: the kernels
-  inductor generates for the forward+backward.
+- eager: the **ATen operation ratio** per forward+backward (on CUDA each operation launches at least one kernel)
+  and the bytes autograd saves for the backward, each over the baseline's (targets <= 2x and <= 1.2x); compiled:
+  the kernels inductor generates for the forward+backward.
 
 MoA's growth with ``E`` at fixed ``k`` follows each block: its time at E = 2H and 4H over its time at E = H
-(H = d_model / 64 heads of 64; 16, 32, 64 at d_model 1024), target <= 1.15.
+(H = d_model / 64 heads of 64 from d_model 512, else 8; 16, 32, 64 at d_model 1024), target <= 1.15.
 
-The CPU run asks glibc to keep freed memory (:func:`headmix.keep_freed_memory`, as the ``headmix`` command does);
-``--compute-malloc default`` measures without it. Records go to ``--compute-json`` after each block, and
-``--resume`` skips the blocks already there, so a long run can be stopped and continued.
+On the CPU, ``--malloc keep`` (the default) asks glibc to keep freed memory (:func:`headmix.keep_freed_memory`, as
+``headmix train`` does) before the first block; ``--malloc default`` leaves glibc's own setting, and is refused in
+a process that already keeps freed memory (the setting cannot be undone). The header says which held. Records
+(with each round's times) go to ``--json`` after each block, and ``--resume`` skips the blocks already there, so a
+long run can be stopped and continued.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +57,9 @@ from torch import nn
 
 from ..models import AttentionConfig
 from ..models.counting import minimal_attention_macs
+from ..provenance import cpu_model, source_commit
 from .attention import saved_activation_bytes
 from .kinds import heads_for
-from ..training.machine import cpu_model, source_commit
 from .timing import count_aten_ops, kernel_profile, machine_load
 
 #: The target of the time ratio over the MAC ratio: ``time <= MACs + slack`` (wall clock on the CPU, GPU-busy time
@@ -252,12 +267,14 @@ def measure_row(row: ComputeRow, d_model: int, seq: int, batch: int, mode: str, 
                 record[f"{what}_vs_dense"] = record[f"{what}_ms"]["routed"] / record[f"{what}_ms"]["dense"]
         else:
             times = _rounds(fns, repeats, device, clock)
+            record[f"{what}_rounds_ms"] = {name: [1e3 * t for t in ts] for name, ts in times.items()}
             record[f"{what}_ms"] = {name: 1e3 * statistics.median(t) for name, t in times.items()}
             record[f"{what}_ratio"] = ratio_stats(times["routed"], times["baseline"])
             if "dense" in times:
                 record[f"{what}_vs_dense"] = ratio_stats(times["routed"], times["dense"])["median"]
     if structure:
         record["aten_ops"] = {name: count_aten_ops(l.step) for name, l in layers.items()}
+        record["aten_ratio"] = record["aten_ops"]["routed"] / record["aten_ops"]["baseline"]
         record["saved_bytes"] = {name: saved_activation_bytes(l.step, exclude=l.params) for name, l in layers.items()}
     return record
 
@@ -341,7 +358,8 @@ def format_header(block: dict) -> list[str]:
     timed = ("GPU-busy time" if block["device"] == "cuda" else
              "CPU time" if block.get("clock") == "cpu" else "wall time")
     eager = block["mode"] == "eager"
-    return [f"### d_model {block['d_model']}, T {block['seq']}, batch {block['batch']}, {block['mode']}, "
+    size = f"{block['size']} size: " if block.get("size") in SIZES else ""
+    return [f"### {size}d_model {block['d_model']}, T {block['seq']}, batch {block['batch']}, {block['mode']}, "
             f"{block['dtype']}, " + (f"{block['threads']} threads" if block["device"] != "cuda" else "CUDA"), "",
             f"| layer | dense baseline | minimal MACs | fwd+bwd {timed} | target MACs + {slack:.2f} | prefill | "
             "sparse / own dense (fwd+bwd, prefill) | " + ("ATen ops per fwd+bwd | saved bytes |" if eager
@@ -361,7 +379,7 @@ def format_row(block: dict, r: dict) -> str:
              _verdict(r["step_ratio"]["median"], r["mac_ratio"] + slack), _fmt_ratio(r["prefill_ratio"]), own]
     if eager:
         ops, saved = r["aten_ops"], r["saved_bytes"]
-        cells.append(f"{ops['routed']} / {ops['baseline']} = {ops['routed'] / ops['baseline']:.2f}x"
+        cells.append(f"{ops['routed']} / {ops['baseline']} = {r['aten_ratio']:.2f}x"
                      + (f" ({r['step_kernels']['routed']:.0f} / {r['step_kernels']['baseline']:.0f} CUDA kernels)"
                         if "step_kernels" in r else ""))
         cells.append(f"{saved['routed'] / max(saved['baseline'], 1):.2f}x")
@@ -394,135 +412,230 @@ def format_block(block: dict) -> list[str]:
 
 
 def block_key(block: dict) -> tuple:
+    """What makes a block another measurement (``--resume`` skips a block whose key is in the file)."""
     return (block["device"], block["dtype"], block["d_model"], block["seq"], block["batch"], block["threads"],
-            block["mode"], block.get("clock", "wall"))
+            block["mode"], block.get("clock", "wall"), block.get("malloc", "keep"))
+
+
+def apply_malloc(choice: str) -> bool:
+    """Make the allocator setting ``--malloc`` asks for, before anything is timed: ``keep`` asks glibc to keep freed
+    memory (:func:`headmix.keep_freed_memory`); ``default`` leaves glibc's own setting, and refuses (``ValueError``)
+    in a process that already keeps freed memory, which cannot be undone. Returns whether freed memory is kept."""
+    from .. import process
+
+    if choice == "keep":
+        process.keep_freed_memory()
+    elif process.freed_memory_kept():
+        raise ValueError("--malloc default: this process already keeps freed memory (headmix.keep_freed_memory ran "
+                         "in it); run `headmix bench compute --malloc default` in a process of its own")
+    return process.freed_memory_kept()
 
 
 def run_compute(args, device: torch.device, dtype: torch.dtype, emit: Callable[[str], None] = print) -> list[dict]:
-    """Every block of the table: d_model x T x threads x mode, each printed as it is measured (``emit``) and
-    written to ``args.compute_json`` (if given) after it; with ``args.resume`` the blocks already in that file
-    are kept and skipped. Returns the blocks."""
-    if device.type == "cpu" and args.compute_malloc == "keep":
-        from ..process import keep_freed_memory
-        keep_freed_memory()
-    path = Path(args.compute_json) if args.compute_json else None
+    """Every block of the table: size x T x threads x mode, each printed as it is measured (``emit``) and written
+    to ``args.json`` (if given) after it; with ``args.resume`` the blocks already in that file are kept and
+    skipped. Returns the blocks. The torch thread count is restored afterwards."""
+    kept = apply_malloc(args.malloc) if device.type == "cpu" else None
+    path = Path(args.json) if args.json else None
     blocks: list[dict] = []
     if path is not None and args.resume and path.exists():
         blocks = json.loads(path.read_text())["blocks"]
     done = {block_key(b) for b in blocks}
-    rows = [r for r in ROWS if not args.compute_rows or any(s.lower() in r.name.lower() for s in args.compute_rows)]
-    threads = args.compute_threads if device.type == "cpu" else [torch.get_num_threads()]
-    clock = time.process_time if args.compute_clock == "cpu" else time.perf_counter
+    rows = [r for r in ROWS if not args.rows or any(s.lower() in r.name.lower() for s in args.rows)]
+    threads = args.threads if device.type == "cpu" else [torch.get_num_threads()]
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     checkout = source_commit()
     emit(f"## time beside compute: {where}, torch {torch.__version__}, commit {checkout}, {dtype}; "
          + ("GPU-busy time (torch.profiler)" if device.type == "cuda" else
-            ("wall clock" if args.compute_clock == "wall" else "CPU time of this process")
-            + f", median of {args.compute_repeats} interleaved rounds [range], freed memory "
-            + ("kept (headmix.keep_freed_memory)" if args.compute_malloc == "keep" else "returned (glibc default)")
+            ("wall clock" if args.clock == "wall" else "CPU time of this process")
+            + f", median of {args.repeats} interleaved rounds [range], freed memory "
+            + ("kept (headmix.keep_freed_memory)" if kept else "returned (glibc default)")
             + f", {machine_load()}"))
-    for d_model in args.compute_d_model:
-        for seq in args.compute_time:
-            for n_threads in threads:
-                for mode in args.compute_modes:
-                    block = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "d_model": d_model,
-                             "seq": seq, "batch": args.compute_batch, "threads": n_threads, "mode": mode,
-                             "cpu": where, "torch": torch.__version__, "commit": checkout,
-                             "malloc": args.compute_malloc, "clock": args.compute_clock}
-                    if block_key(block) in done:
-                        continue
-                    if device.type == "cpu":
-                        torch.set_num_threads(n_threads)
-                    block["rows"] = []
-                    for line in ["", *format_header(block)]:
-                        emit(line)
-                    for row in rows:  # each row printed as it is measured (a step stopped at its limit keeps them)
-                        try:
-                            record = measure_row(row, d_model, seq, args.compute_batch, mode, device, dtype,
-                                                 args.compute_repeats, mode == "eager", clock)
-                        except Exception as err:  # noqa: BLE001 - a failing row is reported, the others measured
-                            record = {"layer": row.name, "baseline": row.baseline_name, "error": _error(err)}
-                        block["rows"].append(record)
-                        emit(format_row(block, record))
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-                    if not args.compute_rows or any("moa" in s.lower() for s in args.compute_rows):
-                        try:
-                            block["growth"] = measure_growth(d_model, seq, args.compute_batch, mode, device, dtype,
-                                                             args.compute_repeats, clock)
-                        except Exception as err:  # noqa: BLE001
-                            block["growth"] = {"error": _error(err)}
-                        emit("")
-                        emit(format_growth(block["growth"]))
-                    block["load"] = machine_load()
-                    emit("")
-                    emit(f"({block['load']} after the block)")
-                    if mode == "eager" and args.compute_profile:
-                        measured = [r for r in block["rows"] if "error" not in r]
-                        measured.sort(key=lambda r: r["step_ratio"]["median"] - r["mac_ratio"], reverse=True)
-                        block["profiles"] = {}
-                        for r in measured[:PROFILED_ROWS]:
-                            row = next(c for c in rows if c.name == r["layer"])
-                            block["profiles"][row.name] = profile_row(row, d_model, seq, args.compute_batch, device,
-                                                                      dtype)
-                            for line in ["", *format_profile(row.name, block["profiles"][row.name])]:
-                                emit(line)
-                    blocks.append(block)
-                    if path is not None:
-                        from ..storage.files import atomic_write
-                        atomic_write(path, json.dumps({"blocks": blocks}, indent=1) + "\n")
+    threads_before = torch.get_num_threads()
+    try:
+        for size in args.sizes:
+            for seq in size.seqs:
+                for n_threads in threads:
+                    for mode in args.modes:
+                        block = {"size": size.name, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+                                 "d_model": size.d_model, "seq": seq, "batch": size.batch, "threads": n_threads,
+                                 "mode": mode, "cpu": where, "torch": torch.__version__, "commit": checkout,
+                                 "malloc": args.malloc, "freed_memory_kept": kept, "clock": args.clock}
+                        if block_key(block) in done:
+                            continue
+                        if device.type == "cpu":
+                            torch.set_num_threads(n_threads)
+                        blocks.append(_measure_block(block, rows, args, device, dtype, clock, emit))
+                        if path is not None:
+                            from ..storage.files import atomic_write
+                            atomic_write(path, json.dumps({"blocks": blocks}, indent=1) + "\n")
+    finally:
+        torch.set_num_threads(threads_before)
     return blocks
+
+
+def _measure_block(block: dict, rows: list[ComputeRow], args, device: torch.device, dtype: torch.dtype,
+                   clock: Callable[[], float], emit: Callable[[str], None]) -> dict:
+    """One block: its rows (each printed as it is measured: a step stopped at its limit keeps them), MoA's expert
+    growth, the load after it and (eager) the profiles of the rows furthest above their MAC ratio."""
+    d_model, seq, batch, mode = block["d_model"], block["seq"], block["batch"], block["mode"]
+    block["rows"] = []
+    for line in ["", *format_header(block)]:
+        emit(line)
+    for row in rows:
+        try:
+            record = measure_row(row, d_model, seq, batch, mode, device, dtype, args.repeats, mode == "eager", clock)
+        except Exception as err:  # noqa: BLE001 - a failing row is reported, the others measured
+            record = {"layer": row.name, "baseline": row.baseline_name, "error": _error(err)}
+        block["rows"].append(record)
+        emit(format_row(block, record))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not args.rows or any("moa" in s.lower() for s in args.rows):
+        try:
+            block["growth"] = measure_growth(d_model, seq, batch, mode, device, dtype, args.repeats, clock)
+        except Exception as err:  # noqa: BLE001
+            block["growth"] = {"error": _error(err)}
+        emit("")
+        emit(format_growth(block["growth"]))
+    block["load"] = machine_load()
+    emit("")
+    emit(f"({block['load']} after the block)")
+    if mode == "eager" and args.profile:
+        measured = [r for r in block["rows"] if "error" not in r]
+        measured.sort(key=lambda r: r["step_ratio"]["median"] - r["mac_ratio"], reverse=True)
+        block["profiles"] = {}
+        for r in measured[:PROFILED_ROWS]:
+            row = next(c for c in rows if c.name == r["layer"])
+            block["profiles"][row.name] = profile_row(row, d_model, seq, batch, device, dtype)
+            for line in ["", *format_profile(row.name, block["profiles"][row.name])]:
+                emit(line)
+    return block
 
 
 def _error(err: Exception) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
 
 
+@dataclass(frozen=True)
+class Size:
+    """A size the table is measured at: width, sequence lengths (one block each) and batch."""
+
+    name: str
+    d_model: int
+    seqs: tuple[int, ...]
+    batch: int
+    what: str = ""
+
+
+#: The named sizes (``--size``). ``study``: what ``lm-en``'s rows train at (``headmix.study.builtin``: d_model 128,
+#: blocks of 128 tokens, 2048 tokens = 16 blocks per batch), with the rows' heads of 16 (8 heads, as
+#: ``lm-en-contenders``' GQA); ``1024``: issue 58's CPU size; ``gpu``: the GPU check's (``gpu_check.sh compute``).
+SIZES = {
+    "study": Size("study", 128, (128,), 16, "lm-en's rows: d_model 128, 8 heads of 16, 16 blocks of 128 tokens"),
+    "1024": Size("1024", 1024, (1024, 4096), 1, "d_model 1024, 16 heads of 64, batch 1, T 1024 and 4096"),
+    "gpu": Size("gpu", 2048, (4096,), 1, "the GPU check's: d_model 2048, 32 heads of 64, batch 1, T 4096"),
+}
+#: ``--tiny``: the code path in seconds (the tests, the GPU check's plumbing on a CPU).
+TINY = Size("tiny", 64, (16,), 1, "the code path: d_model 64, T 16, batch 1")
+#: ``--size`` when none is given, per device type.
+DEFAULT_SIZES = {"cpu": ["study", "1024"], "cuda": ["gpu"]}
+
+
 def add_arguments(p) -> None:
     cores = os.cpu_count() or 1
-    p.add_argument("--compute", action="store_true", help="the time-beside-compute table instead of the layer and "
-                   "grouped tables: each routed kind against its dense baseline, minimal MAC ratio beside time ratio")
-    p.add_argument("--compute-d-model", type=int, nargs="+", default=None,
-                   help="widths (default 1024 on the CPU, 2048 on CUDA)")
-    p.add_argument("--compute-time", type=int, nargs="+", default=None,
-                   help="sequence lengths (default 1024 4096 on the CPU, 4096 on CUDA)")
-    p.add_argument("--compute-batch", type=int, default=1)
-    p.add_argument("--compute-threads", type=int, nargs="+", default=sorted({1, cores}),
+    p.add_argument("--size", nargs="+", choices=list(SIZES), default=None,
+                   help="named sizes, one after the other in one run: " + "; ".join(
+                       f"{s.name}: {s.what}" for s in SIZES.values())
+                   + " (default: study 1024 on the CPU, gpu on CUDA)")
+    p.add_argument("--d-model", type=int, nargs="+", default=None, help="a size of your own instead of --size: "
+                   "widths (with --time and --batch)")
+    p.add_argument("--time", type=int, nargs="+", default=None, help="a size of your own: sequence lengths")
+    p.add_argument("--batch", type=int, default=None, help="a size of your own: batch (default 1)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when there is one)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--threads", type=int, nargs="+", default=sorted({1, cores}),
                    help=f"CPU threads, one block each (default 1 and all {cores} cores)")
-    p.add_argument("--compute-modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"])
-    p.add_argument("--compute-repeats", type=int, default=5, help="interleaved rounds per block (CPU)")
-    p.add_argument("--compute-rows", nargs="+", default=None, metavar="TEXT",
+    p.add_argument("--modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"])
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds per block (CPU)")
+    p.add_argument("--rows", nargs="+", default=None, metavar="TEXT",
                    help="only the rows whose name contains one of these (case-insensitive)")
-    p.add_argument("--compute-clock", choices=("wall", "cpu"), default="wall",
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: elapsed time; cpu: this process's CPU time (one thread only: what other processes on "
                         "a shared machine disturb least)")
-    p.add_argument("--compute-malloc", choices=("keep", "default"), default="keep",
-                   help="keep: glibc keeps freed memory (headmix.keep_freed_memory, as the headmix command does); "
-                        "default: glibc's own setting")
-    p.add_argument("--compute-profile", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="keep: glibc keeps freed memory (headmix.keep_freed_memory, as headmix train does); default: "
+                        "glibc's own setting (refused in a process that already keeps it)")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="after each eager block, profile the rows furthest above their MAC ratio (default on)")
-    p.add_argument("--compute-json", default=None, metavar="PATH", help="write the blocks here after each one")
-    p.add_argument("--resume", action="store_true", help="keep and skip the blocks already in --compute-json")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the blocks here after each one")
+    p.add_argument("--resume", action="store_true", help="keep and skip the blocks already in --json")
+    p.add_argument("--tiny", action="store_true", help="the code path at d_model 64, T 16, one thread, one round, "
+                   "eager (seconds; the tests)")
 
 
 def check_args(args, device_type: str) -> None:
-    """Defaults per device and ``--tiny``; ``ValueError`` naming a bad option."""
-    if args.compute_d_model is None:
-        args.compute_d_model = [2048] if device_type == "cuda" else [1024]
-    if args.compute_time is None:
-        args.compute_time = [4096] if device_type == "cuda" else [1024, 4096]
-    if args.tiny:
-        args.compute_d_model, args.compute_time, args.compute_threads = [64], [16], [1]
-        args.compute_repeats, args.compute_modes = 1, ["eager"]
-    for name in ("compute_d_model", "compute_time", "compute_threads"):
+    """``args.sizes`` from ``--size``, a size of one's own or ``--tiny``; ``ValueError`` naming a bad option."""
+    own = [f"--{name.replace('_', '-')}" for name in ("d_model", "time", "batch") if getattr(args, name) is not None]
+    if own and args.size:
+        raise ValueError(f"give --size or a size of your own ({', '.join(own)}), not both")
+    if own and (args.d_model is None or args.time is None):
+        raise ValueError("a size of your own needs --d-model and --time (and --batch, default 1)")
+    for name in ("d_model", "time", "threads"):
         values = getattr(args, name)
-        if min(values) < 1:
+        if values is not None and min(values) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {values}")
-    for name in ("compute_batch", "compute_repeats"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.compute_clock == "cpu" and (device_type != "cpu" or max(args.compute_threads) > 1):
-        raise ValueError(f"--compute-clock cpu measures one thread on the CPU: give --compute-threads 1 and --device "
-                         f"cpu, got --compute-threads {' '.join(map(str, args.compute_threads))} on {device_type}")
-    if args.resume and not args.compute_json:
-        raise ValueError("--resume needs --compute-json (the file of the blocks to keep)")
+    for name in ("batch", "repeats"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.tiny:
+        args.sizes, args.threads, args.repeats, args.modes = [TINY], [1], 1, ["eager"]
+    elif own:
+        args.sizes = [Size("own", d, tuple(args.time), args.batch or 1) for d in args.d_model]
+    else:
+        args.sizes = [SIZES[name] for name in (args.size or DEFAULT_SIZES.get(device_type, DEFAULT_SIZES["cpu"]))]
+    if args.clock == "cpu" and (device_type != "cpu" or max(args.threads) > 1):
+        raise ValueError(f"--clock cpu measures one thread on the CPU: give --threads 1 and --device cpu, got "
+                         f"--threads {' '.join(map(str, args.threads))} on {device_type}")
+    if args.resume and not args.json:
+        raise ValueError("--resume needs --json (the file of the blocks to keep)")
+
+
+def _device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
+    from ..training.config import pick_device
+
+    device = pick_device(args.device)
+    return device, {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or
+                                                                   ("bf16" if device.type == "cuda" else "fp32")]
+
+
+def run(args) -> int:
+    """``headmix bench compute``: the table, each row as it is measured; 1 when a row failed."""
+    device, dtype = _device_and_dtype(args)
+    check_args(args, device.type)
+    blocks = run_compute(args, device, dtype, emit=lambda line: print(line, flush=True))
+    failed = sorted({r["layer"] for b in blocks for r in b["rows"] if "error" in r})
+    if failed:
+        print(f"error: failed rows: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    """``python -m headmix.bench.compute [options]`` (the GPU check's form): ``headmix bench compute``; a bad option
+    exits 2."""
+    from .timing import standalone_args
+
+    def check(args):
+        check_args(args, _device_and_dtype(args)[0].type)
+
+    args = standalone_args(__doc__.split("\n\n")[0], add_arguments, check, argv)
+    try:
+        return run(args)
+    except ValueError as err:  # --malloc default in a process that keeps freed memory
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..storage.files import atomic_write, atomic_write_json
-from ..training.machine import source_commit
+from ..provenance import source_commit
 
 PARTS = ("quick", "full1", "full2", "compute")
 #: The most seconds each part's steps may take: quick fits one 10-minute job with the machine's start and the
@@ -124,16 +124,16 @@ STEPS: dict[str, list[Step]] = {
               "--embed-dim", "32", "--top-k", "2", "--head-dim", "16", "--switchhead", "--repeats", "1", "--warmup",
               "0", "--no-decode"]),
     ],
-    # time beside compute (headmix bench layers --compute): each routed kind against its dense baseline, bf16, d_model
-    # 2048, T 4096, GPU-busy time and kernels beside the minimal MAC ratio; eager first (with the profiles of the
-    # three rows furthest above their MAC ratio), then compiled (rows printed as measured: a step stopped at its
+    # time beside compute (headmix bench compute --size gpu): each routed kind against its dense baseline, bf16,
+    # d_model 2048, T 4096, GPU-busy time and kernels beside the minimal MAC ratio; eager first (with the profiles of
+    # the three rows furthest above their MAC ratio), then compiled (rows printed as measured: a step stopped at its
     # limit keeps them)
     "compute": [
-        Step("compute_eager", 180, ["-m", "headmix.bench.gpu_layers", "--compute", "--compute-modes", "eager"],
-             ["-m", "headmix.bench.gpu_layers", "--compute", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
-        Step("compute_compiled", 300, ["-m", "headmix.bench.gpu_layers", "--compute", "--compute-modes", "compiled"],
-             ["-m", "headmix.bench.gpu_layers", "--compute", "--tiny", "--device", "cpu", "--compute-rows", "GQE",
-              "--no-compute-profile"], env=NO_AUTOTUNE),
+        Step("compute_eager", 180, ["-m", "headmix.bench.compute", "--size", "gpu", "--modes", "eager"],
+             ["-m", "headmix.bench.compute", "--tiny", "--device", "cpu"], env=NO_AUTOTUNE),
+        Step("compute_compiled", 300, ["-m", "headmix.bench.compute", "--size", "gpu", "--modes", "compiled"],
+             ["-m", "headmix.bench.compute", "--tiny", "--device", "cpu", "--rows", "GQE", "--no-profile"],
+             env=NO_AUTOTUNE),
     ],
 }
 
@@ -146,7 +146,7 @@ def budget_s(part: str) -> int:
 def _machine() -> dict:
     import torch
 
-    from ..training.machine import cpu_model
+    from ..provenance import cpu_model
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
     try:

@@ -35,7 +35,6 @@ from torch import nn
 
 from ..kernels import expert_map, expert_reduce, expert_routing
 from ..training.config import pick_device
-from . import compute
 from .attention import peak_memory
 from .kinds import KINDS, Kind, describe, heads_for, triton_usable
 from .timing import check_positive, count_aten_ops, interleaved_timings, kernel_profile, machine_load, standalone_args
@@ -296,15 +295,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(under the CPU interpreter a tiny MoA step takes seconds)")
     p.add_argument("--skip-layers", action="store_true")
     p.add_argument("--skip-grouped", action="store_true")
-    compute.add_arguments(p)
+    p.add_argument("--compute", nargs=argparse.REMAINDER, default=None, metavar="...",
+                   help="removed: the time-beside-compute table is its own command, headmix bench compute")
+
+
+#: ``--compute``'s one-line error: the table it printed instead of this command's is ``headmix bench compute``.
+COMPUTE_MOVED = ("--compute: the time-beside-compute table is its own command now: headmix bench compute --size 1024 "
+                 "(this option's default on the CPU; --size gpu on CUDA), its options without 'compute-' "
+                 "(--compute-time 1024 is --time 1024)")
 
 
 def check_args(args: argparse.Namespace) -> None:
     """``--tiny`` applied, the sizes checked (``ValueError`` naming the option)."""
     if args.tiny:
         args.batch, args.time, args.d_model, args.tokens, args.repeats = 1, 16, 64, 64, 1
+    if args.compute is not None:
+        raise ValueError(COMPUTE_MOVED)
     check_positive(args, "batch", "time", "d_model", "tokens", "repeats")
-    compute.check_args(args, pick_device(args.device).type)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -325,12 +332,6 @@ def run(args: argparse.Namespace) -> int:
         sys.path.append(authors)  # the benchmark's own process only
     if device.type == "cuda":
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    if args.compute:
-        blocks = compute.run_compute(args, device, dtype, emit=lambda line: print(line, flush=True))
-        failed = sorted({r["layer"] for b in blocks for r in b["rows"] if "error" in r})
-        if failed:
-            print(f"error: failed rows: {', '.join(failed)}", file=sys.stderr)
-        return 1 if failed else 0
     failed = []
     if not args.skip_layers:
         _, failed = layer_table(args, device, dtype, emit=lambda line: print(line, flush=True))

@@ -6,8 +6,8 @@ import argparse
 
 
 def _modules():
-    from ..bench import (attention, decode, expert_gemm_shapes, gpu_layers, gqa, gqe, grouped_matmul, hopper_aot,
-                         kv_cache_bytes, models, moh_projections, mosa, quick, serve, upcycle)
+    from ..bench import (attention, compute, decode, expert_gemm_shapes, gpu_layers, gqa, gqe, grouped_matmul,
+                         hopper_aot, kv_cache_bytes, models, moh_projections, mosa, quick, serve, upcycle)
 
     return {"attention": (attention, "MoA and SwitchHead vs torch MHA: time, memory, decoding"),
             "models": (models, "whole-model training steps: MoA vs the MHA model of equal MACs"),
@@ -16,6 +16,8 @@ def _modules():
             "gqe": (gqe, "GQE (the paper's 16 experts on 8 K/V heads, top 1) vs GQA with 16 heads, eager and compiled"),
             "mosa": (mosa, "Mixture of Sparse Attention vs MHA of equal attention MACs: time, memory, KV cache"),
             "layers": (gpu_layers, "the GPU layer table: every attention kind, fwd+bwd, vs torch SDPA MHA"),
+            "compute": (compute, "time beside compute: each routed kind vs its dense baseline at the study size, "
+                                 "d_model 1024 and the GPU size: time, minimal MAC and ATen op ratios"),
             "quick": (quick, "the GPU check's model tables: a Llama training step or greedy decoding per kind"),
             "grouped": (grouped_matmul, "MoA's expert map + reduce per expert_impl vs two dense Linear"),
             "gemm-shapes": (expert_gemm_shapes, "the per-expert GEMMs of the sorted CPU kernels vs one dense GEMM"),
@@ -34,5 +36,16 @@ def add_parser(sub) -> None:
                                              formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
+#: The benchmarks that make the allocator setting themselves: ``compute`` keeps freed memory or leaves glibc's
+#: setting as its ``--malloc`` says (so ``--malloc default`` measures without it).
+OWN_ALLOCATOR_SETTING = ("compute",)
+
+
 def run(args: argparse.Namespace) -> int:
+    """Run benchmark ``args.bench``; every one but :data:`OWN_ALLOCATOR_SETTING` first keeps freed memory
+    (:func:`headmix.keep_freed_memory`, as ``headmix train`` does: what a CPU step costs without page faults)."""
+    if args.bench not in OWN_ALLOCATOR_SETTING:
+        from ..process import keep_freed_memory
+
+        keep_freed_memory()
     return _modules()[args.bench][0].run(args)

@@ -439,8 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 #: The commands that train or time models: they keep freed memory (:func:`headmix.keep_freed_memory`; without it a
-#: CPU training step page-faults its activations back in, and a study paid that in every run and timing).
-MEMORY_KEEPING_COMMANDS = ("train", "study", "demo", "bench")
+#: CPU training step page-faults its activations back in, and a study paid that in every run and timing). ``bench``
+#: makes the setting per benchmark (:func:`headmix.cli.bench.run`: ``bench compute --malloc default`` leaves it).
+MEMORY_KEEPING_COMMANDS = ("train", "study", "demo")
 
 
 def _dispatch(args) -> int:

@@ -116,7 +116,7 @@ def format_plan(spec, planned) -> str:
     the model's MACs and parameters, and the fields solved for it with the values found."""
     from ..models.counting import resolve_lengths
     from ..study.report import _attention_text
-    from ..study.runner import macs_lengths
+    from ..study.plan import macs_lengths
 
     baseline = spec.baseline_config()
     src, tgt = resolve_lengths(baseline, *macs_lengths(spec, baseline))
@@ -157,7 +157,8 @@ EXIT_CONTINUE = 75
 def run(args) -> int:
     from ..study import finished_results, get_study, plan, run_study, write_report
     from ..study.report import update_report
-    from ..study.runner import TIME_BUDGET, study_complete, with_time_budget
+    from ..study.results import study_complete
+    from ..study.runner import TIME_BUDGET, with_time_budget
 
     if args.list:
         list_studies()
@@ -177,7 +178,7 @@ def run(args) -> int:
         raise ValueError("--out is required to run a study (the study folder)")
     log = lambda m: print(f"[headmix] {m}", file=sys.stderr, flush=True)  # noqa: E731
     if args.report:
-        from ..study.runner import study_lock
+        from ..study.claims import study_lock
 
         if not (Path(args.out) / "study.json").is_file():
             raise FileNotFoundError(f"{args.out} holds no study (no study.json)")

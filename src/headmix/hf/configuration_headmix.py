@@ -45,7 +45,9 @@ class HeadmixConfig(PretrainedConfig):
     ``headmix``: the headmix :class:`~headmix.models.ModelConfig` (a dict, or a ``ModelConfig``), validated on
     construction. ``use_cache``: whether ``forward`` returns a cache by default (not when it is given ``labels``).
     ``pad_token_id``, ``bos_token_id``, ``eos_token_id``: the ids ``generate`` uses, by default headmix's
-    ``pad_id``, ``bos_id``, ``eos_id`` (the model itself always treats ``pad_id`` as its padding row)."""
+    ``pad_id``, ``bos_id`` and its stop ids (``eos_id``, or the list ``stop_ids``: ``generate``, the
+    ``generation_config.json`` ``save_pretrained`` writes and vLLM stop at each); the model itself always treats
+    ``pad_id`` as its padding row."""
 
     model_type = "headmix"
     keys_to_ignore_at_inference = ["cache", "past_key_values", "lm_loss", "aux_loss", "routing"]
@@ -58,8 +60,11 @@ class HeadmixConfig(PretrainedConfig):
         kwargs.pop(VERSION_FIELD, None)  # a loaded file's, checked by from_dict; saving records this headmix's
         setattr(self, VERSION_FIELD, __version__)
         self.use_cache = use_cache
-        for name, field in TOKEN_FIELDS.items():
-            setattr(self, name, kwargs.pop(name, getattr(model_config, field)))
+        stops = model_config.stop_token_ids()  # every stop id: generate and vLLM stop at each
+        defaults = {"pad_token_id": model_config.pad_id, "bos_token_id": model_config.bos_id,
+                    "eos_token_id": stops[0] if len(stops) == 1 else stops}
+        for name in TOKEN_FIELDS:
+            setattr(self, name, kwargs.pop(name, defaults[name]))
         kwargs.pop("tie_word_embeddings", None)  # headmix ties by construction (share_embeddings), never by name
         super().__init__(**kwargs)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -38,13 +39,61 @@ def rope_settings(config: Any, *, honours_partial: bool) -> tuple[float, float]:
     return float(base), float(fraction or 1.0)
 
 
-def first_id(value: Any, default: int) -> int:
-    """A token id from a config field that may be None, an int or a list of ints."""
+def token_ids(value: Any) -> list[int]:
+    """The token ids of a config field that may be None, an int or a list of ints (Llama 3.1's ``eos_token_id``)."""
     if value is None:
-        return default
+        return []
     if isinstance(value, (list, tuple)):
-        return int(value[0]) if value else default
-    return int(value)
+        return [int(i) for i in value]
+    return [int(value)]
+
+
+def first_id(value: Any, default: int) -> int:
+    """The first token id of a config field that may be None, an int or a list of ints (``default`` where none)."""
+    ids = token_ids(value)
+    return ids[0] if ids else default
+
+
+def stop_ids_of(hf_config: Any, name_or_path: Any = None, generation_config: Any = None) -> list[int]:
+    """Every id at which a Hugging Face source stops generating, in this order, each once: its config's
+    ``eos_token_id`` (an int or a list), its generation config's (``generation_config``, and a local folder's
+    ``generation_config.json``, read as JSON) and, for a local folder with a tokenizer, the tokenizer's eos token.
+    Llama 3.1 Instruct: ``<|end_of_text|>``, ``<|eom_id|>``, ``<|eot_id|>``; Qwen3: ``<|im_end|>``,
+    ``<|endoftext|>``."""
+    found = token_ids(getattr(hf_config, "eos_token_id", None))
+    if generation_config is not None:
+        found += token_ids(getattr(generation_config, "eos_token_id", None))
+    folder = None if name_or_path is None else Path(name_or_path)
+    if folder is not None and (folder / "generation_config.json").is_file():
+        try:
+            data = json.loads((folder / "generation_config.json").read_text())
+        except ValueError as err:
+            raise ValueError(f"{folder / 'generation_config.json'} is not valid JSON ({err})") from None
+        found += token_ids(data.get("eos_token_id") if isinstance(data, dict) else None)
+    if folder is not None and (folder / "tokenizer_config.json").is_file():
+        found += token_ids(require_transformers().AutoTokenizer.from_pretrained(str(folder)).eos_token_id)
+    return list(dict.fromkeys(found))
+
+
+def special_fields(hf_config: Any, pad_id: int | None, stop_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """The ``pad_id``, ``bos_id``, ``eos_id`` and ``stop_ids`` of the :class:`~headmix.models.ModelConfig` of a
+    Hugging Face source: ``eos_id`` is the config's first eos id; ``stop_ids`` is every id that ends its generation
+    (``stop_ids`` where given, else the config's ``eos_token_id`` list: :func:`stop_ids_of` adds a folder's
+    generation config and tokenizer), ``eos_id`` first, ``None`` where that is ``eos_id`` alone; ``pad_id``
+    (:func:`pad_id_of`) is ``None`` where it is a stop id (a real token of the text)."""
+    eos = first_id(getattr(hf_config, "eos_token_id", None), 2)
+    given = token_ids(getattr(hf_config, "eos_token_id", None)) if stop_ids is None else [int(i) for i in stop_ids]
+    stops = list(dict.fromkeys([eos, *given]))
+    return dict(pad_id=None if pad_id in stops else pad_id, bos_id=first_id(getattr(hf_config, "bos_token_id", None), 1),
+                eos_id=eos, stop_ids=stops if len(stops) > 1 else None)
+
+
+def stop_field(config: Any) -> int | list[int]:
+    """A headmix config's stop ids as a Hugging Face ``eos_token_id``: ``eos_id`` where it is the only one, else
+    the list of every stop id (in the source's order, ``config.json`` and ``generation_config.json`` as Llama 3.1
+    Instruct's)."""
+    stops = config.stop_token_ids()
+    return stops[0] if len(stops) == 1 else stops
 
 
 def pad_id_of(hf_config: Any, pad_id: int | None, name_or_path: Any = None) -> int | None:

@@ -36,7 +36,8 @@ import torch
 
 from ..attention import MixtureOfAttentionHeads
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
-from ._hf import checkpoint_folder, copy_into, first_id, pad_id_of, require_transformers, rope_settings
+from ._hf import (checkpoint_folder, copy_into, pad_id_of, require_transformers, rope_settings, special_fields,
+                  stop_field)
 
 #: JetMoe's per-layer RMSNorm epsilon (``JetMoeRMSNorm``'s default; the decoder layers do not pass
 #: ``rms_norm_eps``).
@@ -146,8 +147,7 @@ def config_from_jetmoe(hf_config: Any, *, pad_id: int | None = None) -> ModelCon
         ffn_top_k=hf_config.num_experts_per_tok, ffn_load_balance_weight=float(hf_config.aux_loss_coef),
         ffn_load_balance_fractions="per_token", bias=True,
         scale_embeddings=False, embedding_norm=False, share_embeddings=bool(hf_config.tie_word_embeddings),
-        pad_id=pad_id_of(hf_config, pad_id),
-        bos_id=first_id(hf_config.bos_token_id, 1), eos_id=first_id(hf_config.eos_token_id, 2), label_smoothing=0.0)
+        **special_fields(hf_config, pad_id_of(hf_config, pad_id)), label_smoothing=0.0)
 
 
 def _layer_pairs(model: CausalLanguageModel, hf_model: Any):
@@ -206,7 +206,7 @@ def causal_lm_to_jetmoe(model: CausalLanguageModel) -> Any:
         first, vocab_size=cfg.vocab_size, num_hidden_layers=cfg.decoder_layers, intermediate_size=cfg.ffn_dim,
         max_position_embeddings=cfg.max_positions, activation_function="silu", tie_word_embeddings=cfg.share_embeddings,
         rms_norm_eps=cfg.norm_eps, aux_loss_coef=att.load_balance_weight, pad_token_id=cfg.pad_id,
-        bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id)
+        bos_token_id=cfg.bos_id, eos_token_id=stop_field(cfg))
     ref = model.decoder.embed.tokens.weight
     with torch.device(ref.device):
         hf_model = transformers.JetMoeForCausalLM(hf_config).to(ref.dtype).eval()

@@ -28,7 +28,7 @@ folder); where none has one the converted model has ``pad_id=None``: no token is
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,14 +36,14 @@ from torch import Tensor
 
 from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
-from ._hf import (check_option_names, checkpoint_folder, copy_into, first_id, pad_id_of, require_transformers,
-                  rope_settings)
+from ._hf import (check_option_names, checkpoint_folder, copy_into, pad_id_of, require_transformers, rope_settings,
+                  special_fields, stop_field, stop_ids_of)
 from .moh import zero_moh_routers
 
 ATTENTION_TARGETS = ("mha", "moh")
 #: The named options of the Llama-family conversions (``load_llama``, ``load_qwen3``, ``from_pretrained``); the other
 #: keywords are fields of the target's attention config.
-CONVERSION_OPTIONS = ("attention", "num_shared_heads", "top_k", "pad_id", "expand_kv", "torch_dtype")
+CONVERSION_OPTIONS = ("attention", "num_shared_heads", "top_k", "pad_id", "stop_ids", "expand_kv", "torch_dtype")
 #: Attention fields the checkpoint fixes (not options); Qwen3's mapping sets ``qk_norm`` and ``output_gate`` itself.
 FROM_CHECKPOINT = ("num_heads", "head_dim", "key_dim", "kv_heads", "num_experts", "qk_norm", "output_gate")
 
@@ -65,20 +65,23 @@ def check_conversion_options(attention: str, attention_options: dict[str, Any]) 
 
 def config_from_llama(hf_config: Any, *, attention: str = "mha", num_shared_heads: int | None = None,
                       top_k: int | None = None, pad_id: int | None = None, expand_kv: bool = False,
-                      **attention_options) -> ModelConfig:
+                      stop_ids: Sequence[int] | None = None, **attention_options) -> ModelConfig:
     """The headmix :class:`ModelConfig` of a Hugging Face ``LlamaConfig``; ``attention="moh"`` with
     ``num_shared_heads`` and ``top_k`` gives MoH layers of the same heads. ``kv_heads`` is the checkpoint's
     ``num_key_value_heads`` (``expand_kv=True``: one K/V head per query head, see the module docstring).
     ``attention_options`` are extra :class:`AttentionConfig` fields (e.g. ``load_balance_weight``, or
-    ``route_per_group=True`` for MoH routed within each K/V group)."""
+    ``route_per_group=True`` for MoH routed within each K/V group). ``stop_ids``: every id that ends the
+    source's generation (default: the config's ``eos_token_id``, an int or a list; :func:`load_llama` adds the
+    folder's generation config and tokenizer): the model's ``stop_ids``, its ``eos_id`` the config's first."""
     check_conversion_options(attention, attention_options)
     return decoder_config(hf_config, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
-                          pad_id=pad_id, expand_kv=expand_kv, **attention_options)
+                          pad_id=pad_id, expand_kv=expand_kv, stop_ids=stop_ids, **attention_options)
 
 
 def decoder_config(hf_config: Any, *, attention: str, num_shared_heads: int | None, top_k: int | None,
                    pad_id: int | None, expand_kv: bool, honours_partial_rotary: bool = False,
-                   attention_bias: bool | None = None, **attention_options) -> ModelConfig:
+                   attention_bias: bool | None = None, stop_ids: Sequence[int] | None = None,
+                   **attention_options) -> ModelConfig:
     """The headmix :class:`ModelConfig` of a Llama-family config (Llama, Qwen3): see
     :func:`config_from_llama`. ``attention_bias`` overrides the config's ``attention_bias`` (the Gated
     Attention authors' Qwen3 calls it ``qkv_bias``)."""
@@ -114,16 +117,14 @@ def decoder_config(hf_config: Any, *, attention: str, num_shared_heads: int | No
             raise ValueError("num_shared_heads and top_k apply to attention='moh' only")
         att = AttentionConfig(kind="mha", **common)
     vocab = hf_config.vocab_size
-    pad = pad_id_of(hf_config, pad_id)
     return ModelConfig(
         task="lm", vocab_size=vocab, d_model=hf_config.hidden_size, ffn_dim=hf_config.intermediate_size,
         encoder_layers=0, decoder_layers=hf_config.num_hidden_layers, decoder_self_attention=att, norm="pre",
         norm_type="rmsnorm", norm_eps=float(hf_config.rms_norm_eps), positions="rotary",
         max_positions=hf_config.max_position_embeddings, dropout=0.0, activation_dropout=0.0, ffn="swiglu",
         bias=bool(getattr(hf_config, "mlp_bias", False)), scale_embeddings=False, embedding_norm=False,
-        share_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), pad_id=pad,
-        bos_id=first_id(getattr(hf_config, "bos_token_id", None), 1),
-        eos_id=first_id(getattr(hf_config, "eos_token_id", None), 2), label_smoothing=0.0)
+        share_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        **special_fields(hf_config, pad_id_of(hf_config, pad_id), stop_ids), label_smoothing=0.0)
 
 
 def repeat_kv_rows(weight: Tensor, kv_heads: int, heads: int) -> Tensor:
@@ -256,28 +257,36 @@ def causal_lm_from_state(cfg: ModelConfig, hf_config: Any, state: Mapping[str, T
 
 def causal_lm_from_llama(hf_model: Any, *, attention: str = "mha", num_shared_heads: int | None = None,
                          top_k: int | None = None, pad_id: int | None = None, expand_kv: bool = False,
-                         **attention_options) -> CausalLanguageModel:
+                         stop_ids: Sequence[int] | None = None, **attention_options) -> CausalLanguageModel:
     """A headmix causal LM with the weights of a Hugging Face ``LlamaForCausalLM`` (see the module docstring).
 
     ``attention="mha"``: the same function (equal logits, equal greedy decoding), with the source's
     ``kv_heads``. ``attention="moh"``: MoH layers with the same heads and zero routers
     (:func:`headmix.interop.moh.moh_from_dense` says what that preserves: with ``top_k`` = all routed heads,
-    the same function)."""
+    the same function). ``stop_ids``: by default the config's and the generation config's eos ids."""
+    if stop_ids is None:
+        stop_ids = stop_ids_of(hf_model.config, generation_config=getattr(hf_model, "generation_config", None))
     cfg = config_from_llama(hf_model.config, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
-                            pad_id=pad_id, expand_kv=expand_kv, **attention_options)
+                            pad_id=pad_id, expand_kv=expand_kv, stop_ids=stop_ids, **attention_options)
     return causal_lm_from_state(cfg, hf_model.config, hf_model.state_dict())
 
 
 def load_llama(name_or_path: str | os.PathLike, *, attention: str = "mha", num_shared_heads: int | None = None,
                top_k: int | None = None, pad_id: int | None = None, torch_dtype: torch.dtype = torch.float32,
-               expand_kv: bool = False, **attention_options) -> CausalLanguageModel:
+               expand_kv: bool = False, stop_ids: Sequence[int] | None = None,
+               **attention_options) -> CausalLanguageModel:
     """Load a Llama checkpoint with ``transformers`` (a Hub name, which needs the network, or a local
-    ``save_pretrained`` folder) and convert it with :func:`causal_lm_from_llama`."""
+    ``save_pretrained`` folder) and convert it with :func:`causal_lm_from_llama`. ``stop_ids``: by default every
+    stop id of the source (its config's, its generation config's and its tokenizer's eos:
+    :func:`headmix.interop._hf.stop_ids_of`)."""
     transformers = require_transformers()
     checkpoint_folder(name_or_path, "load_llama")
     hf_model = transformers.LlamaForCausalLM.from_pretrained(str(name_or_path)).to(torch_dtype)
+    if stop_ids is None:
+        stop_ids = stop_ids_of(hf_model.config, name_or_path, hf_model.generation_config)
     return causal_lm_from_llama(hf_model, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
-                                pad_id=pad_id_of(hf_model.config, pad_id, name_or_path), expand_kv=expand_kv, **attention_options)
+                                pad_id=pad_id_of(hf_model.config, pad_id, name_or_path), expand_kv=expand_kv,
+                                stop_ids=stop_ids, **attention_options)
 
 
 #: headmix parameter names -> Llama-family (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) names, in order.
@@ -324,7 +333,7 @@ def hf_decoder_from_causal_lm(model: CausalLanguageModel, family: str) -> Any:
         head_dim=first.head_dim, max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps,
         hidden_act="silu", tie_word_embeddings=cfg.share_embeddings, attention_bias=first.q_proj.bias is not None,
         attention_dropout=att.dropout, rope_parameters={"rope_type": "default", "rope_theta": att.rotary_base},
-        pad_token_id=cfg.pad_id, bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id, **extra)
+        pad_token_id=cfg.pad_id, bos_token_id=cfg.bos_id, eos_token_id=stop_field(cfg), **extra)
     state = {}
     for name, p in model.named_parameters():
         for ours, theirs in HF_NAMES:

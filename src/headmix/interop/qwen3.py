@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..attention import MultiHeadAttention
 from ..models import CausalLanguageModel, ModelConfig
-from ._hf import checkpoint_folder, copy_into, pad_id_of, require_transformers
+from ._hf import checkpoint_folder, copy_into, pad_id_of, require_transformers, stop_ids_of
 from .llama import (SourceTensors, causal_lm_from_state, check_conversion_options, decoder_config,
                     hf_decoder_from_causal_lm)
 
@@ -65,10 +65,12 @@ def output_gate_of(hf_config: Any) -> str | None:
 
 def config_from_qwen3(hf_config: Any, *, attention: str = "mha", num_shared_heads: int | None = None,
                       top_k: int | None = None, pad_id: int | None = None, expand_kv: bool = False,
-                      **attention_options) -> ModelConfig:
+                      stop_ids: Sequence[int] | None = None, **attention_options) -> ModelConfig:
     """The headmix :class:`ModelConfig` of a Hugging Face ``Qwen3Config`` (or the Gated Attention authors'
     gated one): :func:`headmix.interop.llama.config_from_llama`'s mapping plus ``qk_norm`` and
-    ``output_gate`` (see the module docstring); refuses what headmix cannot express."""
+    ``output_gate`` (see the module docstring); refuses what headmix cannot express. ``stop_ids``: as
+    :func:`~headmix.interop.llama.config_from_llama` (Qwen3's generation config adds ``<|endoftext|>`` to the
+    config's ``<|im_end|>``: :func:`load_qwen3` reads it)."""
     # transformers 5 derives layer_types from use_sliding_window, sliding_window and max_window_layers
     windowed = [i for i, kind in enumerate(getattr(hf_config, "layer_types", None) or []) if kind != "full_attention"]
     if windowed:
@@ -88,7 +90,7 @@ def config_from_qwen3(hf_config: Any, *, attention: str = "mha", num_shared_head
         extra["output_gate"] = gate
     bias = getattr(hf_config, "qkv_bias", None)
     config = decoder_config(hf_config, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
-                            pad_id=pad_id, expand_kv=expand_kv, honours_partial_rotary=False,
+                            pad_id=pad_id, expand_kv=expand_kv, honours_partial_rotary=False, stop_ids=stop_ids,
                             attention_bias=None if bias is None else bool(bias), **extra, **attention_options)
     return config.replace(sequence_start="none")  # Qwen3's tokenizer adds no bos (interop.sequence_start)
 
@@ -142,7 +144,11 @@ def causal_lm_from_qwen3(hf_model: Any, *, attention: str = "mha", num_shared_he
     names and the Gated Attention authors' gated config): ``attention="mha"`` computes the same function with
     the source's ``kv_heads``, QK-norm and gates; ``attention="moh"`` (``num_shared_heads``, ``top_k``;
     ``route_per_group=True`` for routing inside each K/V group) gives MoH layers of the same heads with zero
-    routers (:mod:`headmix.interop.moh`: the same function when every head is active)."""
+    routers (:mod:`headmix.interop.moh`: the same function when every head is active). ``stop_ids``: by default
+    the config's and the generation config's eos ids."""
+    if attention_options.get("stop_ids") is None:
+        attention_options["stop_ids"] = stop_ids_of(hf_model.config,
+                                                     generation_config=getattr(hf_model, "generation_config", None))
     return causal_lm_from_qwen3_state(hf_model.config, hf_model.state_dict(), attention=attention,
                                       num_shared_heads=num_shared_heads, top_k=top_k, pad_id=pad_id,
                                       expand_kv=expand_kv, **attention_options)
@@ -176,6 +182,14 @@ def load_qwen3(name_or_path: str | os.PathLike, *, attention: str = "mha", num_s
     transformers = require_transformers()
     checkpoint_folder(name_or_path, "load_qwen3")
     hf_config = transformers.AutoConfig.from_pretrained(str(name_or_path))
+    if attention_options.get("stop_ids") is None:  # every stop id of the source (headmix.interop._hf.stop_ids_of)
+        generation = None
+        if not Path(name_or_path).exists():  # a Hub name: its generation_config.json, where it has one
+            try:
+                generation = transformers.GenerationConfig.from_pretrained(str(name_or_path))
+            except OSError:
+                pass
+        attention_options["stop_ids"] = stop_ids_of(hf_config, name_or_path, generation)
     options = dict(attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
                    pad_id=pad_id_of(hf_config, pad_id, name_or_path),
                    expand_kv=expand_kv, **attention_options)

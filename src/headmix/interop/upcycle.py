@@ -49,7 +49,7 @@ from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..attention.base import scaled_dot_product
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
 from ..models.transformer import is_headmix_folder
-from ._hf import check_option_names
+from ._hf import check_option_names, stop_ids_of
 from .moh import zero_moh_routers
 
 #: The targets of an upcycling: MoH, or dense attention (with ``keep_heads``: statically pruned).
@@ -287,8 +287,8 @@ def _head_slices(prefix: str, source: MultiHeadAttention, kept: list[int], group
 
 def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None = None) -> ModelConfig:
     """The dense headmix config of a source folder, read without loading its weights: a headmix folder's own, or
-    a Hugging Face folder's as :func:`headmix.interop.from_pretrained` converts it (``loader_options``: its
-    ``pad_id``, ``expand_kv``)."""
+    a Hugging Face folder's as :func:`headmix.interop.from_pretrained` converts it, every stop id of the folder
+    included (``loader_options``: its ``pad_id``, ``expand_kv``)."""
     folder = Path(path)
     if is_headmix_folder(folder):
         from ..models.transformer import read_folder_config
@@ -308,7 +308,10 @@ def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None
                          f"{sorted(CONFIGS)}")
     mapping = CONFIGS[hf_config.model_type]
     taken = inspect.signature(mapping).parameters  # JetMoe's mapping has no expand_kv (its source is refused anyway)
-    config = mapping(hf_config, **{k: v for k, v in (loader_options or {}).items() if k in taken})
+    options = {k: v for k, v in (loader_options or {}).items() if k in taken}
+    if "stop_ids" in taken and options.get("stop_ids") is None:  # the folder's generation config and tokenizer too
+        options["stop_ids"] = stop_ids_of(hf_config, folder)
+    config = mapping(hf_config, **options)
     return config.replace(sequence_start=folder_sequence_start(folder, hf_config.model_type))
 
 

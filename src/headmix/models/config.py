@@ -650,6 +650,10 @@ class ModelConfig:
     the stream it was trained on (:func:`sequence_start_as_trained`).
     ``bias``: biases of the feed-forward linears (for ``moe_swiglu`` one output bias, as JetMoE) and of
     LayerNorm (Llama has none); the attention layers' biases are set in each ``AttentionConfig``.
+    ``pad_id``, ``bos_id``, ``eos_id``: the special tokens (``eos_id`` ends a training document and a generated
+    sequence). ``stop_ids``: every token id that ends a generated sequence, ``eos_id`` among them (Llama 3.1
+    Instruct's ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``); ``None``, as configs stored before the
+    field: ``eos_id`` alone (:meth:`stop_token_ids`).
     ``scale_embeddings`` multiplies token embeddings by ``sqrt(d_model)`` (fairseq); ``embedding_norm``
     adds a LayerNorm after the embeddings (RoBERTa). ``share_embeddings`` ties the token embeddings of
     encoder, decoder and the output projection (one joint vocabulary). ``dropout`` is the residual and
@@ -689,6 +693,7 @@ class ModelConfig:
     pad_id: int | None = 0
     bos_id: int = 1
     eos_id: int = 2
+    stop_ids: list[int] | None = None
     label_smoothing: float = 0.1
     sequence_start: str | None = None
 
@@ -696,6 +701,8 @@ class ModelConfig:
         _choice("task", self.task, TASKS)
         if self.task == "lm" and self.sequence_start is None:
             self.sequence_start = "bos"  # stored resolved: a later default never changes what a run was trained on
+        if isinstance(self.stop_ids, tuple):
+            self.stop_ids = list(self.stop_ids)  # as JSON reads it back
         roles = self.attention_roles()
         for role in ("encoder_self_attention", "decoder_self_attention", "cross_attention"):
             value = getattr(self, role)
@@ -807,6 +814,23 @@ class ModelConfig:
         elif self.sequence_start is not None:
             raise ValueError(f"sequence_start applies to task 'lm' only; it must be unset (None) for task "
                              f"{self.task!r}, got {self.sequence_start!r}")
+        self._validate_stop_ids()
+
+    def _validate_stop_ids(self) -> None:
+        """``stop_ids``: ``None`` or a list of distinct token ids holding ``eos_id``."""
+        ids = self.stop_ids
+        if ids is None:
+            return
+        if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"stop_ids must be None or a list of token ids in [0, vocab_size={self.vocab_size}), "
+                             f"got {ids!r}")
+        if len(set(ids)) != len(ids) or self.eos_id not in ids:
+            raise ValueError(f"stop_ids must be distinct token ids among them eos_id ({self.eos_id}), got {list(ids)}")
+
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end a generated sequence: ``stop_ids``, or ``[eos_id]`` where it is ``None``."""
+        return [self.eos_id] if self.stop_ids is None else [int(i) for i in self.stop_ids]
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with some fields changed."""

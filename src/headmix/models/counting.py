@@ -206,7 +206,7 @@ def minimal_attention_macs(att: AttentionConfig, d_model: int, length: int, caus
     GEMM, :func:`gqe_macs`; the others are never used). MoA and SwitchHead compute only what a token selects, MHA /
     GQA / Talking-Heads everything: their :func:`attention_macs`. ``causal``: the attention products over the pairs
     a causal flash kernel computes (:func:`causal_pairs`). This is the count the time-beside-compute table
-    (``headmix bench layers --compute``) sets each measured time ratio beside."""
+    (``headmix bench compute``) sets each measured time ratio beside."""
     t = length
     if att.kind == "moh":
         return attention_macs(dataclasses.replace(att, moh_impl="sparse"), d_model, t, t, causal=causal)[0]

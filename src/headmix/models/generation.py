@@ -7,8 +7,9 @@ by one token per step; beams are reordered with ``KVCache.reorder``. With ``use_
 prefix is run through the decoder at every step (the encoder still runs once). Both give the same tokens.
 
 Beam search follows fairseq's ``SequenceGenerator``: each step keeps the ``2 * beam_size`` best
-candidates; those ending in ``eos`` among the top ``beam_size`` are finished with score
-``sum log p / length ** length_penalty`` (length counts the ``eos``); the best ``beam_size`` others go on.
+candidates; those ending in ``eos`` (here and below: any of the model's stop ids, ``ModelConfig.stop_token_ids``)
+among the top ``beam_size`` are finished with score ``sum log p / length ** length_penalty`` (length counts the
+``eos``); the best ``beam_size`` others go on.
 A sentence is done once it has ``beam_size`` finished hypotheses; when ``max_len`` tokens are reached the
 live beams (without ``eos``) join its hypotheses. With ``beam_size=1`` this is greedy decoding.
 
@@ -96,7 +97,7 @@ def threshold_selection(model: torch.nn.Module) -> Iterator[None]:
 @dataclass
 class GenerationOutput:
     """``tokens`` ``(B, L)``: the generated tokens (for a causal LM, the continuation without the
-    prompt), ending with ``eos`` unless ``max_len`` was reached, padded with ``pad_id`` (``eos_id`` where the
+    prompt), ending with a stop id (``eos``) unless ``max_len`` was reached, padded with ``pad_id`` (``eos_id`` where the
     model has no ``pad_id``); ``scores`` ``(B,)``:
     the summed log-probabilities (greedy) or the length-normalised beam score of the returned hypothesis."""
 
@@ -219,6 +220,12 @@ def greedy_decode(model: PreTrainedModel, src: Tensor, max_len: int, *, use_cach
                            static_step)
 
 
+def stop_tensor(config, device: torch.device) -> Tensor:
+    """The ids that end a sequence (``config.stop_token_ids()``: ``eos_id`` and the source's other stop ids, such
+    as Llama 3.1 Instruct's ``<|eot_id|>``), as a tensor for ``torch.isin``."""
+    return torch.tensor(config.stop_token_ids(), dtype=torch.long, device=device)
+
+
 def filler(config) -> int:
     """The token that fills a finished row: ``pad_id``, or ``eos_id`` for a model without a padding token."""
     return config.eos_id if config.pad_id is None else config.pad_id
@@ -227,8 +234,9 @@ def filler(config) -> int:
 def _token_by_token(model: PreTrainedModel, src: Tensor, max_len: int, pick: Callable[[Tensor], Tensor],
                     use_cache: bool, static_cache: bool = False, static_step: Callable | None = None) -> GenerationOutput:
     """One token per step, ``pick(log_probs)`` ``(B, vocab) -> (B,)``, for at most ``max_len`` steps: padding
-    after a row's ``eos`` (scored 0), stopping once every row has ended."""
+    after a row's stop id (``eos`` or another of ``stop_ids``; scored 0), stopping once every row has ended."""
     cfg = model.config
+    stops = stop_tensor(cfg, src.device)
     with _eval_mode(model), threshold_selection(model):
         prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
         batch = src.shape[0]
@@ -240,7 +248,7 @@ def _token_by_token(model: PreTrainedModel, src: Tensor, max_len: int, pick: Cal
             token = pick(log_probs)
             scores += log_probs.gather(1, token[:, None])[:, 0].masked_fill(finished, 0.0)
             token = token.masked_fill(finished, filler(cfg))
-            finished |= token.eq(cfg.eos_id)
+            finished |= torch.isin(token, stops)
             out.append(token)
             prefix.append(token)
             if bool(finished.all()):
@@ -258,8 +266,8 @@ def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: in
     if not isinstance(beam_size, int) or beam_size <= 0:
         raise ValueError(f"beam_size must be a positive integer, got {beam_size!r}")
     cfg = model.config
-    eos, k = cfg.eos_id, beam_size
-    device = src.device
+    k, device = beam_size, src.device
+    stops = stop_tensor(cfg, device)
     with _eval_mode(model), threshold_selection(model):
         prefix = _Prefix(model, src, use_cache, max_len, static_cache, static_step)
         batch = src.shape[0]
@@ -276,13 +284,13 @@ def beam_search(model: PreTrainedModel, src: Tensor, beam_size: int, max_len: in
             candidates = (scores.view(-1, 1) + log_probs).view(batch, k * vocab)
             top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=1)
             beam, token = top_index // vocab, top_index % vocab
-            is_eos = token.eq(eos)
+            is_eos = torch.isin(token, stops)
             # Finish the eos candidates among the top k (fairseq), best first.
             finishing = (is_eos[:, :k] & torch.isfinite(top_scores[:, :k])).cpu()
             for b, j in finishing.nonzero().tolist():
                 if done[b]:
                     continue
-                seq = torch.cat([generated[b * k + int(beam[b, j])], token.new_tensor([eos])])
+                seq = torch.cat([generated[b * k + int(beam[b, j])], token[b, j:j + 1]])
                 finished[b].append((float(top_scores[b, j]) / (step + 1) ** length_penalty, seq))
                 if len(finished[b]) == k:
                     done[b] = True
@@ -369,9 +377,11 @@ def generate_text(model: CausalLanguageModel, tokenizer, prompts: list[str] | st
     """Continue each prompt (text in, text out) with a causal LM and its tokenizer (a
     :class:`headmix.data.Tokenizer`, or anything with ``encode(text)``, ``decode(ids)``):
     greedy with ``temperature=0`` (the default), else sampled (:func:`sample_decode`, ``top_k``, ``top_p``),
-    at most ``max_new_tokens`` tokens each, stopping at ``eos``. Each prompt starts as the model's documents
-    started in training (:func:`~headmix.models.config.sequence_prefix` of its ``sequence_start``: ``bos``,
-    ``eos`` for runs trained before the option, or nothing, where an empty prompt is refused), and is batched by token length (a batch holds no padding); ``seed`` makes the
+    at most ``max_new_tokens`` tokens each, stopping at any of the model's stop ids (``eos_id``, ``stop_ids``).
+    Each prompt starts as the model's documents started in training
+    (:func:`~headmix.models.config.sequence_prefix` of its ``sequence_start``: ``bos``, ``eos`` for runs trained
+    before the option, or nothing, where an empty prompt is refused), and prompts are batched by token length (a
+    batch holds no padding); ``seed`` makes the
     draws repeatable for the same prompts. Returns the continuations (without the prompts)."""
     if not isinstance(model, CausalLanguageModel):
         raise ValueError(f"model must be a causal language model (task 'lm'), got {type(model).__name__}")

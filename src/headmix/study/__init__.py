@@ -14,8 +14,13 @@ GPU).
 
 from .builtin import BUILTIN, get_study
 from .matching import Match, attention_macs_of, match_attention
-from .report import aggregate, equal_time, equal_time_interleaved, nll_at_time, to_markdown, update_report, write_report
-from .runner import PlannedRow, RunResult, drop_checkpoints, finished_results, plan, run_study
+from .comparison import aggregate, equal_time, equal_time_interleaved, nll_at_time
+from .markdown import to_markdown
+from .report import update_report, write_report
+from .checkpoints import drop_checkpoints
+from .plan import PlannedRow, plan
+from .results import RunResult, finished_results
+from .runner import run_study
 from .spec import RowSpec, StudySpec
 from .stats import PairedDifference, paired_difference, summarize, t_quantile
 

@@ -35,7 +35,7 @@ import torch
 from ..models import AttentionConfig
 from ..models.config import shared_head_kv_as_trained
 from ..models.counting import attention_macs, mosa_macs
-from .report import _attention_text
+from .markdown import _attention_text
 
 #: The reference shape of the computed columns: d_model 512, 8 heads of 64, 1024 tokens.
 D_MODEL, HEADS, HEAD_DIM, TOKENS = 512, 8, 64, 1024

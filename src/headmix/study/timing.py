@@ -136,7 +136,7 @@ def software_record() -> dict[str, str]:
     import torch
 
     from .. import __version__
-    from ..training.machine import source_commit
+    from ..provenance import source_commit
 
     return {"headmix": __version__, "commit": source_commit(), "torch": torch.__version__,
             "python": platform.python_version()}
@@ -159,7 +159,7 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
     from ..training.config import pick_device
     from ..training.sequence_start import run_sequence_start
     from ..process import freed_memory_kept
-    from ..training.machine import load_average, machine_record
+    from ..provenance import load_average, machine_record
     from ..training.setup import (autocast_for, cached_dataset, compile_model, forever, model_config,
                                   optimizer_and_schedule, read_pack)
     from .spec import data_options

@@ -36,7 +36,7 @@ from ..models import analytic_macs, get_config
 from ..models.matching import match_attention, with_attention
 from ..storage.files import atomic_write
 from .config import TrainConfig, pick_device
-from .machine import load_average
+from ..provenance import load_average
 from .metrics import read_metrics
 from .setup import prepare_shared_data
 from .trainer import train

@@ -25,7 +25,10 @@ def special_ids(cfg: TrainConfig, tok: Tokenizer, parent: ModelConfig | None = N
     """The model's ``pad_id``, ``bos_id`` and ``eos_id`` for a run with the tokenizer ``tok``: the tokenizer's own
     (named by its files: :meth:`Tokenizer.load`), and where it names none, the parent model's (``init_from``).
     A one-line ``ValueError`` names a token the run needs that neither has, or one they disagree on (the model's
-    embeddings were trained with the other). A causal LM's padding token that is also its bos or eos token (Qwen3's
+    embeddings were trained with the other); the tokenizer's eos agrees with the parent where it is one of the
+    parent's stop ids (Llama 3.1 Instruct's tokenizer names ``<|eot_id|>``, its config ``<|end_of_text|>`` first),
+    and the run keeps the parent's ``stop_ids``. A causal LM's padding token that is also its bos, eos or a stop
+    token (Qwen3's
     ``<|endoftext|>``) is a real token of its text, not padding: the model gets ``pad_id=None`` (padding, at the end
     of a causal block, is masked out of the loss and never attended to by a real token)."""
     roles = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
@@ -38,7 +41,11 @@ def special_ids(cfg: TrainConfig, tok: Tokenizer, parent: ModelConfig | None = N
             theirs = getattr(parent, f"{role}_id")
             if roles[role] is None:
                 roles[role] = theirs
-            elif theirs is not None and theirs != roles[role]:
+            elif role == "eos" and roles[role] not in parent.stop_token_ids():
+                raise ValueError(f"tokenizer {cfg.tokenizer}: its eos token is id {roles[role]}, none of the stop ids "
+                                 f"{parent.stop_token_ids()} of {source}: give the tokenizer its model was trained "
+                                 f"with")
+            elif role != "eos" and theirs is not None and theirs != roles[role]:
                 raise ValueError(f"tokenizer {cfg.tokenizer}: its {role} token is id {roles[role]}, {source} has "
                                  f"{role}_id {theirs}: give the tokenizer its model was trained with")
     needed = {"lm": ("bos", "eos"), "mlm": ("bos", "eos", "pad", "mask"), "translation": ("bos", "eos", "pad")}[cfg.task]
@@ -49,7 +56,8 @@ def special_ids(cfg: TrainConfig, tok: Tokenizer, parent: ModelConfig | None = N
                  f"tokenizer {cfg.tokenizer} names no {tokens}")
         raise ValueError(f"{where}, which task {cfg.task!r} needs: name it (" + ", ".join(f"{r}_token" for r in missing)
                          + ") in the tokenizer_config.json beside its tokenizer.json")
-    if roles["pad"] is not None and roles["pad"] in (roles["bos"], roles["eos"]):
+    stops = parent.stop_token_ids() if parent is not None else []
+    if roles["pad"] is not None and roles["pad"] in (roles["bos"], roles["eos"], *stops):
         if cfg.task != "lm":
             raise ValueError(f"tokenizer {cfg.tokenizer}: its pad token is also its bos or eos token (id "
                              f"{roles['pad']}); task {cfg.task!r} needs a padding token of its own")

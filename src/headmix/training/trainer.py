@@ -27,7 +27,7 @@ from .calibrate import calibration_batches
 from .config import IDENTITY, TrainConfig, pick_device
 from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
-from .machine import machine_record
+from ..provenance import machine_record
 from .progress import Progress
 from .sequence_start import STORED_KEY as SEQUENCE_START_KEY, run_sequence_start
 from .setup import (autocast_for, cached_dataset, compile_model, compiled_graphs, forever, initial_model,

@@ -1,5 +1,8 @@
-"""What machine a run trained on, recorded in its summary so that a study can tell rows that ran on
-different machines apart (their tokens per second are then not comparable)."""
+"""Provenance: which machine (CPU model, device, threads, load) and which code (commit) a run or a measurement ran on.
+
+Recorded in a run's summary, a study's timings and every benchmark, so that a reader can tell rows that ran on
+different machines or code apart (their tokens per second are then not comparable). It sits below ``training``,
+``study`` and ``bench``, which all record it."""
 
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ def source_commit() -> str:
     installed copy: no git, or a git checkout that does not track this package, such as a project whose virtual
     environment holds it): recorded beside measurements whose answer depends on the code (step times), so a
     reader can tell which code they ran."""
-    package = Path(__file__).resolve().parents[1]
+    package = Path(__file__).resolve().parent  # headmix/
     try:
         tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "__init__.py"], cwd=package,
                                  capture_output=True, text=True, timeout=10).returncode == 0
