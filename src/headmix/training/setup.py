@@ -217,9 +217,8 @@ def prepare_shared_data(cfg: TrainConfig, log: Callable[[str], None]) -> Path:
     from .sequence_start import STORED_KEY, run_sequence_start, shared_sequence_start
 
     stored = cfg.to_dict()
-    start = shared_sequence_start(cfg.out) or run_sequence_start(cfg)  # a folder prepared before keeps its own
-    if start is not None:  # the convention of every run that shares it
-        stored[STORED_KEY] = start
+    if cfg.task == "lm":  # the convention of every run that shares it; a folder prepared before keeps its own
+        stored[STORED_KEY] = shared_sequence_start(cfg.out) or run_sequence_start(cfg)
     with Run.create_or_resume(cfg.out, stored, identity=IDENTITY) as run:
         prepare_data(cfg, run, log)
         return run.tokenizer_dir
