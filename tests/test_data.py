@@ -51,6 +51,7 @@ from headmix.data import (
     write_tsv_pairs,
 )
 from headmix.data.wmt14 import convert_hf_jsonl_to_tsv, convert_newstest_to_tsv
+from headmix.models.config import SEQUENCE_STARTS
 
 DATA = Path(__file__).parent / "data"
 GERMAN = "Schöne Grüße aus Köln: Die Straße ist größer als üblich, Äpfel & Öl kosten 3,50 €."
@@ -562,11 +563,18 @@ def test_mlm_collator_seeding(tok):
     assert out["input_ids"].shape[0] == 4
 
 
-def test_causal_blocks_shift_and_cover(tok):
+@pytest.mark.parametrize("start", SEQUENCE_STARTS)  # every convention a model config takes, the stream lays out
+def test_causal_blocks_shift_and_cover(tok, start):
+    """Each document as the sequence convention says (``bos text eos``; ``text eos``; ``eos`` once first, then
+    ``text eos``: runs trained before the option), and every stream token after the first a label exactly once."""
     docs = [f"Doc {i} text here." for i in range(30)]
-    ds = CausalLMBlockDataset.from_documents(docs, tok, block_size=16)
+    ds = CausalLMBlockDataset.from_documents(docs, tok, block_size=16, sequence_start=start)
     stream = ds.stream
-    assert stream[0] == tok.eos_id
+    head = [tok.bos_id] if start == "bos" else []
+    expected = [tok.eos_id] if start == "eos" else []
+    for doc in docs:
+        expected += [*head, *tok.encode(doc), tok.eos_id]
+    assert stream.tolist() == expected
     labels = []
     for i in range(len(ds)):
         item = ds[i]
@@ -578,6 +586,8 @@ def test_causal_blocks_shift_and_cover(tok):
     n_last = len(ds[len(ds) - 1]["labels"])
     assert (out["labels"][0, n_last:] == IGNORE_INDEX).all() and (out["input_ids"][0, n_last:] == tok.pad_id).all()
     assert len(CausalLMBlockDataset(stream, 16, drop_last=True)) == (len(stream) - 1) // 16
+    with pytest.raises(ValueError, match="^sequence_start must be one of bos, none, eos, got 'BOS'$"):
+        CausalLMBlockDataset.from_documents(docs, tok, block_size=16, sequence_start="BOS")
 
 
 # ============================================================================ WMT14 helpers

@@ -176,7 +176,8 @@ def test_one_distilled_step_with_gradient_accumulation_equals_the_step_by_hand(c
     task = cfg.task_spec
     run = Path(cfg.out)
     tok = Tokenizer.load(run / "tokenizer")
-    dataset = task.dataset(task.read_items(run / "data" / "train.jsonl"), tok, cfg.max_len)
+    start = json.loads((run / "train_config.json").read_text())["sequence_start"]  # the run's convention
+    dataset = task.dataset(task.read_items(run / "data" / "train.jsonl"), tok, cfg.max_len, sequence_start=start)
     batches = iter(task.loader(dataset, tok, max_tokens=cfg.max_tokens, train=True, seed=cfg.seed))
     torch.manual_seed(cfg.seed)
     model = load_pretrained(parent)

@@ -40,6 +40,14 @@ def foreign_tokenizer(folder: Path, layout: str | tuple[list[str], dict], texts:
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     specials, config = LAYOUTS[layout] if isinstance(layout, str) else layout
     tok.add_special_tokens(specials)
+    if layout == "llama3":  # Llama 3's tokenizer.json puts <|begin_of_text|> before every text; Qwen3's adds nothing
+        from tokenizers import processors
+
+        bos = specials[0]
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
+                                          special_tokens=[(bos, tok.token_to_id(bos))])])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -98,6 +106,12 @@ def test_a_foreign_tokenizer_takes_its_special_ids_from_its_configs(tmp_path, do
     tok.save(tmp_path / "saved")
     again = Tokenizer.load(tmp_path / "saved")
     assert (again.pad_id, again.bos_id, again.eos_id) == expected
+    # its sequence convention is what transformers' tokenizer of the same files puts first: Llama 3's bos, Qwen3's none
+    import transformers
+
+    assert tok.sequence_start == again.sequence_start == {"llama3": "bos", "qwen3": "none"}[layout]
+    plain = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("In the")["input_ids"]
+    assert plain == ([expected[1]] if layout == "llama3" else []) + tok.encode("In the")
 
 
 def test_a_tokenizer_without_its_configs_is_refused_naming_them(tmp_path, docs_file):
@@ -133,7 +147,8 @@ def trained(tmp_path_factory, docs_file):
 def test_init_from_a_folder_trains_with_its_own_tokenizer_and_special_ids(trained, layout):
     """The run keeps the folder's tokenizer (and its roles, in the run's ``tokenizer_config.json``) and the
     parent's special ids; a Qwen3 padding token that is its bos token is no padding (``pad_id`` ``None``); the
-    training and validation blocks are the tokenizer's ids, separated by its eos token."""
+    training and validation blocks are the tokenizer's ids, each document as the parent's tokenizer starts a text
+    (Llama 3: ``bos text eos``; Qwen3: ``text eos``), which the run stores as its convention."""
     from headmix.data import Tokenizer
     from headmix.runs import load_run
     from headmix.tasks import get_task
@@ -147,8 +162,12 @@ def test_init_from_a_folder_trains_with_its_own_tokenizer_and_special_ids(traine
     run = load_run(out)
     assert (run.tokenizer.bos_id, run.tokenizer.eos_id) == (bos, eos)
     task = get_task("lm")
-    valid = task.dataset(task.read_items(task.split_path(out / "data", "valid")), run.tokenizer, 32)
-    assert valid.stream[0] == eos and (valid.stream == eos).sum() > 1
+    start = {"llama3": "bos", "qwen3": "none"}[layout]
+    assert config["sequence_start"] == json.loads((out / "train_config.json").read_text())["sequence_start"] == start
+    docs = task.read_items(task.split_path(out / "data", "valid"))
+    valid = task.dataset(docs, run.tokenizer, 32, sequence_start=run.model.config.sequence_start)
+    head = [bos] if layout == "llama3" else []
+    assert valid.stream.tolist() == [i for doc in docs for i in [*head, *run.tokenizer.encode(doc.text), eos]]
     batch = next(iter(task.loader(valid, run.tokenizer, max_tokens=256, train=False, seed=1)))
     assert int(batch["input_ids"].max()) < run.model.config.vocab_size and 0 not in ids.values()
     assert Tokenizer.load(out / "tokenizer").special_tokens == Tokenizer.load(folder).special_tokens
@@ -158,19 +177,25 @@ def test_init_from_a_folder_trains_with_its_own_tokenizer_and_special_ids(traine
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_generate_and_export_use_the_tokenizers_special_ids(trained, layout, tmp_path, capsys):
-    """``headmix generate`` puts the tokenizer's bos first and stops at its eos; ``export-hf`` writes a tokenizer
-    whose bos / eos / pad are the run's, which ``AutoTokenizer`` reads and puts first as headmix does."""
+def test_generate_and_export_use_the_tokenizers_special_ids(trained, layout, tmp_path, capsys, monkeypatch):
+    """``headmix generate`` starts the prompt as the run's documents start (Llama 3: its bos; Qwen3: nothing) and
+    stops at its eos; ``export-hf`` writes a tokenizer whose bos / eos / pad are the run's, which ``AutoTokenizer``
+    reads and which starts a text as headmix does, with ``add_bos_token`` true exactly for a bos convention."""
     import torch
     import transformers
 
     from headmix.cli.main import main
     from headmix.models import generate_text
+    from headmix.models.config import sequence_prefix
     from headmix.runs import load_run
 
     _, out, _ = trained[layout]
     run = load_run(out)
-    assert run.tokenizer.encode("In the", add_bos=True)[0] == run.model.config.bos_id
+    cfg = run.model.config
+    start = sequence_prefix(cfg)
+    assert start == ([cfg.bos_id] if layout == "llama3" else [])
+    assert prompt_fed(run, monkeypatch) == start + run.tokenizer.encode("In the beginning")
+    monkeypatch.undo()
     expected = generate_text(run.model, run.tokenizer, ["In the beginning"], max_new_tokens=4)
     capsys.readouterr()
     assert main(["generate", str(out), "--prompt", "In the beginning", "--max-new-tokens", "4"]) == 0
@@ -179,13 +204,115 @@ def test_generate_and_export_use_the_tokenizers_special_ids(trained, layout, tmp
     import headmix.hf  # noqa: F401
 
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    cfg = run.model.config
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (cfg.bos_id, cfg.eos_id, cfg.pad_id)
-    assert tok("In the")["input_ids"] == run.tokenizer.encode("In the", add_bos=True)
+    assert tok("In the")["input_ids"] == start + run.tokenizer.encode("In the")
+    added = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["add_bos_token"]
+    assert added is (layout == "llama3")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert (model.config.bos_token_id, model.config.eos_token_id) == (cfg.bos_id, cfg.eos_id)
-    ids = torch.tensor([run.tokenizer.encode("In the beginning", add_bos=True)])
+    ids = torch.tensor([start + run.tokenizer.encode("In the beginning")])
     torch.testing.assert_close(model(ids).logits, run.model.eval()(ids).logits, atol=1e-5, rtol=0)
+
+
+#: The one document the convention tests score (shorter than a run's 32-token blocks: one block, whole).
+ONE_DOCUMENT = "In the beginning was the word."
+
+
+def scored_by_evaluate_and_by_hand(run_folder: Path, copy: Path) -> tuple[dict, list[float], list[int]]:
+    """``headmix evaluate``'s result on a copy of the run whose valid split is :data:`ONE_DOCUMENT` alone, and the
+    loss of each token of that document computed by hand: the model run on the convention's start, the text and its
+    eos (:func:`sequence_prefix`), each token scored after all before it; and those ids."""
+    import shutil
+
+    import torch
+    import torch.nn.functional as F
+
+    from headmix.models.config import sequence_prefix
+    from headmix.runs import load_run
+    from headmix.tasks import evaluate_run
+
+    if not copy.exists():
+        shutil.copytree(run_folder, copy)
+    (copy / "data" / "valid.jsonl").write_text(json.dumps({"text": ONE_DOCUMENT, "id": "one", "source": "t"}) + "\n")
+    result = evaluate_run(copy, split="valid")
+    run = load_run(copy)
+    cfg = run.model.config
+    ids = sequence_prefix(cfg) + run.tokenizer.encode(ONE_DOCUMENT) + [cfg.eos_id]
+    assert len(ids) - 1 <= json.loads((copy / "train_config.json").read_text())["max_len"]  # one block
+    with torch.no_grad():
+        logits = run.model(torch.tensor([ids[:-1]])).logits[0]
+    return result, F.cross_entropy(logits.float(), torch.tensor(ids[1:]), reduction="none").tolist(), ids
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_evaluate_scores_each_document_after_the_start_the_model_was_trained_with(trained, layout, tmp_path):
+    """``headmix evaluate`` scores a document as the run's convention starts it: after Llama 3's bos every token of
+    the text is scored, its first one included; with Qwen3's (no start token) the text's first token is given and
+    the scoring starts at its second. The mean and the count equal the loss computed by hand through the model."""
+    from headmix.runs import load_run
+
+    _, out, ids_of = trained[layout]
+    result, by_hand, ids = scored_by_evaluate_and_by_hand(out, tmp_path / "run")
+    text = load_run(out).tokenizer.encode(ONE_DOCUMENT)
+    if layout == "llama3":
+        assert ids[:2] == [ids_of["<|begin_of_text|>"], text[0]] and len(by_hand) == len(text) + 1
+    else:
+        assert ids[0] == text[0] and len(by_hand) == len(text)
+    assert result["tokens"] == len(by_hand)
+    assert result["nll"] == pytest.approx(sum(by_hand) / len(by_hand), abs=1e-5)
+
+
+def without_convention(run_folder: Path, copy: Path) -> Path:
+    """A copy of the run as headmix stored it before the sequence convention: ``sequence_start`` in neither its model
+    config nor its ``train_config.json``."""
+    import shutil
+
+    shutil.copytree(run_folder, copy)
+    for name in ("config.json", "train_config.json"):
+        data = json.loads((copy / name).read_text())
+        del data["sequence_start"]
+        (copy / name).write_text(json.dumps(data, indent=2) + "\n")
+    return copy
+
+
+def prompt_fed(run, monkeypatch) -> list[int]:
+    """The token ids ``generate_text`` feeds the model for the prompt "In the beginning"."""
+    from headmix.models import generate_text, generation
+
+    seen, decode = [], generation.sample_decode
+    monkeypatch.setattr(generation, "sample_decode", lambda model, src, *args, **kwargs: seen.append(src.tolist())
+                        or decode(model, src, *args, **kwargs))
+    generate_text(run.model, run.tokenizer, ["In the beginning"], max_new_tokens=2)
+    assert len(seen) == 1 and len(seen[0]) == 1
+    return seen[0][0]
+
+
+def test_a_run_stored_before_the_convention_reads_as_it_was_trained_eos_first(trained, tmp_path, monkeypatch):
+    """A run stored without ``sequence_start`` trained on the eos-first stream: it loads with ``"eos"``, ``evaluate``
+    scores a document after eos (equal to the loss by hand), ``generate`` starts the prompt with eos, a resumed
+    training keeps it, and its export's tokenizer puts eos first, not bos (``add_bos_token`` false)."""
+    import transformers
+
+    from headmix.cli.main import main
+    from headmix.runs import load_run
+    from headmix.training.sequence_start import stored_sequence_start
+
+    old = without_convention(trained["llama3"][1], tmp_path / "old")
+    run = load_run(old)
+    cfg = run.model.config
+    assert cfg.sequence_start == "eos" and stored_sequence_start(old) == "eos"
+    result, by_hand, ids = scored_by_evaluate_and_by_hand(old, old)
+    assert ids[0] == cfg.eos_id and ids[1] == run.tokenizer.encode(ONE_DOCUMENT)[0]
+    assert result["tokens"] == len(by_hand) and result["nll"] == pytest.approx(sum(by_hand) / len(by_hand), abs=1e-5)
+    assert prompt_fed(run, monkeypatch) == [cfg.eos_id, *run.tokenizer.encode("In the beginning")]
+    assert main(["export-hf", str(old), str(tmp_path / "hf")]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok("In the")["input_ids"] == [cfg.eos_id, *run.tokenizer.encode("In the")]
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["add_bos_token"] is False
+    import headmix.hf  # noqa: F401
+
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.model_config().sequence_start \
+        == "eos"
 
 
 def refused(args: list[str], out: Path, capsys) -> str:
@@ -252,6 +379,46 @@ def test_a_role_no_config_names_is_refused_in_one_line(docs_file, tmp_path, caps
     (tok / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
     assert "names no pad token or mask token, which task 'mlm' needs" in refused(
         ["train", "mlm", *args[2:]], out, capsys)
+
+
+def test_a_hugging_face_folder_starts_its_documents_as_its_own_tokenizer_does(docs_file, tmp_path):
+    """A Llama-architecture checkpoint whose tokenizer adds no bos (SmolLM's, say) converts with sequence_start
+    "none", not the Llama family's "bos", read without its weights (``--init-from``) and with them; a folder
+    without a tokenizer takes its family's."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    from headmix.interop import from_pretrained
+    from headmix.interop.upcycle import source_config
+
+    folder = tmp_path / "llama"
+    hf_folder(folder, "llama3", docs_file)
+    assert from_pretrained(folder).config.sequence_start == source_config(folder).sequence_start == "bos"
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.post_processor = processors.ByteLevel(trim_offsets=False)  # adds no token
+    hf.save(str(folder / "tokenizer.json"))
+    assert from_pretrained(folder).config.sequence_start == source_config(folder).sequence_start == "none"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    assert from_pretrained(folder).config.sequence_start == source_config(folder).sequence_start == "bos"
+
+
+def test_a_tokenizer_that_starts_a_text_with_another_token_is_refused_in_one_line(docs_file, tmp_path, capsys):
+    """A tokenizer whose post-processor puts a token other than its bos or eos before every text has no sequence
+    convention of headmix's: refused before anything is written, naming it and the token."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    tok = tmp_path / "tok"
+    ids = foreign_tokenizer(tok, "llama3", corpus_texts(docs_file))
+    other = "<|reserved_special_token_0|>"
+    hf = HFTokenizer.from_file(str(tok / "tokenizer.json"))
+    hf.post_processor = processors.TemplateProcessing(single=f"{other} $A", special_tokens=[(other, ids[other])])
+    hf.save(str(tok / "tokenizer.json"))
+    out = tmp_path / "run"
+    assert (f"{tok}: the tokenizer's post-processor puts '{other}' before every text, which is neither its bos token "
+            f"('<|begin_of_text|>') nor its eos token ('<|end_of_text|>')") in refused(
+        lm_args(out, docs_file, "--tokenizer", str(tok)), out, capsys)
 
 
 def test_a_new_model_on_a_foreign_tokenizer_trains_with_its_ids(docs_file, tmp_path):

@@ -3,7 +3,9 @@ data pipeline, the models or the training loop shows up here.
 
 The curves in ``tests/golden/*.json`` were recorded with the code before the training layer was
 redesigned (issue 10), on an AMD EPYC (Zen 4, AVX512) with torch 2.13.0. One thread
-(``torch.set_num_threads(1)``), dropout on, the CPU.
+(``torch.set_num_threads(1)``), dropout on, the CPU. ``lm-tiny-moa.json`` was recorded again when a causal LM's
+documents became ``bos text eos`` (issue 57, the sequence convention; before, one eos-first stream), on an Intel
+Xeon (AVX512) with torch 2.13.0.
 
 How exactly they are compared (:func:`assert_same_curve`): the learning rates bit for bit (Python float
 arithmetic, the same on every machine); the losses within a relative ``LOSS_RTOL``, because float32

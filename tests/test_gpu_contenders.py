@@ -43,7 +43,7 @@ def test_the_pack_holds_the_stream_a_run_tokenises(tiny_pack):
                             seed=1)
     tok = Tokenizer.load(pack.tokenizer_dir)
     for name, part in (("train", split.train), ("valid", split.valid), ("test", split.test)):
-        expected = CausalLMBlockDataset.from_documents(part, tok, 32).stream
+        expected = CausalLMBlockDataset.from_documents(part, tok, 32, sequence_start="eos").stream
         assert np.array_equal(pack.stream(name), expected) and pack.stream(name).dtype == np.int32
         assert manifest["splits"][name] == {"documents": len(part), "tokens": len(expected)}
     # a rebuild elsewhere has the same checksum (what the pack holds, not where it was built)
@@ -67,7 +67,7 @@ def test_a_run_on_the_pack_trains_on_its_blocks(tiny_pack):
                             seed=1)
     for name, part in (("train", split.train), ("valid", split.valid)):
         ours = cached_dataset(cfg, name, parts[name], tok, None)
-        theirs = CausalLMBlockDataset.from_documents(part, tok, 32)
+        theirs = CausalLMBlockDataset.from_documents(part, tok, 32, sequence_start="eos")
         assert len(ours) == len(theirs) > 0
         assert all(np.array_equal(ours[i]["input_ids"], theirs[i]["input_ids"]) and
                    np.array_equal(ours[i]["labels"], theirs[i]["labels"]) for i in range(len(ours)))
@@ -75,6 +75,24 @@ def test_a_run_on_the_pack_trains_on_its_blocks(tiny_pack):
                          ({"data": ["x.jsonl"]}, "no data, tokenizer, shared_data beside it|got task 'lm' and data")):
         with pytest.raises(ValueError, match=message):
             TrainConfig(**{"task": "lm", "pack": str(tiny_pack), "out": "unused", **bad}).check_values()
+
+
+def test_a_run_on_the_pack_is_eos_first_and_a_parent_trained_otherwise_is_refused(tiny_pack, tmp_path):
+    """The pack's stream is eos-first, so a run on it is too (sequence_start "eos"), and continuing a parent
+    trained with its documents starting otherwise (bos, a model of today) is refused in one line: its documents
+    could not continue as it was trained."""
+    from headmix.models import build_model, get_config
+    from headmix.training import TrainConfig
+    from headmix.training.sequence_start import run_sequence_start
+
+    assert run_sequence_start(TrainConfig(task="lm", pack=str(tiny_pack), out=str(tmp_path / "run"))) == "eos"
+    parent = tmp_path / "parent"
+    build_model(get_config("tiny-mha", task="lm", vocab_size=300)).save_pretrained(parent)
+    cfg = TrainConfig(task="lm", pack=str(tiny_pack), init_from=str(parent), out=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match=rf"^init_from {parent} was trained with sequence_start 'bos', but the "
+                                         rf"token pack {tiny_pack} holds eos-first documents \('eos'\): continue it "
+                                         rf"on --data instead$"):
+        run_sequence_start(cfg)
 
 
 def test_a_damaged_or_different_pack_is_refused_in_one_line(tiny_pack, tmp_path, capsys):
@@ -135,6 +153,9 @@ def test_the_gpu_study_runs_end_to_end_at_a_tiny_size_in_slices(tiny_pack, tmp_p
     assert not (out / "shared").exists()  # no corpus read, no tokenizer trained: the pack is the data
     for run in out.glob("runs/*/seed-1"):
         assert (run / "tokenizer/tokenizer.json").read_bytes() == (tiny_pack / "tokenizer/tokenizer.json").read_bytes()
+        # the pack's stream is eos-first: the run records that convention, in its options and in its model
+        assert json.loads((run / "train_config.json").read_text())["sequence_start"] == "eos"
+        assert json.loads((run / "config.json").read_text())["sequence_start"] == "eos"
     assert all(json.loads(p.read_text())["device"] == "cpu" for p in out.glob("timing/*.json"))
     # a later slice on a "fresh machine": only the records travel (no weights, no checkpoints, no token cache)
     fresh = tmp_path / "fresh"

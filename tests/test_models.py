@@ -60,6 +60,30 @@ def test_config_json_round_trip(name, task, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["cfg.json"]  # no temp files left behind
 
 
+def test_a_causal_lm_config_stores_its_sequence_start_and_one_stored_before_reads_eos_first(tmp_path):
+    """A causal LM's ``sequence_start`` is stored resolved (unset: ``"bos"``); a stored config without it (every run
+    before the option) reads as ``"eos"``, the stream it was trained on, while a dict written by hand takes the
+    default; another task has none; a wrong value is refused naming the field."""
+    from headmix.models.config import sequence_prefix
+
+    cfg = get_config("tiny-mha", task="lm")
+    assert cfg.sequence_start == "bos" and cfg.to_dict()["sequence_start"] == "bos"
+    assert sequence_prefix(cfg) == [cfg.bos_id]
+    stored = {k: v for k, v in cfg.to_dict().items() if k != "sequence_start"}
+    old = ModelConfig.from_dict(stored)
+    assert old.sequence_start == "eos" and sequence_prefix(old) == [old.eos_id]
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    assert ModelConfig.load_json(tmp_path / "config.json").sequence_start == "eos"
+    hand = {k: stored[k] for k in ("task", "vocab_size", "d_model", "ffn_dim", "encoder_layers", "decoder_layers")}
+    assert ModelConfig.from_dict(hand).sequence_start == "bos"
+    assert sequence_prefix(cfg.replace(sequence_start="none")) == []
+    assert get_config("tiny-mha", task="translation").sequence_start is None
+    with pytest.raises(ValueError, match="^sequence_start must be one of"):
+        cfg.replace(sequence_start="BOS")
+    with pytest.raises(ValueError, match="^sequence_start applies to task 'lm' only"):
+        get_config("tiny-mha", task="mlm").replace(sequence_start="bos")
+
+
 @pytest.mark.parametrize("changes,field", [
     (dict(d_model=0), "d_model"),
     (dict(vocab_size=-3), "vocab_size"),

@@ -60,12 +60,12 @@ def test_the_token_cache_is_a_numpy_archive_and_reads_back_the_same(shared, tmp_
     from headmix.training.setup import cached_dataset
 
     cfg, items, tok, tok_file = _cache_setup(shared, tmp_path)
-    first = cached_dataset(cfg, "valid", items, tok, tok_file)
+    first = cached_dataset(cfg, "valid", items, tok, tok_file, "bos")
     [path] = list(Path(cfg.shared_data, "tokenized").glob("valid-*"))
     assert path.suffix == ".npz"
     with np.load(path, allow_pickle=False) as archive:  # plain arrays only
         assert all(archive[name].dtype != object for name in archive.files)
-    again = cached_dataset(cfg, "valid", items, tok, tok_file)
+    again = cached_dataset(cfg, "valid", items, tok, tok_file, "bos")
     assert type(again) is type(first) and _blocks(again) == _blocks(first) and len(again) > 1
 
 
@@ -85,7 +85,7 @@ def test_a_crafted_token_cache_cannot_run_code(shared, tmp_path):
     from headmix.training.setup import cached_dataset
 
     cfg, items, tok, tok_file = _cache_setup(shared, tmp_path)
-    cached_dataset(cfg, "valid", items, tok, tok_file)
+    cached_dataset(cfg, "valid", items, tok, tok_file, "bos")
     [path] = list(Path(cfg.shared_data, "tokenized").glob("valid-*.npz"))
     marker = tmp_path / "marker"
     evil = np.empty(1, dtype=object)
@@ -93,14 +93,14 @@ def test_a_crafted_token_cache_cannot_run_code(shared, tmp_path):
     with open(path, "wb") as f:
         np.savez(f, stream=evil, __meta__=np.frombuffer(b'{"class": "x:y", "fields": {}}', dtype=np.uint8))
     with pytest.raises(ValueError, match=r"^token cache .* is not a headmix token cache .*remove it") as err:
-        cached_dataset(cfg, "valid", items, tok, tok_file)
+        cached_dataset(cfg, "valid", items, tok, tok_file, "bos")
     assert "\n" not in str(err.value)
     assert not marker.exists()
     # a pickle cache of an older version (the old name) is never opened: the ids are tokenised again
     path.unlink()
     old = path.with_name(path.name.replace(".npz", ".pkl"))
     old.write_bytes(pickle.dumps(WritesMarker(marker)))
-    assert len(cached_dataset(cfg, "valid", items, tok, tok_file)) > 1
+    assert len(cached_dataset(cfg, "valid", items, tok, tok_file, "bos")) > 1
     assert not marker.exists() and path.is_file()
 
 

@@ -376,6 +376,14 @@ def test_a_study_folder_without_its_data_splits_keeps_its_tokenizer(tmp_path, do
     from headmix.data import train_tokenizer
 
     tok_dir = prepare_shared_data(cfg, lambda m: None)
+    # the shared folder stores the convention its runs train with; one prepared before it (a committed study's)
+    # keeps its runs eos-first when it is prepared again
+    stored_config = tmp_path / "shared" / "train_config.json"
+    stored = json.loads(stored_config.read_text())
+    assert stored["sequence_start"] == "bos"
+    stored_config.write_text(json.dumps({k: v for k, v in stored.items() if k != "sequence_start"}))
+    prepare_shared_data(cfg, lambda m: None)
+    assert json.loads(stored_config.read_text())["sequence_start"] == "eos"
     valid = (tmp_path / "shared/data/valid.jsonl").read_bytes()
     for f in (tmp_path / "shared" / "data").iterdir():
         f.unlink()

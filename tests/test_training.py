@@ -593,3 +593,22 @@ def test_validation_runs_without_autograd():
     result = validation_loss(Model(), [torch.full((3,), 2.0)], task, "cpu")
     assert seen == [False]
     assert result["loss"] == pytest.approx(2.0)
+
+
+def test_a_run_sharing_a_folder_prepared_before_the_sequence_convention_trains_eos_first(tmp_path):
+    """A study's runs share a folder (``shared_data``) that stores their sequence convention when it is prepared;
+    one prepared before the option stored none, its runs trained eos-first, and a run added to it later (another
+    seed, another row) trains as they did, not with the tokenizer's ``bos``. A run that trained keeps its own."""
+    import json
+
+    from headmix.training.sequence_start import run_sequence_start
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cfg = TrainConfig(task="lm", out=str(tmp_path / "run"), shared_data=str(shared), data=["docs.jsonl"],
+                      tokenizer=str(shared / "tokenizer"))
+    (shared / "train_config.json").write_text(json.dumps({"task": "lm"}))
+    assert run_sequence_start(cfg) == "eos"
+    (shared / "train_config.json").write_text(json.dumps({"task": "lm", "sequence_start": "bos"}))
+    assert run_sequence_start(cfg) == "bos"
+    assert run_sequence_start(TrainConfig(task="translation", out=str(tmp_path / "mt"))) is None

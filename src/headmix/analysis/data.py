@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from ..data import Tokenizer
+from ..models import ModelConfig
 from ..runs import load_run
 from ..runs.load import read_train_config
 from ..tasks import get_task
@@ -52,11 +53,14 @@ def run_batches(run_dir: str | os.PathLike, tokenizer: Tokenizer | None = None, 
     text itself, unless ``mlm_masking``.
     """
     run = Path(run_dir)
+    config = None
     if tokenizer is None or task is None:
         loaded = load_run(run)
         tokenizer = tokenizer or loaded.tokenizer
-        task = task or loaded.task
+        task, config = task or loaded.task, loaded.model.config
     spec = get_task(task)
+    if task == "lm" and config is None:  # documents start as the run was trained (its model config's)
+        config = ModelConfig.load_json(run / "config.json")
     path = dataset_path(run, task, split, data)
     # A folder not made by `headmix train` (no train_config.json): blocks of 128 tokens, seed 1.
     stored = read_train_config(run)
@@ -66,7 +70,8 @@ def run_batches(run_dir: str | os.PathLike, tokenizer: Tokenizer | None = None, 
         items = items[:limit]
     if not items:
         raise ValueError(f"{path} holds no {spec.item_name}")
-    loader = spec.loader(spec.dataset(items, tokenizer, max_len), tokenizer, max_tokens=max(int(max_tokens), max_len + 2),
+    dataset = spec.dataset(items, tokenizer, max_len, sequence_start=config.sequence_start if task == "lm" else None)
+    loader = spec.loader(dataset, tokenizer, max_tokens=max(int(max_tokens), max_len + 2),
                          train=False, seed=seed)
     for batch in loader:
         yield spec.analysis_inputs(batch, tokenizer, mlm_masking=mlm_masking)

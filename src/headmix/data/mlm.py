@@ -19,9 +19,15 @@ Masked LM (:class:`PackedBlockDataset` + :class:`MLMCollator`)
     the original id at selected positions and ``-100`` elsewhere.
 
 Causal LM (:class:`CausalLMBlockDataset` + :class:`CausalLMCollator`)
-    Block ``i`` covers ``stream[i*B : i*B + B + 1]``; ``input_ids`` is all but
-    its last token, ``labels`` all but its first, so every stream token after
-    the first is predicted exactly once.
+    The stream holds each document as the model's ``sequence_start`` says
+    (:data:`headmix.models.config.SEQUENCE_STARTS`): ``bos text eos`` (a
+    tokenizer with a bos: Llama 3's pretraining), ``text eos`` (one without:
+    Qwen3's; the stream's first document starts at its first token, which is
+    given, not predicted; every later one is predicted after the eos before it),
+    or, for runs trained before the option, ``eos`` once at the start and
+    ``text eos`` after it.  Block ``i`` covers ``stream[i*B : i*B + B + 1]``;
+    ``input_ids`` is all but its last token, ``labels`` all but its first, so
+    every stream token after the first is predicted exactly once.
 """
 from __future__ import annotations
 
@@ -51,9 +57,10 @@ IGNORE_INDEX = -100
 
 
 def build_token_stream(
-    token_lists: Iterable[Sequence[int]], eos_id: int, *, start_token: int | None = None
+    token_lists: Iterable[Sequence[int]], eos_id: int, *, start_token: int | None = None,
+    document_start: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate documents, each followed by ``eos_id``.
+    """Concatenate documents, each followed by ``eos_id`` (and preceded by ``document_start``, if given: a bos).
 
     Returns ``(stream, doc_ends)``: the ``int32`` stream and, per document, the
     stream position just after its ``</s>``.  ``start_token`` (if given) is
@@ -66,10 +73,11 @@ def build_token_stream(
         parts.append(np.asarray([start_token], dtype=np.int32))
         pos = 1
     eos = np.asarray([eos_id], dtype=np.int32)
+    head = [] if document_start is None else [np.asarray([document_start], dtype=np.int32)]
     for ids in token_lists:
         a = np.asarray(ids, dtype=np.int32)
-        parts.extend([a, eos])
-        pos += len(a) + 1
+        parts.extend([*head, a, eos])
+        pos += len(head) + len(a) + 1
         ends.append(pos)
     if not ends:
         raise ValueError("no documents: the token stream would be empty")
@@ -198,8 +206,8 @@ class CausalLMBlockDataset(Dataset):
     Consecutive blocks overlap by one token so every stream token after the
     first is a label exactly once.  ``drop_last`` drops a final block with
     fewer than ``block_size`` inputs.  Build from text with
-    :meth:`from_documents` (the stream starts with ``</s>`` so each document,
-    the first included, is predicted after a separator).
+    :meth:`from_documents` (each document as the model's ``sequence_start``
+    says: the module docstring).
     """
 
     def __init__(self, stream: np.ndarray, block_size: int, *, drop_last: bool = False) -> None:
@@ -220,11 +228,18 @@ class CausalLMBlockDataset(Dataset):
 
     @classmethod
     def from_documents(
-        cls, docs: Iterable[Document | str], tokenizer: Any, block_size: int, *, drop_last: bool = False
+        cls, docs: Iterable[Document | str], tokenizer: Any, block_size: int, *, sequence_start: str,
+        drop_last: bool = False,
     ) -> CausalLMBlockDataset:
-        """Tokenize and pack documents (separated by ``</s>``)."""
+        """Tokenize and pack documents, each as ``sequence_start`` says (``"bos"``: ``bos text eos``; ``"none"``:
+        ``text eos``; ``"eos"``: ``eos`` once first, then ``text eos``: the module docstring)."""
+        layouts = ("bos", "none", "eos")  # headmix.models.config.SEQUENCE_STARTS (a floor above this one)
+        if sequence_start not in layouts:
+            raise ValueError(f"sequence_start must be one of {', '.join(layouts)}, got {sequence_start!r}")
+        tokenizer.require("eos", *(["bos"] if sequence_start == "bos" else []), what=f"sequence_start {sequence_start!r}")
         stream, _ = build_token_stream(_encode_documents(docs, tokenizer), tokenizer.eos_id,
-                                       start_token=tokenizer.eos_id)
+                                       start_token=tokenizer.eos_id if sequence_start == "eos" else None,
+                                       document_start=tokenizer.bos_id if sequence_start == "bos" else None)
         return cls(stream, block_size, drop_last=drop_last)
 
     def __len__(self) -> int:

@@ -65,7 +65,8 @@ class Tokenizer:
     special tokens at ids 0..4. A role left out has no token (its id is ``None``).
     """
 
-    def __init__(self, hf_tokenizer: _HFTokenizer, special_tokens: dict[str, str | None] | None = None) -> None:
+    def __init__(self, hf_tokenizer: _HFTokenizer, special_tokens: dict[str, str | None] | None = None, *,
+                 add_bos_token: bool | None = None) -> None:
         if special_tokens is None:
             ids = [hf_tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
             if ids != list(range(len(SPECIAL_TOKENS))):
@@ -86,6 +87,9 @@ class Tokenizer:
                 raise ValueError(f"the {role} token {token!r} is not in the tokenizer's vocabulary")
             self._ids[role] = index
         self._tokens = {role: special_tokens.get(role) for role in ROLES}
+        if add_bos_token is not None and not isinstance(add_bos_token, bool):
+            raise ValueError(f"add_bos_token must be true or false, got {add_bos_token!r}")
+        self._add_bos_token = add_bos_token
         hf_tokenizer.encode_special_tokens = True  # text never produces special ids
         self._tok = hf_tokenizer
 
@@ -134,6 +138,27 @@ class Tokenizer:
     def headmix_layout(self) -> bool:
         """Whether the special tokens are headmix's own, at ids 0..4."""
         return self._tokens == ROLES and [self._ids[r] for r in ROLES] == list(range(len(ROLES)))
+
+    @property
+    def sequence_start(self) -> str:
+        """How this tokenizer starts a text, as ``transformers`` reads the same files (a causal LM's
+        :data:`~headmix.models.config.SEQUENCE_STARTS`): ``"bos"`` where it puts its bos token first, ``"eos"``
+        where it puts its eos token first (an export of a run trained before the option), ``"none"`` where it adds
+        nothing. Read from the first special token of ``tokenizer.json``'s post-processor (Llama 3's puts
+        ``<|begin_of_text|>`` first; Qwen3's puts none: transformers 5 goes by it alone), else from
+        ``tokenizer_config.json``'s ``add_bos_token`` where it says, else ``"bos"`` for a tokenizer headmix trains
+        (no post-processor, its ``<s>``) and ``"none"`` for any other. A post-processor that puts another token first
+        is refused in one line (no convention of headmix's)."""
+        first = _first_added_token(self._tok)
+        if first is None:
+            if self._add_bos_token is not None:
+                return "bos" if self._add_bos_token and self.bos_id is not None else "none"
+            return "bos" if self.headmix_layout else "none"
+        for role in ("bos", "eos"):
+            if first == self._tokens[role]:
+                return role
+        raise ValueError(f"the tokenizer's post-processor puts {first!r} before every text, which is neither its bos "
+                         f"token ({self._tokens['bos']!r}) nor its eos token ({self._tokens['eos']!r})")
 
     def require(self, *roles: str, what: str = "this") -> None:
         """``ValueError`` in one line naming the roles (``"bos"``, ``"eos"``, ...) this tokenizer has no token
@@ -238,6 +263,8 @@ class Tokenizer:
         self._tok.save(str(path))
         if not self.headmix_layout:  # the roles, for this class and for transformers' AutoTokenizer
             config = {f"{role}_token": token for role, token in self._tokens.items() if token is not None}
+            if self._add_bos_token is not None:
+                config["add_bos_token"] = self._add_bos_token
             (d / SPECIALS_FILES[0]).write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast",
                                                            "clean_up_tokenization_spaces": False}, indent=2) + "\n")
         return path
@@ -254,7 +281,7 @@ class Tokenizer:
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {p}")
         tok = _HFTokenizer.from_file(str(p))
-        return cls(tok, special_tokens_beside(p.parent, tok))
+        return cls(tok, special_tokens_beside(p.parent, tok), add_bos_token=add_bos_token_beside(p.parent))
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
@@ -305,6 +332,26 @@ def special_tokens_beside(folder: Path, tok: _HFTokenizer) -> dict[str, str | No
     if headmix and all(roles.get(role) in (None, token) for role, token in ROLES.items()):
         return None
     return roles
+
+
+def add_bos_token_beside(folder: Path) -> bool | None:
+    """``add_bos_token`` of the ``tokenizer_config.json`` in ``folder`` (Llama 2's says; ``None`` where it says
+    nothing, then the post-processor decides: :attr:`Tokenizer.sequence_start`)."""
+    path = folder / SPECIALS_FILES[0]
+    return _read_json(path).get("add_bos_token") if path.is_file() else None
+
+
+def _first_added_token(tok: _HFTokenizer) -> str | None:
+    """The special token ``tok``'s post-processor puts before a single text (a ``TemplateProcessing``, alone or in a
+    ``Sequence``; RoBERTa's and BERT's ``cls``), or ``None`` where it puts none first."""
+    processor = json.loads(tok.post_processor.__getstate__()) if tok.post_processor is not None else {}
+    for step in processor.get("processors", [processor]) if processor.get("type") == "Sequence" else [processor]:
+        if step.get("type") == "TemplateProcessing":
+            head = (step.get("single") or [{}])[0]
+            return head["SpecialToken"]["id"] if "SpecialToken" in head else None
+        if step.get("type") in ("RobertaProcessing", "BertProcessing"):
+            return step["cls"][0]
+    return None
 
 
 def _empty_tokenizer(normalization: str | None) -> _HFTokenizer:

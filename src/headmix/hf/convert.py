@@ -4,7 +4,8 @@
   a new folder that ``AutoModelForCausalLM.from_pretrained`` loads: ``config.json`` (a :class:`HeadmixConfig`
   with ``auto_map``), ``model.safetensors`` (the same tensors under ``model.``), the two headmix source files
   ``auto_map`` names and, when the run has one, its tokenizer as a ``PreTrainedTokenizerFast``
-  (``tokenizer.json``, with headmix's pad / bos / eos tokens) for ``AutoTokenizer``.
+  (``tokenizer.json``, with headmix's pad / bos / eos tokens) for ``AutoTokenizer``, which starts every text as
+  the model's documents started in training (its ``sequence_start``).
 - :func:`hf_to_headmix`: such a folder -> the headmix :class:`~headmix.models.CausalLanguageModel` (its
   ``save_pretrained`` writes headmix's own form again).
 
@@ -41,7 +42,7 @@ def run_to_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         HeadmixForCausalLM.from_headmix(model).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-            _name_tokenizer_class(Path(tmp) / "tokenizer_config.json")
+            _name_tokenizer_class(Path(tmp) / "tokenizer_config.json", model.config)
         elif exported:  # a Hugging Face folder (an export): its tokenizer as it is
             for file in exported:
                 shutil.copyfile(file, Path(tmp) / file.name)
@@ -57,11 +58,15 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
-def _name_tokenizer_class(path: Path) -> None:
+def _name_tokenizer_class(path: Path, config) -> None:
+    """Name :data:`TOKENIZER_CLASS` in ``tokenizer_config.json``, with ``add_bos_token`` true exactly where the
+    model's documents start with bos (what readers that go by it rather than ``tokenizer.json``'s post-processor
+    see; transformers 5 saves neither)."""
     import json
 
     data = json.loads(path.read_text())
     data["tokenizer_class"] = TOKENIZER_CLASS
+    data["add_bos_token"] = config.sequence_start == "bos"
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
@@ -79,10 +84,11 @@ def hf_to_headmix(folder: str | os.PathLike) -> CausalLanguageModel:
 
 
 def _hf_tokenizer(file: Path, config):
-    """The run's tokenizer as a ``PreTrainedTokenizerFast`` with headmix's special tokens, or ``None``. It puts
-    ``bos`` in front of every text it encodes (with ``add_special_tokens``, the default), as headmix's own
-    training and ``headmix generate`` do, so ``tokenizer(text)``, ``generate`` and ``pipeline("text-generation")``
-    feed the model what it was trained on; it decodes without cleaning up spaces (headmix does not); its
+    """The run's tokenizer as a ``PreTrainedTokenizerFast`` with headmix's special tokens, or ``None``. It starts
+    every text it encodes (with ``add_special_tokens``, the default) as the model's ``sequence_start`` says and
+    ``headmix generate`` does: ``bos`` first, ``eos`` first (a run trained before the option) or nothing, so
+    ``tokenizer(text)``, ``generate``, ``pipeline("text-generation")``, lm-eval and vLLM feed the model what it was
+    trained on; it decodes without cleaning up spaces (headmix does not); its
     ``model_max_length`` is the model's context, ``max_positions``."""
     if not file.is_file():
         return None
@@ -94,8 +100,12 @@ def _hf_tokenizer(file: Path, config):
     special = {name: tokenizer.id_to_token(getattr(config, field))
                for name, field in (("pad_token", "pad_id"), ("bos_token", "bos_id"), ("eos_token", "eos_id"))
                if getattr(config, field) is not None}
-    bos = special["bos_token"]
-    tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                  special_tokens=[(bos, config.bos_id)])
+    start = {"bos": config.bos_id, "eos": config.eos_id, "none": None}[config.sequence_start]
+    if start is None:  # the post-processor the file may have (Qwen3's, Llama 3's) would add its own first token
+        tokenizer.post_processor = TemplateProcessing(single="$A", pair="$A $B", special_tokens=[])
+    else:
+        first = tokenizer.id_to_token(start)
+        tokenizer.post_processor = TemplateProcessing(single=f"{first} $A", pair=f"{first} $A {first} $B",
+                                                      special_tokens=[(first, start)])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False,
                                    model_max_length=config.max_positions, **special)

@@ -38,6 +38,7 @@ from .llama import attention_from_llama, causal_lm_from_llama, causal_lm_to_llam
 from ._hf import checkpoint_folder, require_transformers
 from .moh import moh_from_dense, zero_moh_routers
 from .qwen3 import causal_lm_from_qwen3, causal_lm_to_qwen3, config_from_qwen3, load_qwen3
+from .sequence_start import folder_sequence_start
 from .upcycle import head_importance, upcycle, upcycle_model, upcycled_config
 
 #: The Hugging Face ``model_type`` values :func:`from_pretrained` converts, and their loaders.
@@ -49,7 +50,8 @@ CONFIGS = {"llama": config_from_llama, "jetmoe": config_from_jetmoe, "qwen3": co
 def from_pretrained(name_or_path: str | os.PathLike, **options):
     """Load a Hugging Face causal LM checkpoint (a Hub name, which needs the network, or a local folder) and
     convert it to a headmix :class:`~headmix.models.CausalLanguageModel` with the loader of its
-    ``model_type`` (:func:`load_llama`, :func:`load_qwen3` or :func:`load_jetmoe`; ``options`` go to it)."""
+    ``model_type`` (:func:`load_llama`, :func:`load_qwen3` or :func:`load_jetmoe`; ``options`` go to it). The model
+    starts its documents as the tokenizer beside the checkpoint does (:func:`folder_sequence_start`)."""
     transformers = require_transformers()
     checkpoint_folder(name_or_path, "from_pretrained")
     model_type = transformers.AutoConfig.from_pretrained(str(name_or_path)).model_type
@@ -63,7 +65,10 @@ def from_pretrained(name_or_path: str | os.PathLike, **options):
                 close = difflib.get_close_matches(name, named, n=1)
                 raise ValueError(f"{name!r} is not an option of {loader.__name__}"
                                  + (f" (did you mean {close[0]!r}?)" if close else "") + f": expected {', '.join(named)}")
-    return loader(name_or_path, **options)
+    model = loader(name_or_path, **options)
+    model.config = model.decoder.config = model.config.replace(
+        sequence_start=folder_sequence_start(name_or_path, model_type))
+    return model
 
 
 __all__ = ["attention_from_llama", "causal_lm_from_llama", "config_from_llama", "load_llama", "moh_from_dense", "zero_moh_routers",

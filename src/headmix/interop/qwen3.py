@@ -89,9 +89,10 @@ def config_from_qwen3(hf_config: Any, *, attention: str = "mha", num_shared_head
     if gate is not None:
         extra["output_gate"] = gate
     bias = getattr(hf_config, "qkv_bias", None)
-    return decoder_config(hf_config, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
-                          pad_id=pad_id, expand_kv=expand_kv, honours_partial_rotary=False, stop_ids=stop_ids,
-                          attention_bias=None if bias is None else bool(bias), **extra, **attention_options)
+    config = decoder_config(hf_config, attention=attention, num_shared_heads=num_shared_heads, top_k=top_k,
+                            pad_id=pad_id, expand_kv=expand_kv, honours_partial_rotary=False, stop_ids=stop_ids,
+                            attention_bias=None if bias is None else bool(bias), **extra, **attention_options)
+    return config.replace(sequence_start="none")  # Qwen3's tokenizer adds no bos (interop.sequence_start)
 
 
 def split_gated_q_rows(t: Tensor, heads: int, kv_heads: int, head_dim: int, gate: str) -> tuple[Tensor, Tensor]:

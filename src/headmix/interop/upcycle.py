@@ -296,6 +296,7 @@ def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None
         return read_folder_config(folder)[0]
     from . import CONFIGS
     from ._hf import require_transformers
+    from .sequence_start import folder_sequence_start
 
     if not (folder / "config.json").is_file():
         raise (FileNotFoundError if not folder.exists() else ValueError)(
@@ -310,7 +311,8 @@ def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None
     options = {k: v for k, v in (loader_options or {}).items() if k in taken}
     if "stop_ids" in taken and options.get("stop_ids") is None:  # the folder's generation config and tokenizer too
         options["stop_ids"] = stop_ids_of(hf_config, folder)
-    return mapping(hf_config, **options)
+    config = mapping(hf_config, **options)
+    return config.replace(sequence_start=folder_sequence_start(folder, hf_config.model_type))
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -31,6 +31,11 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 POSITIONS = ("sinusoidal", "learned", "rotary")
 ACTIVATIONS = ("relu", "gelu")
 FFN_KINDS = ("mlp", "swiglu", "moe_swiglu")
+#: How a causal LM's document starts (``ModelConfig.sequence_start``): ``"bos"``, each document is
+#: ``bos text eos`` (Llama 3's pretraining, headmix's own tokenizer); ``"none"``, ``text eos`` (a tokenizer without
+#: a bos, Qwen3's); ``"eos"``, the stream starts with eos and each document is followed by one (``eos text eos
+#: text2 eos``: every causal-LM run trained before the option, which loads as it was trained).
+SEQUENCE_STARTS = ("bos", "none", "eos")
 #: The self-attention roles that get rotary position embeddings with ``positions="rotary"`` (cross-attention
 #: compares positions of two different sequences: it stays without rotary).
 ROTARY_ROLES = ("encoder_self_attention", "decoder_self_attention")
@@ -655,6 +660,11 @@ class ModelConfig:
     gradient with ``ffn_top_k=1`` or one expert (a softmax over one logit), which is refused unless
     ``ffn_allow_router_without_task_gradient`` asks for it as an ablation (:mod:`headmix.routing.task_gradient`;
     a config stored before this rule reads as that ablation).
+    ``sequence_start`` (task ``"lm"`` only, ``None`` for the others): how every document the model is trained on,
+    scored or prompted with starts (:data:`SEQUENCE_STARTS`; unset: ``"bos"``). Training packs documents so,
+    ``evaluate`` scores them so, ``generate`` puts :func:`sequence_prefix` before a prompt, and an export's tokenizer
+    adds the same token. A causal-LM config stored without it (every run before the option) reads as ``"eos"``,
+    the stream it was trained on (:func:`sequence_start_as_trained`).
     ``bias``: biases of the feed-forward linears (for ``moe_swiglu`` one output bias, as JetMoE) and of
     LayerNorm (Llama has none); the attention layers' biases are set in each ``AttentionConfig``.
     ``pad_id``, ``bos_id``, ``eos_id``: the special tokens (``eos_id`` ends a training document and a generated
@@ -702,9 +712,12 @@ class ModelConfig:
     eos_id: int = 2
     stop_ids: list[int] | None = None
     label_smoothing: float = 0.1
+    sequence_start: str | None = None
 
     def __post_init__(self) -> None:
         _choice("task", self.task, TASKS)
+        if self.task == "lm" and self.sequence_start is None:
+            self.sequence_start = "bos"  # stored resolved: a later default never changes what a run was trained on
         if isinstance(self.stop_ids, tuple):
             self.stop_ids = list(self.stop_ids)  # as JSON reads it back
         roles = self.attention_roles()
@@ -813,6 +826,11 @@ class ModelConfig:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size:
                 raise ValueError(f"{name} must be a token id in [0, vocab_size={self.vocab_size}), got {v!r}")
+        if self.task == "lm":
+            _choice("sequence_start", self.sequence_start, SEQUENCE_STARTS)
+        elif self.sequence_start is not None:
+            raise ValueError(f"sequence_start applies to task 'lm' only; it must be unset (None) for task "
+                             f"{self.task!r}, got {self.sequence_start!r}")
         self._validate_stop_ids()
 
     def _validate_stop_ids(self) -> None:
@@ -852,6 +870,7 @@ class ModelConfig:
         if stored and data.get("ffn") == "moe_swiglu" and ffn_router_without_task_gradient(data["ffn_experts"],
                                                                                            data["ffn_top_k"]):
             data[FFN_ALLOW_FLAG] = True  # stored before the rule: the ablation it was trained as (marked_as_trained)
+        data = sequence_start_as_trained(data)
         for role in ("encoder_self_attention", "decoder_self_attention", "cross_attention"):
             if isinstance(data.get(role), dict):
                 data[role] = AttentionConfig.from_dict(data[role], role)
@@ -886,6 +905,28 @@ class ModelConfig:
 FFN_ALLOW_FLAG = "ffn_" + ALLOW_FLAG
 #: Keys every model config dict headmix has written with ``ffn="moe_swiglu"`` holds: a stored config.
 _STORED_MODEL_KEYS = ("ffn_experts", "ffn_top_k", "ffn_load_balance_weight", "ffn_expert_impl", "label_smoothing")
+
+#: Keys every causal-LM config dict headmix has written holds (``dataclasses.asdict`` writes every field): a stored
+#: config, not one written by hand.
+_STORED_LM_KEYS = ("pad_id", "bos_id", "eos_id", "label_smoothing", "share_embeddings")
+
+
+def sequence_start_as_trained(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored causal-LM config dict (one that holds :data:`_STORED_LM_KEYS`) without ``sequence_start`` (written
+    before the option, when every run trained on the eos-first stream ``eos text eos text2 eos``), with ``"eos"``:
+    it loads, evaluates, generates and continues training as it was trained. Any other dict is returned as it is
+    (unset: ``"bos"``)."""
+    if data.get("task") != "lm" or "sequence_start" in data or not all(k in data for k in _STORED_LM_KEYS):
+        return data
+    return {**data, "sequence_start": "eos"}
+
+
+def sequence_prefix(config: ModelConfig) -> list[int]:
+    """The token ids a causal LM's text starts with under its ``sequence_start``: ``[bos_id]``, ``[eos_id]``
+    (runs before the option) or ``[]`` (a tokenizer without a bos: the first token of a text is given, not
+    predicted)."""
+    return {"bos": [config.bos_id], "eos": [config.eos_id], "none": []}[config.sequence_start]
+
 
 #: The field of a saved ``config.json`` (headmix's own, and a Hugging Face export's) naming the headmix that wrote it.
 VERSION_FIELD = "headmix_version"

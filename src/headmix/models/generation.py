@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..attention.base import check_positive
+from .config import sequence_prefix
 from .transformer import CausalLanguageModel, DecoderState, EncoderDecoderModel, PreTrainedModel
 
 
@@ -374,10 +375,13 @@ def generate_text(model: CausalLanguageModel, tokenizer, prompts: list[str] | st
                   temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                   seed: int | None = None, batch_size: int = 32, device: str | torch.device = "cpu") -> list[str]:
     """Continue each prompt (text in, text out) with a causal LM and its tokenizer (a
-    :class:`headmix.data.Tokenizer`, or anything with ``encode(text, add_bos=True)``, ``decode(ids)``):
+    :class:`headmix.data.Tokenizer`, or anything with ``encode(text)``, ``decode(ids)``):
     greedy with ``temperature=0`` (the default), else sampled (:func:`sample_decode`, ``top_k``, ``top_p``),
-    at most ``max_new_tokens`` tokens each, stopping at any of the model's stop ids (``eos_id``, ``stop_ids``). Prompts are encoded with ``bos`` in front, as
-    the training blocks start, and batched by token length (a batch holds no padding); ``seed`` makes the
+    at most ``max_new_tokens`` tokens each, stopping at any of the model's stop ids (``eos_id``, ``stop_ids``).
+    Each prompt starts as the model's documents started in training
+    (:func:`~headmix.models.config.sequence_prefix` of its ``sequence_start``: ``bos``, ``eos`` for runs trained
+    before the option, or nothing, where an empty prompt is refused), and prompts are batched by token length (a
+    batch holds no padding); ``seed`` makes the
     draws repeatable for the same prompts. Returns the continuations (without the prompts)."""
     if not isinstance(model, CausalLanguageModel):
         raise ValueError(f"model must be a causal language model (task 'lm'), got {type(model).__name__}")
@@ -387,8 +391,11 @@ def generate_text(model: CausalLanguageModel, tokenizer, prompts: list[str] | st
     check_positive("batch_size", batch_size)
     _check_sampling(temperature, top_k, top_p)
     device = torch.device(device)
-    encoded = [tokenizer.encode(p, add_bos=True) for p in prompts]
     cfg = model.config
+    encoded = [sequence_prefix(cfg) + tokenizer.encode(p) for p in prompts]
+    if any(not e for e in encoded):
+        raise ValueError("prompts: an empty prompt gives a model trained with sequence_start 'none' (no token "
+                         "before a text) nothing to continue: give each prompt some text")
     longest = max((len(e) for e in encoded), default=0)  # every kind of positions has its max_positions
     if longest + max_new_tokens > cfg.max_positions:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) + the longest prompt ({longest} tokens) exceed the "

@@ -46,7 +46,8 @@ def causal_selection_eval(folder: str | Path, calibration_batches: int = CALIBRA
 
     def loader(split: str):
         docs = task.read_items(task.stored_split(run.path, split))
-        return task.loader(task.dataset(docs, run.tokenizer, max_len), run.tokenizer, max_tokens=max_tokens,
+        dataset = task.dataset(docs, run.tokenizer, max_len, sequence_start=run.model.config.sequence_start)
+        return task.loader(dataset, run.tokenizer, max_tokens=max_tokens,
                            train=False, seed=seed)
 
     valid = loader("valid")

@@ -157,6 +157,7 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
     from ..models import build_model
     from ..training import TrainConfig
     from ..training.config import pick_device
+    from ..training.sequence_start import run_sequence_start
     from ..process import freed_memory_kept
     from ..provenance import load_average, machine_record
     from ..training.setup import (autocast_for, cached_dataset, compile_model, forever, model_config,
@@ -176,7 +177,8 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
     else:
         tok = Tokenizer.load(shared / "tokenizer")
         items = task.read_items(task.split_path(shared / "data", "train"))
-        dataset = cached_dataset(cfg, "train", items, tok, shared / "tokenizer" / "tokenizer.json")
+        dataset = cached_dataset(cfg, "train", items, tok, shared / "tokenizer" / "tokenizer.json",
+                                 run_sequence_start(cfg))
     batches = forever(task.loader(dataset, tok, max_tokens=cfg.max_tokens, train=True, seed=spec.split_seed))
     autocast = autocast_for(cfg, device)
 

@@ -106,7 +106,10 @@ class Task:
 
     # ------------------------------------------------------------------------------------------ batches
 
-    def dataset(self, items: list, tokenizer: Tokenizer, max_len: int) -> torch.utils.data.Dataset:
+    def dataset(self, items: list, tokenizer: Tokenizer, max_len: int, *,
+                sequence_start: str | None = None) -> torch.utils.data.Dataset:
+        """The blocks or pairs of ``items``; ``sequence_start``: how a causal LM's document starts (its model config's
+        :attr:`~headmix.models.ModelConfig.sequence_start`, which the causal LM needs; the other tasks take none)."""
         raise NotImplementedError
 
     def collator(self, tokenizer: Tokenizer, *, seed: int):

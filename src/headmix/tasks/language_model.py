@@ -56,7 +56,8 @@ class LanguageModelTask(Task):
         if options.limit is not None:
             docs = docs[:options.limit]
         seed, max_len = run.train_config["seed"], run.train_config["max_len"]
-        loader = self.loader(self.dataset(docs, run.tokenizer, max_len), run.tokenizer,
+        dataset = self.dataset(docs, run.tokenizer, max_len, sequence_start=run.model.config.sequence_start)
+        loader = self.loader(dataset, run.tokenizer,
                              max_tokens=max(options.max_tokens, max_len + 2), train=False, seed=seed)
         result = validation_loss(run.model, loader, self, options.device, progress=options.progress)
         result.pop("expert_load", None)

@@ -13,8 +13,12 @@ from .language_model import LanguageModelTask
 class CausalLMTask(LanguageModelTask):
     name = "lm"
 
-    def dataset(self, items: list, tokenizer: Tokenizer, max_len: int) -> CausalLMBlockDataset:
-        return CausalLMBlockDataset.from_documents(items, tokenizer, max_len)
+    def dataset(self, items: list, tokenizer: Tokenizer, max_len: int, *,
+                sequence_start: str | None = None) -> CausalLMBlockDataset:
+        if sequence_start is None:
+            raise ValueError("a causal LM's blocks need its sequence_start (its model config's): how each document "
+                             "starts")
+        return CausalLMBlockDataset.from_documents(items, tokenizer, max_len, sequence_start=sequence_start)
 
     def collator(self, tokenizer: Tokenizer, *, seed: int) -> CausalLMCollator:
         # without a padding token, blocks are padded at their end with eos: masked out of the loss, and no real

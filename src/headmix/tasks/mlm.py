@@ -15,7 +15,8 @@ class MaskedLMTask(LanguageModelTask):
 
     name = "mlm"
 
-    def dataset(self, items: list, tokenizer: Tokenizer, max_len: int) -> PackedBlockDataset:
+    def dataset(self, items: list, tokenizer: Tokenizer, max_len: int, *,
+                sequence_start: str | None = None) -> PackedBlockDataset:
         return PackedBlockDataset.from_documents(items, tokenizer, max_len)
 
     def collator(self, tokenizer: Tokenizer, *, seed: int) -> MLMCollator:

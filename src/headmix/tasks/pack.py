@@ -12,6 +12,8 @@ byte-level BPE on the train split and writes, into a new folder::
     train.npy valid.npy test.npy   each split as one stream of token ids (``numpy.save``; uint16 for
                              vocabularies up to 65536): the documents in split order, each after an ``</s>``,
                              exactly the stream :meth:`headmix.data.CausalLMBlockDataset.from_documents` builds
+                             with ``sequence_start="eos"`` (the eos-first stream, which every run on a pack
+                             records as its convention: :mod:`headmix.training.sequence_start`)
 
 The pack's checksum is the sha256 of its files' names and sha256s (:func:`pack_checksum`): what the pack holds,
 not where it was built, so a rebuild by the same command elsewhere has the same checksum. A study names the pack
@@ -143,7 +145,7 @@ def build_pack(data: Sequence[str], out: str | os.PathLike, *, vocab_size: int, 
         tok.save(tmp / TOKENIZER_DIR)
         splits = {}
         for name, part in parts.items():
-            stream = CausalLMBlockDataset.from_documents(part, tok, 1).stream
+            stream = CausalLMBlockDataset.from_documents(part, tok, 1, sequence_start="eos").stream
             with open(tmp / f"{name}.npy", "wb") as f:
                 np.save(f, stream.astype(dtype), allow_pickle=False)
             splits[name] = {"documents": len(part), "tokens": int(len(stream))}

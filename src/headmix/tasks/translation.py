@@ -58,7 +58,8 @@ class TranslationTask(Task):
     def tokenizer_texts(self, items: list) -> Iterable[str]:
         return (text for pair in items for text in (pair.src, pair.tgt))
 
-    def dataset(self, items: list, tokenizer: Tokenizer, max_len: int) -> TranslationDataset:
+    def dataset(self, items: list, tokenizer: Tokenizer, max_len: int, *,
+                sequence_start: str | None = None) -> TranslationDataset:
         return TranslationDataset.from_pairs(items, tokenizer, max_len=max_len)
 
     def collator(self, tokenizer: Tokenizer, *, seed: int) -> TranslationCollator:

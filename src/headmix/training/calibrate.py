@@ -50,7 +50,8 @@ def calibrate_run(path: str | os.PathLike, *, device: torch.device | str = "cpu"
         split = task.stored_split(run.path, "train")
         if not Path(split).is_file():
             raise RunError(f"{split} not found: calibrating needs the run's training split")
-        dataset = task.dataset(task.read_items(split), run.tokenizer, cfg["max_len"])
+        dataset = task.dataset(task.read_items(split), run.tokenizer, cfg["max_len"],
+                               sequence_start=run.model.config.sequence_start)
         batches = calibration_batches(task, dataset, run.tokenizer, max_tokens=cfg["max_tokens"], seed=cfg["seed"],
                                       device=device)
         thresholds = calibrate_mosa(run.model, batches)

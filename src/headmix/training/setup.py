@@ -122,11 +122,13 @@ def read_pack(cfg: TrainConfig, run=None) -> tuple[dict[str, Any], Tokenizer]:
     return {s: pack.stream(s) for s in SPLITS}, tok
 
 
-def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, tokenizer_file: Path):
-    """``task.dataset(items, tok, max_len)``, tokenised once per shared folder: with ``cfg.shared_data`` the
-    dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, the tokenizer's checksum and the
-    headmix version) as a numpy archive read with ``allow_pickle=False`` (:func:`save_dataset`,
-    :func:`load_dataset`): opening it never runs code, so a study folder from elsewhere is safe to continue. The
+def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, tokenizer_file: Path,
+                   sequence_start: str | None = None):
+    """``task.dataset(items, tok, max_len, sequence_start=...)``, tokenised once per shared folder: with
+    ``cfg.shared_data`` the dataset is stored in ``SHARED/tokenized/`` (keyed by split, block length, a causal
+    LM's ``sequence_start``, the tokenizer's checksum and the headmix version) as a numpy archive read with
+    ``allow_pickle=False`` (:func:`save_dataset`, :func:`load_dataset`): opening it never runs code, so a study
+    folder from elsewhere is safe to continue. The
     pickle caches of older versions (``*.pkl``) are never opened: the ids are tokenised again. Without
     ``shared_data``, tokenised here as before."""
     from .. import __version__
@@ -138,12 +140,13 @@ def cached_dataset(cfg: TrainConfig, split: str, items: list, tok: Tokenizer, to
 
         return CausalLMBlockDataset(items, cfg.max_len)
     if cfg.shared_data is None:
-        return task.dataset(items, tok, cfg.max_len)
+        return task.dataset(items, tok, cfg.max_len, sequence_start=sequence_start)
     digest = content_sha256(tokenizer_file)[:16]
-    path = Path(cfg.shared_data) / "tokenized" / f"{split}-len{cfg.max_len}-{digest}-v{__version__}.npz"
+    start = "" if sequence_start is None else f"-{sequence_start}"
+    path = Path(cfg.shared_data) / "tokenized" / f"{split}-len{cfg.max_len}{start}-{digest}-v{__version__}.npz"
     if path.is_file():
         return load_dataset(path)
-    dataset = task.dataset(items, tok, cfg.max_len)
+    dataset = task.dataset(items, tok, cfg.max_len, sequence_start=sequence_start)
     save_dataset(dataset, path)
     return dataset
 
@@ -207,11 +210,16 @@ def load_dataset(path: Path):
 def prepare_shared_data(cfg: TrainConfig, log: Callable[[str], None]) -> Path:
     """Split the corpus and train the tokenizer once, in the run folder ``cfg.out`` (locked while it is
     written), for several runs to share: they pass the returned tokenizer folder as ``tokenizer`` and the
-    same ``split_seed`` (the demo's two models, a study's runs). A second call reads them back."""
+    same ``split_seed`` (the demo's two models, a study's runs), and a causal LM's sequence convention, which
+    they all train with (:mod:`headmix.training.sequence_start`). A second call reads them back."""
     from ..runs import Run
     from .config import IDENTITY
+    from .sequence_start import STORED_KEY, run_sequence_start, shared_sequence_start
 
-    with Run.create_or_resume(cfg.out, cfg.to_dict(), identity=IDENTITY) as run:
+    stored = cfg.to_dict()
+    if cfg.task == "lm":  # the convention of every run that shares it; a folder prepared before keeps its own
+        stored[STORED_KEY] = shared_sequence_start(cfg.out) or run_sequence_start(cfg)
+    with Run.create_or_resume(cfg.out, stored, identity=IDENTITY) as run:
         prepare_data(cfg, run, log)
         return run.tokenizer_dir
 

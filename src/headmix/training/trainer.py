@@ -29,6 +29,7 @@ from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
 from ..provenance import machine_record
 from .progress import Progress
+from .sequence_start import STORED_KEY as SEQUENCE_START_KEY, run_sequence_start
 from .setup import (autocast_for, cached_dataset, compile_model, compiled_graphs, forever, initial_model,
                     optimizer_and_schedule, prepare_data, removed_if_unstarted)
 
@@ -56,6 +57,9 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             print(f"[headmix] {msg}", file=sys.stderr, flush=True)
 
     stored, identity, parent = cfg.to_dict(), IDENTITY, None
+    sequence_start = run_sequence_start(cfg)  # how each document starts: kept for good once the run trains
+    if sequence_start is not None:
+        stored[SEQUENCE_START_KEY] = sequence_start
     if cfg.distill_from is not None:  # the parent's weights, identified and loaded before the folder is touched
         from .distill import check_recorded_parent, load_parent, parent_identity
 
@@ -80,10 +84,12 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         parts, tok = prepare_data(cfg, run, log)  # every rank reads the stored splits and tokenizer
 
         tok_file = run.tokenizer_dir / "tokenizer.json"
-        train_dataset = cached_dataset(cfg, "train", parts["train"], tok, tok_file)
+        train_dataset = cached_dataset(cfg, "train", parts["train"], tok, tok_file, sequence_start)
         mcfg, initial_weights, init_record = initial_model(
             cfg, tok, log, lambda count: calibration_batches(task, train_dataset, tok, max_tokens=cfg.max_tokens,
                                                              seed=cfg.seed, device="cpu", limit=count))
+        if sequence_start is not None:
+            mcfg = mcfg.replace(sequence_start=sequence_start)
         torch.manual_seed(cfg.seed)
         model = build_model(mcfg)
         if initial_weights is not None:
@@ -93,7 +99,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         train_loader = task.loader(train_dataset, tok,
                                    max_tokens=cfg.max_tokens, train=True, seed=cfg.seed, rank=d.rank,
                                    world_size=d.world_size)
-        valid_loader = task.loader(cached_dataset(cfg, "valid", parts["valid"], tok, tok_file), tok,
+        valid_loader = task.loader(cached_dataset(cfg, "valid", parts["valid"], tok, tok_file, sequence_start), tok,
                                    max_tokens=cfg.max_tokens, train=False, seed=cfg.seed)
         sampler = train_loader.batch_sampler
 
