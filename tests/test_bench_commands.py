@@ -98,6 +98,21 @@ def test_bench_grouped_sweep_tiny(capsys):
     assert len(rows) == 2 and all(row.count("*") == 2 for row in rows)  # best of fwd and of fwd+bwd marked
 
 
+def test_bench_grouped_cpu_tiny_checks_each_kernel_and_gives_the_threads_back(capsys):
+    """Every implementation (the padded-bmm prototype included) is checked against ``impl="reference"`` before it is
+    timed; each row's ratios are against the dense GEMM and ``sorted`` of the same rounds; the threads are restored."""
+    import torch
+
+    threads = torch.get_num_threads()
+    assert main(["bench", "grouped-cpu", "--sizes", "tiny", "--threads", "1", "--rounds", "2", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert torch.get_num_threads() == threads
+    assert "tiny: 64 tokens, d_model 32, top 2 of 4 experts, heads of 8, 1 thread(s)" in out
+    for name in ("dense GEMM (baseline)", "sorted", "grouped_cpp", "bmm padded"):
+        assert f"| {name} |" in out, name
+    assert "| dense GEMM (baseline) | " in out and "| 1.00 [1.00-1.00] |" in out
+
+
 def test_bench_gemm_shapes_tiny(capsys, one_thread_after):
     assert main(["bench", "gemm-shapes", "--tokens", "16", "--d-model", "16", "--head-dim", "4", "--top-k", "2",
                  "--experts", "4", "--repeats", "1"]) == 0

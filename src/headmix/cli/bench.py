@@ -6,8 +6,9 @@ import argparse
 
 
 def _modules():
-    from ..bench import (attention, compute, decode, expert_gemm_shapes, gpu_layers, gqa, gqe, grouped_matmul,
-                         hopper_aot, kv_cache_bytes, models, moh_projections, mosa, quick, serve, upcycle)
+    from ..bench import (attention, compute, decode, expert_gemm_shapes, gpu_layers, gqa, gqe, grouped_gemm_cpu,
+                         grouped_matmul, hopper_aot, kv_cache_bytes, models, moh_projections, mosa, quick, serve,
+                         upcycle)
 
     return {"attention": (attention, "MoA and SwitchHead vs torch MHA: time, memory, decoding"),
             "models": (models, "whole-model training steps: MoA vs the MHA model of equal MACs"),
@@ -20,6 +21,8 @@ def _modules():
                                  "d_model 1024 and the GPU size: time, minimal MAC and ATen op ratios"),
             "quick": (quick, "the GPU check's model tables: a Llama training step or greedy decoding per kind"),
             "grouped": (grouped_matmul, "MoA's expert map + reduce per expert_impl vs two dense Linear"),
+            "grouped-cpu": (grouped_gemm_cpu, "the CPU grouped GEMMs (sorted, grouped_cpp, the padded-bmm "
+                                              "prototype) vs a dense GEMM of the same MACs, fwd+bwd"),
             "gemm-shapes": (expert_gemm_shapes, "the per-expert GEMMs of the sorted CPU kernels vs one dense GEMM"),
             "moh-projections": (moh_projections, "MoH's query and output projections: dense vs grouped"),
             "kv-cache": (kv_cache_bytes, "KV-cache bytes per token: MoA kv_heads=G vs MHA and HF GQA"),

@@ -83,7 +83,7 @@ DECODE_MIN_EXPERTS_PER_K = 2
 #: stays the choice (E 8, 64 slots: dense 0.51, bag 0.56).
 BAG_MAX_SLOTS = 512
 
-# grouped_cpp vs sorted with gradients (``benchmarks/grouped_gemm_cpu.py --threads 1 --clock cpu``: MoA's map
+# grouped_cpp vs sorted with gradients (``headmix bench grouped-cpu --threads 1 --clock cpu``: MoA's map
 # then reduce, forward + backward, float32, one thread, CPU time, median of 9, the 2-core Xeon shared with other
 # work, 2026-12-07), time / sorted's: d_model 1024, 1024 tokens, top 8 of 32, heads of 64: 0.77; d_model 128,
 # 2048 tokens, top 4 of 16, heads of 16: 0.62. Both under the dense rules above where those apply. At two

@@ -1,10 +1,11 @@
-"""Grouped GEMM prototypes for the routed projections on the CPU, against ``sorted`` and a dense GEMM.
+"""``headmix bench grouped-cpu``: the CPU grouped GEMMs of the routed projections, against ``sorted`` and a dense GEMM.
 
 MoA's query map (eq. 10) followed by its output reduce (eq. 12 + 6), forward + backward (gradients of x, both
 weights, h's source and the gates), float32, at two sizes:
 
 * ``issue``: d_model 1024, T 1024 tokens, 32 experts, top 8, heads of 64 (issue 58);
-* ``study``: d_model 128, heads of 16, 16 x 128 tokens, top 4 of 16 experts (MoA H/2 of 2H, lm-en's size).
+* ``study``: d_model 128, heads of 16, 16 x 128 tokens, top 4 of 16 experts (MoA H/2 of 2H, lm-en's size);
+* ``tiny``: 64 tokens, d_model 32, top 2 of 4 experts, heads of 8 (a smoke test, not a measurement).
 
 Implementations, timed interleaved (each once per round, in a rotated order), at 1 and 2 threads:
 
@@ -21,23 +22,26 @@ Prints, per size and thread count, the median (and minimum) time per call and th
 per-round ratio to the dense GEMM and to ``sorted`` (ranges in brackets). Every implementation is first
 checked against ``impl="reference"``.
 
-    PYTHONPATH=src python benchmarks/grouped_gemm_cpu.py --rounds 7                        # 1 and 2 threads, wall
-    PYTHONPATH=src python benchmarks/grouped_gemm_cpu.py --threads 1 --clock cpu  # one thread, CPU time
+    headmix bench grouped-cpu --rounds 7                        # 1 and 2 threads, wall clock
+    headmix bench grouped-cpu --threads 1 --clock cpu           # one thread, CPU time
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
-from headmix.kernels import expert_map, expert_reduce, expert_routing
+from ..kernels import expert_map, expert_reduce, expert_routing
+from .timing import check_positive
 
 SIZES = {  # name: (tokens, d_model, experts, top_k, d_head)
     "issue": (1024, 1024, 32, 8, 64),
     "study": (2048, 128, 16, 4, 16),
+    "tiny": (64, 32, 4, 2, 8),
 }
 
 
@@ -152,35 +156,40 @@ def ratio_cell(num, den):
     return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=list(SIZES))
-    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="cpu: the process's CPU time (one thread on a shared machine; with several threads it "
-                             "adds their times, spinning included, so it is no measure of speed)")
-    args = parser.parse_args()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=["issue", "study"])
+    p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the process's CPU time (one thread on a shared machine; with several threads it "
+                        "adds their times, spinning included, so it is no measure of speed)")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_positive(args, "rounds", "threads")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.clock == "cpu" and args.threads != [1]:
-        parser.error("--clock cpu measures one thread only: add --threads 1")
+        raise ValueError("--clock cpu measures one thread only: add --threads 1")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"torch {torch.__version__}, float32, forward + backward of map then reduce, {args.clock} clock, "
           f"median of {args.rounds} rounds after {args.warmup} warm-up rounds")
-    for size in args.sizes:
-        tokens, d_model, experts, k, d_head = SIZES[size]
-        for threads in args.threads:
-            times = measure(size, threads, args.rounds, args.warmup, clock)
-            base, sorted_ = times[NAMES[0]], times["sorted"]
-            print(f"\n{size}: {tokens} tokens, d_model {d_model}, top {k} of {experts} experts, heads of {d_head}, "
-                  f"{threads} thread(s)\n")
-            print("| implementation | ms, median (min) | time / dense GEMM | time / sorted |")
-            print("|---|---|---|---|")
-            for name in NAMES:
-                ms = f"{1e3 * statistics.median(times[name]):.2f} ({1e3 * min(times[name]):.2f})"
-                print(f"| {name} | {ms} | {ratio_cell(times[name], base)} | {ratio_cell(times[name], sorted_)} |")
-    print(f"\nload average after the run: {' '.join(f'{v:.2f}' for v in __import__('os').getloadavg())}")
-
-
-if __name__ == "__main__":
-    main()
+    threads_before = torch.get_num_threads()
+    try:
+        for size in args.sizes:
+            tokens, d_model, experts, k, d_head = SIZES[size]
+            for threads in args.threads:
+                times = measure(size, threads, args.rounds, args.warmup, clock)
+                base, sorted_ = times[NAMES[0]], times["sorted"]
+                print(f"\n{size}: {tokens} tokens, d_model {d_model}, top {k} of {experts} experts, heads of "
+                      f"{d_head}, {threads} thread(s)\n")
+                print("| implementation | ms, median (min) | time / dense GEMM | time / sorted |")
+                print("|---|---|---|---|")
+                for name in NAMES:
+                    ms = f"{1e3 * statistics.median(times[name]):.2f} ({1e3 * min(times[name]):.2f})"
+                    print(f"| {name} | {ms} | {ratio_cell(times[name], base)} | {ratio_cell(times[name], sorted_)} |")
+    finally:
+        torch.set_num_threads(threads_before)
+    print(f"\nload average after the run: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    return 0
