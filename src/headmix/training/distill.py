@@ -15,9 +15,16 @@ logits stay float64). Under gradient accumulation each micro-batch's loss (disti
 divided by the number of micro-batches, as the task loss alone is. ``T^2`` keeps the gradient of the
 distillation term on the scale of the task loss's as ``T`` changes (Hinton et al. 2015).
 
+The KL is computed a chunk of positions at a time, its gradient with it (:func:`~headmix.models.distill.
+distillation_kl`): distillation adds the parent's logits (until the KL is taken) and one gradient of the logits'
+shape to the plain step, no float32 tensor of batch x tokens x vocabulary per formula (docs/performance.md).
+
 The parent is frozen: ``requires_grad`` off, eval mode (no dropout), called under ``torch.no_grad`` on the
-student's device, in the student's parameter dtype and under the same autocast; it is never wrapped in
-DDP or FSDP (every rank holds a copy) nor compiled.
+student's device, in the student's parameter dtype and under the same autocast; never wrapped in DDP (every rank
+holds a copy) nor compiled; under FSDP it is sharded like the student. Its weight files are hashed once, on rank 0
+(:func:`shared_parent_identity`), and every process loads it once, on its device in the training dtype
+(:func:`load_parent`). The KL a micro-batch returns stays on its device; the training record reads it once per
+log step, averaged over the ranks.
 """
 
 from __future__ import annotations
@@ -91,6 +98,26 @@ def parent_identity(path: str) -> dict[str, Any]:
             "sha256": {p.name: sha256_file(p) for p in weight_files(folder)}}
 
 
+def shared_parent_identity(path: str) -> dict[str, Any]:
+    """:func:`parent_identity` computed once, on rank 0, and sent to the other ranks (``torch.distributed``'s object
+    broadcast, when a process group is up): the weight files are read by one process, not by every one. An error
+    on rank 0 is raised on every rank (none waits for a record that never comes)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return parent_identity(path)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = parent_identity(path)
+        except (OSError, ValueError) as err:
+            box[0] = err
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
 def _vocabulary(tokenizer_json: Path) -> dict[str, int]:
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -162,22 +189,23 @@ def check_parent(cfg) -> None:
                          f"{student}: distillation needs the same vocabulary")
 
 
-def load_parent(path: str) -> nn.Module:
-    """The parent model of ``path`` (frozen, on the CPU): a folder headmix wrote, read as JSON and safetensors, or
-    a Hugging Face folder converted by :func:`headmix.interop.from_pretrained`."""
+def load_parent(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The parent model of ``path``, frozen, loaded once on ``device`` in ``dtype`` (the training dtype): a folder
+    headmix wrote, its safetensors read straight onto the device; or a Hugging Face folder converted by
+    :func:`headmix.interop.from_pretrained` in ``dtype``, then moved."""
     folder = Path(path).expanduser().resolve()
     try:
         if parent_kind(folder) != "hugging face":
             from ..models import load_pretrained
 
-            model = load_pretrained(folder)
+            model = load_pretrained(folder, device)
         else:
             from ..interop import from_pretrained
 
-            model = from_pretrained(folder)
+            model = from_pretrained(folder, torch_dtype=dtype)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"distill_from: {' '.join(str(err).split())}") from None
-    return freeze(model)
+    return freeze(model.to(device=device, dtype=dtype))
 
 
 def check_recorded_parent(out: str, record: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from ..runs import Run, average_checkpoints, rng_state, set_rng_state
 from ..runs.checkpoints import averaging_window_start, checkpoint_step
 from .calibrate import calibration_batches
 from .config import IDENTITY, TrainConfig, pick_device
-from .distributed import Parallel, init_distributed
+from .distributed import Parallel, init_distributed, shard_by_layer
 from .metrics import MetricsLog, TrainingWindow
 from .machine import machine_record
 from .progress import Progress
@@ -57,13 +57,14 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
 
     stored, identity, parent = cfg.to_dict(), IDENTITY, None
     if cfg.distill_from is not None:  # the parent's weights, identified and loaded before the folder is touched
-        from .distill import check_recorded_parent, load_parent, parent_identity
+        from .distill import check_recorded_parent, load_parent, shared_parent_identity
 
-        stored["distill_parent"] = parent_identity(cfg.distill_from)
+        stored["distill_parent"] = shared_parent_identity(cfg.distill_from)  # hashed by rank 0 alone
         identity = (*IDENTITY, "distill_parent")
         if d.main:
             check_recorded_parent(cfg.out, stored["distill_parent"])
-        parent = load_parent(cfg.distill_from)
+        # once per process, on its device, in the dtype build_model gives the student
+        parent = load_parent(cfg.distill_from, device, torch.get_default_dtype())
 
     with contextlib.ExitStack() as cleanup:
         started = cleanup.enter_context(removed_if_unstarted(cfg.out, d.main))  # a failed start leaves no folder
@@ -128,6 +129,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             distiller = Distiller(parent, weight=cfg.resolved_distill_weight,
                                   temperature=cfg.resolved_distill_temperature, input_names=task.input_names,
                                   pad_id=mcfg.pad_id, device=device, dtype=next(model.parameters()).dtype, autocast=autocast)
+            if par.kind == "fsdp":  # sharded like the student: each rank holds its shard of the parent
+                shard_by_layer(distiller.parent)
             log(f"distilling from {cfg.distill_from} (weight {distiller.weight:g}, temperature "
                 f"{distiller.temperature:g})")
         metrics = MetricsLog(run.path, enabled=d.main)
