@@ -4,8 +4,10 @@ whose docstring states it in full) and of ``headmix.hf.DistillationTrainer``."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -38,74 +40,133 @@ def chunk_positions(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(int(vocab), 1))
 
 
-def _kl_chunks(student: Tensor, parent: Tensor, keep: Tensor, temperature: float, chunk: int,
-               grad: Tensor | None) -> Tensor:
-    """``sum_i keep_i KL_i`` over rows ``(positions, vocab)``, ``chunk`` rows at a time, in ``keep``'s dtype; with
-    ``grad`` (``student``'s shape) each row's ``d KL_i / d student_i = (q_i - p_i) / T``, times ``keep_i``, written
-    into it. No temporary larger than one chunk."""
-    total = torch.zeros((), dtype=keep.dtype, device=keep.device)
-    for start in range(0, student.shape[0], chunk):
-        rows = slice(start, start + chunk)
-        log_q = student[rows].to(keep.dtype) / temperature
-        log_q -= log_q.logsumexp(-1, keepdim=True)
-        log_p = parent[rows].to(keep.dtype) / temperature
-        log_p -= log_p.logsumexp(-1, keepdim=True)
-        p = log_p.exp()
-        total = total + ((p * (log_p - log_q)).sum(-1) * keep[rows]).sum()  # sum_v p (log p - log q)
-        if grad is not None:
-            grad[rows] = log_q.exp_().sub_(p).mul_(keep[rows, None] / temperature)
-    return total
+class ParentLogits:
+    """A parent's logits made a chunk of positions at a time from its last hidden states ``hidden`` ``(..., d)``:
+    ``head(hidden_rows)`` gives those rows' logits (``vocab`` each), under ``autocast()`` (the loop's); ``gathered()``
+    surrounds each pass over the chunks (under FSDP: the parent's head unsharded once per pass, not per chunk).
+    The KL never holds the parent's logits of every position at once."""
+
+    def __init__(self, hidden: Tensor, head: Callable[[Tensor], Tensor], vocab: int, *,
+                 autocast: Callable[[], Any] = contextlib.nullcontext,
+                 gathered: Callable[[], Any] = contextlib.nullcontext):
+        self.hidden, self.head, self.autocast, self.gathered = hidden.detach(), head, autocast, gathered
+        self.shape = torch.Size((*hidden.shape[:-1], vocab))
+
+    def rows(self, start: int, stop: int) -> Tensor:
+        """The logits of the flattened positions ``start:stop`` (inside :attr:`gathered`)."""
+        with torch.no_grad(), self.autocast():
+            return self.head(self.hidden.reshape(-1, self.hidden.shape[-1])[start:stop])
+
+    def full(self) -> Tensor:
+        """Every position's logits, shaped ``(..., vocab)`` (a test's or a user's view; the KL takes rows)."""
+        with self.gathered():
+            return self.rows(0, self.shape[:-1].numel()).reshape(self.shape)
+
+
+def _rows(parent: Tensor | ParentLogits, start: int, stop: int) -> Tensor:
+    return parent.rows(start, stop) if isinstance(parent, ParentLogits) else parent[start:stop]
+
+
+def _gathered(parent: Tensor | ParentLogits):
+    return parent.gathered() if isinstance(parent, ParentLogits) else contextlib.nullcontext()
+
+
+def _log_softmax(logits: Tensor, dtype: torch.dtype, temperature: float) -> tuple[Tensor, Tensor]:
+    """``(log_softmax(logits / T), logsumexp(logits / T))`` over the last axis, in ``dtype`` (a new tensor)."""
+    scaled = logits.to(dtype) / temperature if temperature != 1.0 else logits.to(dtype, copy=True)
+    lse = scaled.logsumexp(-1)
+    return scaled.sub_(lse[:, None]), lse
+
+
+def _softmax_from(logits: Tensor, lse: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    """``softmax(logits / T)`` of rows whose ``logsumexp(logits / T)`` is ``lse`` (a new tensor)."""
+    scaled = logits.to(dtype) / temperature if temperature != 1.0 else logits.to(dtype, copy=True)
+    return scaled.sub_(lse[:, None]).exp_()
 
 
 class _ChunkedKL(torch.autograd.Function):
-    """The KL of :func:`distillation_kl` and its gradient, both computed chunk by chunk in the forward pass: the
-    backward only scales the stored gradient (in place: it becomes the logits' gradient buffer, so that the loop
-    holds one gradient of the logits' shape and dtype, not a float32 one per formula)."""
+    """``sum_i keep_i KL_i / N`` over rows ``(positions, vocab)``, ``chunk`` rows at a time.
+
+    Forward: each chunk's two log-softmaxes, ``KL_i = p_i . (log p_i - log q_i)`` and the log-normalisers
+    ``logsumexp`` of both (one number a position) are kept. Backward: ``d KL / d s_i = keep_i (q_i - p_i) / (T N)``
+    (Hinton et al. 2015, eq. 2), recomputed chunk by chunk from the student's logits (alive for the task loss
+    anyway) and the normalisers, and added in place into the logits' gradient buffer by a hook on the logits,
+    which fires once every path (the task loss's) has delivered its part; the node itself hands autograd a zero
+    of stride 0. So the KL adds no tensor of the logits' size, only one chunk's temporaries, forward or backward."""
 
     @staticmethod
-    def forward(ctx, student: Tensor, parent: Tensor, keep: Tensor, temperature: float, chunk: int) -> Tensor:
+    def forward(ctx, student_logits: Tensor, parent: Tensor | ParentLogits, keep: Tensor, temperature: float,
+                chunk: int) -> Tensor:
+        vocab = student_logits.shape[-1]
+        student = student_logits.reshape(-1, vocab)
+        positions = student.shape[0]
+        lse_q = keep.new_empty(positions)
+        lse_p = keep.new_empty(positions)
+        total = keep.new_zeros(())
+        with _gathered(parent):
+            for start in range(0, positions, chunk):
+                stop = min(start + chunk, positions)
+                log_q, lse_q[start:stop] = _log_softmax(student[start:stop], keep.dtype, temperature)
+                log_p, lse_p[start:stop] = _log_softmax(_rows(parent, start, stop), keep.dtype, temperature)
+                p = log_p.exp()
+                per_position = torch.bmm(p[:, None, :], log_p.sub_(log_q)[:, :, None]).view(-1)  # p.(log p - log q)
+                total = total + (per_position * keep[start:stop]).sum()
         count = keep.sum().clamp(min=1)
-        grad = torch.empty_like(student)
-        total = _kl_chunks(student, parent, keep, temperature, chunk, grad)
-        ctx.grad, ctx.count = grad, count
+        ctx.student_logits, ctx.parent, ctx.keep, ctx.count = student_logits, parent, keep, count
+        ctx.lse_q, ctx.lse_p, ctx.temperature, ctx.chunk = lse_q, lse_p, temperature, chunk
         return total / count
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: Tensor):
-        grad, ctx.grad = ctx.grad, None
-        if grad is None:
-            raise RuntimeError("distillation_kl's gradient was taken once already (it is computed in the forward "
-                               "pass and handed over, not kept): recompute the KL to differentiate it again")
-        return grad.mul_((grad_output / ctx.count).to(grad.dtype)), None, None, None, None
+        logits, dtype, t = ctx.student_logits, ctx.keep.dtype, ctx.temperature
+        coefficient = ctx.keep * (grad_output.to(dtype) / (t * ctx.count))  # keep_i g / (T N), per position
+        handle = None
+
+        def add_kl_gradient(grad: Tensor) -> Tensor:
+            handle.remove()  # once per backward pass
+            if not grad.is_contiguous():  # the zero of stride 0 alone (no other path): a buffer of its own
+                grad = grad.contiguous()
+            flat, student = grad.view(-1, logits.shape[-1]), logits.detach().reshape(-1, logits.shape[-1])
+            with _gathered(ctx.parent):
+                for start in range(0, student.shape[0], ctx.chunk):
+                    stop = min(start + ctx.chunk, student.shape[0])
+                    q = _softmax_from(student[start:stop], ctx.lse_q[start:stop], dtype, t)
+                    q.sub_(_softmax_from(_rows(ctx.parent, start, stop), ctx.lse_p[start:stop], dtype, t))
+                    flat[start:stop].add_(q.mul_(coefficient[start:stop, None]))
+            return grad
+
+        handle = logits.register_hook(add_kl_gradient)
+        zero = torch.zeros((), dtype=logits.dtype, device=logits.device).expand(logits.shape)
+        return zero, None, None, None, None
 
 
-def distillation_kl(student_logits: Tensor, parent_logits: Tensor, scored: Tensor, temperature: float, *,
-                    chunk: int | None = None) -> Tensor:
+def distillation_kl(student_logits: Tensor, parent_logits: Tensor | ParentLogits, scored: Tensor,
+                    temperature: float, *, chunk: int | None = None) -> Tensor:
     """``KL(softmax(parent / T) || softmax(student / T))``, summed over the vocabulary, averaged over the positions
     where ``scored`` is true (0 where none is); logits ``(..., vocab)`` aligned with ``scored`` ``(...)``; in
     float32 at least. The gradient flows into ``student_logits`` only.
 
-    Computed ``chunk`` positions at a time (default :func:`chunk_positions`), the loss and, when the student's
-    logits need one, their gradient ``keep_i (q_i - p_i) / (T N)`` together: no temporary of the logits' size
-    beyond one chunk; the gradient (the logits' shape and dtype) is the one tensor that lives until backward.
-    Static shapes throughout (no boolean indexing): no host sync on a GPU."""
+    Computed ``chunk`` positions at a time (default :func:`chunk_positions`), forward and backward
+    (:class:`_ChunkedKL`): no temporary of the logits' size, only one chunk's. ``parent_logits`` is a tensor or a
+    :class:`ParentLogits` (its logits made a chunk at a time too). Static shapes throughout (no boolean indexing):
+    no host sync on a GPU."""
     if student_logits.shape != parent_logits.shape:
         raise ValueError(f"the parent's logits {tuple(parent_logits.shape)} and the student's "
                          f"{tuple(student_logits.shape)} differ: distillation needs the same vocabulary")
     if scored.shape != student_logits.shape[:-1]:
         raise ValueError(f"scored must have the logits' positions {tuple(student_logits.shape[:-1])}, got "
                          f"{tuple(scored.shape)}")
-    vocab = student_logits.shape[-1]
-    chunk = chunk_positions(vocab) if chunk is None else chunk
+    chunk = chunk_positions(student_logits.shape[-1]) if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a whole number of positions >= 1, got {chunk!r}")
-    dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    student, parent = student_logits.reshape(-1, vocab), parent_logits.detach().reshape(-1, vocab)
-    keep = scored.reshape(-1).to(dtype)
-    if torch.is_grad_enabled() and student.requires_grad:
-        return _ChunkedKL.apply(student, parent, keep, float(temperature), chunk)
-    return _kl_chunks(student.detach(), parent, keep, float(temperature), chunk, None) / keep.sum().clamp(min=1)
+    if isinstance(parent_logits, Tensor):
+        parent_logits = parent_logits.detach().reshape(-1, parent_logits.shape[-1])
+    keep = scored.reshape(-1).to(torch.promote_types(student_logits.dtype, torch.float32))
+    if torch.is_grad_enabled() and student_logits.requires_grad:
+        return _ChunkedKL.apply(student_logits, parent_logits, keep, float(temperature), chunk)
+    with torch.no_grad():
+        return _ChunkedKL.forward(SimpleNamespace(), student_logits, parent_logits, keep, float(temperature), chunk)
 
 
 def distilled_loss(task_loss: Tensor, kl: Tensor, weight: float, temperature: float) -> Tensor:

@@ -29,6 +29,7 @@ log step, averaged over the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -36,8 +37,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..models.distill import (DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, check_distill_values,  # noqa: F401 (re-exported)
-                              distillation_kl, distilled_loss, freeze, scored_positions)
+from ..models.distill import (DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, ParentLogits,  # noqa: F401 (re-exported)
+                              check_distill_values, distillation_kl, distilled_loss, freeze, scored_positions)
 
 #: The files of a parent folder whose sha256 identify its weights (top level only: not a run's checkpoints).
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -57,20 +58,49 @@ class Distiller:
         self.input_names, self.pad_id = tuple(input_names), pad_id
         self.autocast = autocast
 
-    def parent_logits(self, inputs: dict[str, Tensor]) -> Tensor:
-        """The parent's logits for the student's inputs (no graph, eval mode, the loop's autocast)."""
-        import contextlib
+    def _autocast(self):
+        return self.autocast() if self.autocast is not None else contextlib.nullcontext()
 
-        with torch.no_grad(), (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
-            return self.parent(**{name: inputs[name] for name in self.input_names}).logits
+    def parent_logits(self, inputs: dict[str, Tensor]) -> Tensor | ParentLogits:
+        """The parent's logits for the student's inputs (no graph, eval mode, the loop's autocast): a headmix
+        parent's as :class:`~headmix.models.distill.ParentLogits` (its last hidden states and its output layer,
+        the logits made a chunk at a time by the KL), any other's as a tensor."""
+        args = {name: inputs[name] for name in self.input_names}
+        head = getattr(type(self.parent), "compute_logits", None)
+        if head is None:
+            with torch.no_grad(), self._autocast():
+                return self.parent(**args).logits
+        self.parent.compute_logits = lambda hidden: hidden  # the forward's last step left out: its hidden states
+        try:
+            with torch.no_grad(), self._autocast():
+                hidden = self.parent(**args).logits
+        finally:
+            del self.parent.compute_logits
+        return ParentLogits(hidden, head.__get__(self.parent), self.parent.config.vocab_size, autocast=self._autocast,
+                            gathered=lambda: gathered(self.parent))
 
     def __call__(self, out, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """``(loss, kl)`` of a model output ``out`` (``logits``, ``lm_loss``, ``aux_loss``) for ``inputs`` (the
-        task's ``model_inputs``: the one that is not a forward input is the target aligned with the logits)."""
+        task's ``model_inputs``: the one that is not a forward input is the target aligned with the logits); ``kl``
+        detached, on the device (read it once per log step: no host sync here)."""
         targets = next(value for name, value in inputs.items() if name not in self.input_names)
         kl = distillation_kl(out.logits, self.parent_logits(inputs), scored_positions(targets, self.pad_id),
                              self.temperature)
         return distilled_loss(out.lm_loss, kl, self.weight, self.temperature) + out.aux_loss, kl.detach()
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """``module``'s own parameters whole inside (an FSDP2 module's unsharded, then sharded again); a no-op for a
+    module FSDP does not shard."""
+    if not (hasattr(module, "unshard") and hasattr(module, "reshard")):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
 
 
 # ----------------------------------------------------------------------------------------- the parent folder
