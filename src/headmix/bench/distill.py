@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 import torch
+from torch import Tensor
 
 from .timing import add_clock_arguments, check_positive, clock_setup, interleaved_timings
 
@@ -66,16 +67,21 @@ def _setup(vocab: int, batch: int, length: int, d_model: int, layers: int, devic
     inputs = {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
 
-    def plain() -> None:
+    # as headmix.training.trainer's loop takes them: the model output held across the backward (its loss read after)
+    def plain() -> Tensor:
         optimizer.zero_grad(set_to_none=True)
-        student(**inputs).total_loss.backward()
+        out = student(**inputs)
+        out.total_loss.backward()
         optimizer.step()
+        return out.lm_loss.detach()
 
-    def distilled() -> None:
+    def distilled() -> Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = distiller(student(**inputs), inputs)
+        out = student(**inputs)
+        loss, _ = distiller(out, inputs)
         loss.backward()
         optimizer.step()
+        return out.lm_loss.detach()
 
     return {"plain": plain, "distilled": distilled, "parent forward": lambda: distiller.parent_logits(inputs)}
 

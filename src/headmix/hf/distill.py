@@ -36,11 +36,14 @@ def distillation_loss(outputs: Any, parent_logits: Tensor, labels: Tensor, *, we
     # the gradient), the last position never scored
     scored = torch.zeros(labels.shape, dtype=torch.bool, device=logits.device)
     scored[:, :-1] = labels[:, 1:].to(logits.device).ne(-100)
-    kl = distillation_kl(logits, parent_logits.to(logits.device), scored, temperature)
     task = getattr(outputs, "lm_loss", None)
     aux = getattr(outputs, "aux_loss", None)
     if task is None:  # a model that returns its loss alone: no routing losses apart
         task, aux = outputs.loss, None
+    if task is None:
+        raise ValueError("the model's outputs hold no loss: call it with labels")
+    # the task loss is computed from these logits: the KL's gradient goes into theirs
+    kl = distillation_kl(logits, parent_logits.to(logits.device), scored, temperature, into_task_gradient=True)
     loss = distilled_loss(task, kl, weight, temperature)
     return (loss if aux is None else loss + aux), kl.detach()
 

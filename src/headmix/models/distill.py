@@ -90,13 +90,14 @@ class _ChunkedKL(torch.autograd.Function):
     Forward: each chunk's two log-softmaxes, ``KL_i = p_i . (log p_i - log q_i)`` and the log-normalisers
     ``logsumexp`` of both (one number a position) are kept. Backward: ``d KL / d s_i = keep_i (q_i - p_i) / (T N)``
     (Hinton et al. 2015, eq. 2), recomputed chunk by chunk from the student's logits (alive for the task loss
-    anyway) and the normalisers, and added in place into the logits' gradient buffer by a hook on the logits,
-    which fires once every path (the task loss's) has delivered its part; the node itself hands autograd a zero
-    of stride 0. So the KL adds no tensor of the logits' size, only one chunk's temporaries, forward or backward."""
+    anyway) and the normalisers: into a gradient of its own, or, ``into_task_gradient``, added in place into the
+    gradient the task loss gives the logits, by a hook on them that fires once every path has delivered its part
+    (the node itself returns none). Then the KL adds no tensor of the logits' size, only one chunk's temporaries,
+    forward or backward."""
 
     @staticmethod
     def forward(ctx, student_logits: Tensor, parent: Tensor | ParentLogits, keep: Tensor, temperature: float,
-                chunk: int) -> Tensor:
+                chunk: int, into_task_gradient: bool = False) -> Tensor:
         vocab = student_logits.shape[-1]
         student = student_logits.reshape(-1, vocab)
         positions = student.shape[0]
@@ -114,6 +115,7 @@ class _ChunkedKL(torch.autograd.Function):
         count = keep.sum().clamp(min=1)
         ctx.student_logits, ctx.parent, ctx.keep, ctx.count = student_logits, parent, keep, count
         ctx.lse_q, ctx.lse_p, ctx.temperature, ctx.chunk = lse_q, lse_p, temperature, chunk
+        ctx.into_task_gradient = into_task_gradient
         return total / count
 
     @staticmethod
@@ -121,12 +123,8 @@ class _ChunkedKL(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         logits, dtype, t = ctx.student_logits, ctx.keep.dtype, ctx.temperature
         coefficient = ctx.keep * (grad_output.to(dtype) / (t * ctx.count))  # keep_i g / (T N), per position
-        handle = None
 
         def add_kl_gradient(grad: Tensor) -> Tensor:
-            handle.remove()  # once per backward pass
-            if not grad.is_contiguous():  # the zero of stride 0 alone (no other path): a buffer of its own
-                grad = grad.contiguous()
             flat, student = grad.view(-1, logits.shape[-1]), logits.detach().reshape(-1, logits.shape[-1])
             with _gathered(ctx.parent):
                 for start in range(0, student.shape[0], ctx.chunk):
@@ -136,21 +134,35 @@ class _ChunkedKL(torch.autograd.Function):
                     flat[start:stop].add_(q.mul_(coefficient[start:stop, None]))
             return grad
 
-        handle = logits.register_hook(add_kl_gradient)
-        zero = torch.zeros((), dtype=logits.dtype, device=logits.device).expand(logits.shape)
-        return zero, None, None, None, None
+        if not ctx.into_task_gradient:  # a gradient of its own, built chunk by chunk
+            return add_kl_gradient(torch.zeros_like(logits, memory_format=torch.contiguous_format)), None, None, None, \
+                None, None
+        handle = None
+
+        def hook(grad: Tensor | None) -> Tensor:
+            handle.remove()  # once per backward pass
+            if grad is None:
+                raise RuntimeError("distillation_kl(into_task_gradient=True) adds its gradient into the one the task "
+                                   "loss gives the logits, and none reached them: backpropagate the task loss with "
+                                   "it, or leave into_task_gradient off")
+            return add_kl_gradient(grad if grad.is_contiguous() else grad.contiguous())
+
+        handle = logits.register_hook(hook)  # fires once every path has delivered its part of the logits' gradient
+        return None, None, None, None, None, None
 
 
 def distillation_kl(student_logits: Tensor, parent_logits: Tensor | ParentLogits, scored: Tensor,
-                    temperature: float, *, chunk: int | None = None) -> Tensor:
+                    temperature: float, *, chunk: int | None = None, into_task_gradient: bool = False) -> Tensor:
     """``KL(softmax(parent / T) || softmax(student / T))``, summed over the vocabulary, averaged over the positions
     where ``scored`` is true (0 where none is); logits ``(..., vocab)`` aligned with ``scored`` ``(...)``; in
     float32 at least. The gradient flows into ``student_logits`` only.
 
     Computed ``chunk`` positions at a time (default :func:`chunk_positions`), forward and backward
     (:class:`_ChunkedKL`): no temporary of the logits' size, only one chunk's. ``parent_logits`` is a tensor or a
-    :class:`ParentLogits` (its logits made a chunk at a time too). Static shapes throughout (no boolean indexing):
-    no host sync on a GPU."""
+    :class:`ParentLogits` (its logits made a chunk at a time too). ``into_task_gradient``: the KL's gradient is
+    added into the one a task loss computed from the same logits gives them (the training loop's case: no second
+    gradient of the logits' size); backpropagated without such a loss, that is a one-line error, not a missing
+    gradient. Static shapes throughout (no boolean indexing): no host sync on a GPU."""
     if student_logits.shape != parent_logits.shape:
         raise ValueError(f"the parent's logits {tuple(parent_logits.shape)} and the student's "
                          f"{tuple(student_logits.shape)} differ: distillation needs the same vocabulary")
@@ -164,7 +176,7 @@ def distillation_kl(student_logits: Tensor, parent_logits: Tensor | ParentLogits
         parent_logits = parent_logits.detach().reshape(-1, parent_logits.shape[-1])
     keep = scored.reshape(-1).to(torch.promote_types(student_logits.dtype, torch.float32))
     if torch.is_grad_enabled() and student_logits.requires_grad:
-        return _ChunkedKL.apply(student_logits, parent_logits, keep, float(temperature), chunk)
+        return _ChunkedKL.apply(student_logits, parent_logits, keep, float(temperature), chunk, into_task_gradient)
     with torch.no_grad():
         return _ChunkedKL.forward(SimpleNamespace(), student_logits, parent_logits, keep, float(temperature), chunk)
 

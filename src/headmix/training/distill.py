@@ -85,7 +85,7 @@ class Distiller:
         detached, on the device (read it once per log step: no host sync here)."""
         targets = next(value for name, value in inputs.items() if name not in self.input_names)
         kl = distillation_kl(out.logits, self.parent_logits(inputs), scored_positions(targets, self.pad_id),
-                             self.temperature)
+                             self.temperature, into_task_gradient=True)  # out.lm_loss reaches the logits
         return distilled_loss(out.lm_loss, kl, self.weight, self.temperature) + out.aux_loss, kl.detach()
 
 
