@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from headmix.data import Tokenizer, load_embedded_documents, write_jsonl_documents
 from headmix.models import build_model, get_config, load_pretrained
@@ -98,6 +99,135 @@ def test_the_loss_is_exact_against_a_float64_reference(task):
     assert loss.dtype == torch.float64 and ref_kl > 1e-3
     torch.testing.assert_close(kl, ref_kl, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-12, atol=1e-14)
+
+
+def plain_kl(student: torch.Tensor, parent: torch.Tensor, scored: torch.Tensor, t: float) -> torch.Tensor:
+    """The KL in one piece, as the formula reads (library log-softmax, every position at once): the unchunked
+    reference of the chunked one, differentiable."""
+    log_q, log_p = F.log_softmax(student / t, -1), F.log_softmax(parent / t, -1)
+    keep = scored.to(student.dtype)
+    return ((log_p.exp() * (log_p - log_q)).sum(-1) * keep).sum() / keep.sum().clamp(min=1)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 33, None])
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+@pytest.mark.parametrize("into_task_gradient", [False, True])
+def test_the_chunked_kl_equals_the_unchunked_one_in_float64_gradients_included(chunk, temperature, into_task_gradient):
+    """Chunked (odd chunk sizes, one larger than the 33 positions) and unchunked KL, and the explicit formula, agree
+    within 1e-6 in float64; the student's gradient too, alone or added into a task loss's (into_task_gradient),
+    scaled by the loss above it; the ignored positions get no KL gradient."""
+    g = torch.Generator().manual_seed(4)
+    student0 = torch.randn(3, 11, 37, dtype=torch.float64, generator=g) * 3
+    parent = torch.randn(3, 11, 37, dtype=torch.float64, generator=g) * 3
+    scored = torch.rand(3, 11, generator=g) > 0.3
+    scored[0, :4] = False
+    targets = torch.randint(0, 37, (33,), generator=g)
+
+    def gradient(kl_fn):
+        student = student0.clone().requires_grad_()
+        kl = kl_fn(student)
+        task = F.cross_entropy(student.reshape(-1, 37), targets)
+        (0.7 * kl + (task if into_task_gradient else 0)).backward()
+        return kl.detach(), student.grad
+
+    kl, grad = gradient(lambda s: distillation_kl(s, parent, scored, temperature, chunk=chunk,
+                                                  into_task_gradient=into_task_gradient))
+    ref_kl, ref_grad = gradient(lambda s: plain_kl(s, parent, scored, temperature))
+    assert ref_kl > 1e-2
+    torch.testing.assert_close(kl, ref_kl, rtol=0, atol=1e-6)
+    torch.testing.assert_close(kl, reference_kl(student0, parent, scored, temperature), rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-6)
+    assert grad.abs().max() > 1e-3
+    with torch.no_grad():  # no graph: the forward alone
+        torch.testing.assert_close(distillation_kl(student0, parent, scored, temperature, chunk=chunk), ref_kl,
+                                   rtol=0, atol=1e-6)
+    if not into_task_gradient:  # the KL's own gradient is zero where a position is ignored
+        assert torch.equal(grad[~scored], torch.zeros_like(grad[~scored]))
+
+
+def test_a_parents_logits_made_a_chunk_at_a_time_from_its_hidden_states_give_the_same_kl_and_gradient():
+    from headmix.models.distill import ParentLogits
+
+    g = torch.Generator().manual_seed(5)
+    hidden, head = torch.randn(2, 9, 6, dtype=torch.float64, generator=g), torch.randn(37, 6, dtype=torch.float64,
+                                                                                        generator=g)
+    features = torch.randn(2, 9, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    own = torch.randn(37, 6, dtype=torch.float64, generator=g)
+    scored = torch.ones(2, 9, dtype=torch.bool)
+    kl = distillation_kl(features @ own.T, ParentLogits(hidden, lambda h: h @ head.T, 37), scored, 1.5, chunk=4)
+    kl.backward()
+    grad, features.grad = features.grad, None
+    ref = plain_kl(features @ own.T, hidden @ head.T, scored, 1.5)
+    ref.backward()
+    torch.testing.assert_close(kl.detach(), ref.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, features.grad, rtol=0, atol=1e-6)
+
+
+class _Allocations(TorchDispatchMode):
+    """The element counts of the storages the operators inside allocate (views and in-place results left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in given \
+                    and tensor.untyped_storage().nbytes():  # a new storage, not a view or an in-place result
+                self.sizes.append((str(func), tensor.untyped_storage().nbytes() // tensor.element_size()))
+        return out
+
+
+def test_the_kl_allocates_nothing_larger_than_one_chunk_forward_or_backward():
+    """Beside a task loss on the same logits (the loop's case), the KL's forward and backward produce no tensor
+    larger than one chunk of positions x vocabulary: no logits-sized temporary, no second gradient (its gradient
+    goes into the task loss's). Without into_task_gradient: its own gradient, and autograd's sum of the two."""
+    positions, vocab, chunk = 60, 50, 7
+    g = torch.Generator().manual_seed(6)
+    features = torch.randn(positions, 8, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, 8, generator=g)
+    parent = torch.randn(positions, vocab, generator=g)
+    targets = torch.randint(0, vocab, (positions,), generator=g)
+    for into, expected in ((True, []), (False, ["aten.zeros_like.default", "aten.add.Tensor"])):
+        logits = features @ weight.T
+        task = F.cross_entropy(logits, targets)
+        with _Allocations() as seen:
+            kl = distillation_kl(logits, parent, torch.ones(positions, dtype=torch.bool), 2.0, chunk=chunk,
+                                 into_task_gradient=into)
+        with _Allocations() as seen_backward:
+            torch.autograd.backward([task, kl])  # the KL's node runs first, then the task loss's, then the hook
+        large = [name for name, size in seen.sizes + seen_backward.sizes
+                 if size > chunk * vocab and "log_softmax" not in name and "nll_loss" not in name and "mm" not in name]
+        assert large == expected, (into, large)
+        assert any(size == chunk * vocab for _, size in seen.sizes)  # it did work in chunks
+
+
+def test_into_task_gradient_without_a_task_loss_is_a_one_line_error_not_a_missing_gradient():
+    student = torch.randn(4, 7, requires_grad=True)
+    kl = distillation_kl(student * 1, torch.randn(4, 7), torch.ones(4, dtype=torch.bool), 1.0, into_task_gradient=True)
+    with pytest.raises(RuntimeError, match=r"adds its gradient into the one the task loss gives the logits, and none "
+                                           r"reached them"):
+        kl.backward()
+
+
+def test_the_training_record_reads_the_kl_once_not_per_micro_batch():
+    """A micro-batch's KL is summed where it lies (here on the meta device, whose values cannot be read: any read
+    per micro-batch fails); the record reads the sum once."""
+    from headmix.training.metrics import TrainingWindow
+
+    out = SimpleNamespace(aux_loss=torch.zeros(()), routing=[])
+    window = TrainingWindow()
+    for _ in range(3):
+        window.add_batch(out, 3, torch.ones((), device="meta"))
+    assert window.distill_kl.device.type == "meta"
+    window = TrainingWindow()
+    for kl in (0.3, 0.6):
+        window.add_batch(out, 2, torch.tensor(kl))
+    window.add_step(1.0, 10)
+    assert window.record(1)["distill_kl"] == pytest.approx(0.45)
 
 
 def test_the_kl_of_logits_without_a_scored_position_is_zero_and_its_gradient_is_the_students_only():
