@@ -586,3 +586,45 @@ def test_the_distilled_upcycling_commands_of_the_docs_run_as_written(corpus, tmp
         summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
         assert summary["distill_from"]["sha256"] == {"model.safetensors": parent_sha}
         assert (summary["distill_from"]["weight"], summary["distill_from"]["temperature"]) == (weight, temperature)
+
+
+def test_the_trainer_route_gives_the_parent_the_students_positions_on_a_packed_batch(tmp_path, monkeypatch):
+    """Three documents packed in one row (position_ids restarting, as a flattening collator makes them): the parent
+    is called with the student's position_ids, and its logits are those of a call given them, not those of one long
+    sequence. A parent whose forward cannot take them is refused in one line."""
+    transformers = pytest.importorskip("transformers")
+    from headmix.hf import DistillationTrainer
+    from headmix.hf import distill as hf_distill
+
+    def llama(seed):
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(config).double()
+
+    student, parent = llama(0), llama(1)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    labels = ids.clone()
+    labels[0, [5, 8]] = -100  # a document's first token is not predicted from the one before
+    seen = []
+    real = hf_distill.distillation_loss
+    monkeypatch.setattr(hf_distill, "distillation_loss",
+                        lambda outputs, parent_logits, *a, **k: seen.append(parent_logits) or real(outputs, parent_logits,
+                                                                                                   *a, **k))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
+    trainer = DistillationTrainer(model=student, args=args, train_dataset=[{"input_ids": ids[0]}], parent_model=parent)
+    loss = trainer.compute_loss(student, {"input_ids": ids, "labels": labels, "position_ids": positions})
+    with torch.no_grad():
+        packed = parent(ids, position_ids=positions).logits
+        one_sequence = parent(ids).logits
+    assert torch.equal(seen[0], packed) and not torch.allclose(packed, one_sequence)
+    assert torch.isfinite(loss)
+
+    class NoPositions(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            raise AssertionError("not called")
+
+    with pytest.raises(ValueError, match=r"^parent_model.forward takes no position_ids, which the batch gives the "
+                                         r"model: the parent must see what the student sees"):
+        hf_distill.parent_inputs(NoPositions(), {"input_ids": ids, "labels": labels, "position_ids": positions})
