@@ -73,9 +73,9 @@ def _gathered(parent: Tensor | ParentLogits):
 
 def _log_softmax(logits: Tensor, dtype: torch.dtype, temperature: float) -> tuple[Tensor, Tensor]:
     """``(log_softmax(logits / T), logsumexp(logits / T))`` over the last axis, in ``dtype`` (a new tensor)."""
-    scaled = logits.to(dtype) / temperature if temperature != 1.0 else logits.to(dtype, copy=True)
-    lse = scaled.logsumexp(-1)
-    return scaled.sub_(lse[:, None]), lse
+    scaled = logits.to(dtype) / temperature if temperature != 1.0 else logits.to(dtype)
+    log_softmax = torch.log_softmax(scaled, -1)  # one fused kernel: faster on a CPU than logsumexp and a subtraction
+    return log_softmax, scaled.amax(-1) - log_softmax.amax(-1)  # the normaliser, read at the row's largest logit
 
 
 def _softmax_from(logits: Tensor, lse: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
