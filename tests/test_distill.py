@@ -628,3 +628,73 @@ def test_the_trainer_route_gives_the_parent_the_students_positions_on_a_packed_b
     with pytest.raises(ValueError, match=r"^parent_model.forward takes no position_ids, which the batch gives the "
                                          r"model: the parent must see what the student sees"):
         hf_distill.parent_inputs(NoPositions(), {"input_ids": ids, "labels": labels, "position_ids": positions})
+
+
+# ------------------------------------------------------------------------ TRL and Liger Kernel, on the same batch
+def _trl_generalized_jsd_loss():
+    """TRL's ``GKDTrainer.generalized_jsd_loss`` (a static method), taken from its source: importing the trainer's
+    module needs ``datasets``, which the loss does not."""
+    import ast
+    import importlib.util
+    import textwrap
+
+    spec = importlib.util.find_spec("trl")
+    if spec is None:
+        pytest.skip("trl is not installed (docs/training.md: how to compare)")
+    source = (Path(spec.origin).parent / "experimental" / "gkd" / "gkd_trainer.py").read_text()
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)
+                and n.name == "generalized_jsd_loss")
+    namespace = {"torch": torch, "F": F}
+    exec(textwrap.dedent(ast.get_source_segment(source, node)), namespace)
+    return namespace["generalized_jsd_loss"]
+
+
+def test_the_kl_and_loss_equal_trls_gkd_loss_and_liger_kernels_fused_jsd_on_the_same_batch():
+    """An optional oracle (skipped without the peers; run with PYTHONPATH=.peers, docs/training.md): on the same
+    batch, headmix's KL equals TRL's GKD loss at beta 0 (KL(parent || student) per scored token, no T^2) and Liger
+    Kernel's fused-linear JSD loss at beta 0 (its soft loss); the student's gradients agree too; and Liger's hard +
+    soft mix is headmix's loss with the T^2 written into the soft weight."""
+    trl_loss = _trl_generalized_jsd_loss()
+    liger = pytest.importorskip("liger_kernel.chunked_loss")
+    from headmix.hf.distill import distillation_loss
+
+    g = torch.Generator().manual_seed(7)
+    batch, time, d, t, w = 2, 9, 8, 2.0, 0.3
+    hidden = torch.randn(batch, time, d, dtype=torch.float64, generator=g)
+    student_head = torch.randn(VOCAB, d, dtype=torch.float64, generator=g)
+    parent_hidden = torch.randn(batch, time, d, dtype=torch.float64, generator=g)
+    parent_head = torch.randn(VOCAB, d, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, VOCAB, (batch, time), generator=g)
+    labels[1, 5:] = -100
+    parent_logits = parent_hidden @ parent_head.T
+
+    def ours(head):
+        logits = hidden @ head.T
+        task = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return distillation_loss(SimpleNamespace(logits=logits, loss=task), parent_logits, labels, weight=w,
+                                 temperature=t)
+
+    head = student_head.clone().requires_grad_()
+    loss, kl = ours(head)
+    # TRL: shifted logits and labels, as GKDTrainer.compute_loss passes them
+    head_trl = student_head.clone().requires_grad_()
+    gkd = trl_loss((hidden @ head_trl.T)[:, :-1], parent_logits[:, :-1], labels=labels[:, 1:], beta=0.0,
+                   temperature=t)
+    torch.testing.assert_close(kl, gkd.detach(), rtol=0, atol=1e-6)
+    # Liger: the fused linear layer, flattened shifted positions, soft loss alone and the mix
+    fused = liger.LigerFusedLinearJSDLoss(weight_hard_loss=1 - w, weight_soft_loss=w * t * t, beta=0.0,
+                                          temperature=t, compiled=False, chunk_size=5, return_soft_hard_loss=True)
+    head_liger = student_head.clone().requires_grad_()
+    mixed, soft, hard = fused(hidden[:, :-1].reshape(-1, d), head_liger, parent_hidden[:, :-1].reshape(-1, d),
+                              parent_head, labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(kl, soft.detach().to(kl.dtype), rtol=0, atol=1e-6)
+    torch.testing.assert_close(loss.detach(), mixed.detach().to(loss.dtype), rtol=0, atol=1e-6)
+    # gradients of the mixed losses with respect to the student's output layer
+    ours_grad, = torch.autograd.grad(ours(head)[0], head)
+    liger_grad, = torch.autograd.grad(mixed, head_liger)
+    torch.testing.assert_close(ours_grad, liger_grad.to(ours_grad.dtype), rtol=0, atol=1e-6)
+    trl_grad, = torch.autograd.grad(gkd, head_trl)
+    kl_grad, = torch.autograd.grad(distillation_kl(hidden @ head.T, parent_logits,
+                                                   torch.cat([labels[:, 1:] != -100,
+                                                              torch.zeros(batch, 1, dtype=torch.bool)], 1), t), head)
+    torch.testing.assert_close(kl_grad, trl_grad, rtol=0, atol=1e-6)
