@@ -36,7 +36,6 @@ extra = {}
 if distill:  # as the training loop does it: hashed by rank 0 alone, loaded once per rank, sharded under FSDP
     import headmix.storage.files as files
     from headmix.training.distill import Distiller, load_parent, shared_parent_identity
-    from headmix.training.distributed import shard_by_layer
     from headmix.training.metrics import TrainingWindow
 
     folder = Path(out_dir, "parent")
@@ -49,9 +48,8 @@ if distill:  # as the training loop does it: hashed by rank 0 alone, loaded once
     identity = shared_parent_identity(str(folder))
     files.sha256_file = real_sha
     distiller = Distiller(load_parent(str(folder), "cpu", torch.float32), weight=0.4, temperature=2.0,
-                          input_names=("src", "tgt_in"), pad_id=config.pad_id, device="cpu", dtype=torch.float32)
-    if kind == "fsdp":
-        shard_by_layer(distiller.parent)
+                          input_names=("src", "tgt_in"), pad_id=config.pad_id, device="cpu", dtype=torch.float32,
+                          shard=kind == "fsdp")
     extra["parent_sharded"] = all(type(p).__name__ == "DTensor" for p in distiller.parent.parameters())
     records = [None, None]
     dist.all_gather_object(records, {"hashed": len(hashed), "identity": identity})

@@ -205,6 +205,26 @@ def test_the_kl_allocates_nothing_larger_than_one_chunk_forward_or_backward():
         assert any(size == chunk * vocab for _, size in seen.sizes)  # it did work in chunks
 
 
+def test_a_distilled_step_allocates_no_more_logits_sized_tensors_than_a_plain_one():
+    """The training loop's step (Distiller): forward, loss, backward allocate the same tensors of the logits' size
+    as the plain step's; the parent's logits are made a chunk at a time from its hidden states, the KL's gradient
+    goes into the task loss's."""
+    student, parent = _models("lm")
+    inputs = _inputs("lm")
+    distiller = Distiller(parent, weight=0.5, temperature=2.0, input_names=("input_ids",), pad_id=0, device="cpu",
+                          dtype=torch.float64, chunk=5)
+    size = 3 * 9 * VOCAB
+
+    def logits_sized(loss_of) -> list[str]:
+        with _Allocations() as seen:
+            out = student(**inputs)
+            loss_of(out).backward()
+        return sorted(name for name, n in seen.sizes if n == size)
+
+    plain = logits_sized(lambda out: out.total_loss)
+    assert plain and logits_sized(lambda out: distiller(out, inputs)[0]) == plain
+
+
 def test_into_task_gradient_without_a_task_loss_is_a_one_line_error_not_a_missing_gradient():
     student = torch.randn(4, 7, requires_grad=True)
     kl = distillation_kl(student * 1, torch.randn(4, 7), torch.ones(4, dtype=torch.bool), 1.0, into_task_gradient=True)
@@ -294,6 +314,14 @@ def _hand_kl(student: torch.Tensor, parent: torch.Tensor, targets: torch.Tensor,
     s = (student.reshape(-1, student.shape[-1])[keep] / t).log_softmax(-1)
     p = (parent.reshape(-1, parent.shape[-1])[keep] / t).log_softmax(-1)
     return (p.exp() * (p - s)).sum() / keep.sum()
+
+
+def test_the_parent_is_loaded_once_on_its_device_in_the_training_dtype_and_frozen(parent):
+    from headmix.training.distill import load_parent
+
+    model = load_parent(str(parent), "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
 
 
 def test_one_distilled_step_with_gradient_accumulation_equals_the_step_by_hand(corpus, parent):

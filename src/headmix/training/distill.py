@@ -47,16 +47,21 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 class Distiller:
     """The distillation term of the training loop: ``distiller(out, inputs)`` gives the micro-batch's loss (module
     docstring) and its KL. ``parent`` is frozen here and moved to ``device`` and ``dtype``; ``autocast`` is the
-    loop's autocast factory; ``input_names`` the forward inputs the parent takes (the task's, no targets)."""
+    loop's autocast factory; ``input_names`` the forward inputs the parent takes (the task's, no targets); ``shard``
+    (the run is under FSDP): the parent sharded like the student; ``chunk``: positions per chunk of the KL."""
 
     def __init__(self, parent: nn.Module, *, weight: float, temperature: float, input_names: tuple[str, ...],
                  pad_id: int | None, device: torch.device | str, dtype: torch.dtype,
-                 autocast: Callable[[], Any] | None = None):
+                 autocast: Callable[[], Any] | None = None, shard: bool = False, chunk: int | None = None):
         check_distill_values(weight, temperature)
         self.parent = freeze(parent.to(device=device, dtype=dtype))
+        if shard:  # under FSDP: sharded like the student, each rank holding its shard
+            from .distributed import shard_by_layer
+
+            shard_by_layer(self.parent)
         self.weight, self.temperature = float(weight), float(temperature)
         self.input_names, self.pad_id = tuple(input_names), pad_id
-        self.autocast = autocast
+        self.autocast, self.chunk = autocast, chunk
 
     def _autocast(self):
         return self.autocast() if self.autocast is not None else contextlib.nullcontext()
@@ -85,7 +90,7 @@ class Distiller:
         detached, on the device (read it once per log step: no host sync here)."""
         targets = next(value for name, value in inputs.items() if name not in self.input_names)
         kl = distillation_kl(out.logits, self.parent_logits(inputs), scored_positions(targets, self.pad_id),
-                             self.temperature, into_task_gradient=True)  # out.lm_loss reaches the logits
+                             self.temperature, chunk=self.chunk, into_task_gradient=True)  # lm_loss reaches them
         return distilled_loss(out.lm_loss, kl, self.weight, self.temperature) + out.aux_loss, kl.detach()
 
 

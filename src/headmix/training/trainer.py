@@ -25,7 +25,7 @@ from ..runs import Run, average_checkpoints, rng_state, set_rng_state
 from ..runs.checkpoints import averaging_window_start, checkpoint_step
 from .calibrate import calibration_batches
 from .config import IDENTITY, TrainConfig, pick_device
-from .distributed import Parallel, init_distributed, shard_by_layer
+from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
 from .machine import machine_record
 from .progress import Progress
@@ -128,9 +128,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                                  f"per position, the run's {mcfg.vocab_size}: distillation needs the same vocabulary")
             distiller = Distiller(parent, weight=cfg.resolved_distill_weight,
                                   temperature=cfg.resolved_distill_temperature, input_names=task.input_names,
-                                  pad_id=mcfg.pad_id, device=device, dtype=next(model.parameters()).dtype, autocast=autocast)
-            if par.kind == "fsdp":  # sharded like the student: each rank holds its shard of the parent
-                shard_by_layer(distiller.parent)
+                                  pad_id=mcfg.pad_id, device=device, dtype=next(model.parameters()).dtype, autocast=autocast,
+                                  shard=par.kind == "fsdp")
             log(f"distilling from {cfg.distill_from} (weight {distiller.weight:g}, temperature "
                 f"{distiller.temperature:g})")
         metrics = MetricsLog(run.path, enabled=d.main)
