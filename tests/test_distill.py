@@ -726,3 +726,17 @@ def test_the_kl_and_loss_equal_trls_gkd_loss_and_liger_kernels_fused_jsd_on_the_
                                                    torch.cat([labels[:, 1:] != -100,
                                                               torch.zeros(batch, 1, dtype=torch.bool)], 1), t), head)
     torch.testing.assert_close(kl_grad, trl_grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_distill_bench_runs_at_tiny_sizes_and_refuses_a_bad_size_in_one_line(capsys):
+    from headmix.cli.main import main
+
+    assert main(["bench", "distill", "--vocab", "300", "--batch", "2", "--length", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 300 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 9 and all(float(c) > 0 for c in cells)
+    assert main(["bench", "distill", "--vocab", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--vocab must be >= 1, got [0]" in err and len(err.splitlines()) == 1
