@@ -713,7 +713,7 @@ def test_the_kl_and_loss_equal_trls_gkd_loss_and_liger_kernels_fused_jsd_on_the_
     fused = liger.LigerFusedLinearJSDLoss(weight_hard_loss=1 - w, weight_soft_loss=w * t * t, beta=0.0,
                                           temperature=t, compiled=False, chunk_size=5, return_soft_hard_loss=True)
     head_liger = student_head.clone().requires_grad_()
-    mixed, soft, hard = fused(hidden[:, :-1].reshape(-1, d), head_liger, parent_hidden[:, :-1].reshape(-1, d),
+    mixed, soft, _ = fused(hidden[:, :-1].reshape(-1, d), head_liger, parent_hidden[:, :-1].reshape(-1, d),
                               parent_head, labels[:, 1:].reshape(-1))
     torch.testing.assert_close(kl, soft.detach().to(kl.dtype), rtol=0, atol=1e-6)
     torch.testing.assert_close(loss.detach(), mixed.detach().to(loss.dtype), rtol=0, atol=1e-6)
