@@ -21,7 +21,7 @@ from headmix.models import build_model, get_config, load_pretrained
 from headmix.runs import RunMismatchError
 from headmix.storage.files import sha256_file
 from headmix.training import TrainConfig, train
-from headmix.training.distill import Distiller, distillation_kl
+from headmix.training.distill import Distiller, distillation_kl, scored_positions
 from headmix.training.metrics import read_metrics
 
 VOCAB = 40
@@ -223,6 +223,46 @@ def test_a_distilled_step_allocates_no_more_logits_sized_tensors_than_a_plain_on
 
     plain = logits_sized(lambda out: out.total_loss)
     assert plain and logits_sized(lambda out: distiller(out, inputs)[0]) == plain
+
+
+class _OneNode(torch.autograd.Function):
+    """The logits and their cross-entropy out of one autograd node, as a compiled model returns them."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        ctx.save_for_backward(logits, targets)
+        return logits.clone(), F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    @staticmethod
+    def backward(ctx, grad_logits, grad_loss):
+        logits, targets = ctx.saved_tensors
+        with torch.enable_grad():
+            x = logits.detach().requires_grad_()
+            grad, = torch.autograd.grad(F.cross_entropy(x.reshape(-1, x.shape[-1]), targets.reshape(-1)), x)
+        return grad * grad_loss + grad_logits, None
+
+
+def test_a_model_whose_logits_and_loss_leave_one_autograd_node_is_distilled_with_the_kls_own_gradient():
+    """A compiled model returns its logits and its loss from one node, inside which their gradients meet: the KL
+    cannot add into the task loss's there, and gives its own gradient (the step's gradient is the formula's)."""
+    _, parent = _models("lm")
+    inputs = _inputs("lm")
+    targets = inputs["targets"].clamp(min=0)
+    distiller = Distiller(parent, weight=0.4, temperature=2.0, input_names=("input_ids",), pad_id=0, device="cpu",
+                          dtype=torch.float64, chunk=4)
+    logits0 = torch.randn(3, 9, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(8),
+                          requires_grad=True)
+    logits, lm_loss = _OneNode.apply(logits0, targets)
+    loss, _ = distiller(SimpleNamespace(logits=logits, lm_loss=lm_loss, aux_loss=torch.zeros(())),
+                        {"input_ids": inputs["input_ids"], "targets": inputs["targets"]})
+    loss.backward()
+    x = logits0.detach().requires_grad_()
+    with torch.no_grad():
+        parent_logits = parent.eval()(inputs["input_ids"]).logits
+    scored = scored_positions(inputs["targets"], 0)
+    (0.6 * F.cross_entropy(x.reshape(-1, VOCAB), targets.reshape(-1)) + 0.4 * 4 * plain_kl(x, parent_logits, scored,
+                                                                                          2.0)).backward()
+    torch.testing.assert_close(logits0.grad, x.grad, rtol=0, atol=1e-6)
 
 
 def test_into_task_gradient_without_a_task_loss_is_a_one_line_error_not_a_missing_gradient():

@@ -89,8 +89,11 @@ class Distiller:
         task's ``model_inputs``: the one that is not a forward input is the target aligned with the logits); ``kl``
         detached, on the device (read it once per log step: no host sync here)."""
         targets = next(value for name, value in inputs.items() if name not in self.input_names)
+        # the KL's gradient goes into the task loss's, which reaches the logits: unless both leave one autograd node
+        # (a compiled model), inside which their gradients meet, out of the hook's reach
+        into = out.lm_loss.grad_fn is not None and out.lm_loss.grad_fn is not out.logits.grad_fn
         kl = distillation_kl(out.logits, self.parent_logits(inputs), scored_positions(targets, self.pad_id),
-                             self.temperature, chunk=self.chunk, into_task_gradient=True)  # lm_loss reaches them
+                             self.temperature, chunk=self.chunk, into_task_gradient=into)
         return distilled_loss(out.lm_loss, kl, self.weight, self.temperature) + out.aux_loss, kl.detach()
 
 
