@@ -1,6 +1,7 @@
 """Run by tests/test_training.py under torchrun (2 processes, gloo): one data-parallel step (DDP or FSDP2)
 against the same step taken by one process on both ranks' batches. Usage: ddp_agreement.py OUT_DIR KIND [distill]
-(distill: the loss distilled from a frozen parent, unwrapped on every rank: headmix.training.distill)"""
+(distill: the loss distilled from a frozen parent, as the training loop sets it up: hashed by rank 0, loaded on every
+rank, sharded under FSDP; its KL logged as the mean over the ranks: headmix.training.distill)"""
 
 import copy
 import json
@@ -31,25 +32,54 @@ def loss_of(module, batch):
     return distiller(out, batch)[0] if distill else out.total_loss
 
 
-if distill:
-    from headmix.training.distill import Distiller
+extra = {}
+if distill:  # as the training loop does it: hashed by rank 0 alone, loaded once per rank, sharded under FSDP
+    import headmix.storage.files as files
+    from headmix.training.distill import Distiller, load_parent, shared_parent_identity
+    from headmix.training.metrics import TrainingWindow
 
-    torch.manual_seed(5)
-    distiller = Distiller(build_model(config), weight=0.4, temperature=2.0, input_names=("src", "tgt_in"),
-                          pad_id=config.pad_id, device="cpu", dtype=torch.float32)
+    folder = Path(out_dir, "parent")
+    if rank == 0:
+        torch.manual_seed(5)
+        build_model(config).save_pretrained(folder)
+    dist.barrier()
+    hashed, real_sha = [], files.sha256_file
+    files.sha256_file = lambda path: hashed.append(path) or real_sha(path)
+    identity = shared_parent_identity(str(folder))
+    files.sha256_file = real_sha
+    distiller = Distiller(load_parent(str(folder), "cpu", torch.float32), weight=0.4, temperature=2.0,
+                          input_names=("src", "tgt_in"), pad_id=config.pad_id, device="cpu", dtype=torch.float32,
+                          shard=kind == "fsdp")
+    extra["parent_sharded"] = all(type(p).__name__ == "DTensor" for p in distiller.parent.parameters())
+    records = [None, None]
+    dist.all_gather_object(records, {"hashed": len(hashed), "identity": identity})
+    extra["hashed_per_rank"] = [r["hashed"] for r in records]
+    extra["same_identity"] = records[0]["identity"] == records[1]["identity"] and "model.safetensors" in identity["sha256"]
 par = Parallel(model, kind, torch.device("cpu"), make_plain=lambda: build_model(config))
 opt = torch.optim.SGD(par.module.parameters(), lr=0.5)
-loss_of(par.module, batches[rank]).backward()
+if distill:
+    out = par.module(**batches[rank])
+    loss, kl = distiller(out, batches[rank])
+    loss.backward()
+    window = TrainingWindow()
+    window.add_batch(out, 1, kl)
+    window.add_step(1.0, 1)
+    extra["logged_kl"] = window.record(2)["distill_kl"]  # every rank records: the mean over ranks
+else:
+    loss_of(par.module, batches[rank]).backward()
 opt.step()
 full = par.full_model()
 
 ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
 (sum(loss_of(reference, b) for b in batches) / 2).backward()
 ref_opt.step()
+if distill:
+    with torch.no_grad():
+        extra["reference_kl"] = sum(float(distiller(initial(**b), b)[1]) for b in batches) / 2  # before the step
 
 if rank == 0:
     ours, ref, init = full.state_dict(), reference.state_dict(), initial.state_dict()
     diff = max((ours[k] - ref[k]).abs().max().item() for k in ref)
     changed = sum(int(not torch.equal(ours[k], init[k])) for k in ref)
-    Path(out_dir, f"{kind}{'_distill' if distill else ''}_result.json").write_text(json.dumps({"max_abs_diff": diff, "changed": changed}))
+    Path(out_dir, f"{kind}{'_distill' if distill else ''}_result.json").write_text(json.dumps({"max_abs_diff": diff, "changed": changed, **extra}))
 dist.destroy_process_group()

@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from headmix.data import Tokenizer, load_embedded_documents, write_jsonl_documents
 from headmix.models import build_model, get_config, load_pretrained
 from headmix.runs import RunMismatchError
 from headmix.storage.files import sha256_file
 from headmix.training import TrainConfig, train
-from headmix.training.distill import Distiller, distillation_kl
+from headmix.training.distill import Distiller, distillation_kl, scored_positions
 from headmix.training.metrics import read_metrics
 
 VOCAB = 40
@@ -100,6 +101,195 @@ def test_the_loss_is_exact_against_a_float64_reference(task):
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-12, atol=1e-14)
 
 
+def plain_kl(student: torch.Tensor, parent: torch.Tensor, scored: torch.Tensor, t: float) -> torch.Tensor:
+    """The KL in one piece, as the formula reads (library log-softmax, every position at once): the unchunked
+    reference of the chunked one, differentiable."""
+    log_q, log_p = F.log_softmax(student / t, -1), F.log_softmax(parent / t, -1)
+    keep = scored.to(student.dtype)
+    return ((log_p.exp() * (log_p - log_q)).sum(-1) * keep).sum() / keep.sum().clamp(min=1)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 33, None])
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+@pytest.mark.parametrize("into_task_gradient", [False, True])
+def test_the_chunked_kl_equals_the_unchunked_one_in_float64_gradients_included(chunk, temperature, into_task_gradient):
+    """Chunked (odd chunk sizes, one larger than the 33 positions) and unchunked KL, and the explicit formula, agree
+    within 1e-6 in float64; the student's gradient too, alone or added into a task loss's (into_task_gradient),
+    scaled by the loss above it; the ignored positions get no KL gradient."""
+    g = torch.Generator().manual_seed(4)
+    student0 = torch.randn(3, 11, 37, dtype=torch.float64, generator=g) * 3
+    parent = torch.randn(3, 11, 37, dtype=torch.float64, generator=g) * 3
+    scored = torch.rand(3, 11, generator=g) > 0.3
+    scored[0, :4] = False
+    targets = torch.randint(0, 37, (33,), generator=g)
+
+    def gradient(kl_fn):
+        student = student0.clone().requires_grad_()
+        kl = kl_fn(student)
+        task = F.cross_entropy(student.reshape(-1, 37), targets)
+        (0.7 * kl + (task if into_task_gradient else 0)).backward()
+        return kl.detach(), student.grad
+
+    kl, grad = gradient(lambda s: distillation_kl(s, parent, scored, temperature, chunk=chunk,
+                                                  into_task_gradient=into_task_gradient))
+    ref_kl, ref_grad = gradient(lambda s: plain_kl(s, parent, scored, temperature))
+    assert ref_kl > 1e-2
+    torch.testing.assert_close(kl, ref_kl, rtol=0, atol=1e-6)
+    torch.testing.assert_close(kl, reference_kl(student0, parent, scored, temperature), rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-6)
+    assert grad.abs().max() > 1e-3
+    with torch.no_grad():  # no graph: the forward alone
+        torch.testing.assert_close(distillation_kl(student0, parent, scored, temperature, chunk=chunk), ref_kl,
+                                   rtol=0, atol=1e-6)
+    if not into_task_gradient:  # the KL's own gradient is zero where a position is ignored
+        assert torch.equal(grad[~scored], torch.zeros_like(grad[~scored]))
+
+
+def test_a_parents_logits_made_a_chunk_at_a_time_from_its_hidden_states_give_the_same_kl_and_gradient():
+    from headmix.models.distill import ParentLogits
+
+    g = torch.Generator().manual_seed(5)
+    hidden, head = torch.randn(2, 9, 6, dtype=torch.float64, generator=g), torch.randn(37, 6, dtype=torch.float64,
+                                                                                        generator=g)
+    features = torch.randn(2, 9, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    own = torch.randn(37, 6, dtype=torch.float64, generator=g)
+    scored = torch.ones(2, 9, dtype=torch.bool)
+    kl = distillation_kl(features @ own.T, ParentLogits(hidden, lambda h: h @ head.T, 37), scored, 1.5, chunk=4)
+    kl.backward()
+    grad, features.grad = features.grad, None
+    ref = plain_kl(features @ own.T, hidden @ head.T, scored, 1.5)
+    ref.backward()
+    torch.testing.assert_close(kl.detach(), ref.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, features.grad, rtol=0, atol=1e-6)
+
+
+class _Allocations(TorchDispatchMode):
+    """The element counts of the storages the operators inside allocate (views and in-place results left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in given \
+                    and tensor.untyped_storage().nbytes():  # a new storage, not a view or an in-place result
+                self.sizes.append((str(func), tensor.untyped_storage().nbytes() // tensor.element_size()))
+        return out
+
+
+def test_the_kl_allocates_nothing_larger_than_one_chunk_forward_or_backward():
+    """Beside a task loss on the same logits (the loop's case), the KL's forward and backward produce no tensor
+    larger than one chunk of positions x vocabulary: no logits-sized temporary, no second gradient (its gradient
+    goes into the task loss's). Without into_task_gradient: its own gradient, and autograd's sum of the two."""
+    positions, vocab, chunk = 60, 50, 7
+    g = torch.Generator().manual_seed(6)
+    features = torch.randn(positions, 8, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, 8, generator=g)
+    parent = torch.randn(positions, vocab, generator=g)
+    targets = torch.randint(0, vocab, (positions,), generator=g)
+    for into, expected in ((True, []), (False, ["aten.zeros_like.default", "aten.add.Tensor"])):
+        logits = features @ weight.T
+        task = F.cross_entropy(logits, targets)
+        with _Allocations() as seen:
+            kl = distillation_kl(logits, parent, torch.ones(positions, dtype=torch.bool), 2.0, chunk=chunk,
+                                 into_task_gradient=into)
+        with _Allocations() as seen_backward:
+            torch.autograd.backward([task, kl])  # the KL's node runs first, then the task loss's, then the hook
+        large = [name for name, size in seen.sizes + seen_backward.sizes
+                 if size > chunk * vocab and "log_softmax" not in name and "nll_loss" not in name and "mm" not in name]
+        assert large == expected, (into, large)
+        assert any(size == chunk * vocab for _, size in seen.sizes)  # it did work in chunks
+
+
+def test_a_distilled_step_allocates_no_more_logits_sized_tensors_than_a_plain_one():
+    """The training loop's step (Distiller): forward, loss, backward allocate the same tensors of the logits' size
+    as the plain step's; the parent's logits are made a chunk at a time from its hidden states, the KL's gradient
+    goes into the task loss's."""
+    student, parent = _models("lm")
+    inputs = _inputs("lm")
+    distiller = Distiller(parent, weight=0.5, temperature=2.0, input_names=("input_ids",), pad_id=0, device="cpu",
+                          dtype=torch.float64, chunk=5)
+    size = 3 * 9 * VOCAB
+
+    def logits_sized(loss_of) -> list[str]:
+        with _Allocations() as seen:
+            out = student(**inputs)
+            loss_of(out).backward()
+        return sorted(name for name, n in seen.sizes if n == size)
+
+    plain = logits_sized(lambda out: out.total_loss)
+    assert plain and logits_sized(lambda out: distiller(out, inputs)[0]) == plain
+
+
+class _OneNode(torch.autograd.Function):
+    """The logits and their cross-entropy out of one autograd node, as a compiled model returns them."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        ctx.save_for_backward(logits, targets)
+        return logits.clone(), F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    @staticmethod
+    def backward(ctx, grad_logits, grad_loss):
+        logits, targets = ctx.saved_tensors
+        with torch.enable_grad():
+            x = logits.detach().requires_grad_()
+            grad, = torch.autograd.grad(F.cross_entropy(x.reshape(-1, x.shape[-1]), targets.reshape(-1)), x)
+        return grad * grad_loss + grad_logits, None
+
+
+def test_a_model_whose_logits_and_loss_leave_one_autograd_node_is_distilled_with_the_kls_own_gradient():
+    """A compiled model returns its logits and its loss from one node, inside which their gradients meet: the KL
+    cannot add into the task loss's there, and gives its own gradient (the step's gradient is the formula's)."""
+    _, parent = _models("lm")
+    inputs = _inputs("lm")
+    targets = inputs["targets"].clamp(min=0)
+    distiller = Distiller(parent, weight=0.4, temperature=2.0, input_names=("input_ids",), pad_id=0, device="cpu",
+                          dtype=torch.float64, chunk=4)
+    logits0 = torch.randn(3, 9, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(8),
+                          requires_grad=True)
+    logits, lm_loss = _OneNode.apply(logits0, targets)
+    loss, _ = distiller(SimpleNamespace(logits=logits, lm_loss=lm_loss, aux_loss=torch.zeros(())),
+                        {"input_ids": inputs["input_ids"], "targets": inputs["targets"]})
+    loss.backward()
+    x = logits0.detach().requires_grad_()
+    with torch.no_grad():
+        parent_logits = parent.eval()(inputs["input_ids"]).logits
+    scored = scored_positions(inputs["targets"], 0)
+    (0.6 * F.cross_entropy(x.reshape(-1, VOCAB), targets.reshape(-1)) + 0.4 * 4 * plain_kl(x, parent_logits, scored,
+                                                                                          2.0)).backward()
+    torch.testing.assert_close(logits0.grad, x.grad, rtol=0, atol=1e-6)
+
+
+def test_into_task_gradient_without_a_task_loss_is_a_one_line_error_not_a_missing_gradient():
+    student = torch.randn(4, 7, requires_grad=True)
+    kl = distillation_kl(student * 1, torch.randn(4, 7), torch.ones(4, dtype=torch.bool), 1.0, into_task_gradient=True)
+    with pytest.raises(RuntimeError, match=r"adds its gradient into the one the task loss gives the logits, and none "
+                                           r"reached them"):
+        kl.backward()
+
+
+def test_the_training_record_reads_the_kl_once_not_per_micro_batch():
+    """A micro-batch's KL is summed where it lies (here on the meta device, whose values cannot be read: any read
+    per micro-batch fails); the record reads the sum once."""
+    from headmix.training.metrics import TrainingWindow
+
+    out = SimpleNamespace(aux_loss=torch.zeros(()), routing=[])
+    window = TrainingWindow()
+    for _ in range(3):
+        window.add_batch(out, 3, torch.ones((), device="meta"))
+    assert window.distill_kl.device.type == "meta"
+    window = TrainingWindow()
+    for kl in (0.3, 0.6):
+        window.add_batch(out, 2, torch.tensor(kl))
+    window.add_step(1.0, 10)
+    assert window.record(1)["distill_kl"] == pytest.approx(0.45)
+
+
 def test_the_kl_of_logits_without_a_scored_position_is_zero_and_its_gradient_is_the_students_only():
     student = torch.randn(2, 3, 7, requires_grad=True)
     parent = torch.randn(2, 3, 7, requires_grad=True)
@@ -119,7 +309,7 @@ def test_the_parent_gets_no_gradient_and_its_weights_stay_bit_identical():
     assert not parent.training and not any(p.requires_grad for p in parent.parameters())
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
     inputs = _inputs("lm")
-    first = distiller.parent_logits(inputs)
+    first = distiller.parent_logits(inputs).full()
     for _ in range(3):
         optimizer.zero_grad()
         loss, _ = distiller(student(**inputs), inputs)
@@ -128,7 +318,7 @@ def test_the_parent_gets_no_gradient_and_its_weights_stay_bit_identical():
     assert all(p.grad is None for p in parent.parameters())
     for k, v in parent.state_dict().items():
         assert torch.equal(v, before[k]), k
-    assert torch.equal(distiller.parent_logits(inputs), first)  # eval mode: its dropout (0.3) is off
+    assert torch.equal(distiller.parent_logits(inputs).full(), first)  # eval mode: its dropout (0.3) is off
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -164,6 +354,14 @@ def _hand_kl(student: torch.Tensor, parent: torch.Tensor, targets: torch.Tensor,
     s = (student.reshape(-1, student.shape[-1])[keep] / t).log_softmax(-1)
     p = (parent.reshape(-1, parent.shape[-1])[keep] / t).log_softmax(-1)
     return (p.exp() * (p - s)).sum() / keep.sum()
+
+
+def test_the_parent_is_loaded_once_on_its_device_in_the_training_dtype_and_frozen(parent):
+    from headmix.training.distill import load_parent
+
+    model = load_parent(str(parent), "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
 
 
 def test_one_distilled_step_with_gradient_accumulation_equals_the_step_by_hand(corpus, parent):
@@ -256,7 +454,7 @@ def test_a_distilled_run_under_bf16_autocast(corpus, parent):
     inputs = _inputs("lm")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = student.float()(**inputs)
-    assert distiller.parent_logits(inputs).dtype == torch.bfloat16  # the parent runs under the same autocast
+    assert distiller.parent_logits(inputs).full().dtype == torch.bfloat16  # the parent runs under the same autocast
     loss, kl = distiller(out, inputs)
     assert kl.dtype == torch.float32 and math.isfinite(float(loss.detach()))
 
@@ -457,3 +655,129 @@ def test_the_distilled_upcycling_commands_of_the_docs_run_as_written(corpus, tmp
         summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
         assert summary["distill_from"]["sha256"] == {"model.safetensors": parent_sha}
         assert (summary["distill_from"]["weight"], summary["distill_from"]["temperature"]) == (weight, temperature)
+
+
+def test_the_trainer_route_gives_the_parent_the_students_positions_on_a_packed_batch(tmp_path, monkeypatch):
+    """Three documents packed in one row (position_ids restarting, as a flattening collator makes them): the parent
+    is called with the student's position_ids, and its logits are those of a call given them, not those of one long
+    sequence. A parent whose forward cannot take them is refused in one line."""
+    transformers = pytest.importorskip("transformers")
+    from headmix.hf import DistillationTrainer
+    from headmix.hf import distill as hf_distill
+
+    def llama(seed):
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(config).double()
+
+    student, parent = llama(0), llama(1)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    labels = ids.clone()
+    labels[0, [5, 8]] = -100  # a document's first token is not predicted from the one before
+    seen = []
+    real = hf_distill.distillation_loss
+    monkeypatch.setattr(hf_distill, "distillation_loss",
+                        lambda outputs, parent_logits, *a, **k: seen.append(parent_logits) or real(outputs, parent_logits,
+                                                                                                   *a, **k))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
+    trainer = DistillationTrainer(model=student, args=args, train_dataset=[{"input_ids": ids[0]}], parent_model=parent)
+    loss = trainer.compute_loss(student, {"input_ids": ids, "labels": labels, "position_ids": positions})
+    with torch.no_grad():
+        packed = parent(ids, position_ids=positions).logits
+        one_sequence = parent(ids).logits
+    assert torch.equal(seen[0], packed) and not torch.allclose(packed, one_sequence)
+    assert torch.isfinite(loss)
+
+    class NoPositions(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            raise AssertionError("not called")
+
+    with pytest.raises(ValueError, match=r"^parent_model.forward takes no position_ids, which the batch gives the "
+                                         r"model: the parent must see what the student sees"):
+        hf_distill.parent_inputs(NoPositions(), {"input_ids": ids, "labels": labels, "position_ids": positions})
+
+
+# ------------------------------------------------------------------------ TRL and Liger Kernel, on the same batch
+def _trl_generalized_jsd_loss():
+    """TRL's ``GKDTrainer.generalized_jsd_loss`` (a static method), taken from its source: importing the trainer's
+    module needs ``datasets``, which the loss does not."""
+    import ast
+    import importlib.util
+    import textwrap
+
+    spec = importlib.util.find_spec("trl")
+    if spec is None:
+        pytest.skip("trl is not installed (docs/training.md: how to compare)")
+    source = (Path(spec.origin).parent / "experimental" / "gkd" / "gkd_trainer.py").read_text()
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)
+                and n.name == "generalized_jsd_loss")
+    namespace = {"torch": torch, "F": F}
+    exec(textwrap.dedent(ast.get_source_segment(source, node)), namespace)
+    return namespace["generalized_jsd_loss"]
+
+
+def test_the_kl_and_loss_equal_trls_gkd_loss_and_liger_kernels_fused_jsd_on_the_same_batch():
+    """An optional oracle (skipped without the peers; run with PYTHONPATH=.peers, docs/training.md): on the same
+    batch, headmix's KL equals TRL's GKD loss at beta 0 (KL(parent || student) per scored token, no T^2) and Liger
+    Kernel's fused-linear JSD loss at beta 0 (its soft loss); the student's gradients agree too; and Liger's hard +
+    soft mix is headmix's loss with the T^2 written into the soft weight."""
+    trl_loss = _trl_generalized_jsd_loss()
+    liger = pytest.importorskip("liger_kernel.chunked_loss")
+    from headmix.hf.distill import distillation_loss
+
+    g = torch.Generator().manual_seed(7)
+    batch, time, d, t, w = 2, 9, 8, 2.0, 0.3
+    hidden = torch.randn(batch, time, d, dtype=torch.float64, generator=g)
+    student_head = torch.randn(VOCAB, d, dtype=torch.float64, generator=g)
+    parent_hidden = torch.randn(batch, time, d, dtype=torch.float64, generator=g)
+    parent_head = torch.randn(VOCAB, d, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, VOCAB, (batch, time), generator=g)
+    labels[1, 5:] = -100
+    parent_logits = parent_hidden @ parent_head.T
+
+    def ours(head):
+        logits = hidden @ head.T
+        task = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return distillation_loss(SimpleNamespace(logits=logits, loss=task), parent_logits, labels, weight=w,
+                                 temperature=t)
+
+    head = student_head.clone().requires_grad_()
+    loss, kl = ours(head)
+    # TRL: shifted logits and labels, as GKDTrainer.compute_loss passes them
+    head_trl = student_head.clone().requires_grad_()
+    gkd = trl_loss((hidden @ head_trl.T)[:, :-1], parent_logits[:, :-1], labels=labels[:, 1:], beta=0.0,
+                   temperature=t)
+    torch.testing.assert_close(kl, gkd.detach(), rtol=0, atol=1e-6)
+    # Liger: the fused linear layer, flattened shifted positions, soft loss alone and the mix
+    fused = liger.LigerFusedLinearJSDLoss(weight_hard_loss=1 - w, weight_soft_loss=w * t * t, beta=0.0,
+                                          temperature=t, compiled=False, chunk_size=5, return_soft_hard_loss=True)
+    head_liger = student_head.clone().requires_grad_()
+    mixed, soft, _ = fused(hidden[:, :-1].reshape(-1, d), head_liger, parent_hidden[:, :-1].reshape(-1, d),
+                              parent_head, labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(kl, soft.detach().to(kl.dtype), rtol=0, atol=1e-6)
+    torch.testing.assert_close(loss.detach(), mixed.detach().to(loss.dtype), rtol=0, atol=1e-6)
+    # gradients of the mixed losses with respect to the student's output layer
+    ours_grad, = torch.autograd.grad(ours(head)[0], head)
+    liger_grad, = torch.autograd.grad(mixed, head_liger)
+    torch.testing.assert_close(ours_grad, liger_grad.to(ours_grad.dtype), rtol=0, atol=1e-6)
+    trl_grad, = torch.autograd.grad(gkd, head_trl)
+    kl_grad, = torch.autograd.grad(distillation_kl(hidden @ head.T, parent_logits,
+                                                   torch.cat([labels[:, 1:] != -100,
+                                                              torch.zeros(batch, 1, dtype=torch.bool)], 1), t), head)
+    torch.testing.assert_close(kl_grad, trl_grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_distill_bench_runs_at_tiny_sizes_and_refuses_a_bad_size_in_one_line(capsys):
+    from headmix.cli.main import main
+
+    assert main(["bench", "distill", "--vocab", "300", "--batch", "2", "--length", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 300 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 9 and all(float(c) > 0 for c in cells)
+    assert main(["bench", "distill", "--vocab", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--vocab must be >= 1, got [0]" in err and len(err.splitlines()) == 1

@@ -401,7 +401,8 @@ def test_demo_figures_show_the_data():
 def test_two_processes_match_one_process_exactly(tmp_path, kind, loss):
     """Two gloo processes, each with its own batch, take the same optimizer step as one process on the
     mean of both losses (MoA layers, auxiliary losses included), with DDP and with FSDP2; also with the loss
-    distilled from a frozen parent that neither wraps."""
+    distilled from a frozen parent (hashed by rank 0 alone; under FSDP sharded like the student), whose logged KL
+    is the mean over the ranks."""
     script = Path(__file__).parent / "ddp_agreement.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
            str(tmp_path), kind, *([loss] if loss else [])]
@@ -410,6 +411,10 @@ def test_two_processes_match_one_process_exactly(tmp_path, kind, loss):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / f"{kind}{'_distill' if loss else ''}_result.json").read_text())
     assert result["max_abs_diff"] < 1e-6 and result["changed"] > 0
+    if loss:  # the parent hashed by rank 0 alone, sharded like the student under FSDP; the logged KL the ranks' mean
+        assert result["hashed_per_rank"] == [1, 0] and result["same_identity"]
+        assert result["parent_sharded"] == (kind == "fsdp")
+        assert result["logged_kl"] == pytest.approx(result["reference_kl"], rel=1e-5) and result["reference_kl"] > 0
 
 
 @pytest.mark.parametrize("kind,distill", [("ddp", False), ("fsdp", False), ("fsdp", True)])

@@ -6,9 +6,9 @@ import argparse
 
 
 def _modules():
-    from ..bench import (attention, compute, decode, expert_gemm_shapes, gpu_layers, gqa, gqe, grouped_gemm_cpu,
-                         grouped_matmul, hopper_aot, kv_cache_bytes, models, moh_projections, mosa, quick, serve,
-                         upcycle)
+    from ..bench import (attention, compute, decode, distill, expert_gemm_shapes, gpu_layers, gqa, gqe,
+                         grouped_gemm_cpu, grouped_matmul, hopper_aot, kv_cache_bytes, models, moh_projections, mosa,
+                         quick, serve, upcycle)
 
     return {"attention": (attention, "MoA and SwitchHead vs torch MHA: time, memory, decoding"),
             "models": (models, "whole-model training steps: MoA vs the MHA model of equal MACs"),
@@ -28,7 +28,8 @@ def _modules():
             "kv-cache": (kv_cache_bytes, "KV-cache bytes per token: MoA kv_heads=G vs MHA and HF GQA"),
             "serve": (serve, "vLLM vs headmix and transformers generation; vLLM KV-cache capacity of MoA, MoH per K/V group, GQE, GQA"),
             "hopper-aot": (hopper_aot, "the Triton kernels compiled for an H100 without a GPU: shared memory, spills"),
-            "upcycle": (upcycle, "dense -> MoH / pruned: conversion time and continued-training step vs dense")}
+            "upcycle": (upcycle, "dense -> MoH / pruned: conversion time and continued-training step vs dense"),
+            "distill": (distill, "a distilled training step vs a plain one at a real vocabulary: peak memory, time")}
 
 
 def add_parser(sub) -> None:

@@ -6,7 +6,9 @@ them).
   parent's logits, the KL summed over the vocabulary and averaged over the positions ``t`` whose next label
   ``labels[:, t + 1]`` is not ``-100`` (those the cross-entropy averages over);
 - :class:`DistillationTrainer`: a ``Trainer`` whose ``compute_loss`` is that loss, the parent frozen (eval mode,
-  no gradient, under ``torch.no_grad`` and the Trainer's autocast, moved to the student's device and dtype).
+  no gradient, under ``torch.no_grad`` and the Trainer's autocast, moved to the student's device and dtype), called
+  with every input the student gets but ``labels`` (:func:`parent_inputs`: ``position_ids`` and whatever marks
+  packed documents).
 """
 
 from __future__ import annotations
@@ -30,14 +32,37 @@ def distillation_loss(outputs: Any, parent_logits: Tensor, labels: Tensor, *, we
     logits = outputs.logits
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape (batch, time) = {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
-    scored = labels[:, 1:].to(logits.device).ne(-100)
-    kl = distillation_kl(logits[:, :-1], parent_logits[:, :-1].to(logits.device), scored, temperature)
+    # position t is scored by its next label; the logits are taken whole (a slice would cost a full-size copy of
+    # the gradient), the last position never scored
+    scored = torch.zeros(labels.shape, dtype=torch.bool, device=logits.device)
+    scored[:, :-1] = labels[:, 1:].to(logits.device).ne(-100)
     task = getattr(outputs, "lm_loss", None)
     aux = getattr(outputs, "aux_loss", None)
     if task is None:  # a model that returns its loss alone: no routing losses apart
         task, aux = outputs.loss, None
+    if task is None:
+        raise ValueError("the model's outputs hold no loss: call it with labels")
+    # the task loss is computed from these logits: the KL's gradient goes into theirs
+    kl = distillation_kl(logits, parent_logits.to(logits.device), scored, temperature, into_task_gradient=True)
     loss = distilled_loss(task, kl, weight, temperature)
     return (loss if aux is None else loss + aux), kl.detach()
+
+
+def parent_inputs(parent: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    """What the parent is called with: every input the student gets but ``labels`` (``position_ids``, the
+    attention mask, a flattening collator's ``cu_seq_lens_*`` / ``max_length_*``...), so that on a packed batch it
+    sees the student's positions and documents. ``ValueError`` (one line) when its ``forward`` takes one of them
+    neither by name nor as ``**kwargs``: dropped, a packed batch would read as one long sequence."""
+    import inspect
+
+    given = {k: v for k, v in inputs.items() if k != "labels" and v is not None}
+    parameters = inspect.signature(parent.forward).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        missing = sorted(set(given) - set(parameters))
+        if missing:
+            raise ValueError(f"parent_model.forward takes no {', '.join(missing)}, which the batch gives the model: "
+                             f"the parent must see what the student sees (positions, packed documents)")
+    return given
 
 
 class DistillationTrainer(Trainer):
@@ -70,8 +95,7 @@ class DistillationTrainer(Trainer):
         first = next(model.parameters())
         self.parent_model.to(device=first.device, dtype=first.dtype)  # a no-op once it is there
         with torch.no_grad(), self.accelerator.autocast():
-            parent_logits = self.parent_model(**{k: inputs[k] for k in ("input_ids", "attention_mask")
-                                                 if inputs.get(k) is not None}).logits
+            parent_logits = self.parent_model(**parent_inputs(self.parent_model, inputs)).logits
         loss, self.distill_kl = distillation_loss(outputs, parent_logits, labels, weight=self.distill_weight,
                                                   temperature=self.distill_temperature)
         return (loss, outputs) if return_outputs else loss

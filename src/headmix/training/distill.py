@@ -15,13 +15,21 @@ logits stay float64). Under gradient accumulation each micro-batch's loss (disti
 divided by the number of micro-batches, as the task loss alone is. ``T^2`` keeps the gradient of the
 distillation term on the scale of the task loss's as ``T`` changes (Hinton et al. 2015).
 
+The KL is computed a chunk of positions at a time, its gradient with it (:func:`~headmix.models.distill.
+distillation_kl`): distillation adds the parent's logits (until the KL is taken) and one gradient of the logits'
+shape to the plain step, no float32 tensor of batch x tokens x vocabulary per formula (docs/performance.md).
+
 The parent is frozen: ``requires_grad`` off, eval mode (no dropout), called under ``torch.no_grad`` on the
-student's device, in the student's parameter dtype and under the same autocast; it is never wrapped in
-DDP or FSDP (every rank holds a copy) nor compiled.
+student's device, in the student's parameter dtype and under the same autocast; never wrapped in DDP (every rank
+holds a copy) nor compiled; under FSDP it is sharded like the student. Its weight files are hashed once, on rank 0
+(:func:`shared_parent_identity`), and every process loads it once, on its device in the training dtype
+(:func:`load_parent`). The KL a micro-batch returns stays on its device; the training record reads it once per
+log step, averaged over the ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -29,8 +37,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..models.distill import (DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, check_distill_values,  # noqa: F401 (re-exported)
-                              distillation_kl, distilled_loss, freeze, scored_positions)
+from ..models.distill import (DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, ParentLogits,  # noqa: F401 (re-exported)
+                              check_distill_values, distillation_kl, distilled_loss, freeze, scored_positions)
 
 #: The files of a parent folder whose sha256 identify its weights (top level only: not a run's checkpoints).
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -39,31 +47,68 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 class Distiller:
     """The distillation term of the training loop: ``distiller(out, inputs)`` gives the micro-batch's loss (module
     docstring) and its KL. ``parent`` is frozen here and moved to ``device`` and ``dtype``; ``autocast`` is the
-    loop's autocast factory; ``input_names`` the forward inputs the parent takes (the task's, no targets)."""
+    loop's autocast factory; ``input_names`` the forward inputs the parent takes (the task's, no targets); ``shard``
+    (the run is under FSDP): the parent sharded like the student; ``chunk``: positions per chunk of the KL."""
 
     def __init__(self, parent: nn.Module, *, weight: float, temperature: float, input_names: tuple[str, ...],
                  pad_id: int | None, device: torch.device | str, dtype: torch.dtype,
-                 autocast: Callable[[], Any] | None = None):
+                 autocast: Callable[[], Any] | None = None, shard: bool = False, chunk: int | None = None):
         check_distill_values(weight, temperature)
         self.parent = freeze(parent.to(device=device, dtype=dtype))
+        if shard:  # under FSDP: sharded like the student, each rank holding its shard
+            from .distributed import shard_by_layer
+
+            shard_by_layer(self.parent)
         self.weight, self.temperature = float(weight), float(temperature)
         self.input_names, self.pad_id = tuple(input_names), pad_id
-        self.autocast = autocast
+        self.autocast, self.chunk = autocast, chunk
 
-    def parent_logits(self, inputs: dict[str, Tensor]) -> Tensor:
-        """The parent's logits for the student's inputs (no graph, eval mode, the loop's autocast)."""
-        import contextlib
+    def _autocast(self):
+        return self.autocast() if self.autocast is not None else contextlib.nullcontext()
 
-        with torch.no_grad(), (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
-            return self.parent(**{name: inputs[name] for name in self.input_names}).logits
+    def parent_logits(self, inputs: dict[str, Tensor]) -> Tensor | ParentLogits:
+        """The parent's logits for the student's inputs (no graph, eval mode, the loop's autocast): a headmix
+        parent's as :class:`~headmix.models.distill.ParentLogits` (its last hidden states and its output layer,
+        the logits made a chunk at a time by the KL), any other's as a tensor."""
+        args = {name: inputs[name] for name in self.input_names}
+        head = getattr(type(self.parent), "compute_logits", None)
+        if head is None:
+            with torch.no_grad(), self._autocast():
+                return self.parent(**args).logits
+        self.parent.compute_logits = lambda hidden: hidden  # the forward's last step left out: its hidden states
+        try:
+            with torch.no_grad(), self._autocast():
+                hidden = self.parent(**args).logits
+        finally:
+            del self.parent.compute_logits
+        return ParentLogits(hidden, head.__get__(self.parent), self.parent.config.vocab_size, autocast=self._autocast,
+                            gathered=lambda: gathered(self.parent))
 
     def __call__(self, out, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """``(loss, kl)`` of a model output ``out`` (``logits``, ``lm_loss``, ``aux_loss``) for ``inputs`` (the
-        task's ``model_inputs``: the one that is not a forward input is the target aligned with the logits)."""
+        task's ``model_inputs``: the one that is not a forward input is the target aligned with the logits); ``kl``
+        detached, on the device (read it once per log step: no host sync here)."""
         targets = next(value for name, value in inputs.items() if name not in self.input_names)
+        # the KL's gradient goes into the task loss's, which reaches the logits: unless both leave one autograd node
+        # (a compiled model), inside which their gradients meet, out of the hook's reach
+        into = out.lm_loss.grad_fn is not None and out.lm_loss.grad_fn is not out.logits.grad_fn
         kl = distillation_kl(out.logits, self.parent_logits(inputs), scored_positions(targets, self.pad_id),
-                             self.temperature)
+                             self.temperature, chunk=self.chunk, into_task_gradient=into)
         return distilled_loss(out.lm_loss, kl, self.weight, self.temperature) + out.aux_loss, kl.detach()
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """``module``'s own parameters whole inside (an FSDP2 module's unsharded, then sharded again); a no-op for a
+    module FSDP does not shard."""
+    if not (hasattr(module, "unshard") and hasattr(module, "reshard")):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
 
 
 # ----------------------------------------------------------------------------------------- the parent folder
@@ -89,6 +134,26 @@ def parent_identity(path: str) -> dict[str, Any]:
     folder = Path(path).expanduser().resolve()
     return {"path": str(folder), "kind": parent_kind(folder),
             "sha256": {p.name: sha256_file(p) for p in weight_files(folder)}}
+
+
+def shared_parent_identity(path: str) -> dict[str, Any]:
+    """:func:`parent_identity` computed once, on rank 0, and sent to the other ranks (``torch.distributed``'s object
+    broadcast, when a process group is up): the weight files are read by one process, not by every one. An error
+    on rank 0 is raised on every rank (none waits for a record that never comes)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return parent_identity(path)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = parent_identity(path)
+        except (OSError, ValueError) as err:
+            box[0] = err
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 def _vocabulary(tokenizer_json: Path) -> dict[str, int]:
@@ -162,22 +227,23 @@ def check_parent(cfg) -> None:
                          f"{student}: distillation needs the same vocabulary")
 
 
-def load_parent(path: str) -> nn.Module:
-    """The parent model of ``path`` (frozen, on the CPU): a folder headmix wrote, read as JSON and safetensors, or
-    a Hugging Face folder converted by :func:`headmix.interop.from_pretrained`."""
+def load_parent(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The parent model of ``path``, frozen, loaded once on ``device`` in ``dtype`` (the training dtype): a folder
+    headmix wrote, its safetensors read straight onto the device; or a Hugging Face folder converted by
+    :func:`headmix.interop.from_pretrained` in ``dtype``, then moved."""
     folder = Path(path).expanduser().resolve()
     try:
         if parent_kind(folder) != "hugging face":
             from ..models import load_pretrained
 
-            model = load_pretrained(folder)
+            model = load_pretrained(folder, device)
         else:
             from ..interop import from_pretrained
 
-            model = from_pretrained(folder)
+            model = from_pretrained(folder, torch_dtype=dtype)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"distill_from: {' '.join(str(err).split())}") from None
-    return freeze(model)
+    return freeze(model.to(device=device, dtype=dtype))
 
 
 def check_recorded_parent(out: str, record: dict[str, Any]) -> None:

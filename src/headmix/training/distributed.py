@@ -51,6 +51,27 @@ def _fully_shard() -> Callable:
     return fully_shard
 
 
+def shard_by_layer(model: nn.Module) -> nn.Module:
+    """``model`` sharded with FSDP2 across the ranks: one shard group per Transformer layer, the rest at the root
+    (the student's layout, and a distilling run's parent's)."""
+    fully_shard = _fully_shard()
+    for name, child in model.named_modules():
+        if name.endswith("layers") and isinstance(child, nn.ModuleList):
+            for block in child:
+                fully_shard(block)
+    return fully_shard(model)
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``value`` averaged over the ranks of the process group (a collective call: every rank makes it); ``value``
+    itself without one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
 class Parallel:
     """The model as the training loop sees it. ``kind`` is ``"none"``, ``"ddp"`` or ``"fsdp"``.
 
@@ -67,12 +88,7 @@ class Parallel:
             from torch.nn.parallel import DistributedDataParallel as DDP
             self.module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         elif kind == "fsdp":
-            fully_shard = _fully_shard()
-            for name, child in model.named_modules():
-                if name.endswith("layers") and isinstance(child, nn.ModuleList):
-                    for block in child:  # one shard group per Transformer layer, the rest at the root
-                        fully_shard(block)
-            self.module = fully_shard(model)
+            self.module = shard_by_layer(model)
             self.plain = make_plain() if dist.get_rank() == 0 else None
         else:
             self.module = model

@@ -13,6 +13,7 @@ import torch
 
 from ..evaluation.loss import add_expert_counts, load_record
 from ..storage.files import write_error
+from .distributed import mean_over_ranks
 
 
 class MetricsLog:
@@ -64,8 +65,8 @@ class TrainingWindow:
         """One micro-batch's model output: its auxiliary loss and routing; and, in a distilled run, its
         distillation KL (:mod:`headmix.training.distill`)."""
         self.aux += float(out.aux_loss.detach()) / grad_accum
-        if distill_kl is not None:
-            self.distill_kl = getattr(self, "distill_kl", 0.0) + float(distill_kl) / grad_accum
+        if distill_kl is not None:  # summed on its device: read once, at the record (no host sync per micro-batch)
+            self.distill_kl = getattr(self, "distill_kl", 0) + distill_kl.detach() / grad_accum
         add_expert_counts(out.routing, self.counts)
 
     def add_step(self, loss: float, tokens: int, timed: bool = True) -> None:
@@ -81,9 +82,12 @@ class TrainingWindow:
         self.excluded_seconds += seconds
 
     def record(self, world_size: int) -> dict[str, Any]:
+        """The window's averages; a distilled run's ``distill_kl`` is the mean over the ranks (a collective call
+        then: every rank records)."""
         seconds = max(time.time() - self.start - self.excluded_seconds, 1e-9)
         speed = self.timed_tokens * world_size / seconds if self.timed_tokens else None  # None: only compiling steps
-        distilled = {"distill_kl": self.distill_kl / self.steps} if hasattr(self, "distill_kl") else {}
+        distilled = {"distill_kl": float(mean_over_ranks(self.distill_kl)) / self.steps} \
+            if hasattr(self, "distill_kl") else {}
         return {"loss": self.loss / self.steps, "aux_loss": self.aux / self.steps, **distilled,
                 "tokens_per_sec": speed, **load_record(self.counts)}
 

@@ -61,13 +61,14 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
     if sequence_start is not None:
         stored[SEQUENCE_START_KEY] = sequence_start
     if cfg.distill_from is not None:  # the parent's weights, identified and loaded before the folder is touched
-        from .distill import check_recorded_parent, load_parent, parent_identity
+        from .distill import check_recorded_parent, load_parent, shared_parent_identity
 
-        stored["distill_parent"] = parent_identity(cfg.distill_from)
+        stored["distill_parent"] = shared_parent_identity(cfg.distill_from)  # hashed by rank 0 alone
         identity = (*IDENTITY, "distill_parent")
         if d.main:
             check_recorded_parent(cfg.out, stored["distill_parent"])
-        parent = load_parent(cfg.distill_from)
+        # once per process, on its device, in the dtype build_model gives the student
+        parent = load_parent(cfg.distill_from, device, torch.get_default_dtype())
 
     with contextlib.ExitStack() as cleanup:
         started = cleanup.enter_context(removed_if_unstarted(cfg.out, d.main))  # a failed start leaves no folder
@@ -133,7 +134,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
                                  f"per position, the run's {mcfg.vocab_size}: distillation needs the same vocabulary")
             distiller = Distiller(parent, weight=cfg.resolved_distill_weight,
                                   temperature=cfg.resolved_distill_temperature, input_names=task.input_names,
-                                  pad_id=mcfg.pad_id, device=device, dtype=next(model.parameters()).dtype, autocast=autocast)
+                                  pad_id=mcfg.pad_id, device=device, dtype=next(model.parameters()).dtype, autocast=autocast,
+                                  shard=par.kind == "fsdp")
             log(f"distilling from {cfg.distill_from} (weight {distiller.weight:g}, temperature "
                 f"{distiller.temperature:g})")
         metrics = MetricsLog(run.path, enabled=d.main)
