@@ -1,19 +1,30 @@
 """The run's tokenizer against its task and its parent model: the special ids a model gets, and what
 :meth:`~headmix.training.config.TrainConfig.validate` checks before anything is written. Apart from
-:mod:`headmix.training.setup` so that the config can call it without an import circle (setup imports the config)."""
+:mod:`headmix.training.setup` so that the config can call it without an import circle (setup imports the config);
+it reads a run's settings through :class:`TokenizerSettings`, so it imports no config either, not even for type
+checking."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..data import Tokenizer
 from ..models import ModelConfig
 
-if TYPE_CHECKING:
-    from .config import TrainConfig
+
+class TokenizerSettings(Protocol):
+    """What this module reads of a run's settings (:class:`headmix.training.config.TrainConfig` has them)."""
+
+    task: str
+    tokenizer: str | None
+    init_from: str | None
+    vocab_size: int | None
+    resolved_init_options: dict[str, Any]
+    _parent_tokenizer: bool
+    _vocab_size_given: bool
 
 
-def parent_config(cfg: TrainConfig) -> ModelConfig:
+def parent_config(cfg: TokenizerSettings) -> ModelConfig:
     """The model config of ``cfg.init_from``, read without its weights (a headmix folder's own, a Hugging Face
     folder's as :func:`headmix.interop.from_pretrained` converts it)."""
     from ..interop.upcycle import source_config, split_options
@@ -21,7 +32,7 @@ def parent_config(cfg: TrainConfig) -> ModelConfig:
     return source_config(cfg.init_from, split_options(cfg.resolved_init_options)[1])
 
 
-def special_ids(cfg: TrainConfig, tok: Tokenizer, parent: ModelConfig | None = None) -> dict[str, int | None]:
+def special_ids(cfg: TokenizerSettings, tok: Tokenizer, parent: ModelConfig | None = None) -> dict[str, int | None]:
     """The model's ``pad_id``, ``bos_id`` and ``eos_id`` for a run with the tokenizer ``tok``: the tokenizer's own
     (named by its files: :meth:`Tokenizer.load`), and where it names none, the parent model's (``init_from``).
     A one-line ``ValueError`` names a token the run needs that neither has, or one they disagree on (the model's
@@ -65,7 +76,7 @@ def special_ids(cfg: TrainConfig, tok: Tokenizer, parent: ModelConfig | None = N
     return {f"{role}_id": index for role, index in roles.items()}
 
 
-def check_tokenizer(cfg: TrainConfig) -> None:
+def check_tokenizer(cfg: TokenizerSettings) -> None:
     """What :meth:`TrainConfig.validate` checks of the run's tokenizer before anything is written: a
     ``vocab_size`` asked for beside the parent's own tokenizer must be its size, and the special ids must serve
     the task and agree with the parent model (:func:`special_ids`). One-line errors."""
