@@ -39,6 +39,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
@@ -53,7 +54,8 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from ..attention import GroupedQueryExpertsAttention, SwitchHeadAttention
 from ..attention.moh import MoHHeadWeighting, head_ids
-from ..kernels import expert_map, expert_map_weighted, expert_reduce, expert_routing
+from ..kernels import ExpertRouting, choose_impl, expert_map, expert_map_weighted, expert_reduce, expert_routing
+from ..kernels.dispatch import DENSE_MAX_EXPERTS_PER_K
 from ..models.config import AttentionConfig, ModelConfig
 from ..models.transformer import HF_PREFIX, sinusoidal_table
 from ..routing import TopKRouter
@@ -94,6 +96,20 @@ def _reduce(y: Tensor, bias: Tensor | None) -> Tensor:
     if get_tensor_model_parallel_world_size() > 1:
         y = tensor_model_parallel_all_reduce(y)
     return y if bias is None else y + bias
+
+
+def _kernel(impl: str, x: Tensor, routing: ExpertRouting) -> str:
+    """The grouped expert kernel for ``routing``'s slots: ``impl`` as configured, eagerly; in the forward vLLM
+    compiles (one graph for every batch size, the token count symbolic), ``"auto"`` resolved without reading the
+    token count (:func:`~headmix.kernels.choose_impl` reads it on the CPU): ``dense`` where its rule holds for every
+    batch (``E <= 1.5 k``), else ``sorted`` (a custom op: one opaque node, its fake implementation giving the shape);
+    off the CPU :func:`~headmix.kernels.choose_impl`'s choice, which reads no token count there."""
+    if impl != "auto" or not torch.compiler.is_compiling():
+        return impl
+    e, k = routing.num_experts, routing.top_k
+    if x.device.type != "cpu":
+        return choose_impl(x.device, e * k, e, k, needs_grad=False, dtype=x.dtype)
+    return "dense" if e <= DENSE_MAX_EXPERTS_PER_K * k else "sorted"
 
 
 def _split(shape: tuple[int, ...] | nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
@@ -303,10 +319,11 @@ class MixtureOfAttentionHeads(_Rotated):
             index, gates = torch.where(local, index - self.first_expert, 0), gates * local
         info = expert_routing(index, self.local_experts, check_range=False)
         # query head g * k + j: expert slot j's query for K/V head g (headmix's order)
-        q = expert_map(x, self.query_experts, info, impl=self.expert_impl).view(n, k, g, dh).transpose(1, 2)
+        impl = _kernel(self.expert_impl, x, info)
+        q = expert_map(x, self.query_experts, info, impl=impl).view(n, k, g, dh).transpose(1, 2)
         o = self._attend(positions, q.reshape(n, g * k * dh), self.k_proj(x)[0], self.v_proj(x)[0])
         o = o.view(n, g, k, dh).transpose(1, 2).reshape(n, k, g * dh)
-        return _reduce(expert_reduce(o, self.output_experts, gates, info, impl=self.expert_impl), self.out_bias)
+        return _reduce(expert_reduce(o, self.output_experts, gates, info, impl=impl), self.out_bias)
 
 
 class SwitchHead(_Rotated):
@@ -344,18 +361,19 @@ class SwitchHead(_Rotated):
         n, h, k, dh = x.shape[0], self.num_heads, self.top_k, self.head_dim
         space = h * self.num_experts
         if self.value_selector is None:  # one expert per head: no value selector
-            v = expert_map(x, self.value_experts, expert_routing(torch.arange(h, device=x.device).expand(n, h), space,
-                                                                 check_range=False), impl=self.expert_impl)
+            info = expert_routing(torch.arange(h, device=x.device).expand(n, h), space, check_range=False)
+            v = expert_map(x, self.value_experts, info, impl=_kernel(self.expert_impl, x, info))
         else:
             routing = self.select(x[None], self.value_selector, None)
             info = expert_routing(routing.expert_index, space, check_range=False)
-            v = expert_map_weighted(x, self.value_experts, routing.gates.to(x.dtype), info, h, impl=self.expert_impl)
+            v = expert_map_weighted(x, self.value_experts, routing.gates.to(x.dtype), info, h,
+                                    impl=_kernel(self.expert_impl, x, info))
         o = self._attend(positions, self.q_proj(x)[0], self.k_proj(x)[0], v.reshape(n, h * dh))
         routing = self.select(x[None], self.output_selector, None, stream=1)
         info = expert_routing(routing.expert_index, space, check_range=False)
         o = o.view(n, h, 1, dh).expand(n, h, k, dh)
-        return _reduce(expert_reduce(o, self.output_experts, routing.gates.to(o.dtype), info, impl=self.expert_impl),
-                       self.out_bias)
+        return _reduce(expert_reduce(o, self.output_experts, routing.gates.to(o.dtype), info,
+                                     impl=_kernel(self.expert_impl, x, info)), self.out_bias)
 
 
 class GroupedQueryExperts(nn.Module):
@@ -463,8 +481,9 @@ class ExpertFeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         routing = self.router(x[None])  # replicated: every rank makes the same choice
         info = expert_routing(routing.expert_index, self.num_experts, check_range=False)
-        gate, up = expert_map(x, self.input_experts, info, impl=self.expert_impl).split(self.ffn_dim, dim=-1)
-        y = expert_reduce(F.silu(gate) * up, self.output_experts, routing.gates.to(x.dtype), info, impl=self.expert_impl)
+        impl = _kernel(self.expert_impl, x, info)
+        gate, up = expert_map(x, self.input_experts, info, impl=impl).split(self.ffn_dim, dim=-1)
+        y = expert_reduce(F.silu(gate) * up, self.output_experts, routing.gates.to(x.dtype), info, impl=impl)
         return _reduce(y, self.out_bias)
 
 
@@ -521,8 +540,13 @@ class Embeddings(nn.Module):
         return x if self.norm is None else self.norm(x)
 
 
+@support_torch_compile(dynamic_arg_dims={"ids": 0, "positions": 0})
 class Decoder(nn.Module):
-    def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
+    """The embeddings, the decoder layers and the final norm: the part vLLM compiles (``@support_torch_compile``,
+    the batch's token dimension dynamic; ``enforce_eager`` runs it eagerly). Built with keyword arguments only (the
+    decorator checks positional ones against the annotations)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, config: ModelConfig, prefix: str = ""):
         super().__init__()
         self.embed = Embeddings(config)
         self.layers = nn.ModuleList(DecoderLayer(vllm_config, config, f"{prefix}.layers.{i}")
@@ -549,7 +573,7 @@ class VllmHeadmixForCausalLM(nn.Module):
         check_tensor_parallel(config, _ranks()[0])
         self.config = hf_config
         self.headmix_config = config
-        self.decoder = Decoder(vllm_config, config, f"{prefix}decoder")
+        self.decoder = Decoder(vllm_config=vllm_config, config=config, prefix=f"{prefix}decoder")
         self.output_proj = ParallelLMHead(config.vocab_size, config.d_model, prefix=f"{prefix}output_proj")
         if config.share_embeddings:
             self.output_proj = self.output_proj.tie_weights(self.decoder.embed.tokens)

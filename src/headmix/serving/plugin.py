@@ -1,7 +1,9 @@
 """headmix's vLLM plugin: :func:`register`, the ``vllm.general_plugins`` entry point of headmix's package metadata
 (``pyproject.toml``), which vLLM calls in each of its processes before it reads a model.
 
-It makes four registrations, each once per process (vLLM may call it several times):
+It makes four registrations, each once per process (vLLM may call it several times), three through vLLM's
+public extension points for out-of-tree models and one through the single function that reaches into vLLM
+(:func:`patch_vllm_internals`):
 
 - the vLLM model :class:`headmix.serving.model.VllmHeadmixForCausalLM` under the architecture
   ``HeadmixForCausalLM`` (``vllm.ModelRegistry.register_model``, by name: the model module is imported when a
@@ -10,15 +12,18 @@ It makes four registrations, each once per process (vLLM may call it several tim
   ``config.json`` of an ``export-hf`` folder (``model_type`` ``"headmix"``, with an ``auto_map``) is read by the
   installed headmix, without ``trust_remote_code`` and without running code from the folder;
 - the config format ``"headmix"`` (``vllm serve FOLDER --config-format headmix``, ``LLM(FOLDER,
-  config_format="headmix")``) for the folders headmix writes in its own form (a run's final model,
-  ``CausalLanguageModel.save_pretrained``), whose ``config.json`` has no ``model_type``; it reads Hugging Face
-  folders of headmix models too;
-- a check of the model's and the engine's config (``MODELS_CONFIG_MAP``, vLLM's per-architecture hook, which it
-  consults when it reads a model's config and where it makes the engine's config, in the process that starts the
-  engine, before any worker starts): a model vLLM cannot serve is refused there in one line
+  config_format="headmix")``; vLLM's ``register_config_parser``, asked first with ``get_config_parser``) for the
+  folders headmix writes in its own form (a run's final model, ``CausalLanguageModel.save_pretrained``), whose
+  ``config.json`` has no ``model_type``; it reads Hugging Face folders of headmix models too;
+- a check of the model's and the engine's config, in vLLM's per-architecture table ``MODELS_CONFIG_MAP`` (which
+  it consults when it reads a model's config and where it makes the engine's config, in the process that starts
+  the engine, before any worker starts): a model vLLM cannot serve is refused there in one line
   (:func:`~headmix.serving.support.check_servable`), not 40 s later under the engine's worker tracebacks, and so is
   a ``tensor_parallel_size`` the model cannot be split over (:func:`~headmix.serving.support.check_tensor_parallel`).
-  (A head size the attention backend refuses is known only where the model is built.)
+  vLLM has no public hook for this: :func:`patch_vllm_internals` adds it on the vLLM versions it was tested with
+  (:data:`TESTED_VLLM`) and, on any other, adds nothing and says so in one warning line (the model then refuses
+  the same configs where vLLM builds it, later). (A head size the attention backend refuses is known only where
+  the model is built.)
 
 vLLM is imported here only inside :func:`register`: importing headmix never imports vLLM.
 """
@@ -35,6 +40,9 @@ from .support import ARCHITECTURE, check_servable
 MODEL_CLASS = "headmix.serving.model:VllmHeadmixForCausalLM"
 #: The config format of headmix's own folders (``--config-format headmix``).
 CONFIG_FORMAT = "headmix"
+#: The vLLM releases (``vllm.__version__`` without a local part such as ``+cpu``) whose internals
+#: :func:`patch_vllm_internals` was tested with (``make test-vllm``).
+TESTED_VLLM = ("0.32.0",)
 
 
 def register() -> None:
@@ -53,7 +61,7 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     _register_config_format()
-    _register_config_check()
+    patch_vllm_internals()
 
 
 def hf_config_of_folder(folder: str | Path) -> Any:
@@ -67,11 +75,14 @@ def hf_config_of_folder(folder: str | Path) -> Any:
 
 
 def _register_config_format() -> None:
-    from vllm.transformers_utils import config as vllm_config
+    from vllm.transformers_utils.config import get_config_parser, register_config_parser
     from vllm.transformers_utils.config_parser_base import ConfigParserBase
 
-    if CONFIG_FORMAT in vllm_config._CONFIG_FORMAT_TO_CONFIG_PARSER:
-        return
+    try:
+        get_config_parser(CONFIG_FORMAT)
+        return  # registered already in this process
+    except ValueError:
+        pass
 
     class HeadmixConfigParser(ConfigParserBase):
         """``config_format="headmix"``: the config of a folder headmix wrote (:func:`hf_config_of_folder`)."""
@@ -84,7 +95,7 @@ def _register_config_format() -> None:
             check_servable(config)  # refused here, before vLLM resolves the architecture
             return config.to_dict(), config
 
-    vllm_config.register_config_parser(CONFIG_FORMAT)(HeadmixConfigParser)
+    register_config_parser(CONFIG_FORMAT)(HeadmixConfigParser)
 
 
 class ServableCheck:
@@ -105,7 +116,21 @@ class ServableCheck:
                               vllm_config.parallel_config.tensor_parallel_size)
 
 
-def _register_config_check() -> None:
+def patch_vllm_internals() -> bool:
+    """The one place headmix uses a vLLM name that vLLM does not document for out-of-tree models: its
+    per-architecture config table ``MODELS_CONFIG_MAP`` gets :class:`ServableCheck` for ``HeadmixForCausalLM``, on
+    a vLLM release in :data:`TESTED_VLLM`. On any other release it changes nothing and logs one line naming the
+    version (the model refuses the same configs where it is built, after the engine started). Returns whether the
+    check is in place."""
+    import vllm
+
+    release = str(vllm.__version__).split("+")[0]
+    if release not in TESTED_VLLM:
+        logging.getLogger(__name__).warning(
+            "headmix's vLLM plugin does not add its early config check to vLLM %s (tested with %s): a model vLLM "
+            "cannot serve is refused when the engine builds it", vllm.__version__, ", ".join(TESTED_VLLM))
+        return False
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, ServableCheck)
+    return True
