@@ -121,9 +121,11 @@ KINDS = {
 
 #: The kinds served across RANKS tensor-parallel ranks: each above (each splits its own way: heads with their K/V
 #: heads, K/V heads replicated under fewer than RANKS (MoA's single one, its experts split), MoA's K/V heads
-#: (JetMoE), MoH's heads with the query-norm rule's all-gathered queries, SwitchHead's heads, the dense and expert
-#: feed-forwards' units).
-TP_KINDS = ("gqa-gated", "mha-headwise", "moa", "jetmoe", "moh", "moh-per-group", "moh-query-norm", "switchhead")
+#: (JetMoE), MoH's heads with the query-norm rule's all-gathered queries, SwitchHead's heads, GQE's K/V groups (the
+#: shared head's K/V formed across ranks: the mean of the K/V heads, or head 0), the dense and expert feed-forwards'
+#: units).
+TP_KINDS = ("gqa-gated", "mha-headwise", "moa", "jetmoe", "moh", "moh-per-group", "moh-query-norm", "switchhead",
+            "gqe", "gqe-head0")
 RANKS = 2
 
 #: The softmax routers' weights (SwitchHead's selectors are left as built: see the module docstring).
@@ -347,7 +349,8 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     """Across RANKS ranks, vLLM's tokens and prompt log-probabilities equal 1 rank's (its greedy tokens equal headmix's
     by the tests above), and each rank holds its share of the attention and feed-forward projections, counted from
     its model's parameters: 1 / RANKS of headmix's bytes, but the K/V projections where the K/V heads are fewer than
-    the ranks (the fixtures' MoA and MoH, on one K/V head), which every rank holds whole."""
+    the ranks (the fixtures' MoA and MoH, on one K/V head) and GQE's shared-head and weighted-slot rows
+    (:func:`gqe_whole_bytes`), which every rank holds whole."""
     if served["ranks"] == 1:
         pytest.skip("one rank: nothing split")
     kind, outputs, one_rank = served["kind"], served["outputs"], OUTPUTS[served["kind"], 1]
@@ -361,8 +364,20 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     kv_heads = att.kv_heads or (1 if att.kind == "moa" else att.num_heads)
     kv = sum(size for name, size in sizes.items() if kv_heads < RANKS and ".self_attn." in name
              and (".k_proj." in name or ".v_proj." in name))
+    kv += gqe_whole_bytes(sizes, att)
     share = (projection_bytes(sizes) - kv) // RANKS + kv
     assert [projection for projection, _ in served["ranks_bytes"]] == [share] * RANKS, (kind, served["ranks_bytes"])
+
+
+def gqe_whole_bytes(sizes: dict[str, int], att: AttentionConfig) -> int:
+    """GQE's projection bytes every rank holds whole (model.py, GroupedQueryExperts): the shared head's query rows (and
+    their bias), and W_O's columns of the weighted slot and of the shared head (zeros but on rank 0)."""
+    if att.kind != "gqe":
+        return 0
+    shared, weighted = int(att.shared_head is not False), int(att.weighted_slot is not False)
+    parts = {".self_attn.q_proj.weight": shared * att.head_dim * D_MODEL, ".self_attn.q_proj.bias": shared * att.head_dim,
+             ".self_attn.out_proj.weight": (shared + weighted) * att.head_dim * D_MODEL}
+    return sum(elements * 4 for name in sizes for end, elements in parts.items() if name.endswith(end))  # float32
 
 
 def test_padding_would_win_without_the_rule():

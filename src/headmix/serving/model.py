@@ -85,12 +85,6 @@ def _row(d_in: int, d_out: int, bias: bool, prefix: str) -> RowParallelLinear:
     return RowParallelLinear(d_in, d_out, bias=bias, input_is_parallel=True, prefix=prefix)
 
 
-def _whole(d_in: int, d_out: int, bias: bool, prefix: str) -> ColumnParallelLinear:
-    """A projection every rank holds whole (a layer served on one rank only: GQE, refused at more by
-    :func:`~headmix.serving.support.check_tensor_parallel`)."""
-    return _column(d_in, d_out, bias, prefix, replicas=_ranks()[0])
-
-
 def _reduce(y: Tensor, bias: Tensor | None) -> Tensor:
     """Each rank's partial output summed over the ranks, then ``bias`` (once)."""
     if get_tensor_model_parallel_world_size() > 1:
@@ -385,7 +379,19 @@ class GroupedQueryExperts(nn.Module):
     is a second paged attention with one K/V head of its own, caching the shared head's K/V as headmix's
     :meth:`~headmix.attention.GroupedQueryExpertsAttention.shared_kv` forms it (``shared_head_kv``: the mean of
     the ``kv_heads`` rotated K/V heads, or K/V head 0): ``2 * head_dim`` more cached numbers per token and layer
-    than GQA's ``2 * kv_heads * head_dim``. ``y = Concat(hard slots, weighted slot, shared head) W_O``."""
+    than GQA's ``2 * kv_heads * head_dim``. ``y = Concat(hard slots, weighted slot, shared head) W_O``.
+
+    Across ranks, split by K/V group (``kv_heads / ranks`` consecutive groups each): a rank holds its groups' K/V
+    heads, their experts' query rows and their slots' rows of ``W_O``, attends its groups' slots and caches its
+    K/V heads. The router is replicated (``num_experts x d_model``; every rank makes the same choice and renormalises
+    the weighted slot over every group's selection, as one rank does). The weighted slot is a sum over the groups:
+    each rank sums its own and multiplies by the weighted slot's rows of ``W_O`` (held by every rank), and the
+    output all-reduce adds the ranks' sums. The shared head's K/V is formed across ranks: the mean of the K/V heads
+    as the all-reduced sum of each rank's rotated K/V heads over ``kv_heads`` (``head0``: rank 0's head 0, the
+    others adding zeros); every rank holds the shared head's query rows and attends it (one head, its own cache),
+    and rank 0 holds its rows of ``W_O`` (the others zeros, so the all-reduce adds it once). The local layouts
+    (``q_proj``: this rank's experts then the shared head; ``out_proj``: this rank's hard slots, the weighted slot,
+    the shared head) are arranged from headmix's tensors at loading (:meth:`arrange_weight`)."""
 
     route = GroupedQueryExpertsAttention.route
     slot_weights = GroupedQueryExpertsAttention.slot_weights
@@ -405,35 +411,81 @@ class GroupedQueryExperts(nn.Module):
         self.hard_slot_scale, self.shared_head_kv = att.hard_slot_scale or "none", att.shared_head_kv or "mean"
         self.num_slots = k * g + int(self.weighted_slot) + int(self.shared_head)
         self.random_router = None  # refused by check_servable
+        ranks, rank = _ranks()
+        self.ranks, self.rank = ranks, rank
+        #: This rank's K/V groups ``first_group ..`` (``local_groups`` of them).
+        self.local_groups = g // ranks
+        self.first_group = rank * self.local_groups
+        gl, shared = self.local_groups, int(self.shared_head)
+        #: This rank's slots in ``out_proj``'s input: its hard slots, the weighted slot, the shared head.
+        self.local_slots = gl * k + int(self.weighted_slot) + shared
         self.router_gate = nn.Linear(d, e, bias=False)
-        self.q_proj = _whole(d, (e + int(self.shared_head)) * dh, q_bias, f"{prefix}.q_proj")
-        self.k_proj = _whole(d, g * dh, kv_bias, f"{prefix}.k_proj")
-        self.v_proj = _whole(d, g * dh, kv_bias, f"{prefix}.v_proj")
-        self.out_proj = _whole(self.num_slots * dh, d, out_bias, f"{prefix}.out_proj")
+        self.q_proj = _column(d, ranks * (gl * self.experts_per_group + shared) * dh, q_bias, f"{prefix}.q_proj")
+        self.k_proj = _column(d, g * dh, kv_bias, f"{prefix}.k_proj")
+        self.v_proj = _column(d, g * dh, kv_bias, f"{prefix}.v_proj")
+        self.out_proj = _row(ranks * self.local_slots * dh, d, out_bias, f"{prefix}.out_proj")
         self.rotary_emb = _rope(att, dh, config.max_positions)
-        self.attn = _paged_attention(vllm_config, k * g, dh, g, prefix)
+        self.attn = _paged_attention(vllm_config, k * gl, dh, gl, prefix)
         self.shared_attn = _paged_attention(vllm_config, 1, dh, 1, prefix, "shared_attn") if self.shared_head else None
 
+    def arrange_weight(self, name: str, tensor: Tensor) -> Tensor:
+        """headmix's ``q_proj`` / ``out_proj`` tensor (``name``: ``q_proj.weight`` ...) laid out rank after rank as
+        the parallel layers split it (the identity on one rank): ``q_proj``'s rows, each rank's experts' then the
+        shared head's; ``out_proj``'s input columns, each rank's hard slots, the weighted slot's, then the shared
+        head's (zeros but on rank 0)."""
+        dh, ranks, gl, k = self.head_dim, self.ranks, self.local_groups, self.top_k
+        if ranks == 1 or name not in ("q_proj.weight", "q_proj.bias", "out_proj.weight"):
+            return tensor
+        if name.startswith("q_proj"):
+            rows = gl * self.experts_per_group * dh
+            shared = [tensor[self.num_experts * dh:]]
+            return torch.cat([part for r in range(ranks) for part in [tensor[r * rows:(r + 1) * rows], *shared]])
+        hard, cols = self.kv_heads * k * dh, gl * k * dh
+        weighted = [tensor[:, hard:hard + dh]] if self.weighted_slot else []
+        shared = tensor[:, self.num_slots * dh - dh:] if self.shared_head else None
+        parts = []
+        for r in range(ranks):
+            parts += [tensor[:, r * cols:(r + 1) * cols], *weighted]
+            if shared is not None:
+                parts.append(shared if r == 0 else torch.zeros_like(shared))
+        return torch.cat(parts, 1)
+
+    def _shared_kv(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The shared head's K/V ``(tokens, head_dim)`` from this rank's rotated K/V heads ``(tokens, local_groups,
+        head_dim)``: headmix's :meth:`shared_kv` on one rank, formed across ranks on more (class docstring)."""
+        n = keys.shape[0]
+        if self.ranks == 1:
+            k_s, v_s = self.shared_kv(keys, values)
+            return k_s.reshape(n, -1), v_s.reshape(n, -1)
+        if self.shared_head_kv == "head0":
+            both = torch.cat([keys[:, 0], values[:, 0]], 1) * float(self.rank == 0)
+        else:
+            both = torch.cat([keys.sum(1), values.sum(1)], 1) / self.kv_heads
+        return tensor_model_parallel_all_reduce(both).split(self.head_dim, 1)
+
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        n, g, k, dh, e = x.shape[0], self.kv_heads, self.top_k, self.head_dim, self.num_experts
-        _, _, index, top_p = self.route(x[None])  # (n, G, k), slot order
+        n, g, k, dh = x.shape[0], self.local_groups, self.top_k, self.head_dim
+        _, _, index, top_p = self.route(x[None])  # (n, G, k) every group's, slot order
+        mine = slice(self.first_group, self.first_group + g)
         q_all = self.q_proj(x)[0]
-        pick = index.unsqueeze(-1).expand(-1, -1, -1, dh)
-        q = q_all[:, :e * dh].view(n, g, self.experts_per_group, dh).gather(2, pick).reshape(n, g * k * dh)
-        q = torch.cat([q, q_all[:, e * dh:]], 1)  # the slots' queries, then the shared head's
+        experts = g * self.experts_per_group * dh  # this rank's experts' queries, then the shared head's
+        pick = index[:, mine].unsqueeze(-1).expand(-1, -1, -1, dh)
+        q = q_all[:, :experts].view(n, g, self.experts_per_group, dh).gather(2, pick).reshape(n, g * k * dh)
+        q = torch.cat([q, q_all[:, experts:]], 1)  # the slots' queries, then the shared head's
         keys, values = self.k_proj(x)[0], self.v_proj(x)[0]
         if self.rotary_emb is not None:
             q, keys = self.rotary_emb(positions, q, keys)
         o = self.attn(q[:, :g * k * dh].contiguous(), keys, values).view(n, g * k, dh)
-        slots = [o * top_p.reshape(n, g * k, 1).to(o.dtype) if self.hard_slot_scale == "p" else o]
-        if self.weighted_slot:
-            w = self.slot_weights(top_p).reshape(n, g * k, 1).to(o.dtype)
+        local_p = top_p[:, mine].reshape(n, g * k, 1).to(o.dtype)
+        slots = [o * local_p if self.hard_slot_scale == "p" else o]
+        if self.weighted_slot:  # this rank's groups' share of the sum (the output all-reduce adds the ranks')
+            w = self.slot_weights(top_p)[:, mine].reshape(n, g * k, 1).to(o.dtype)
             slots.append((o * w).sum(1, keepdim=True))
         if self.shared_attn is not None:
-            k_s, v_s = self.shared_kv(keys.view(n, g, dh), values.view(n, g, dh))
-            o_s = self.shared_attn(q[:, g * k * dh:].contiguous(), k_s.reshape(n, dh), v_s.reshape(n, dh))
+            k_s, v_s = self._shared_kv(keys.view(n, g, dh), values.view(n, g, dh))
+            o_s = self.shared_attn(q[:, g * k * dh:].contiguous(), k_s.contiguous(), v_s.contiguous())
             slots.append(o_s.view(n, 1, dh))
-        return self.out_proj(torch.cat(slots, 1).reshape(n, self.num_slots * dh))[0]
+        return self.out_proj(torch.cat(slots, 1).reshape(n, self.local_slots * dh))[0]
 
 
 ATTENTION = {"mha": HeadsAttention, "moh": MixtureOfHeads, "moa": MixtureOfAttentionHeads, "switchhead": SwitchHead,
@@ -605,6 +657,11 @@ class VllmHeadmixForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"the weights hold {name!r}, which the model its config describes does not have")
             param = params[name]
+            layer, _, leaf = name.rpartition(".")
+            owner, _, child = layer.rpartition(".")
+            arrange = getattr(self.get_submodule(owner), "arrange_weight", None) if owner else None
+            if arrange is not None:  # a layer whose local layout is not one slice of headmix's tensor (GQE)
+                tensor = arrange(f"{child}.{leaf}", tensor)
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded
