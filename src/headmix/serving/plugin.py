@@ -38,6 +38,8 @@ from .support import ARCHITECTURE, check_servable
 
 #: The vLLM model class, as ``module:class`` (imported by vLLM when a headmix model is loaded).
 MODEL_CLASS = "headmix.serving.model:VllmHeadmixForCausalLM"
+#: The Hugging Face ``model_type`` of headmix's config (:class:`~headmix.hf.HeadmixConfig`).
+MODEL_TYPE = "headmix"
 #: The config format of headmix's own folders (``--config-format headmix``).
 CONFIG_FORMAT = "headmix"
 #: The vLLM releases (``vllm.__version__`` without a local part such as ``+cpu``) whose internals
@@ -117,11 +119,13 @@ class ServableCheck:
 
 
 def patch_vllm_internals() -> bool:
-    """The one place headmix uses a vLLM name that vLLM does not document for out-of-tree models: its
-    per-architecture config table ``MODELS_CONFIG_MAP`` gets :class:`ServableCheck` for ``HeadmixForCausalLM``, on
-    a vLLM release in :data:`TESTED_VLLM`. On any other release it changes nothing and logs one line naming the
-    version (the model refuses the same configs where it is built, after the engine started). Returns whether the
-    check is in place."""
+    """The one place headmix uses vLLM names that vLLM does not document for out-of-tree models, on a vLLM release
+    in :data:`TESTED_VLLM`: its per-architecture config table ``MODELS_CONFIG_MAP`` gets :class:`ServableCheck` for
+    ``HeadmixForCausalLM``, and its per-``model_type`` table ``MODEL_ARCH_CONFIG_CONVERTORS`` a convertor for
+    ``"headmix"`` that counts the query heads the model splits over ranks (GQE's shared head, held by every rank,
+    not among them). On any other release it changes nothing and logs one line naming the version (the model
+    refuses the same configs where it is built, after the engine started; GQE is refused by vLLM's own head count
+    above one rank). Returns whether the patch is in place."""
     import vllm
 
     release = str(vllm.__version__).split("+")[0]
@@ -131,6 +135,19 @@ def patch_vllm_internals() -> bool:
             "cannot serve is refused when the engine builds it", vllm.__version__, ", ".join(TESTED_VLLM))
         return False
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.transformers_utils.model_arch_config_convertor import (MODEL_ARCH_CONFIG_CONVERTORS,
+                                                                     ModelArchConfigConvertorBase)
+
+    class SplitHeads(ModelArchConfigConvertorBase):
+        """The query heads vLLM checks ``tensor_parallel_size`` against: those the model splits over the ranks.
+        GQE: its ``top_k * kv_heads`` slots, split by K/V group; its shared head, which every rank holds, apart (the
+        Hugging Face config's ``num_attention_heads`` counts it: 5 on 2 K/V groups, which 2 ranks do not divide)."""
+
+        def get_total_num_attention_heads(self) -> int:
+            heads = super().get_total_num_attention_heads()
+            gqe = self.hf_config.model_config().decoder_self_attention
+            return heads - int(gqe.shared_head is not False) if gqe.kind == "gqe" else heads
 
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, ServableCheck)
+    MODEL_ARCH_CONFIG_CONVERTORS.setdefault(MODEL_TYPE, SplitHeads)
     return True
