@@ -651,3 +651,26 @@ def test_compiled_equals_eager(served):
     for report in served["compile_reports"]:
         assert report["compiled"] and report["graphs"] >= 1 and report["graph_breaks"] == 0, (kind, report)
         assert report["frames"].get("ok", 0) >= 1 and report["frames"]["ok"] == report["frames"]["total"], (kind, report)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public extension points (issue 59, item 4): vLLM's private names only in one version-checked function.
+
+def test_vllm_internals_are_patched_only_on_a_tested_release(monkeypatch, caplog):
+    """On a vLLM release headmix was not tested with, :func:`patch_vllm_internals` changes nothing in vLLM's tables and
+    says so in one line naming the version; on the tested one it adds the config check and the head count."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS
+
+    from headmix.serving import plugin
+
+    monkeypatch.delitem(MODELS_CONFIG_MAP, "HeadmixForCausalLM", raising=False)
+    monkeypatch.delitem(MODEL_ARCH_CONFIG_CONVERTORS, "headmix", raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0+cpu")
+    assert plugin.patch_vllm_internals() is False
+    assert "HeadmixForCausalLM" not in MODELS_CONFIG_MAP and "headmix" not in MODEL_ARCH_CONFIG_CONVERTORS
+    lines = [record.getMessage() for record in caplog.records if record.name == plugin.__name__]
+    assert len(lines) == 1 and "\n" not in lines[0] and "vLLM 0.99.0+cpu (tested with 0.32.0)" in lines[0], lines
+    monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")
+    assert plugin.patch_vllm_internals() is True
+    assert MODELS_CONFIG_MAP["HeadmixForCausalLM"] is plugin.ServableCheck and "headmix" in MODEL_ARCH_CONFIG_CONVERTORS

@@ -195,7 +195,9 @@ class HeadsAttention(_Rotated):
         if att.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(dh, eps=QK_NORM_EPS), RMSNorm(dh, eps=QK_NORM_EPS)
         if att.output_gate is not None:
-            gates = h if att.output_gate == "headwise" else h * dh
+            #: The gate's size per head: one (headwise) or ``head_dim`` (elementwise).
+            self.gate_size = 1 if att.output_gate == "headwise" else dh
+            gates = h * self.gate_size
             self.gate_proj = _column(d, gates, q_bias, f"{prefix}.gate_proj")
         self.rotary_emb = _rope(att, dh, config.max_positions)
         self.attn = _paged_attention(vllm_config, self.local_heads, dh, self.local_kv_heads, prefix)
@@ -214,7 +216,7 @@ class HeadsAttention(_Rotated):
         v = self.v_proj(x)[0]
         o = self._attend(positions, q, k, v).view(-1, self.local_heads, self.head_dim)
         if self.gate_proj is not None:
-            o = o * torch.sigmoid(self.gate_proj(x)[0]).view(x.shape[0], self.local_heads, -1)
+            o = o * torch.sigmoid(self.gate_proj(x)[0]).view(x.shape[0], self.local_heads, self.gate_size)
         return o
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
@@ -456,7 +458,7 @@ class GroupedQueryExperts(nn.Module):
         n = keys.shape[0]
         if self.ranks == 1:
             k_s, v_s = self.shared_kv(keys, values)
-            return k_s.reshape(n, -1), v_s.reshape(n, -1)
+            return k_s.reshape(n, self.head_dim), v_s.reshape(n, self.head_dim)
         if self.shared_head_kv == "head0":
             both = torch.cat([keys[:, 0], values[:, 0]], 1) * float(self.rank == 0)
         else:
