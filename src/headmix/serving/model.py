@@ -53,6 +53,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 
 from ..attention import GroupedQueryExpertsAttention, SwitchHeadAttention
+from ..attention.mha import HeadRMSNorm
 from ..attention.moh import MoHHeadWeighting, head_ids
 from ..kernels import ExpertRouting, choose_impl, expert_map, expert_map_weighted, expert_reduce, expert_routing
 from ..kernels.dispatch import DENSE_MAX_EXPERTS_PER_K
@@ -61,8 +62,6 @@ from ..models.transformer import HF_PREFIX, sinusoidal_table
 from ..routing import TopKRouter
 from .support import check_head_size, check_servable, check_tensor_parallel
 
-#: HeadRMSNorm's epsilon (QK-norm; headmix's layers use the default, configs do not set it).
-QK_NORM_EPS = 1e-6
 
 
 def _ranks() -> tuple[int, int]:
@@ -193,7 +192,9 @@ class HeadsAttention(_Rotated):
         self.out_proj = _row(h * dh, d, out_bias, f"{prefix}.out_proj")
         self.q_norm = self.k_norm = self.gate_proj = None
         if att.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(dh, eps=QK_NORM_EPS), RMSNorm(dh, eps=QK_NORM_EPS)
+            # headmix's own QK-norm (its default epsilon, which configs do not set): vLLM's RMSNorm, compiled by inductor
+            # on the CPU build, changed MoH's tokens (docs/serving.md, "Compiled")
+            self.q_norm, self.k_norm = HeadRMSNorm(dh), HeadRMSNorm(dh)
         if att.output_gate is not None:
             #: The gate's size per head: one (headwise) or ``head_dim`` (elementwise).
             self.gate_size = 1 if att.output_gate == "headwise" else dh
