@@ -192,8 +192,7 @@ class HeadsAttention(_Rotated):
         self.out_proj = _row(h * dh, d, out_bias, f"{prefix}.out_proj")
         self.q_norm = self.k_norm = self.gate_proj = None
         if att.qk_norm:
-            # headmix's own QK-norm (its default epsilon, which configs do not set): vLLM's RMSNorm, compiled by inductor
-            # on the CPU build, changed MoH's tokens (docs/serving.md, "Compiled")
+            # headmix's own QK-norm (its default epsilon, which configs do not set), on (tokens, heads, head_dim)
             self.q_norm, self.k_norm = HeadRMSNorm(dh), HeadRMSNorm(dh)
         if att.output_gate is not None:
             #: The gate's size per head: one (headwise) or ``head_dim`` (elementwise).
@@ -204,9 +203,13 @@ class HeadsAttention(_Rotated):
         self.attn = _paged_attention(vllm_config, self.local_heads, dh, self.local_kv_heads, prefix)
 
     def _heads_norm(self, x: Tensor, norm: nn.Module | None) -> Tensor:
+        """QK-norm of ``x`` ``(tokens, heads * head_dim)``: over each head's last dimension of a ``(tokens, heads,
+        head_dim)`` view. Not of a ``(tokens * heads, head_dim)`` reshape: inductor (torch 2.13) compiles that
+        reshape, with the token count unbacked, into code right for at most 2 tokens (it guards on it, and vLLM drops
+        the guards), which changed the tokens of every compiled kind with QK-norm."""
         if norm is None:
             return x
-        return norm(x.reshape(-1, self.head_dim)).view(x.shape)
+        return norm(x.view(x.shape[0], x.shape[1] // self.head_dim, self.head_dim)).view(x.shape)
 
     def head_outputs(self, positions: Tensor, x: Tensor, queries: Tensor | None = None) -> Tensor:
         """The gated attention output of this rank's heads, ``(tokens, local_heads, head_dim)``; ``queries``:
@@ -215,7 +218,7 @@ class HeadsAttention(_Rotated):
         q = self._heads_norm(self.q_proj(x)[0] if queries is None else queries, self.q_norm)
         k = self._heads_norm(self.k_proj(x)[0], self.k_norm)
         v = self.v_proj(x)[0]
-        o = self._attend(positions, q, k, v).view(-1, self.local_heads, self.head_dim)
+        o = self._attend(positions, q, k, v).view(x.shape[0], self.local_heads, self.head_dim)
         if self.gate_proj is not None:
             o = o * torch.sigmoid(self.gate_proj(x)[0]).view(x.shape[0], self.local_heads, self.gate_size)
         return o
@@ -260,7 +263,7 @@ class MixtureOfHeads(MoHHeadWeighting, HeadsAttention):
         routed_queries = None
         if self.query_norm_routing:  # the rule reads the raw queries of the routed heads, on every rank
             every = tensor_model_parallel_all_gather(queries) if self.local_heads < self.num_heads else queries
-            routed_queries = every.view(-1, self.num_heads, self.head_dim)[:, self.routed_head_ids]
+            routed_queries = every.view(x.shape[0], self.num_heads, self.head_dim)[:, self.routed_head_ids]
         o = self.head_outputs(positions, x, queries)
         g, _ = self.head_weights(x[None], None, routed_queries=routed_queries)
         if g is not None:
