@@ -22,9 +22,13 @@ expert-mixed values.
 
 Across ranks (vLLM's ``tensor_parallel_size``; :func:`~headmix.serving.support.check_tensor_parallel` refuses
 a size that does not divide what is split) each rank holds its share of the heads (their query, K/V, gate and
-expert projections, their attention and cache), of MoA's K/V heads or else of its experts, and of the
-feed-forward's hidden units; the routers are replicated (every rank makes the same choice), the output
+expert projections, their attention and cache), of MoA's K/V heads or else of its experts, of GQE's K/V groups,
+and of the feed-forward's hidden units; the routers are replicated (every rank makes the same choice), the output
 projections sum the ranks' shares (all-reduce), the vocabulary is split by vLLM's embedding and output layers.
+
+vLLM compiles the decoder (:class:`Decoder`, ``@support_torch_compile``, the token count dynamic) unless
+``enforce_eager``: nothing in it branches on the token count, reads a value back to the host or makes a shape from
+the data (docs/serving.md, "Compiled").
 
 The weights load from headmix's safetensors names (a Hugging Face folder's ``model.`` prefix dropped, a tied
 output projection stored once). The padding token (``pad_id``) is never generated: its logit is ``-inf``, as
@@ -61,7 +65,6 @@ from ..models.config import AttentionConfig, ModelConfig
 from ..models.transformer import HF_PREFIX, sinusoidal_table
 from ..routing import TopKRouter
 from .support import check_head_size, check_servable, check_tensor_parallel
-
 
 
 def _ranks() -> tuple[int, int]:
