@@ -639,8 +639,9 @@ def compile_report(model) -> dict:
 
 def test_compiled_equals_eager(served):
     """The compiled model's greedy tokens equal the eager model's on the same ranks, and its prompt log-probabilities
-    within 1e-4 where the routing is decisive; on every rank vLLM compiled the decoder: Dynamo converted every frame it
-    traced into a graph, with no graph break."""
+    within 1e-4 where the routing is decisive; on every rank vLLM compiled the decoder: Dynamo made a graph of it, with
+    no graph break and no frame it failed to convert (a second engine in this process counts no new frame: Dynamo
+    counts the decoder's code once, but each engine's graph)."""
     if not served["compiled"]:
         pytest.skip("eager: compared with headmix above")
     kind, outputs, eager = served["kind"], served["outputs"], OUTPUTS[served["kind"], served["ranks"]]
@@ -652,7 +653,7 @@ def test_compiled_equals_eager(served):
     assert len(served["compile_reports"]) == served["ranks"]
     for report in served["compile_reports"]:
         assert report["compiled"] and report["graphs"] >= 1 and report["graph_breaks"] == 0, (kind, report)
-        assert report["frames"].get("ok", 0) >= 1 and report["frames"]["ok"] == report["frames"]["total"], (kind, report)
+        assert report["frames"].get("ok", 0) == report["frames"].get("total", 0), (kind, report)  # none failed
 
 
 # ---------------------------------------------------------------------------------------------------------------------
