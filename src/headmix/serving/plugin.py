@@ -131,8 +131,9 @@ def patch_vllm_internals() -> bool:
     release = str(vllm.__version__).split("+")[0]
     if release not in TESTED_VLLM:
         logging.getLogger(__name__).warning(
-            "headmix's vLLM plugin does not add its early config check to vLLM %s (tested with %s): a model vLLM "
-            "cannot serve is refused when the engine builds it", vllm.__version__, ", ".join(TESTED_VLLM))
+            "headmix's vLLM plugin does not add its early config check nor GQE's head count to vLLM %s (tested with "
+            "%s): a model vLLM cannot serve is refused when the engine builds it, GQE above one rank by vLLM",
+            vllm.__version__, ", ".join(TESTED_VLLM))
         return False
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.transformers_utils.model_arch_config_convertor import (MODEL_ARCH_CONFIG_CONVERTORS,
