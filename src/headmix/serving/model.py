@@ -22,9 +22,13 @@ expert-mixed values.
 
 Across ranks (vLLM's ``tensor_parallel_size``; :func:`~headmix.serving.support.check_tensor_parallel` refuses
 a size that does not divide what is split) each rank holds its share of the heads (their query, K/V, gate and
-expert projections, their attention and cache), of MoA's K/V heads or else of its experts, and of the
-feed-forward's hidden units; the routers are replicated (every rank makes the same choice), the output
+expert projections, their attention and cache), of MoA's K/V heads or else of its experts, of GQE's K/V groups,
+and of the feed-forward's hidden units; the routers are replicated (every rank makes the same choice), the output
 projections sum the ranks' shares (all-reduce), the vocabulary is split by vLLM's embedding and output layers.
+
+vLLM compiles the decoder (:class:`Decoder`, ``@support_torch_compile``, the token count dynamic) unless
+``enforce_eager``: nothing in it branches on the token count, reads a value back to the host or makes a shape from
+the data (docs/serving.md, "Compiled").
 
 The weights load from headmix's safetensors names (a Hugging Face folder's ``model.`` prefix dropped, a tied
 output projection stored once). The padding token (``pad_id``) is never generated: its logit is ``-inf``, as
@@ -39,6 +43,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
@@ -52,15 +57,14 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 
 from ..attention import GroupedQueryExpertsAttention, SwitchHeadAttention
+from ..attention.mha import HeadRMSNorm
 from ..attention.moh import MoHHeadWeighting, head_ids
-from ..kernels import expert_map, expert_map_weighted, expert_reduce, expert_routing
+from ..kernels import ExpertRouting, choose_impl, expert_map, expert_map_weighted, expert_reduce, expert_routing
+from ..kernels.dispatch import DENSE_MAX_EXPERTS_PER_K
 from ..models.config import AttentionConfig, ModelConfig
 from ..models.transformer import HF_PREFIX, sinusoidal_table
 from ..routing import TopKRouter
 from .support import check_head_size, check_servable, check_tensor_parallel
-
-#: HeadRMSNorm's epsilon (QK-norm; headmix's layers use the default, configs do not set it).
-QK_NORM_EPS = 1e-6
 
 
 def _ranks() -> tuple[int, int]:
@@ -83,17 +87,25 @@ def _row(d_in: int, d_out: int, bias: bool, prefix: str) -> RowParallelLinear:
     return RowParallelLinear(d_in, d_out, bias=bias, input_is_parallel=True, prefix=prefix)
 
 
-def _whole(d_in: int, d_out: int, bias: bool, prefix: str) -> ColumnParallelLinear:
-    """A projection every rank holds whole (a layer served on one rank only: GQE, refused at more by
-    :func:`~headmix.serving.support.check_tensor_parallel`)."""
-    return _column(d_in, d_out, bias, prefix, replicas=_ranks()[0])
-
-
 def _reduce(y: Tensor, bias: Tensor | None) -> Tensor:
     """Each rank's partial output summed over the ranks, then ``bias`` (once)."""
     if get_tensor_model_parallel_world_size() > 1:
         y = tensor_model_parallel_all_reduce(y)
     return y if bias is None else y + bias
+
+
+def _kernel(impl: str, x: Tensor, routing: ExpertRouting) -> str:
+    """The grouped expert kernel for ``routing``'s slots: ``impl`` as configured, eagerly; in the forward vLLM
+    compiles (one graph for every batch size, the token count symbolic), ``"auto"`` resolved without reading the
+    token count (:func:`~headmix.kernels.choose_impl` reads it on the CPU): ``dense`` where its rule holds for every
+    batch (``E <= 1.5 k``), else ``sorted`` (a custom op: one opaque node, its fake implementation giving the shape);
+    off the CPU :func:`~headmix.kernels.choose_impl`'s choice, which reads no token count there."""
+    if impl != "auto" or not torch.compiler.is_compiling():
+        return impl
+    e, k = routing.num_experts, routing.top_k
+    if x.device.type != "cpu":
+        return choose_impl(x.device, e * k, e, k, needs_grad=False, dtype=x.dtype)
+    return "dense" if e <= DENSE_MAX_EXPERTS_PER_K * k else "sorted"
 
 
 def _split(shape: tuple[int, ...] | nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
@@ -183,17 +195,24 @@ class HeadsAttention(_Rotated):
         self.out_proj = _row(h * dh, d, out_bias, f"{prefix}.out_proj")
         self.q_norm = self.k_norm = self.gate_proj = None
         if att.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(dh, eps=QK_NORM_EPS), RMSNorm(dh, eps=QK_NORM_EPS)
+            # headmix's own QK-norm (its default epsilon, which configs do not set), on (tokens, heads, head_dim)
+            self.q_norm, self.k_norm = HeadRMSNorm(dh), HeadRMSNorm(dh)
         if att.output_gate is not None:
-            gates = h if att.output_gate == "headwise" else h * dh
+            #: The gate's size per head: one (headwise) or ``head_dim`` (elementwise).
+            self.gate_size = 1 if att.output_gate == "headwise" else dh
+            gates = h * self.gate_size
             self.gate_proj = _column(d, gates, q_bias, f"{prefix}.gate_proj")
         self.rotary_emb = _rope(att, dh, config.max_positions)
         self.attn = _paged_attention(vllm_config, self.local_heads, dh, self.local_kv_heads, prefix)
 
     def _heads_norm(self, x: Tensor, norm: nn.Module | None) -> Tensor:
+        """QK-norm of ``x`` ``(tokens, heads * head_dim)``: over each head's last dimension of a ``(tokens, heads,
+        head_dim)`` view. Not of a ``(tokens * heads, head_dim)`` reshape: inductor (torch 2.13) compiles that
+        reshape, with the token count unbacked, into code right for at most 2 tokens (it guards on it, and vLLM drops
+        the guards), which changed the tokens of every compiled kind with QK-norm."""
         if norm is None:
             return x
-        return norm(x.reshape(-1, self.head_dim)).view(x.shape)
+        return norm(x.view(x.shape[0], x.shape[1] // self.head_dim, self.head_dim)).view(x.shape)
 
     def head_outputs(self, positions: Tensor, x: Tensor, queries: Tensor | None = None) -> Tensor:
         """The gated attention output of this rank's heads, ``(tokens, local_heads, head_dim)``; ``queries``:
@@ -202,9 +221,9 @@ class HeadsAttention(_Rotated):
         q = self._heads_norm(self.q_proj(x)[0] if queries is None else queries, self.q_norm)
         k = self._heads_norm(self.k_proj(x)[0], self.k_norm)
         v = self.v_proj(x)[0]
-        o = self._attend(positions, q, k, v).view(-1, self.local_heads, self.head_dim)
+        o = self._attend(positions, q, k, v).view(x.shape[0], self.local_heads, self.head_dim)
         if self.gate_proj is not None:
-            o = o * torch.sigmoid(self.gate_proj(x)[0]).view(x.shape[0], self.local_heads, -1)
+            o = o * torch.sigmoid(self.gate_proj(x)[0]).view(x.shape[0], self.local_heads, self.gate_size)
         return o
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
@@ -247,7 +266,7 @@ class MixtureOfHeads(MoHHeadWeighting, HeadsAttention):
         routed_queries = None
         if self.query_norm_routing:  # the rule reads the raw queries of the routed heads, on every rank
             every = tensor_model_parallel_all_gather(queries) if self.local_heads < self.num_heads else queries
-            routed_queries = every.view(-1, self.num_heads, self.head_dim)[:, self.routed_head_ids]
+            routed_queries = every.view(x.shape[0], self.num_heads, self.head_dim)[:, self.routed_head_ids]
         o = self.head_outputs(positions, x, queries)
         g, _ = self.head_weights(x[None], None, routed_queries=routed_queries)
         if g is not None:
@@ -303,10 +322,11 @@ class MixtureOfAttentionHeads(_Rotated):
             index, gates = torch.where(local, index - self.first_expert, 0), gates * local
         info = expert_routing(index, self.local_experts, check_range=False)
         # query head g * k + j: expert slot j's query for K/V head g (headmix's order)
-        q = expert_map(x, self.query_experts, info, impl=self.expert_impl).view(n, k, g, dh).transpose(1, 2)
+        impl = _kernel(self.expert_impl, x, info)
+        q = expert_map(x, self.query_experts, info, impl=impl).view(n, k, g, dh).transpose(1, 2)
         o = self._attend(positions, q.reshape(n, g * k * dh), self.k_proj(x)[0], self.v_proj(x)[0])
         o = o.view(n, g, k, dh).transpose(1, 2).reshape(n, k, g * dh)
-        return _reduce(expert_reduce(o, self.output_experts, gates, info, impl=self.expert_impl), self.out_bias)
+        return _reduce(expert_reduce(o, self.output_experts, gates, info, impl=impl), self.out_bias)
 
 
 class SwitchHead(_Rotated):
@@ -344,18 +364,19 @@ class SwitchHead(_Rotated):
         n, h, k, dh = x.shape[0], self.num_heads, self.top_k, self.head_dim
         space = h * self.num_experts
         if self.value_selector is None:  # one expert per head: no value selector
-            v = expert_map(x, self.value_experts, expert_routing(torch.arange(h, device=x.device).expand(n, h), space,
-                                                                 check_range=False), impl=self.expert_impl)
+            info = expert_routing(torch.arange(h, device=x.device).expand(n, h), space, check_range=False)
+            v = expert_map(x, self.value_experts, info, impl=_kernel(self.expert_impl, x, info))
         else:
             routing = self.select(x[None], self.value_selector, None)
             info = expert_routing(routing.expert_index, space, check_range=False)
-            v = expert_map_weighted(x, self.value_experts, routing.gates.to(x.dtype), info, h, impl=self.expert_impl)
+            v = expert_map_weighted(x, self.value_experts, routing.gates.to(x.dtype), info, h,
+                                    impl=_kernel(self.expert_impl, x, info))
         o = self._attend(positions, self.q_proj(x)[0], self.k_proj(x)[0], v.reshape(n, h * dh))
         routing = self.select(x[None], self.output_selector, None, stream=1)
         info = expert_routing(routing.expert_index, space, check_range=False)
         o = o.view(n, h, 1, dh).expand(n, h, k, dh)
-        return _reduce(expert_reduce(o, self.output_experts, routing.gates.to(o.dtype), info, impl=self.expert_impl),
-                       self.out_bias)
+        return _reduce(expert_reduce(o, self.output_experts, routing.gates.to(o.dtype), info,
+                                     impl=_kernel(self.expert_impl, x, info)), self.out_bias)
 
 
 class GroupedQueryExperts(nn.Module):
@@ -367,7 +388,19 @@ class GroupedQueryExperts(nn.Module):
     is a second paged attention with one K/V head of its own, caching the shared head's K/V as headmix's
     :meth:`~headmix.attention.GroupedQueryExpertsAttention.shared_kv` forms it (``shared_head_kv``: the mean of
     the ``kv_heads`` rotated K/V heads, or K/V head 0): ``2 * head_dim`` more cached numbers per token and layer
-    than GQA's ``2 * kv_heads * head_dim``. ``y = Concat(hard slots, weighted slot, shared head) W_O``."""
+    than GQA's ``2 * kv_heads * head_dim``. ``y = Concat(hard slots, weighted slot, shared head) W_O``.
+
+    Across ranks, split by K/V group (``kv_heads / ranks`` consecutive groups each): a rank holds its groups' K/V
+    heads, their experts' query rows and their slots' rows of ``W_O``, attends its groups' slots and caches its
+    K/V heads. The router is replicated (``num_experts x d_model``; every rank makes the same choice and renormalises
+    the weighted slot over every group's selection, as one rank does). The weighted slot is a sum over the groups:
+    each rank sums its own and multiplies by the weighted slot's rows of ``W_O`` (held by every rank), and the
+    output all-reduce adds the ranks' sums. The shared head's K/V is formed across ranks: the mean of the K/V heads
+    as the all-reduced sum of each rank's rotated K/V heads over ``kv_heads`` (``head0``: rank 0's head 0, the
+    others adding zeros); every rank holds the shared head's query rows and attends it (one head, its own cache),
+    and rank 0 holds its rows of ``W_O`` (the others zeros, so the all-reduce adds it once). The local layouts
+    (``q_proj``: this rank's experts then the shared head; ``out_proj``: this rank's hard slots, the weighted slot,
+    the shared head) are arranged from headmix's tensors at loading (:meth:`arrange_weight`)."""
 
     route = GroupedQueryExpertsAttention.route
     slot_weights = GroupedQueryExpertsAttention.slot_weights
@@ -387,35 +420,81 @@ class GroupedQueryExperts(nn.Module):
         self.hard_slot_scale, self.shared_head_kv = att.hard_slot_scale or "none", att.shared_head_kv or "mean"
         self.num_slots = k * g + int(self.weighted_slot) + int(self.shared_head)
         self.random_router = None  # refused by check_servable
+        ranks, rank = _ranks()
+        self.ranks, self.rank = ranks, rank
+        #: This rank's K/V groups ``first_group ..`` (``local_groups`` of them).
+        self.local_groups = g // ranks
+        self.first_group = rank * self.local_groups
+        gl, shared = self.local_groups, int(self.shared_head)
+        #: This rank's slots in ``out_proj``'s input: its hard slots, the weighted slot, the shared head.
+        self.local_slots = gl * k + int(self.weighted_slot) + shared
         self.router_gate = nn.Linear(d, e, bias=False)
-        self.q_proj = _whole(d, (e + int(self.shared_head)) * dh, q_bias, f"{prefix}.q_proj")
-        self.k_proj = _whole(d, g * dh, kv_bias, f"{prefix}.k_proj")
-        self.v_proj = _whole(d, g * dh, kv_bias, f"{prefix}.v_proj")
-        self.out_proj = _whole(self.num_slots * dh, d, out_bias, f"{prefix}.out_proj")
+        self.q_proj = _column(d, ranks * (gl * self.experts_per_group + shared) * dh, q_bias, f"{prefix}.q_proj")
+        self.k_proj = _column(d, g * dh, kv_bias, f"{prefix}.k_proj")
+        self.v_proj = _column(d, g * dh, kv_bias, f"{prefix}.v_proj")
+        self.out_proj = _row(ranks * self.local_slots * dh, d, out_bias, f"{prefix}.out_proj")
         self.rotary_emb = _rope(att, dh, config.max_positions)
-        self.attn = _paged_attention(vllm_config, k * g, dh, g, prefix)
+        self.attn = _paged_attention(vllm_config, k * gl, dh, gl, prefix)
         self.shared_attn = _paged_attention(vllm_config, 1, dh, 1, prefix, "shared_attn") if self.shared_head else None
 
+    def arrange_weight(self, name: str, tensor: Tensor) -> Tensor:
+        """headmix's ``q_proj`` / ``out_proj`` tensor (``name``: ``q_proj.weight`` ...) laid out rank after rank as
+        the parallel layers split it (the identity on one rank): ``q_proj``'s rows, each rank's experts' then the
+        shared head's; ``out_proj``'s input columns, each rank's hard slots, the weighted slot's, then the shared
+        head's (zeros but on rank 0)."""
+        dh, ranks, gl, k = self.head_dim, self.ranks, self.local_groups, self.top_k
+        if ranks == 1 or name not in ("q_proj.weight", "q_proj.bias", "out_proj.weight"):
+            return tensor
+        if name.startswith("q_proj"):
+            rows = gl * self.experts_per_group * dh
+            shared = [tensor[self.num_experts * dh:]]
+            return torch.cat([part for r in range(ranks) for part in [tensor[r * rows:(r + 1) * rows], *shared]])
+        hard, cols = self.kv_heads * k * dh, gl * k * dh
+        weighted = [tensor[:, hard:hard + dh]] if self.weighted_slot else []
+        shared = tensor[:, self.num_slots * dh - dh:] if self.shared_head else None
+        parts = []
+        for r in range(ranks):
+            parts += [tensor[:, r * cols:(r + 1) * cols], *weighted]
+            if shared is not None:
+                parts.append(shared if r == 0 else torch.zeros_like(shared))
+        return torch.cat(parts, 1)
+
+    def _shared_kv(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The shared head's K/V ``(tokens, head_dim)`` from this rank's rotated K/V heads ``(tokens, local_groups,
+        head_dim)``: headmix's :meth:`shared_kv` on one rank, formed across ranks on more (class docstring)."""
+        n = keys.shape[0]
+        if self.ranks == 1:
+            k_s, v_s = self.shared_kv(keys, values)
+            return k_s.reshape(n, self.head_dim), v_s.reshape(n, self.head_dim)
+        if self.shared_head_kv == "head0":
+            both = torch.cat([keys[:, 0], values[:, 0]], 1) * float(self.rank == 0)
+        else:
+            both = torch.cat([keys.sum(1), values.sum(1)], 1) / self.kv_heads
+        return tensor_model_parallel_all_reduce(both).split(self.head_dim, 1)
+
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        n, g, k, dh, e = x.shape[0], self.kv_heads, self.top_k, self.head_dim, self.num_experts
-        _, _, index, top_p = self.route(x[None])  # (n, G, k), slot order
+        n, g, k, dh = x.shape[0], self.local_groups, self.top_k, self.head_dim
+        _, _, index, top_p = self.route(x[None])  # (n, G, k) every group's, slot order
+        mine = slice(self.first_group, self.first_group + g)
         q_all = self.q_proj(x)[0]
-        pick = index.unsqueeze(-1).expand(-1, -1, -1, dh)
-        q = q_all[:, :e * dh].view(n, g, self.experts_per_group, dh).gather(2, pick).reshape(n, g * k * dh)
-        q = torch.cat([q, q_all[:, e * dh:]], 1)  # the slots' queries, then the shared head's
+        experts = g * self.experts_per_group * dh  # this rank's experts' queries, then the shared head's
+        pick = index[:, mine].unsqueeze(-1).expand(-1, -1, -1, dh)
+        q = q_all[:, :experts].view(n, g, self.experts_per_group, dh).gather(2, pick).reshape(n, g * k * dh)
+        q = torch.cat([q, q_all[:, experts:]], 1)  # the slots' queries, then the shared head's
         keys, values = self.k_proj(x)[0], self.v_proj(x)[0]
         if self.rotary_emb is not None:
             q, keys = self.rotary_emb(positions, q, keys)
         o = self.attn(q[:, :g * k * dh].contiguous(), keys, values).view(n, g * k, dh)
-        slots = [o * top_p.reshape(n, g * k, 1).to(o.dtype) if self.hard_slot_scale == "p" else o]
-        if self.weighted_slot:
-            w = self.slot_weights(top_p).reshape(n, g * k, 1).to(o.dtype)
+        local_p = top_p[:, mine].reshape(n, g * k, 1).to(o.dtype)
+        slots = [o * local_p if self.hard_slot_scale == "p" else o]
+        if self.weighted_slot:  # this rank's groups' share of the sum (the output all-reduce adds the ranks')
+            w = self.slot_weights(top_p)[:, mine].reshape(n, g * k, 1).to(o.dtype)
             slots.append((o * w).sum(1, keepdim=True))
         if self.shared_attn is not None:
-            k_s, v_s = self.shared_kv(keys.view(n, g, dh), values.view(n, g, dh))
-            o_s = self.shared_attn(q[:, g * k * dh:].contiguous(), k_s.reshape(n, dh), v_s.reshape(n, dh))
+            k_s, v_s = self._shared_kv(keys.view(n, g, dh), values.view(n, g, dh))
+            o_s = self.shared_attn(q[:, g * k * dh:].contiguous(), k_s.contiguous(), v_s.contiguous())
             slots.append(o_s.view(n, 1, dh))
-        return self.out_proj(torch.cat(slots, 1).reshape(n, self.num_slots * dh))[0]
+        return self.out_proj(torch.cat(slots, 1).reshape(n, self.local_slots * dh))[0]
 
 
 ATTENTION = {"mha": HeadsAttention, "moh": MixtureOfHeads, "moa": MixtureOfAttentionHeads, "switchhead": SwitchHead,
@@ -463,8 +542,9 @@ class ExpertFeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         routing = self.router(x[None])  # replicated: every rank makes the same choice
         info = expert_routing(routing.expert_index, self.num_experts, check_range=False)
-        gate, up = expert_map(x, self.input_experts, info, impl=self.expert_impl).split(self.ffn_dim, dim=-1)
-        y = expert_reduce(F.silu(gate) * up, self.output_experts, routing.gates.to(x.dtype), info, impl=self.expert_impl)
+        impl = _kernel(self.expert_impl, x, info)
+        gate, up = expert_map(x, self.input_experts, info, impl=impl).split(self.ffn_dim, dim=-1)
+        y = expert_reduce(F.silu(gate) * up, self.output_experts, routing.gates.to(x.dtype), info, impl=impl)
         return _reduce(y, self.out_bias)
 
 
@@ -521,8 +601,13 @@ class Embeddings(nn.Module):
         return x if self.norm is None else self.norm(x)
 
 
+@support_torch_compile(dynamic_arg_dims={"ids": 0, "positions": 0})
 class Decoder(nn.Module):
-    def __init__(self, vllm_config: VllmConfig, config: ModelConfig, prefix: str):
+    """The embeddings, the decoder layers and the final norm: the part vLLM compiles (``@support_torch_compile``,
+    the batch's token dimension dynamic; ``enforce_eager`` runs it eagerly). Built with keyword arguments only (the
+    decorator checks positional ones against the annotations)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, config: ModelConfig, prefix: str = ""):
         super().__init__()
         self.embed = Embeddings(config)
         self.layers = nn.ModuleList(DecoderLayer(vllm_config, config, f"{prefix}.layers.{i}")
@@ -549,7 +634,7 @@ class VllmHeadmixForCausalLM(nn.Module):
         check_tensor_parallel(config, _ranks()[0])
         self.config = hf_config
         self.headmix_config = config
-        self.decoder = Decoder(vllm_config, config, f"{prefix}decoder")
+        self.decoder = Decoder(vllm_config=vllm_config, config=config, prefix=f"{prefix}decoder")
         self.output_proj = ParallelLMHead(config.vocab_size, config.d_model, prefix=f"{prefix}output_proj")
         if config.share_embeddings:
             self.output_proj = self.output_proj.tie_weights(self.decoder.embed.tokens)
@@ -581,6 +666,11 @@ class VllmHeadmixForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"the weights hold {name!r}, which the model its config describes does not have")
             param = params[name]
+            layer, _, leaf = name.rpartition(".")
+            owner, _, child = layer.rpartition(".")
+            arrange = getattr(self.get_submodule(owner), "arrange_weight", None) if owner else None
+            if arrange is not None:  # a layer whose local layout is not one slice of headmix's tensor (GQE)
+                tensor = arrange(f"{child}.{leaf}", tensor)
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded

@@ -1,7 +1,9 @@
 """headmix's vLLM plugin: :func:`register`, the ``vllm.general_plugins`` entry point of headmix's package metadata
 (``pyproject.toml``), which vLLM calls in each of its processes before it reads a model.
 
-It makes four registrations and one change, each once per process (vLLM may call it several times):
+It makes four registrations, each once per process (vLLM may call it several times), three through vLLM's
+public extension points for out-of-tree models and one through the single function that reaches into vLLM
+(:func:`patch_vllm_internals`):
 
 - the vLLM model :class:`headmix.serving.model.VllmHeadmixForCausalLM` under the architecture
   ``HeadmixForCausalLM`` (``vllm.ModelRegistry.register_model``, by name: the model module is imported when a
@@ -10,18 +12,21 @@ It makes four registrations and one change, each once per process (vLLM may call
   ``config.json`` of an ``export-hf`` folder (``model_type`` ``"headmix"``, with an ``auto_map``) is read by the
   installed headmix, without ``trust_remote_code`` and without running code from the folder;
 - the config format ``"headmix"`` (``vllm serve FOLDER --config-format headmix``, ``LLM(FOLDER,
-  config_format="headmix")``) for the folders headmix writes in its own form (a run's final model,
-  ``CausalLanguageModel.save_pretrained``), whose ``config.json`` has no ``model_type``; it reads Hugging Face
-  folders of headmix models too;
-- a check of the model's and the engine's config (``MODELS_CONFIG_MAP``, vLLM's per-architecture hook, which it
-  consults when it reads a model's config and where it makes the engine's config, in the process that starts the
-  engine, before any worker starts): a model vLLM cannot serve is refused there in one line
+  config_format="headmix")``; vLLM's ``register_config_parser``, asked first with ``get_config_parser``) for the
+  folders headmix writes in its own form (a run's final model, ``CausalLanguageModel.save_pretrained``), whose
+  ``config.json`` has no ``model_type``; it reads Hugging Face folders of headmix models too;
+- a check of the model's and the engine's config, in vLLM's per-architecture table ``MODELS_CONFIG_MAP`` (which
+  it consults when it reads a model's config and where it makes the engine's config, in the process that starts
+  the engine, before any worker starts): a model vLLM cannot serve is refused there in one line
   (:func:`~headmix.serving.support.check_servable`), not 40 s later under the engine's worker tracebacks, and so is
   a ``tensor_parallel_size`` the model cannot be split over (:func:`~headmix.serving.support.check_tensor_parallel`).
-  (A head size the attention backend refuses is known only where the model is built.)
+  vLLM has no public hook for this: :func:`patch_vllm_internals` adds it on the vLLM versions it was tested with
+  (:data:`TESTED_VLLM`) and, on any other, adds nothing and says so in one warning line (the model then refuses
+  the same configs where vLLM builds it, later). (A head size the attention backend refuses is known only where
+  the model is built.)
 
-And it serves a headmix model in the dtype its weights were saved in when no ``dtype`` is given
-(:func:`serve_in_saved_dtype`: vLLM's ``"auto"`` would serve a float32 model in bfloat16).
+The same function makes vLLM serve a headmix model in the dtype its weights were saved in when no ``dtype`` is
+given (:func:`saved_dtype_resolver`: vLLM's ``"auto"`` would serve a float32 model in bfloat16).
 
 vLLM is imported here only inside :func:`register`: importing headmix never imports vLLM.
 """
@@ -36,8 +41,13 @@ from .support import ARCHITECTURE, check_servable
 
 #: The vLLM model class, as ``module:class`` (imported by vLLM when a headmix model is loaded).
 MODEL_CLASS = "headmix.serving.model:VllmHeadmixForCausalLM"
+#: The Hugging Face ``model_type`` of headmix's config (:class:`~headmix.hf.HeadmixConfig`).
+MODEL_TYPE = "headmix"
 #: The config format of headmix's own folders (``--config-format headmix``).
 CONFIG_FORMAT = "headmix"
+#: The vLLM releases (``vllm.__version__`` without a local part such as ``+cpu``) whose internals
+#: :func:`patch_vllm_internals` was tested with (``make test-vllm``).
+TESTED_VLLM = ("0.32.0",)
 
 
 def register() -> None:
@@ -56,8 +66,7 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     _register_config_format()
-    _register_config_check()
-    serve_in_saved_dtype()
+    patch_vllm_internals()
 
 
 def hf_config_of_folder(folder: str | Path) -> Any:
@@ -74,7 +83,7 @@ def hf_config_of_folder(folder: str | Path) -> Any:
 
 def saved_dtype(folder: str | Path) -> str | None:
     """The dtype the folder's weights are saved in (its ``*.safetensors`` files' headers), as ``config.json``'s
-    ``dtype`` names it: what vLLM serves the model in (:func:`serve_in_saved_dtype`); ``None`` without weights."""
+    ``dtype`` names it: what vLLM serves the model in (:func:`saved_dtype_resolver`); ``None`` without weights."""
     from headmix.storage.safetensors_header import FLOAT_DTYPES, floating_dtype
 
     stored = {floating_dtype(path) for path in sorted(Path(folder).glob("*.safetensors"))} - {None}
@@ -98,23 +107,15 @@ def saved_dtype_resolver(resolve: Any, supported_dtypes: Any) -> Any:
     return resolve_auto_dtype
 
 
-def serve_in_saved_dtype() -> None:
-    """Install :func:`saved_dtype_resolver` in vLLM (once per process): ``vllm serve FOLDER`` and ``LLM(FOLDER)``
-    serve a headmix model in the precision it was saved in, without ``--dtype``."""
-    from vllm.config import model as model_config
-    from vllm.platforms import current_platform
-
-    if not getattr(model_config._resolve_auto_dtype, "headmix_saved_dtype", False):
-        model_config._resolve_auto_dtype = saved_dtype_resolver(model_config._resolve_auto_dtype,
-                                                                lambda: current_platform.supported_dtypes)
-
-
 def _register_config_format() -> None:
-    from vllm.transformers_utils import config as vllm_config
+    from vllm.transformers_utils.config import get_config_parser, register_config_parser
     from vllm.transformers_utils.config_parser_base import ConfigParserBase
 
-    if CONFIG_FORMAT in vllm_config._CONFIG_FORMAT_TO_CONFIG_PARSER:
-        return
+    try:
+        get_config_parser(CONFIG_FORMAT)
+        return  # registered already in this process
+    except ValueError:
+        pass
 
     class HeadmixConfigParser(ConfigParserBase):
         """``config_format="headmix"``: the config of a folder headmix wrote (:func:`hf_config_of_folder`)."""
@@ -127,7 +128,7 @@ def _register_config_format() -> None:
             check_servable(config)  # refused here, before vLLM resolves the architecture
             return config.to_dict(), config
 
-    vllm_config.register_config_parser(CONFIG_FORMAT)(HeadmixConfigParser)
+    register_config_parser(CONFIG_FORMAT)(HeadmixConfigParser)
 
 
 class ServableCheck:
@@ -148,7 +149,46 @@ class ServableCheck:
                               vllm_config.parallel_config.tensor_parallel_size)
 
 
-def _register_config_check() -> None:
+def patch_vllm_internals() -> bool:
+    """The one place headmix uses vLLM names that vLLM does not document for out-of-tree models, on a vLLM release
+    in :data:`TESTED_VLLM`: its per-architecture config table ``MODELS_CONFIG_MAP`` gets :class:`ServableCheck` for
+    ``HeadmixForCausalLM``, and its per-``model_type`` table ``MODEL_ARCH_CONFIG_CONVERTORS`` a convertor for
+    ``"headmix"`` that counts the query heads the model splits over ranks (GQE's shared head, held by every rank,
+    not among them); and its rule for ``dtype="auto"`` (``_resolve_auto_dtype``) keeps a headmix model's saved dtype
+    (:func:`saved_dtype_resolver`). On any other release it changes nothing and logs one line naming the version (the model
+    refuses the same configs where it is built, after the engine started; GQE is refused by vLLM's own head count
+    above one rank). Returns whether the patch is in place."""
+    import vllm
+
+    release = str(vllm.__version__).split("+")[0]
+    if release not in TESTED_VLLM:
+        logging.getLogger(__name__).warning(
+            "headmix's vLLM plugin does not add its early config check, GQE's head count nor the saved dtype to vLLM %s "
+            "(tested with %s): a model vLLM cannot serve is refused when the engine builds it, GQE above one rank by "
+            "vLLM, and a float32 model without --dtype is served in vLLM's auto dtype",
+            vllm.__version__, ", ".join(TESTED_VLLM))
+        return False
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.transformers_utils.model_arch_config_convertor import (MODEL_ARCH_CONFIG_CONVERTORS,
+                                                                     ModelArchConfigConvertorBase)
+
+    class SplitHeads(ModelArchConfigConvertorBase):
+        """The query heads vLLM checks ``tensor_parallel_size`` against: those the model splits over the ranks.
+        GQE: its ``top_k * kv_heads`` slots, split by K/V group; its shared head, which every rank holds, apart (the
+        Hugging Face config's ``num_attention_heads`` counts it: 5 on 2 K/V groups, which 2 ranks do not divide)."""
+
+        def get_total_num_attention_heads(self) -> int:
+            heads = super().get_total_num_attention_heads()
+            gqe = self.hf_config.model_config().decoder_self_attention
+            return heads - int(gqe.shared_head is not False) if gqe.kind == "gqe" else heads
 
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, ServableCheck)
+    MODEL_ARCH_CONFIG_CONVERTORS.setdefault(MODEL_TYPE, SplitHeads)
+    # a headmix model served in the dtype it was saved in without ``dtype`` (vLLM's private "auto" rule)
+    from vllm.config import model as model_config
+    from vllm.platforms import current_platform
+
+    if not getattr(model_config._resolve_auto_dtype, "headmix_saved_dtype", False):
+        model_config._resolve_auto_dtype = saved_dtype_resolver(model_config._resolve_auto_dtype,
+                                                                lambda: current_platform.supported_dtypes)
+    return True

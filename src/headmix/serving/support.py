@@ -20,7 +20,7 @@ model is built, against the backend's own list).
 
 Across ranks (vLLM's ``tensor_parallel_size``), :func:`check_tensor_parallel` refuses a size that does not divide
 what the model splits: query heads, K/V heads (or fewer K/V heads than ranks, a divisor of them: replicated),
-MoA's K/V heads or else its experts, SwitchHead's heads, the feed-forward width; GQE is served on one rank.
+MoA's K/V heads or else its experts, SwitchHead's heads, GQE's K/V groups, the feed-forward width.
 """
 
 from __future__ import annotations
@@ -151,10 +151,11 @@ def _check_split(config: ModelConfig, ranks: int) -> None:
     def refuse(what: str) -> NotServableError:
         return NotServableError(f"{where} does not divide {what}: serve with a tensor_parallel_size that does")
 
-    if att.kind == "gqe":
-        raise NotServableError(f"the paper's GQE (decoder_self_attention.kind='gqe') is served on one rank only, "
-                               f"not at {where}")
-    if att.kind == "moa":
+    if att.kind == "gqe":  # split by K/V group
+        if att.gqe_sizes()[1] % ranks:
+            raise refuse(f"the paper's GQE's decoder_self_attention.kv_heads={att.gqe_sizes()[1]} (split by K/V "
+                         f"group)")
+    elif att.kind == "moa":
         kv = att.kv_heads or 1
         if kv % ranks and att.num_experts % ranks:
             raise refuse(f"MoA's decoder_self_attention.kv_heads={kv} (split by K/V head) nor its "
