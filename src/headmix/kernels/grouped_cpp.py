@@ -91,8 +91,11 @@ def _build() -> None:
 
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    # -fopenmp at compile time only: ATen's at::parallel_for is an OpenMP region in the header, compiled into this
+    # file (without the flag it runs on one thread); its GOMP_* calls resolve to the OpenMP runtime torch loaded
+    # (libtorch_cpu's), not a second one linked here, so torch.set_num_threads sets this kernel's threads too
     cpp_extension.load(name=_EXTENSION_NAME, sources=[str(_SOURCE)], build_directory=str(directory),
-                       extra_cflags=["-O3"], is_python_module=False, verbose=False)
+                       extra_cflags=["-O3", "-fopenmp"], is_python_module=False, verbose=False)
 
 
 def _warn_once(message: str) -> None:

@@ -14,10 +14,13 @@
 // (the packing a GEMM does anyway), multiplied, and its rows are added, gated, straight into their
 // destination rows.  Where several slots share a destination row (dst_div > 1) parts other than the first
 // add into a private accumulator of the destination's size, summed in part order at the end: no races, and
-// the result depends only on the number of parts, not on thread timing.
+// the result depends only on the number of parts, not on thread timing.  Each worker thread takes the caller's
+// thread-local state (at::ThreadLocalStateGuard: below autograd, as the custom op is called), so its at::mm
+// calls run as the caller's would.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -79,7 +82,9 @@ void slot_pass_kernel(const at::Tensor& src, int64_t src_div, const at::Tensor& 
   const scalar_t* dot_p = dot_src ? dot_src->data_ptr<scalar_t>() : nullptr;
   const int64_t dot_ld = dot_src ? dot_src->stride(0) : 0;
 
+  const at::ThreadLocalState slot_caller_state;
   at::parallel_for(0, parts, 1, [&](int64_t p_begin, int64_t p_end) {
+    at::ThreadLocalStateGuard slot_state_guard(slot_caller_state);
     at::Tensor in_tile = at::empty({rows, d_in}, src.options());
     at::Tensor out_tile = at::empty({rows, d_out}, src.options());
     scalar_t* in_p = in_tile.data_ptr<scalar_t>();
@@ -153,7 +158,9 @@ void weight_grad_kernel(const at::Tensor& a, int64_t a_div, const scalar_t* gate
   const bool acc_float = !std::is_same_v<acc_t, scalar_t>;
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
 
+  const at::ThreadLocalState weight_caller_state;
   at::parallel_for(0, parts, 1, [&](int64_t p_begin, int64_t p_end) {
+    at::ThreadLocalStateGuard weight_state_guard(weight_caller_state);
     at::Tensor a_tile = at::empty({rows, d_in}, a.options());
     at::Tensor b_tile = at::empty({rows, d_out}, b.options());
     at::Tensor acc = acc_float ? at::empty({d_in, d_out}, a.options().dtype(acc_dtype)) : at::Tensor();
