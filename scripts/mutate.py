@@ -41,6 +41,9 @@ def parse(text: str) -> list[dict[str, str]]:
         block = {}
         for line in lines:
             key, _, value = line.partition(": ")
+            if key.strip() in block:  # two blocks with no blank line between: the second would hide the first
+                raise SystemExit(f"mutation block {lines[0]!r} gives {key.strip()!r} twice: a blank line is missing "
+                                 f"before {line!r}")
             block[key.strip()] = value
         missing = {"id", "file", "old", "new", "test"} - block.keys()
         if missing:

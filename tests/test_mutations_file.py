@@ -45,3 +45,12 @@ def test_a_stale_entry_a_missing_file_a_missing_test_and_a_reused_id_are_each_na
         "list.txt: no-test: test file tests/test_gone.py does not exist",
         "list.txt: ok: the id is used twice",
     ]
+
+
+def test_two_blocks_without_a_blank_line_between_are_refused_not_merged(tmp_path):
+    """A merge that drops the blank line between two breaks must not hide the first behind the second."""
+    import pytest
+
+    (tmp_path / "list.txt").write_text("id: a\nfile: f\nold: x\nnew: y\ntest: t\nid: b\nfile: f\nold: x\nnew: y\ntest: t\n")
+    with pytest.raises(SystemExit, match="gives 'id' twice: a blank line is missing before 'id: b'"):
+        _mutate().check(["list.txt"], root=tmp_path)
