@@ -87,7 +87,8 @@ BAG_MAX_SLOTS = 512
 # then reduce, forward + backward, float32, one thread, CPU time, median of 9, the 2-core Xeon shared with other
 # work, 2026-12-07), time / sorted's: d_model 1024, 1024 tokens, top 8 of 32, heads of 64: 0.77; d_model 128,
 # 2048 tokens, top 4 of 16, heads of 16: 0.62. Both under the dense rules above where those apply. At two
-# threads the machine was too loaded to measure (docs/performance.md), and without gradients it was not
+# threads, idle, wall clock, median of 15 (``--threads 2 --rounds 15``, 2026-12-07): 0.95 [0.89-1.05] and
+# 0.97 [0.76-1.08], level with sorted, which auto keeps there (docs/performance.md); without gradients it was not
 # measured: sorted there until it is.
 
 
