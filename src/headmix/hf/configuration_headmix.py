@@ -60,9 +60,8 @@ class HeadmixConfig(PretrainedConfig):
         kwargs.pop(VERSION_FIELD, None)  # a loaded file's, checked by from_dict; saving records this headmix's
         setattr(self, VERSION_FIELD, __version__)
         self.use_cache = use_cache
-        stops = model_config.stop_token_ids()  # every stop id: generate and vLLM stop at each
         defaults = {"pad_token_id": model_config.pad_id, "bos_token_id": model_config.bos_id,
-                    "eos_token_id": stops[0] if len(stops) == 1 else stops}
+                    "eos_token_id": model_config.eos_token_id_field()}  # every stop id: generate and vLLM stop at each
         for name in TOKEN_FIELDS:
             setattr(self, name, kwargs.pop(name, defaults[name]))
         kwargs.pop("tie_word_embeddings", None)  # headmix ties by construction (share_embeddings), never by name

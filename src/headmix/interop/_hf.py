@@ -88,14 +88,6 @@ def special_fields(hf_config: Any, pad_id: int | None, stop_ids: Sequence[int] |
                 eos_id=eos, stop_ids=stops if len(stops) > 1 else None)
 
 
-def stop_field(config: Any) -> int | list[int]:
-    """A headmix config's stop ids as a Hugging Face ``eos_token_id``: ``eos_id`` where it is the only one, else
-    the list of every stop id (in the source's order, ``config.json`` and ``generation_config.json`` as Llama 3.1
-    Instruct's)."""
-    stops = config.stop_token_ids()
-    return stops[0] if len(stops) == 1 else stops
-
-
 def pad_id_of(hf_config: Any, pad_id: int | None, name_or_path: Any = None) -> int | None:
     """The padding token of a converted model: ``pad_id`` where given, else the source config's
     ``pad_token_id``, else (for a local folder ``name_or_path`` with a tokenizer) the tokenizer's; ``None``

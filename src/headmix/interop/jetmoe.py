@@ -36,8 +36,7 @@ import torch
 
 from ..attention import MixtureOfAttentionHeads
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
-from ._hf import (checkpoint_folder, copy_into, pad_id_of, require_transformers, rope_settings, special_fields,
-                  stop_field)
+from ._hf import checkpoint_folder, copy_into, pad_id_of, require_transformers, rope_settings, special_fields
 
 #: JetMoe's per-layer RMSNorm epsilon (``JetMoeRMSNorm``'s default; the decoder layers do not pass
 #: ``rms_norm_eps``).
@@ -206,7 +205,7 @@ def causal_lm_to_jetmoe(model: CausalLanguageModel) -> Any:
         first, vocab_size=cfg.vocab_size, num_hidden_layers=cfg.decoder_layers, intermediate_size=cfg.ffn_dim,
         max_position_embeddings=cfg.max_positions, activation_function="silu", tie_word_embeddings=cfg.share_embeddings,
         rms_norm_eps=cfg.norm_eps, aux_loss_coef=att.load_balance_weight, pad_token_id=cfg.pad_id,
-        bos_token_id=cfg.bos_id, eos_token_id=stop_field(cfg))
+        bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_token_id_field())
     ref = model.decoder.embed.tokens.weight
     with torch.device(ref.device):
         hf_model = transformers.JetMoeForCausalLM(hf_config).to(ref.dtype).eval()

@@ -37,7 +37,7 @@ from torch import Tensor
 from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
 from ._hf import (check_option_names, checkpoint_folder, copy_into, pad_id_of, require_transformers, rope_settings,
-                  special_fields, stop_field, stop_ids_of)
+                  special_fields, stop_ids_of)
 from .moh import zero_moh_routers
 
 ATTENTION_TARGETS = ("mha", "moh")
@@ -333,7 +333,7 @@ def hf_decoder_from_causal_lm(model: CausalLanguageModel, family: str) -> Any:
         head_dim=first.head_dim, max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps,
         hidden_act="silu", tie_word_embeddings=cfg.share_embeddings, attention_bias=first.q_proj.bias is not None,
         attention_dropout=att.dropout, rope_parameters={"rope_type": "default", "rope_theta": att.rotary_base},
-        pad_token_id=cfg.pad_id, bos_token_id=cfg.bos_id, eos_token_id=stop_field(cfg), **extra)
+        pad_token_id=cfg.pad_id, bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_token_id_field(), **extra)
     state = {}
     for name, p in model.named_parameters():
         for ours, theirs in HF_NAMES:

@@ -849,6 +849,13 @@ class ModelConfig:
         """The ids that end a generated sequence: ``stop_ids``, or ``[eos_id]`` where it is ``None``."""
         return [self.eos_id] if self.stop_ids is None else [int(i) for i in self.stop_ids]
 
+    def eos_token_id_field(self) -> int | list[int]:
+        """The stop ids as a Hugging Face config's ``eos_token_id``: ``eos_id`` where it is the only one, else the
+        list of every stop id (in the source's order, as Llama 3.1 Instruct's ``config.json`` and
+        ``generation_config.json`` hold them): what an export, ``generate`` and vLLM read."""
+        stops = self.stop_token_ids()
+        return stops[0] if len(stops) == 1 else stops
+
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
