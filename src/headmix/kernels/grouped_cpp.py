@@ -108,6 +108,8 @@ def _warn_once(message: str) -> None:
 def _load() -> bool:
     """Build (first call) and load the kernel; False, with one warning, where that fails."""
     global _loaded
+    if _loaded is not None:  # every op call asks: no lock once decided
+        return _loaded
     with _lock:
         if _loaded is None:
             try:
