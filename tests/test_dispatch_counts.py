@@ -25,6 +25,15 @@ from headmix.kernels import expert_routing
 if not define_interpreted_kernels():
     pytest.skip("Triton kernels were already compiled for a GPU in this process", allow_module_level=True)
 
+
+@pytest.fixture(scope="module", autouse=True)
+def composed_router():
+    """The routers as a GPU runs them: their composed form (the fused router, kernels/fused_router.py, is the
+    CPU's)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HEADMIX_CPU_KERNEL", "python")
+        yield
+
 #: Operations that read device data back to the host (``.item()``, ``.tolist()``, ``bool(t)``, ...) or have
 #: a data-dependent output shape (``nonzero``, boolean indexing, ``bincount``, ``repeat_interleave`` with a
 #: tensor of repeats, ``unique``): each one is a host synchronisation on a GPU.
@@ -92,6 +101,11 @@ def step_ops() -> dict[str, OpRecorder]:
 def test_training_step_has_no_host_sync(step_ops, name):
     syncs = sorted(set(step_ops[name].all_ops) & (SYNC_OPS | {"repeat_interleave.Tensor"}))
     assert not syncs, f"{name}: host-synchronising operations in a training step: {syncs}"
+
+
+def test_the_gpu_path_runs_the_composed_router(step_ops):
+    """The fused router is a CPU operation: what is counted here is the router a GPU runs."""
+    assert "softmax_topk_route" not in step_ops["moa"].all_ops
 
 
 def test_recorder_sees_host_syncs():

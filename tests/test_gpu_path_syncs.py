@@ -57,6 +57,15 @@ def make(name: str) -> torch.nn.Module:
     return MixtureOfSparseAttention(D, 4, 8, tokens_per_head=3, num_dense_heads=1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def composed_router():
+    """The routers as a GPU runs them: their composed form (the fused router, kernels/fused_router.py, is the
+    CPU's)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HEADMIX_CPU_KERNEL", "python")
+        yield
+
+
 @pytest.fixture
 def cuda_shapes(monkeypatch):
     """Sparse MoH's static shapes (its rule off the CPU) forced on CPU tensors."""

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.fused_router import fused_router_applies, softmax_topk_route
 from ..routing import Routing
 from ..routing.losses import check_fractions, weighted_load_balance
 from ..routing.random import RandomRouter, check_random_router
@@ -212,21 +213,27 @@ class GroupedQueryExpertsAttention(AttentionLayer):
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         return split_heads(self.k_proj(key), self.kv_heads), split_heads(self.v_proj(value), self.kv_heads)
 
+    def router_logits(self, x: Tensor) -> Tensor:
+        """The router logits ``x W_r`` ``(B*T, G M)`` of ``x`` ``(B, T, d_model)``, in at least float32 (also under
+        autocast)."""
+        flat = x.reshape(-1, x.shape[-1]).to(router_dtype(x))
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(flat, self.router_gate.weight.to(flat.dtype))
+
     def route(self, x: Tensor, offset: int | Tensor = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The router on ``x`` ``(B, T, d_model)``: ``(logits, p, index, top_p)`` with ``logits`` and ``p``
         ``(B*T, G, M)`` (``p`` the per-group softmax) and the selection ``index`` (the expert within its group)
         and its ``top_p`` ``(B*T, G, k)`` in slot order (decreasing ``p``). In at least float32. The random
         control: zero logits (``p = 1/M``), the experts drawn for the tokens at positions ``offset ..``."""
-        batch, time, dim = x.shape
+        batch, time, _ = x.shape
         n, groups, per = batch * time, self.kv_heads, self.experts_per_group
-        flat = x.reshape(n, dim).to(router_dtype(x))
+        if self.random_router is not None:
+            logits = x.new_zeros(n, groups, per, dtype=router_dtype(x))
+            p = logits.softmax(-1)
+            index = self.random_router.choose(batch, time, offset)
+            return logits, p, index, p.gather(-1, index)
+        logits = self.router_logits(x).view(n, groups, per)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            if self.random_router is not None:
-                logits = flat.new_zeros(n, groups, per)
-                p = logits.softmax(-1)
-                index = self.random_router.choose(batch, time, offset)
-                return logits, p, index, p.gather(-1, index)
-            logits = F.linear(flat, self.router_gate.weight.to(flat.dtype)).view(n, groups, per)
             p = logits.softmax(-1)
             top_p, index = p.topk(self.top_k, dim=-1)  # sorted: decreasing p, the slot order
         return logits, p, index, top_p
@@ -254,7 +261,17 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         n, groups, k_sel, d_h = batch * tgt, self.kv_heads, self.top_k, self.head_dim
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
-        logits, p, index, top_p = self.route(query, past_len)
+        mask = None if token_mask is None else token_mask.reshape(n)
+        losses = None  # (aux, load balance) where the fused router computed them with the routing
+        if self.random_router is None and fused_router_applies(query):  # one C++ operation (kernels/fused_router.py)
+            logits = self.router_logits(query)
+            p, index, top_p, aux, lb, _ = softmax_topk_route(
+                logits, mask, groups=groups, top_k=k_sel, renormalize="none", scale=1.0,
+                load_balance_weight=self.load_balance_weight, z_loss_weight=0.0,
+                per_token=self.load_balance_fractions == "per_token", z_loss=False)
+            logits, p, losses = logits.view(n, groups, -1), p.view(n, groups, -1), (aux, lb)
+        else:
+            logits, p, index, top_p = self.route(query, past_len)
         # all the experts' queries in one GEMM, then each token's selected ones (faster on the CPU at the paper's
         # shapes than gathering per-token expert weights; counted as computed in models/counting.py)
         q_experts = self.q_proj(query)
@@ -282,15 +299,14 @@ class GroupedQueryExpertsAttention(AttentionLayer):
             y = zero_padded_queries(y, token_mask)
         per = self.experts_per_group  # group g's first expert g M: one arange with a step
         experts = index + torch.arange(0, groups * per, per, device=index.device)[:, None]
-        mask = None if token_mask is None else token_mask.reshape(n)
         routing = Routing(logits.view(n, self.num_experts), p.view(n, self.num_experts),
                           experts.view(n, groups * k_sel), w.view(n, groups * k_sel).to(query.dtype), mask,
                           (batch, tgt))
         if self.random_routing:
             return AttentionOutput(y, zero_loss(query), new_cache, routing)
         # the mean over the groups of each group's load-balancing loss (MoA eq. 13-15) over its M experts
-        aux, lb = weighted_load_balance(routing.probs, routing.expert_index, mask, self.load_balance_weight,
-                                        self.load_balance_fractions, groups)
+        aux, lb = losses or weighted_load_balance(routing.probs, routing.expert_index, mask, self.load_balance_weight,
+                                                  self.load_balance_fractions, groups)
         return AttentionOutput(y, aux, new_cache, routing, {"load_balance": lb})
 
     def shared_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,8 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
-from ..routing import ROUTERS, TopKRouter, routing_losses
+from ..kernels.fused_router import fused_router_applies, softmax_topk_route
+from ..routing import ROUTERS, Routing, TopKRouter, routing_losses
 from ..routing.random import RandomRouter, check_random_router, uniform_routing
 from ..routing.losses import check_fractions
 from ..routing.task_gradient import check_router_learns, moa_router_without_task_gradient
@@ -143,9 +144,19 @@ class MixtureOfAttentionHeads(AttentionLayer):
 
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
         n, k = batch * tgt, self.top_k
+        losses = None  # (aux, parts) where the fused router computed them with the routing
         if self.random_routing:
             routing = uniform_routing(self.router.choose(batch, tgt, past_len).view(n, k), self.num_experts, 1.0 / k,
                                       token_mask, (batch, tgt), query.dtype)
+        elif self.router.noise is None and fused_router_applies(query):  # one C++ operation (kernels/fused_router.py)
+            mask = None if token_mask is None else token_mask.reshape(n)
+            logits = self.router.logits(query)
+            probs, index, gates, aux, la, lz = softmax_topk_route(
+                logits, mask, groups=1, top_k=k, renormalize=self.router.renormalize, scale=1.0,
+                load_balance_weight=self.load_balance_weight, z_loss_weight=self.z_loss_weight,
+                per_token=self.load_balance_fractions == "per_token", z_loss=True)
+            routing = Routing(logits, probs, index.view(n, k), gates.view(n, k).to(query.dtype), mask, (batch, tgt))
+            losses = (aux, {"load_balance": la, "z_loss": lz})
         else:
             routing = self.router(query, token_mask)
         info = expert_routing(routing.expert_index, self.num_experts, check_range=False)  # top-k: in range
@@ -174,8 +185,9 @@ class MixtureOfAttentionHeads(AttentionLayer):
             y = zero_padded_queries(y, token_mask)
         if self.random_routing:
             return AttentionOutput(y, zero_loss(query), new_cache, routing)
-        aux, parts = routing_losses(routing, self.load_balance_weight, self.z_loss_weight, self.load_balance_fractions)
-        return AttentionOutput(y, aux, new_cache, routing, parts)
+        if losses is None:
+            losses = routing_losses(routing, self.load_balance_weight, self.z_loss_weight, self.load_balance_fractions)
+        return AttentionOutput(y, losses[0], new_cache, routing, losses[1])
 
 
 def autocast_dtype(x: Tensor) -> torch.dtype | None:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
+from ..kernels.fused_router import fused_router_applies, softmax_topk_route
 from ..routing import Routing
 from ..routing.losses import check_fractions, weighted_load_balance
 from ..routing.random import RandomRouter, check_random_router
@@ -81,16 +82,28 @@ class MoHHeadWeighting:
     ``num_routed_heads``, ``num_routed_per_group``, ``top_k``, ``route_groups``, ``head_weighting``,
     ``routed_gate``, ``shared_gate``, ``group_gate`` (``nn.Linear`` or ``None``), ``random_router`` (or ``None``)
     and ``query_norm_routing``; with the query-norm rule it passes ``routed_queries`` or defines
-    ``routed_queries(x)``."""
+    ``routed_queries(x)``. The load-balancing loss's ``load_balance_weight`` and ``load_balance_fractions`` default
+    to 0 and ``"normalized"`` (a serving module computes no loss)."""
+
+    load_balance_weight: float = 0.0
+    load_balance_fractions: str = "normalized"
 
     def head_weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
                      routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing | None]:
         """Per-token head weights ``g`` ``(batch, time, num_heads)`` and the routing of the routed heads
         (``expert_index`` counts routed heads from 0, ``gates`` are the selected routed heads' ``g``), or
         ``(None, None)`` when every head is shared. ``routed_queries``: see :meth:`_weights`."""
+        g, routing, _ = self._head_weights_and_losses(x, token_mask, offset, routed_queries)
+        return g, routing
+
+    def _head_weights_and_losses(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
+                                 routed_queries: Tensor | None = None
+                                 ) -> tuple[Tensor | None, Routing | None, tuple[Tensor, Tensor] | None]:
+        """:meth:`head_weights` and the weighted load-balancing loss with its unweighted value where the fused
+        router computed them (else None)."""
         if not self.num_routed_heads:
-            return None, None
-        shared, routing = self._weights(x, token_mask, offset, routed_queries)
+            return None, None, None
+        shared, routing, losses = self._weights(x, token_mask, offset, routed_queries)
         with torch.autocast(device_type=x.device.type, enabled=False):
             g_routed = routing.probs.new_zeros(routing.probs.shape).scatter(1, routing.expert_index, routing.gates.to(
                 routing.probs.dtype))
@@ -100,40 +113,40 @@ class MoHHeadWeighting:
                 n, groups = g_routed.shape[0], self.route_groups
                 g = torch.cat([shared.view(n, groups, self.num_shared_heads),
                                g_routed.view(n, groups, self.num_routed_per_group)], dim=2)
-        return g.to(x.dtype).view(*x.shape[:2], self.num_heads), routing
+        return g.to(x.dtype).view(*x.shape[:2], self.num_heads), routing, losses
 
     def _weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
-                 routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing]:
+                 routed_queries: Tensor | None = None
+                 ) -> tuple[Tensor | None, Routing, tuple[Tensor, Tensor] | None]:
         """The shared heads' weights ``(N, num_shared_heads)`` (None without shared heads) and the routing,
         whose ``gates`` ``(N, top_k)`` are the selected routed heads' weights (eq. 5-6, or the authors' code's
         form, per ``head_weighting``); with ``route_per_group`` each group's (eq. 5-6 within the group), the
         shared weights ``(N, G S)`` and the gates ``(N, G top_k)`` group by group. ``router="random"``: the routed
         heads drawn at random (the tokens at positions ``offset ..``) and every score equal (zero logits).
         ``router="query_norm"``: :meth:`_query_norm_weights` of ``routed_queries`` (the routed heads' queries
-        ``(N, R, key_dim)``, before rotary and QK-norm; projected here when not given)."""
+        ``(N, R, key_dim)``, before rotary and QK-norm; projected here when not given). Third: the weighted
+        load-balancing loss and its value where the fused router (:mod:`headmix.kernels.fused_router`) computed
+        them with the routing, else None."""
         if self.query_norm_routing:
-            return self._query_norm_weights(x, token_mask, routed_queries)
+            return (*self._query_norm_weights(x, token_mask, routed_queries), None)
         batch, time, dim = x.shape
         flat32 = x.reshape(batch * time, dim).to(router_dtype(x))
-        n, route_groups = batch * time, self.route_groups
-        shared = None
+        n, route_groups, per = batch * time, self.route_groups, self.num_routed_per_group
+        shared = losses = None
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = _scores(flat32, self.routed_gate, self.num_routed_heads)
-            # (N, groups, routed per group): one group without route_per_group; routed per K/V group inside each group
-            probs = logits.view(n, route_groups, self.num_routed_per_group).softmax(-1)
-            if self.random_router is not None:
-                index = self.random_router.choose(batch, time, offset)
-                top_p = probs.gather(-1, index)
+            if self.random_router is None and fused_router_applies(x):  # one C++ operation, losses included
+                # renormalized: p / sum_selected p * k, the sum differentiated; scaled: p M; paper: p
+                renormalize, scale = {"renormalized": ("live", self.top_k), "scaled": ("none", per)}.get(
+                    self.head_weighting, ("none", 1))
+                probs, index, routed, aux, lb, _ = softmax_topk_route(
+                    logits, None if token_mask is None else token_mask.reshape(n), groups=route_groups,
+                    top_k=self.top_k, renormalize=renormalize, scale=scale,
+                    load_balance_weight=self.load_balance_weight, z_loss_weight=0.0,
+                    per_token=self.load_balance_fractions == "per_token", z_loss=False)
+                probs, losses = probs.view(n, route_groups, per), (aux, lb)
             else:
-                top_p, index = probs.topk(self.top_k, dim=-1)
-            if self.head_weighting == "renormalized":
-                # no clamp: the selected probabilities hold the largest (>= 1 / routed heads), or with
-                # router="random" equal ones (zero logits), so their sum is positive
-                routed = top_p / top_p.sum(-1, keepdim=True) * self.top_k
-            elif self.head_weighting == "scaled":
-                routed = top_p * self.num_routed_per_group
-            else:
-                routed = top_p
+                routed, probs, index = self._composed_weights(logits, n, batch, time, offset)
             if self.num_shared_heads:
                 groups = _scores(flat32, self.group_gate, 2 * route_groups).view(n, route_groups, 2).softmax(-1)
                 shared = _scores(flat32, self.shared_gate, route_groups * self.num_shared_heads).view(
@@ -142,7 +155,26 @@ class MoHHeadWeighting:
                     groups, shared = 2.0 * groups, shared * self.num_shared_heads
                 routed = groups[..., 1:] * routed
                 shared = (groups[..., :1] * shared).view(n, route_groups * self.num_shared_heads)
-        return shared, self._routing(x, token_mask, logits, probs, index, routed)
+        return shared, self._routing(x, token_mask, logits, probs, index, routed), losses
+
+    def _composed_weights(self, logits: Tensor, n: int, batch: int, time: int,
+                          offset: int | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The routed heads' weights ``(N, G, top_k)`` before the shared/routed split, the per-group softmax
+        ``(N, G, R/G)`` and the selection (group-local), in ATen operations (the fused router's reference)."""
+        # (N, groups, routed per group): one group without route_per_group; routed per K/V group inside each group
+        probs = logits.view(n, self.route_groups, self.num_routed_per_group).softmax(-1)
+        if self.random_router is not None:
+            index = self.random_router.choose(batch, time, offset)
+            top_p = probs.gather(-1, index)
+        else:
+            top_p, index = probs.topk(self.top_k, dim=-1)
+        if self.head_weighting == "renormalized":
+            # no clamp: the selected probabilities hold the largest (>= 1 / routed heads), or with
+            # router="random" equal ones (zero logits), so their sum is positive
+            return top_p / top_p.sum(-1, keepdim=True) * self.top_k, probs, index
+        if self.head_weighting == "scaled":
+            return top_p * self.num_routed_per_group, probs, index
+        return top_p, probs, index
 
     def _routing(self, x: Tensor, token_mask: Tensor | None, logits: Tensor, probs: Tensor, index: Tensor,
                  routed: Tensor) -> Routing:
@@ -403,7 +435,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             use_cache=use_cache, cache=cache, projected_queries=projected)
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
-        g, routing = self.head_weights(query, token_mask, query_offset(cache), routed_q)
+        g, routing, losses = self._head_weights_and_losses(query, token_mask, query_offset(cache), routed_q)
         o = self._gate_heads(o, query)
         if g is not None:
             o = o * g.transpose(1, 2).unsqueeze(-1)
@@ -412,18 +444,20 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             y = zero_padded_queries(y, token_mask)
         if g is None:
             return AttentionOutput(y, zero_loss(query), new_cache)
-        return self._output(y, new_cache, routing)
+        return self._output(y, new_cache, routing, losses)
 
-    def _output(self, y: Tensor, cache: KVCache | None, routing: Routing) -> AttentionOutput:
+    def _output(self, y: Tensor, cache: KVCache | None, routing: Routing,
+                losses: tuple[Tensor, Tensor] | None = None) -> AttentionOutput:
         """The layer's output with its auxiliary loss: the load-balancing loss (MoA eq. 13-15) over the routed
         heads, weighted by ``load_balance_weight``; none (zero) with ``router="random"`` or ``"query_norm"``.
         With ``route_per_group``, the mean over the groups of each group's loss (each group's router is balanced
         over its own heads): :func:`~headmix.routing.losses.weighted_load_balance`, whose backward is written by
-        hand."""
+        hand; ``losses`` where the fused router computed them."""
         if self.random_routing or self.query_norm_routing:
             return AttentionOutput(y, zero_loss(y), cache, routing)
-        aux, lb = weighted_load_balance(routing.probs, routing.expert_index, routing.token_mask,
-                                        self.load_balance_weight, self.load_balance_fractions, self.route_groups)
+        aux, lb = losses or weighted_load_balance(routing.probs, routing.expert_index, routing.token_mask,
+                                                  self.load_balance_weight, self.load_balance_fractions,
+                                                  self.route_groups)
         return AttentionOutput(y, aux, cache, routing, {"load_balance": lb})
 
     def _forward_sparse(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
@@ -447,7 +481,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         w_o_shared, w_o_cols = self._head_blocks(w_o, dv, 1)
         # router="query_norm" reads every routed head's query: the routed projection is computed whole, once
         routed_q = self.routed_queries(query.to(compute), w_q_rows, b_q_routed) if self.query_norm_routing else None
-        shared_w, routing = self._weights(query, token_mask, past_len, routed_q)
+        shared_w, routing, losses = self._weights(query, token_mask, past_len, routed_q)
         bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
                                              attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
                                              dtype=k.dtype, device=k.device)
@@ -526,7 +560,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             y = y + self.out_proj.bias.to(y.dtype)
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
-        return self._output(y, new_cache, routing)
+        return self._output(y, new_cache, routing, losses)
 
 
 def _scores(x: Tensor, gate: nn.Linear | None, width: int) -> Tensor:

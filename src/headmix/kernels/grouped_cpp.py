@@ -24,11 +24,9 @@ single-threaded inside the parallel region. Input rows are read where they are, 
 the map's input gradient) every thread but the first adds into a private accumulator of the destination's
 size, summed in a fixed order: no races, and the same result on every run at a given thread count.
 
-The kernel is compiled on first use with ``torch.utils.cpp_extension`` and cached under
-``$TORCH_EXTENSIONS_DIR`` or ``$XDG_CACHE_HOME/headmix/torch_extensions`` (``~/.cache`` by default), one
-directory per Python and torch version; ``torch.utils.cpp_extension`` locks the directory while it builds, so
-two processes can build at once. Where no compiler is found or the build fails, the Python ``sorted`` path
-(:mod:`.grouped_cpu`) runs instead and a warning says so once. ``HEADMIX_CPU_KERNEL=python`` forces that path.
+The kernel is compiled on first use and cached (:mod:`.cpp_build`, with headmix's other C++ CPU kernels). Where
+no compiler is found or the build fails, the Python ``sorted`` path (:mod:`.grouped_cpu`) runs instead and a
+warning says so once. ``HEADMIX_CPU_KERNEL=python`` forces that path.
 
 The pass and its backward are ``torch.library`` custom ops (``headmix::grouped_gemm``,
 ``headmix::grouped_gemm_backward``) with fake implementations, autograd and FLOP formulas, so
@@ -38,17 +36,12 @@ GEMM.
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
-import warnings
-from pathlib import Path
-
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from . import grouped_cpu
+from .cpp_build import ENV_VAR, build_directory, cpp_kernel_available, cpp_ops as _ops
 from .routing_info import ExpertRouting
 
 __all__ = [
@@ -56,87 +49,7 @@ __all__ = [
     "grouped_cpp_reduce",
 ]
 
-#: ``HEADMIX_CPU_KERNEL=python`` runs the Python ``sorted`` path instead of the C++ kernel.
-ENV_VAR = "HEADMIX_CPU_KERNEL"
-ENV_VALUES = ("cpp", "python")
-
-_SOURCE = Path(__file__).with_name("csrc") / "grouped_gemm.cpp"
-_EXTENSION_NAME = "headmix_grouped_gemm"
-_lock = threading.Lock()
-_loaded: bool | None = None  # None: not tried yet
-_warned = False
-
-
-def build_directory() -> Path:
-    """Where the kernel is compiled and cached: ``$TORCH_EXTENSIONS_DIR`` or ``$XDG_CACHE_HOME/headmix/
-    torch_extensions`` (``~/.cache/...``), one subdirectory per Python and torch version."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        base = Path(root)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headmix" / "torch_extensions"
-    tag = f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}".replace("+", "_")
-    return base / tag / _EXTENSION_NAME
-
-
-def _forced_python() -> bool:
-    value = os.environ.get(ENV_VAR, "cpp").strip().lower() or "cpp"
-    if value not in ENV_VALUES:
-        raise ValueError(f"{ENV_VAR} must be one of {ENV_VALUES}, got {value!r}")
-    return value == "python"
-
-
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    # -fopenmp at compile time only: ATen's at::parallel_for is an OpenMP region in the header, compiled into this
-    # file (without the flag it runs on one thread); its GOMP_* calls resolve to the OpenMP runtime torch loaded
-    # (libtorch_cpu's), not a second one linked here, so torch.set_num_threads sets this kernel's threads too
-    cpp_extension.load(name=_EXTENSION_NAME, sources=[str(_SOURCE)], build_directory=str(directory),
-                       extra_cflags=["-O3", "-fopenmp"], is_python_module=False, verbose=False)
-
-
-def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def _load() -> bool:
-    """Build (first call) and load the kernel; False, with one warning, where that fails."""
-    global _loaded
-    if _loaded is not None:  # every op call asks: no lock once decided
-        return _loaded
-    with _lock:
-        if _loaded is None:
-            try:
-                _build()
-                _loaded = True
-            except Exception as err:  # no compiler, no ninja, a failed build or load: the Python path runs
-                _loaded = False
-                reason = " ".join(str(err).split())[:300] or type(err).__name__
-                _warn_once(f"headmix: the C++ grouped GEMM could not be built ({type(err).__name__}: {reason}); "
-                           "impl='grouped_cpp' runs the Python 'sorted' path instead")
-        return _loaded
-
-
-@torch.compiler.assume_constant_result
-def cpp_kernel_available() -> bool:
-    """True when the C++ kernel runs: not forced off by ``HEADMIX_CPU_KERNEL=python`` and built (on the first
-    call) and loaded. A constant for ``torch.compile``."""
-    return not _forced_python() and _load()
-
-
 # ---------------------------------------------------------------------------------------------- custom ops
-def _ops():
-    if not _load():
-        raise RuntimeError("headmix::grouped_gemm needs the C++ grouped GEMM, which could not be built")
-    return torch.ops.headmix_cpp
-
-
 @torch.library.custom_op("headmix::grouped_gemm", mutates_args=(), device_types="cpu")
 def grouped_gemm_op(src: Tensor, weight: Tensor, gates: Tensor | None, sort_order: Tensor, offsets: Tensor,
                     src_div: int, dst_div: int) -> Tensor:

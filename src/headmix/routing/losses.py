@@ -130,11 +130,16 @@ class _FusedLoadBalance(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def _at_least_float32(t: Tensor) -> Tensor:
+    """``t`` in float32, or float64 where it is float64."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def router_z_loss(logits: Tensor, token_mask: Tensor | None = None) -> Tensor:
     """``L_z = mean_t (log sum_i exp(x_{i,t}))^2`` over the pre-softmax logits (eq. 16), via logsumexp."""
     if logits.shape[0] == 0:
         return logits.sum() * 0.0
-    squared = torch.logsumexp(logits.float(), dim=-1).pow(2)
+    squared = torch.logsumexp(_at_least_float32(logits), dim=-1).pow(2)
     if token_mask is None:
         return squared.mean()
     # the mean over real tokens with static shapes (padded rows masked, not dropped)
@@ -175,7 +180,7 @@ class _FusedRouterLosses(torch.autograd.Function):
     def forward(ctx, logits, probs, expert_index, token_mask, lb_weight, z_weight, per_token):
         n, num_experts = probs.shape
         top_k = expert_index.shape[1]
-        lse = torch.logsumexp(logits.float(), dim=-1)  # the z-loss in float32 at least, as router_z_loss
+        lse = torch.logsumexp(_at_least_float32(logits), dim=-1)  # the z-loss in float32 at least, as router_z_loss
         if token_mask is None:
             tokens, real = float(n), None
             slot_weight = probs.new_ones(()).expand(n * top_k)

@@ -90,14 +90,19 @@ class TopKRouter(nn.Module):
         if self.noise is not None:
             nn.init.zeros_(self.noise.weight)
 
+    def logits(self, x: Tensor) -> Tensor:
+        """The router logits ``x W_g`` ``(batch * time, num_experts)`` of ``x`` ``(batch, time, embed_dim)``, in
+        (at least) float32, also under autocast: softmax / top-k on bf16 logits flips near-ties."""
+        flat = x.reshape(-1, x.shape[-1]).to(router_dtype(x))
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(flat, self.gate.weight.to(flat.dtype))
+
     def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Routing:
         """``x``: ``(batch, time, embed_dim)``; ``token_mask``: ``(batch, time)`` True for real tokens."""
         batch, time, dim = x.shape
-        flat = x.reshape(batch * time, dim)
-        # The router runs in (at least) float32, also under autocast: softmax/top-k on bf16 logits flips near-ties.
-        flat = flat.to(router_dtype(x))
+        flat = x.reshape(batch * time, dim).to(router_dtype(x))
+        logits = self.logits(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(flat, self.gate.weight.to(flat.dtype))
             probs = logits.softmax(dim=-1)
             if self.noise is None:
                 top_p, index = probs.topk(self.top_k, dim=-1)

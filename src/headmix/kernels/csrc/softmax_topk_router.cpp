@@ -1,0 +1,185 @@
+// A softmax top-k router with its auxiliary losses, one operation forward and one backward (CPU), built on first
+// use by headmix/kernels/cpp_build.py beside grouped_gemm.cpp; the Python side is headmix/kernels/fused_router.py,
+// which states the equations (MoA eq. 7-9 and 13-17, grouped as GQE's and MoH's per-group routers).
+//
+// Forward, on logits z (N, G*M) of G routers of M experts each, per token t and router g:
+//   p = softmax(z_g)                                  (at::softmax: the reference's values bit for bit)
+//   index, top_p = TopK(p, k)                         (at::topk: the reference's choice, ties included)
+//   gates = c * top_p / S  (renorm 1, 2) or c * top_p (renorm 0),  S = sum of top_p
+// and over the real tokens (mask), T of them (at least 1):
+//   count_e = real slots routed to e,  mass_e = sum_t p_{t,e}
+//   L_a = M / (G K T^2) sum_e count_e mass_e          (K = k, or 1 for per-token fractions)
+//   L_z = (1/T) sum_t lse_t^2                         (G = 1 only; lse = logsumexp(z_t))
+//   total = w_a L_a + w_z L_z
+// Backward, per row (rows independent, parallel): dp = grad_probs + [real] (g_a M count / (G K T^2)) + the gates'
+// gradient scattered to the selected experts, then the softmax's Jacobian, plus [real] p (2 g_z lse / T).
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kNone = 0, kDetached = 1, kLive = 2;
+
+double scalar_or_zero(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->item<double>() : 0.0;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+softmax_topk_route(const at::Tensor& logits, const c10::optional<at::Tensor>& token_mask, int64_t groups, int64_t top_k,
+                   int64_t renorm, double scale, double lb_weight, double z_weight, bool per_token, bool z_loss) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) % groups == 0, "softmax_topk_route: logits (N, G*M) expected");
+  TORCH_CHECK(!z_loss || groups == 1, "softmax_topk_route: the z-loss is defined for one router group");
+  const int64_t n = logits.size(0), experts = logits.size(1), per = experts / groups, k = top_k;
+  const at::Tensor grouped = logits.contiguous().view({n, groups, per});
+  const at::Tensor probs = at::softmax(grouped, -1).contiguous();
+  auto [top_p, index] = at::topk(probs, k, -1);
+  top_p = top_p.contiguous();
+  index = index.contiguous();
+  at::Tensor lse = z_loss ? at::logsumexp(logits, {-1}).contiguous() : at::empty({0}, logits.options());
+  at::Tensor gates = at::empty_like(top_p);
+  at::Tensor scaled_counts = at::zeros({experts}, logits.options());
+  at::Tensor tokens_t = at::empty({}, logits.options());
+  at::Tensor total = at::empty({}, logits.options()), la = at::empty({}, logits.options()),
+             lz = at::empty({}, logits.options());
+  const bool* real = nullptr;
+  at::Tensor mask;
+  if (token_mask.has_value() && token_mask->defined()) {
+    mask = token_mask->to(at::kBool).contiguous();
+    real = mask.data_ptr<bool>();
+  }
+  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "softmax_topk_route", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* p = probs.data_ptr<scalar_t>();
+    const scalar_t* tp = top_p.data_ptr<scalar_t>();
+    const int64_t* idx = index.data_ptr<int64_t>();
+    scalar_t* g = gates.data_ptr<scalar_t>();
+    at::parallel_for(0, n * groups, 256, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        acc_t denominator = 1;
+        if (renorm != kNone) {
+          acc_t sum = 0;
+          for (int64_t j = 0; j < k; ++j) sum += tp[r * k + j];
+          denominator = sum;
+        }
+        for (int64_t j = 0; j < k; ++j)
+          g[r * k + j] = static_cast<scalar_t>(scale * static_cast<acc_t>(tp[r * k + j]) / denominator);
+      }
+    });
+    // the sums over tokens, serially in token order (G*M numbers per token): the same result on every run
+    std::vector<double> count(experts, 0.0), mass(experts, 0.0);
+    double tokens = 0, lse_squares = 0;
+    const scalar_t* l = z_loss ? lse.data_ptr<scalar_t>() : nullptr;
+    for (int64_t t = 0; t < n; ++t) {
+      if (real && !real[t]) continue;
+      tokens += 1;
+      for (int64_t e = 0; e < experts; ++e) mass[e] += p[t * experts + e];
+      for (int64_t gr = 0; gr < groups; ++gr)
+        for (int64_t j = 0; j < k; ++j) count[gr * per + idx[(t * groups + gr) * k + j]] += 1;
+      if (l) lse_squares += static_cast<double>(l[t]) * l[t];
+    }
+    const double t_real = std::max(tokens, 1.0);
+    const double factor = static_cast<double>(per) / (groups * (per_token ? 1 : k) * t_real * t_real);
+    double la_v = 0;
+    scalar_t* sc = scaled_counts.data_ptr<scalar_t>();
+    for (int64_t e = 0; e < experts; ++e) {
+      sc[e] = static_cast<scalar_t>(count[e] * factor);
+      la_v += count[e] * factor * mass[e];
+    }
+    const double lz_v = lse_squares / t_real;
+    la.fill_(la_v);
+    lz.fill_(lz_v);
+    total.fill_(lb_weight * la_v + z_weight * lz_v);
+    tokens_t.fill_(t_real);
+  });
+  return {probs.view({n, experts}), index, gates, total, la, lz, lse, scaled_counts, tokens_t};
+}
+
+at::Tensor softmax_topk_route_backward(const c10::optional<at::Tensor>& grad_probs,
+                                       const c10::optional<at::Tensor>& grad_gates,
+                                       const c10::optional<at::Tensor>& grad_total,
+                                       const c10::optional<at::Tensor>& grad_la,
+                                       const c10::optional<at::Tensor>& grad_lz, const at::Tensor& probs,
+                                       const at::Tensor& index, const c10::optional<at::Tensor>& token_mask,
+                                       const at::Tensor& lse, const at::Tensor& scaled_counts, const at::Tensor& tokens,
+                                       int64_t groups, int64_t renorm, double scale, double lb_weight, double z_weight) {
+  const int64_t n = probs.size(0), experts = probs.size(1), per = experts / groups, k = index.size(2);
+  const double total_grad = scalar_or_zero(grad_total);
+  const double g_a = total_grad * lb_weight + scalar_or_zero(grad_la);
+  const double g_z = total_grad * z_weight + scalar_or_zero(grad_lz);
+  const bool with_lse = lse.numel() == n && n > 0 && g_z != 0.0;
+  const double z_factor = with_lse ? 2.0 * g_z / tokens.item<double>() : 0.0;
+  at::Tensor grad = at::empty_like(probs);
+  at::Tensor gp, gg, mask;
+  if (grad_probs.has_value() && grad_probs->defined()) gp = grad_probs->contiguous();
+  if (grad_gates.has_value() && grad_gates->defined()) gg = grad_gates->contiguous();
+  const bool* real = nullptr;
+  if (token_mask.has_value() && token_mask->defined()) {
+    mask = token_mask->to(at::kBool).contiguous();
+    real = mask.data_ptr<bool>();
+  }
+  AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "softmax_topk_route_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* p_all = probs.data_ptr<scalar_t>();
+    const int64_t* idx_all = index.data_ptr<int64_t>();
+    const scalar_t* gp_all = gp.defined() ? gp.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* gg_all = gg.defined() ? gg.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* sc = scaled_counts.data_ptr<scalar_t>();
+    const scalar_t* l = with_lse ? lse.data_ptr<scalar_t>() : nullptr;
+    scalar_t* out = grad.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 64, [&](int64_t t0, int64_t t1) {
+      std::vector<acc_t> dp(per);
+      for (int64_t t = t0; t < t1; ++t) {
+        const bool is_real = !real || real[t];
+        for (int64_t gr = 0; gr < groups; ++gr) {
+          const int64_t base = t * experts + gr * per;
+          const scalar_t* p = p_all + base;
+          const int64_t* idx = idx_all + (t * groups + gr) * k;
+          for (int64_t e = 0; e < per; ++e) {
+            acc_t d = gp_all ? static_cast<acc_t>(gp_all[base + e]) : acc_t(0);
+            if (is_real && g_a != 0.0) d += static_cast<acc_t>(g_a * sc[gr * per + e]);
+            dp[e] = d;
+          }
+          if (gg_all) {
+            const scalar_t* dg = gg_all + (t * groups + gr) * k;
+            acc_t sum = 0, weighted = 0;
+            for (int64_t j = 0; j < k; ++j) {
+              sum += p[idx[j]];
+              weighted += static_cast<acc_t>(dg[j]) * p[idx[j]];
+            }
+            const acc_t inv = renorm == kNone ? acc_t(1) : acc_t(1) / sum;
+            const acc_t live = renorm == kLive ? weighted * inv * inv : acc_t(0);
+            for (int64_t j = 0; j < k; ++j)
+              dp[idx[j]] += static_cast<acc_t>(scale) * (static_cast<acc_t>(dg[j]) * inv - live);
+          }
+          acc_t dot = 0;
+          for (int64_t e = 0; e < per; ++e) dot += static_cast<acc_t>(p[e]) * dp[e];
+          const acc_t z = (l && is_real) ? static_cast<acc_t>(z_factor * l[t]) : acc_t(0);
+          for (int64_t e = 0; e < per; ++e)
+            out[base + e] = static_cast<scalar_t>(static_cast<acc_t>(p[e]) * (dp[e] - dot + z));
+        }
+      }
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(headmix_cpp, m) {
+  m.def("softmax_topk_route(Tensor logits, Tensor? token_mask, int groups, int top_k, int renorm, float scale, "
+        "float lb_weight, float z_weight, bool per_token, bool z_loss) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("softmax_topk_route_backward(Tensor? grad_probs, Tensor? grad_gates, Tensor? grad_total, Tensor? grad_la, "
+        "Tensor? grad_lz, Tensor probs, Tensor index, Tensor? token_mask, Tensor lse, Tensor scaled_counts, "
+        "Tensor tokens, int groups, int renorm, float scale, float lb_weight, float z_weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(headmix_cpp, CPU, m) {
+  m.impl("softmax_topk_route", &softmax_topk_route);
+  m.impl("softmax_topk_route_backward", &softmax_topk_route_backward);
+}

@@ -1,0 +1,112 @@
+"""The softmax top-k router and its auxiliary losses as one C++ operation forward and one backward (CPU).
+
+What it computes is :mod:`headmix.routing`'s (its reference, tested against it in tests/test_fused_router.py), for
+``G`` routers side by side of ``M`` experts each (MoA: ``G = 1``; GQE and MoH routed per K/V group: one router per
+group), on the router logits ``z`` ``(N, G M)`` (the gate GEMM stays outside, an ordinary ``F.linear``):
+
+* MoA eq. 7-8: ``p = softmax(z_g)`` per router, ``index, top_p = TopK(p, k)`` (``torch.topk``'s choice and order,
+  ties included);
+* eq. 9: the gates ``c top_p / S`` with ``S`` the selected probabilities' sum, held constant
+  (``renormalize="detached"``, the paper) or differentiated (``"live"``), or ``c top_p`` (``"none"``); ``c`` is
+  ``scale`` (MoH's ``k`` or ``M``, 1 elsewhere);
+* eq. 13-15 averaged over the routers: ``L_a = M / (G K T^2) sum_e c_e sum_t p_{t,e}`` over the ``T`` real tokens,
+  ``c_e`` the real slots routed to expert ``e``, ``K = k`` (``1`` with per-token fractions);
+* eq. 16: ``L_z = (1/T) sum_t lse_t^2`` (``z_loss=True``, one router only);
+* eq. 17 for the layer: ``total = w_a L_a + w_z L_z``.
+
+The composed form takes about 30 ATen operations forward and backward (softmax, top-k, the renormalisation, the
+two losses' fused autograd functions and their backward); here the forward is one operation and the backward one,
+so a training step dispatches the router's gate GEMM and these two. The operation runs on CPU tensors where the C++
+kernels are built (:mod:`.cpp_build`); :func:`fused_router_applies` says when, and the layers run their composed
+form everywhere else (a GPU, ``HEADMIX_CPU_KERNEL=python``, no compiler, no token). It is a ``torch.library``
+custom op with a fake implementation, so ``torch.compile(fullgraph=True)`` sees one operation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .cpp_build import cpp_kernel_available, cpp_ops
+
+__all__ = ["RENORMALIZE_CODES", "fused_router_applies", "softmax_topk_route"]
+
+#: ``renormalize`` as the kernel numbers it.
+RENORMALIZE_CODES = {"none": 0, "detached": 1, "live": 2}
+
+
+@torch.library.custom_op("headmix::softmax_topk_route", mutates_args=(), device_types="cpu")
+def _route_op(logits: Tensor, token_mask: Tensor | None, groups: int, top_k: int, renorm: int, scale: float,
+              lb_weight: float, z_weight: float, per_token: bool, z_loss: bool
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(probs, index, gates, total, L_a, L_z, lse, scaled_counts, tokens)``; the last three are kept for the
+    backward (``lse`` empty without the z-loss)."""
+    outputs = cpp_ops().softmax_topk_route(logits, token_mask, groups, top_k, renorm, scale, lb_weight, z_weight,
+                                           per_token, z_loss)
+    return tuple(outputs)
+
+
+@_route_op.register_fake
+def _(logits, token_mask, groups, top_k, renorm, scale, lb_weight, z_weight, per_token, z_loss):
+    n, experts = logits.shape
+    scalar = logits.new_empty(())
+    return (logits.new_empty(n, experts), logits.new_empty(n, groups, top_k, dtype=torch.long),
+            logits.new_empty(n, groups, top_k), scalar, logits.new_empty(()), logits.new_empty(()),
+            logits.new_empty(n if z_loss else 0), logits.new_empty(experts), logits.new_empty(()))
+
+
+@torch.library.custom_op("headmix::softmax_topk_route_backward", mutates_args=(), device_types="cpu")
+def _route_backward_op(grad_probs: Tensor | None, grad_gates: Tensor | None, grad_total: Tensor | None,
+                       grad_la: Tensor | None, grad_lz: Tensor | None, probs: Tensor, index: Tensor,
+                       token_mask: Tensor | None, lse: Tensor, scaled_counts: Tensor, tokens: Tensor, groups: int,
+                       renorm: int, scale: float, lb_weight: float, z_weight: float) -> Tensor:
+    """The gradient of :func:`_route_op`'s differentiable outputs with respect to the logits."""
+    return cpp_ops().softmax_topk_route_backward(grad_probs, grad_gates, grad_total, grad_la, grad_lz, probs, index,
+                                                 token_mask, lse, scaled_counts, tokens, groups, renorm, scale,
+                                                 lb_weight, z_weight)
+
+
+@_route_backward_op.register_fake
+def _(grad_probs, grad_gates, grad_total, grad_la, grad_lz, probs, index, token_mask, lse, scaled_counts, tokens,
+      groups, renorm, scale, lb_weight, z_weight):
+    return probs.new_empty(probs.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, token_mask, groups, top_k, renorm, scale, lb_weight, z_weight, per_token, z_loss = inputs
+    probs, index, gates, total, la, lz, lse, scaled_counts, tokens = output
+    ctx.save_for_backward(probs, index, token_mask, lse, scaled_counts, tokens)
+    ctx.consts = (groups, renorm, scale, lb_weight, z_weight)
+    ctx.mark_non_differentiable(index, lse, scaled_counts, tokens)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_probs, grad_index, grad_gates, grad_total, grad_la, grad_lz, *unused):
+    probs, index, token_mask, lse, scaled_counts, tokens = ctx.saved_tensors
+    if grad_probs is None and grad_gates is None and grad_total is None and grad_la is None and grad_lz is None:
+        return (None,) * 10
+    grad = _route_backward_op(grad_probs, grad_gates, grad_total, grad_la, grad_lz, probs, index, token_mask, lse,
+                              scaled_counts, tokens, *ctx.consts)
+    return (grad,) + (None,) * 9
+
+
+_route_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_router_applies(x: Tensor) -> bool:
+    """True where :func:`softmax_topk_route` runs the C++ operation for a router reading ``x``: CPU tensors of at
+    least one token, with the C++ kernels built and not forced off (``HEADMIX_CPU_KERNEL=python``)."""
+    return x.device.type == "cpu" and x.numel() > 0 and cpp_kernel_available()
+
+
+def softmax_topk_route(logits: Tensor, token_mask: Tensor | None, *, groups: int, top_k: int, renormalize: str,
+                       scale: float, load_balance_weight: float, z_loss_weight: float, per_token: bool,
+                       z_loss: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(probs (N, G M), index (N, G, k), gates (N, G, k), total, L_a, L_z)`` of the module docstring's equations
+    for ``logits`` ``(N, G M)`` and ``token_mask`` ``(N,)`` (True for real tokens; None: all real); ``index`` numbers
+    the experts within their router. ``L_z`` is 0 without ``z_loss``. Call where :func:`fused_router_applies`."""
+    if z_loss and groups != 1:
+        raise ValueError(f"z_loss is defined for one router, got groups={groups}")
+    outputs = _route_op(logits, token_mask, groups, top_k, RENORMALIZE_CODES[renormalize], float(scale),
+                        float(load_balance_weight), float(z_loss_weight), bool(per_token), bool(z_loss))
+    return outputs[:6]

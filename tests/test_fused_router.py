@@ -1,0 +1,231 @@
+"""The fused softmax top-k router (:mod:`headmix.kernels.fused_router`, one C++ operation forward and one backward)
+against its reference, :mod:`headmix.routing`'s composed router and losses (MoA eq. 7-9, 13-17; the per-group form
+of GQE and MoH): probabilities, choice, gates, the losses and the gradient into the logits from every output, in
+float64 and float32, with padding masks, every renormalisation, several routers, odd sizes, ties, the custom op's
+checks and compile; then MoA, GQE and MoH with the fused router against the same layers on their composed path
+(``HEADMIX_CPU_KERNEL=python``), outputs and gradients."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from headmix.attention import GroupedQueryExpertsAttention, MixtureOfAttentionHeads, MixtureOfHeadsAttention
+from headmix.kernels import cpp_build, fused_router
+from headmix.routing import Routing, routing_losses
+from headmix.routing.losses import weighted_load_balance
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_kernel():
+    if os.environ.get(cpp_build.ENV_VAR, "").lower() == "python":
+        pytest.skip(f"{cpp_build.ENV_VAR}=python forces the composed path")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the layers run their composed path (tested everywhere else)")
+    assert cpp_build.cpp_kernel_available(), "the C++ CPU kernels failed to build (see the warning)"
+
+
+def composed(logits, mask, groups, top_k, renormalize, scale, lb_weight, z_weight, per_token, z_loss):
+    """The reference: headmix.routing's composed router and losses on the same logits."""
+    n = logits.shape[0]
+    per = logits.shape[1] // groups
+    probs = logits.view(n, groups, per).softmax(-1)
+    top_p, index = probs.topk(top_k, dim=-1)
+    if renormalize == "detached":
+        gates = top_p / top_p.sum(-1, keepdim=True).detach() * scale
+    elif renormalize == "live":
+        gates = top_p / top_p.sum(-1, keepdim=True) * scale
+    else:
+        gates = top_p * scale
+    fractions = "per_token" if per_token else "normalized"
+    if z_loss:
+        routing = Routing(logits, probs.view(n, -1), index.view(n, -1), gates.view(n, -1), mask, (1, n))
+        total, parts = routing_losses(routing, lb_weight, z_weight, fractions)
+        return probs.view(n, -1), index, gates, total, parts["load_balance"], parts["z_loss"]
+    experts = (index + per * torch.arange(groups)[:, None]).view(n, groups * top_k)
+    total, la = weighted_load_balance(probs.view(n, -1), experts, mask, lb_weight, fractions, groups)
+    return probs.view(n, -1), index, gates, total, la, logits.new_zeros(())
+
+
+def outputs_and_grad(fn, logits, mask, cotangents, **options):
+    z = logits.detach().clone().requires_grad_()
+    probs, index, gates, total, la, lz = fn(z, mask, **options)
+    c_probs, c_gates, c_total, c_la, c_lz = cotangents
+    loss = (probs * c_probs).sum() + (gates * c_gates).sum() + total * c_total + la * c_la + lz * c_lz
+    (grad,) = torch.autograd.grad(loss, z)
+    return [probs.detach(), index, gates.detach(), total.detach(), la.detach(), lz.detach(), grad]
+
+
+def fused(logits, mask, **options):
+    return fused_router.softmax_topk_route(logits, mask, groups=options["groups"], top_k=options["top_k"],
+                                           renormalize=options["renormalize"], scale=options["scale"],
+                                           load_balance_weight=options["lb_weight"],
+                                           z_loss_weight=options["z_weight"], per_token=options["per_token"],
+                                           z_loss=options["z_loss"])
+
+
+def reference(logits, mask, **options):
+    return composed(logits, mask, **options)
+
+
+CASES = {
+    # name: (tokens, groups, experts per group, top_k, z-loss)
+    "moa": (13, 1, 8, 3, True),
+    "moa one token": (1, 1, 5, 2, True),
+    "moa top 1": (9, 1, 6, 1, True),
+    "moa every expert": (7, 1, 4, 4, True),
+    "per group": (11, 3, 5, 2, False),
+    "per group top 1": (10, 4, 2, 1, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("renormalize", ["detached", "live", "none"])
+@pytest.mark.parametrize("masked", ["none", "some", "all padded"])
+@pytest.mark.parametrize("case", CASES)
+def test_fused_router_equals_the_composed_router(case, masked, renormalize, dtype):
+    n, groups, per, top_k, z_loss = CASES[case]
+    gen = torch.Generator().manual_seed(hash((case, masked, renormalize)) % 2**31)
+    logits = torch.randn(n, groups * per, generator=gen, dtype=torch.float64).mul(2).to(dtype)
+    mask = {"none": None, "some": torch.rand(n, generator=gen) > 0.4,
+            "all padded": torch.zeros(n, dtype=torch.bool)}[masked]
+    options = dict(groups=groups, top_k=top_k, renormalize=renormalize, scale=1.0 if groups == 1 else top_k,
+                   lb_weight=0.3, z_weight=0.05 if z_loss else 0.0, per_token=case.endswith("top 1"), z_loss=z_loss)
+    cotangents = [torch.randn(n, groups * per, generator=gen, dtype=torch.float64).to(dtype),
+                  torch.randn(n, groups, top_k, generator=gen, dtype=torch.float64).to(dtype),
+                  torch.tensor(1.7, dtype=dtype), torch.tensor(0.4, dtype=dtype), torch.tensor(0.2, dtype=dtype)]
+    got = outputs_and_grad(fused, logits, mask, cotangents, **options)
+    want = outputs_and_grad(reference, logits, mask, cotangents, **options)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for name, g, w in zip(("probs", "index", "gates", "total", "L_a", "L_z", "grad"), got, want):
+        if name == "index":
+            assert torch.equal(g, w), "the choice differs from torch.topk's"
+        else:
+            torch.testing.assert_close(g, w, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_only_the_used_outputs_need_a_gradient():
+    """The loss reads the total alone (the training step's case): the gradient is the total's."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 6, generator=gen, dtype=torch.float64)
+    options = dict(groups=1, top_k=2, renormalize="detached", scale=1.0, lb_weight=0.5, z_weight=0.1,
+                   per_token=False, z_loss=True)
+    grads = []
+    for fn in (fused, reference):
+        z = logits.clone().requires_grad_()
+        grads.append(torch.autograd.grad(fn(z, None, **options)[3], z)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
+    assert grads[0].abs().sum() > 0
+
+
+def test_ties_choose_what_torch_topk_chooses():
+    """Equal logits (a router initialised at zero, GQE's authors' option): the same experts as torch.topk."""
+    for per, top_k in ((8, 2), (16, 4), (64, 2), (100, 3)):
+        logits = torch.zeros(4, per)
+        _, index, *_ = fused_router.softmax_topk_route(logits, None, groups=1, top_k=top_k, renormalize="none",
+                                                       scale=1.0, load_balance_weight=0.0, z_loss_weight=0.0,
+                                                       per_token=False, z_loss=False)
+        assert torch.equal(index.view(4, top_k), logits.softmax(-1).topk(top_k, -1).indices)
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(7, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([True, True, False, True, True, False, True])
+    torch.library.opcheck(fused_router._route_op, (logits, mask, 2, 2, 2, 2.0, 0.1, 0.0, False, False))
+    torch.library.opcheck(fused_router._route_op, (logits, None, 1, 3, 1, 1.0, 0.1, 0.02, True, True))
+
+
+def test_one_operation_under_compile():
+    counter = CompileCounter()
+
+    def route(z, mask):
+        probs, index, gates, total, la, lz = fused_router.softmax_topk_route(
+            z, mask, groups=1, top_k=2, renormalize="detached", scale=1.0, load_balance_weight=0.1,
+            z_loss_weight=0.01, per_token=False, z_loss=True)
+        return gates.sum() + total
+
+    compiled = torch.compile(route, backend=counter, fullgraph=True)
+    z = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(10) > 0.3
+    got = torch.autograd.grad(compiled(z, mask), z)[0]
+    want = torch.autograd.grad(route(z, mask), z)[0]
+    torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1
+
+
+def test_forced_python_runs_the_composed_path(monkeypatch):
+    x = torch.randn(2, 3, 8)
+    assert fused_router.fused_router_applies(x)
+    monkeypatch.setenv(cpp_build.ENV_VAR, "python")
+    assert not fused_router.fused_router_applies(x)
+    monkeypatch.delenv(cpp_build.ENV_VAR)
+    assert not fused_router.fused_router_applies(x[:, :0])  # no token: the composed path's empty-input rules
+
+
+def test_z_loss_needs_one_router():
+    with pytest.raises(ValueError, match="z_loss is defined for one router"):
+        fused_router.softmax_topk_route(torch.randn(3, 8), None, groups=2, top_k=1, renormalize="none", scale=1.0,
+                                        load_balance_weight=0.0, z_loss_weight=0.1, per_token=False, z_loss=True)
+
+
+LAYERS = {
+    "moa detached": lambda: MixtureOfAttentionHeads(24, num_experts=6, top_k=2, head_dim=8, z_loss_weight=0.01),
+    "moa live, 2 K/V": lambda: MixtureOfAttentionHeads(24, num_experts=6, top_k=2, head_dim=8, kv_heads=2,
+                                                       renormalize="live"),
+    "moa none, per token": lambda: MixtureOfAttentionHeads(24, num_experts=5, top_k=3, head_dim=8,
+                                                           renormalize="none", load_balance_fractions="per_token"),
+    "gqe": lambda: GroupedQueryExpertsAttention(24, num_experts=6, kv_heads=2, top_k=2, head_dim=8),
+    "gqe per token, top 1": lambda: GroupedQueryExpertsAttention(24, num_experts=8, kv_heads=4, top_k=1,
+                                                                 head_dim=8, load_balance_fractions="per_token"),
+    "moh global": lambda: MixtureOfHeadsAttention(24, 6, num_shared_heads=2, top_k=2),
+    "moh per group": lambda: MixtureOfHeadsAttention(24, 8, 0, kv_heads=2, route_per_group=True, top_k=2),
+    "moh per group, shared, sparse": lambda: MixtureOfHeadsAttention(24, 8, kv_heads=2, route_per_group=True,
+                                                                     num_shared_heads=1, top_k=2, impl="sparse"),
+    "moh scaled": lambda: MixtureOfHeadsAttention(24, 6, num_shared_heads=1, top_k=2, head_weighting="scaled"),
+    "moh paper, sparse": lambda: MixtureOfHeadsAttention(24, 6, num_shared_heads=2, top_k=3, head_weighting="paper",
+                                                         impl="sparse"),
+}
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def layer_outputs(layer, x, padding, fused_op_runs):
+    x = x.clone().requires_grad_()
+    with OpNames() as ops:
+        out = layer(x, is_causal=True, key_padding_mask=padding, query_padding_mask=padding)
+    assert ("headmix.softmax_topk_route" in ops.names) == fused_op_runs, sorted(ops.names)
+    cotangent = torch.randn(out.output.shape, generator=torch.Generator().manual_seed(4), dtype=x.dtype)
+    loss = (out.output * cotangent).sum() + 3.0 * out.aux_loss
+    params = [p for p in layer.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [x, *params])
+    return [out.output.detach(), out.aux_loss.detach(), out.routing.expert_index, out.routing.gates.detach(),
+            *out.losses.values(), *grads]
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_layers_with_the_fused_router_equal_their_composed_path(name, monkeypatch):
+    torch.manual_seed(0)
+    layer = LAYERS[name]().double().train()
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, -2:] = True
+    got = layer_outputs(layer, x, padding, fused_op_runs=True)
+    monkeypatch.setenv(cpp_build.ENV_VAR, "python")
+    want = layer_outputs(layer, x, padding, fused_op_runs=False)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
