@@ -141,7 +141,7 @@ at::Tensor softmax_topk_route_backward(const c10::optional<at::Tensor>& grad_pro
           const int64_t* idx = idx_all + (t * groups + gr) * k;
           for (int64_t e = 0; e < per; ++e) {
             acc_t d = gp_all ? static_cast<acc_t>(gp_all[base + e]) : acc_t(0);
-            if (is_real && g_a != 0.0) d += static_cast<acc_t>(g_a * sc[gr * per + e]);
+            if (g_a != 0.0) d += static_cast<acc_t>(g_a * sc[gr * per + e]);
             dp[e] = d;
           }
           if (gg_all) {
