@@ -799,3 +799,44 @@ def test_an_older_study_json_reads_with_the_defaults_it_stored_for_other_kinds_u
     assert mha["router"] is None and mha == AttentionConfig(kind="mha", num_heads=4, head_dim=32).to_dict()
     assert moh["head_weighting"] == AttentionConfig(kind="moh", num_heads=4, head_dim=32, top_k=2,
                                                     num_shared_heads=1).head_weighting is not None
+
+
+def test_retime_measures_again_only_what_other_code_timed_and_keeps_the_old_record(tmp_path, docs_file, monkeypatch):
+    """``headmix study --retime``: rows timed by another commit are timed again (the runs stay), the new record
+    keeps the old one under ``previous``, a second call times nothing (a stopped re-timing continues), and code
+    with local changes is refused."""
+    import headmix.provenance as provenance
+    import headmix.study.timing as timing
+
+    commit = {"now": "aaaa111"}
+    monkeypatch.setattr(provenance, "source_commit", lambda: commit["now"])
+    measured = []
+
+    def fake_measure_row(spec, out, baseline_config, row_config, row_name, **kw):
+        measured.append(row_name)
+        return {"row": row_name, "ratio": 1.0 + len(measured) / 10, "low": 1.0, "high": 2.0,
+                "software": {"commit": commit["now"]}, "measured_at": f"t{len(measured)}"}
+
+    monkeypatch.setattr(timing, "measure_row", fake_measure_row)
+    spec = _spec(docs_file, seeds=[1])
+    out = tmp_path / "study"
+    run_study(spec, out, log=lambda m: None)
+    summaries = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/summary.json")}
+    assert measured == ["MoA"] and len(summaries) == 2
+    run_study(spec, out, log=lambda m: None, retime=True)
+    assert measured == ["MoA"]  # timed by this code already
+    commit["now"] = "bbbb222"
+    run_study(spec, out, log=lambda m: None)
+    assert measured == ["MoA"]  # without --retime a record is kept whoever measured it
+    run_study(spec, out, log=lambda m: None, retime=True)
+    record = json.loads((out / "timing" / "MoA.json").read_text())
+    assert measured == ["MoA", "MoA"] and record["ratio"] == pytest.approx(1.2)
+    assert record["software"]["commit"] == "bbbb222"
+    assert record["previous"] == {"ratio": pytest.approx(1.1), "low": 1.0, "high": 2.0, "measured_at": "t1",
+                                  "commit": "aaaa111"}
+    run_study(spec, out, log=lambda m: None, retime=True)
+    assert measured == ["MoA", "MoA"]
+    assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/summary.json")} == summaries  # no run retrained
+    commit["now"] = "bbbb222+"
+    with pytest.raises(ValueError, match="retime needs this code's commit"):
+        run_study(spec, out, log=lambda m: None, retime=True)

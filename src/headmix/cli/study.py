@@ -81,6 +81,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="a continuation study whose parent has finished but whose weights are not here (a clone of "
                         "the committed records): train the parent again as the spec says and keep it if its "
                         "weights' sha256 is the recorded one (else refused, nothing changed)")
+    p.add_argument("--retime", action="store_true",
+                   help="time every row again whose step-time record other code measured (another commit): the runs "
+                        "stay, the report is rewritten with the new ratios, each record keeps the old one under "
+                        "'previous'; needs a git checkout without local changes")
     p.add_argument("--plan", action="store_true", help="print the matched rows (a table) and exit without training")
     p.add_argument("--json", action="store_true", help="with --plan: print the matched rows as JSON (every field)")
     p.add_argument("--report", action="store_true", help="rewrite the report from the finished runs in --out, "
@@ -206,7 +210,7 @@ def run(args) -> int:
             return reason
 
         results = run_study(spec, args.out, progress=not args.no_progress, stop=stop, on_result=report, log=log,
-                            max_runs=args.max_runs, retrain_parent=args.retrain_parent)
+                            max_runs=args.max_runs, retrain_parent=args.retrain_parent, retime=args.retime)
     done, total = len(results), len(spec.rows) * len(spec.seeds)
     if reasons:
         print(f"headmix study: stopped ({reasons[0]}); {done} of {total} runs finished; run the same command to "

@@ -54,7 +54,7 @@ __all__ = ["CLAIMS_DIR", "PARENT_DIR", "PARENT_RECORD", "TIME_BUDGET", "PlannedR
 def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False,
               log: Callable[[str], None] = print, stop: Callable[[], str | None] | None = None,
               on_result: Callable[[list[RunResult]], None] | None = None,
-              max_runs: int | None = None, retrain_parent: bool = False) -> list[RunResult]:
+              max_runs: int | None = None, retrain_parent: bool = False, retime: bool = False) -> list[RunResult]:
     """Time every row against the baseline (:mod:`headmix.study.timing`, once per row), train every (row, seed)
     run not yet finished, evaluate it, and return the results of all finished runs. Several processes may run
     this on one folder at once (workers): each takes the next row to time or run to train that no other holds
@@ -65,14 +65,22 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
     their end, then return before starting another (a command that must end between runs: a run cut short
     leaves a checkpoint to resume from, which a machine that keeps nothing would lose). ``retrain_parent``: a
     continuation study whose parent finished but whose weights are not here (a clone of the committed records)
-    trains it again and keeps it if its weights' sha256 is the recorded one (:func:`retrain_parent`)."""
+    trains it again and keeps it if its weights' sha256 is the recorded one (:func:`retrain_parent`). ``retime``:
+    time again every row whose timing record was measured by other code than this (another commit, or the same one
+    with local changes): the runs stay, the new record keeps the old measurement under ``previous``, and a
+    stopped re-timing continues where it stopped."""
     if max_runs is not None and (isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1):
         raise ValueError(f"max_runs must be a positive integer, got {max_runs!r}")
     from ..training import TrainConfig, train
+    from ..provenance import source_commit
     from .timing import measure_row, read_timing, write_timing
 
     out = Path(out)
     planned = plan(spec)
+    commit = source_commit() if retime else None
+    if retime and (commit == "unknown" or commit.endswith("+")):
+        raise ValueError(f"study {spec.name}: retime needs this code's commit, a git checkout without local changes "
+                         f"to the package (got {commit!r}): each re-timed record names the code that measured it")
     missing = [p for p in spec.data if not Path(p).is_file()]
     if missing:
         raise FileNotFoundError(f"study {spec.name}: data file not found: {missing[0]} (give the corpus with "
@@ -102,7 +110,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
         if stopped():
             return finished()
         with claim(out, f"timing-{slug(row.name)}") as mine:
-            if not mine or read_timing(out, slug(row.name)) is not None:
+            existing = read_timing(out, slug(row.name))
+            if not mine or (existing is not None and not (retime and _timed_by(existing) != commit)):
                 continue
             with machine_turn(out, exclusive=True, stop=stop, waiting=lambda: log(
                     f"study {spec.name}: waiting for the other workers of the study to finish training or "
@@ -111,6 +120,9 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                     return finished()
                 log(f"study {spec.name}: timing {row.name!r} against {planned[0].name!r} (interleaved)")
                 record = measure_row(spec, out, configs[planned[0].name], configs[row.name], row.name)
+                if existing is not None:
+                    record["previous"] = {**{k: existing.get(k) for k in ("ratio", "low", "high", "measured_at")},
+                                          "commit": _timed_by(existing)}
                 write_timing(out, slug(row.name), {**record, "study_workers_excluded": True})
     if spec.parent is not None and not train_parent(spec, out, log=log, stop=stop, progress=progress,
                                                     retrain=retrain_parent):
@@ -201,6 +213,12 @@ def check_pack(spec: StudySpec):
         raise FileNotFoundError(f"study {spec.name}: {err}{'; ' + spec.data_note if spec.data_note else ''}") from None
     except ValueError as err:
         raise ValueError(f"study {spec.name}: {err}") from None
+
+
+def _timed_by(record: dict[str, Any]) -> str | None:
+    """The commit of the code that measured a timing record."""
+    software = record.get("software")
+    return software.get("commit") if isinstance(software, dict) else None
 
 
 def check_timing_devices(spec: StudySpec, planned: list[PlannedRow], out: Path) -> None:

@@ -67,7 +67,7 @@ softmax_topk_route(const at::Tensor& logits, const c10::optional<at::Tensor>& to
           denominator = sum;
         }
         for (int64_t j = 0; j < k; ++j)
-          g[r * k + j] = static_cast<scalar_t>(scale * static_cast<acc_t>(tp[r * k + j]) / denominator);
+          g[r * k + j] = static_cast<scalar_t>(static_cast<acc_t>(tp[r * k + j]) / denominator);
       }
     });
     // the sums over tokens, serially in token order (G*M numbers per token): the same result on every run
@@ -141,7 +141,7 @@ at::Tensor softmax_topk_route_backward(const c10::optional<at::Tensor>& grad_pro
           const int64_t* idx = idx_all + (t * groups + gr) * k;
           for (int64_t e = 0; e < per; ++e) {
             acc_t d = gp_all ? static_cast<acc_t>(gp_all[base + e]) : acc_t(0);
-            if (g_a != 0.0) d += static_cast<acc_t>(g_a * sc[gr * per + e]);
+            if (is_real && g_a != 0.0) d += static_cast<acc_t>(g_a * sc[gr * per + e]);
             dp[e] = d;
           }
           if (gg_all) {
