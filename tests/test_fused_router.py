@@ -15,7 +15,8 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from headmix.attention import GroupedQueryExpertsAttention, MixtureOfAttentionHeads, MixtureOfHeadsAttention
+from headmix.attention import (GroupedQueryExpertsAttention, MixtureOfAttentionHeads, MixtureOfHeadsAttention,
+                               SwitchHeadAttention)
 from headmix.kernels import cpp_build, fused_router
 from headmix.routing import Routing, routing_losses
 from headmix.routing.losses import weighted_load_balance
@@ -82,6 +83,9 @@ CASES = {
     "per group": (11, 3, 5, 2, False),
     "per group top 1": (10, 4, 2, 1, False),
 }
+#: The cases whose load-balancing fractions are per token (Switch's form: k times the normalized loss; k >= 2 so
+#: that the two differ).
+PER_TOKEN = {"moa one token", "per group"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -95,7 +99,7 @@ def test_fused_router_equals_the_composed_router(case, masked, renormalize, dtyp
     mask = {"none": None, "some": torch.rand(n, generator=gen) > 0.4,
             "all padded": torch.zeros(n, dtype=torch.bool)}[masked]
     options = dict(groups=groups, top_k=top_k, renormalize=renormalize, scale=1.0 if groups == 1 else top_k,
-                   lb_weight=0.3, z_weight=0.05 if z_loss else 0.0, per_token=case.endswith("top 1"), z_loss=z_loss)
+                   lb_weight=0.3, z_weight=0.05 if z_loss else 0.0, per_token=case in PER_TOKEN, z_loss=z_loss)
     cotangents = [torch.randn(n, groups * per, generator=gen, dtype=torch.float64).to(dtype),
                   torch.randn(n, groups, top_k, generator=gen, dtype=torch.float64).to(dtype),
                   torch.tensor(1.7, dtype=dtype), torch.tensor(0.4, dtype=dtype), torch.tensor(0.2, dtype=dtype)]
@@ -191,6 +195,8 @@ LAYERS = {
     "moh scaled": lambda: MixtureOfHeadsAttention(24, 6, num_shared_heads=1, top_k=2, head_weighting="scaled"),
     "moh paper, sparse": lambda: MixtureOfHeadsAttention(24, 6, num_shared_heads=2, top_k=3, head_weighting="paper",
                                                          impl="sparse"),
+    "switchhead": lambda: SwitchHeadAttention(24, 2, 4, 2),
+    "switchhead top 1, 3 heads": lambda: SwitchHeadAttention(24, 3, 3, 1, head_dim=8),
 }
 
 
@@ -208,12 +214,15 @@ def layer_outputs(layer, x, padding, fused_op_runs):
     x = x.clone().requires_grad_()
     with OpNames() as ops:
         out = layer(x, is_causal=True, key_padding_mask=padding, query_padding_mask=padding)
-    assert ("headmix.softmax_topk_route" in ops.names) == fused_op_runs, sorted(ops.names)
+    fused_ops = {"headmix.softmax_topk_route", "headmix.sigmoid_topk_route"} & ops.names
+    assert bool(fused_ops) == fused_op_runs, sorted(ops.names)
     cotangent = torch.randn(out.output.shape, generator=torch.Generator().manual_seed(4), dtype=x.dtype)
     loss = (out.output * cotangent).sum() + 3.0 * out.aux_loss
     params = [p for p in layer.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, [x, *params])
-    return [out.output.detach(), out.aux_loss.detach(), out.routing.expert_index, out.routing.gates.detach(),
+    sides = [out.routing.value, out.routing.output] if hasattr(out.routing, "value") else [out.routing]
+    routing = [t for side in sides for t in (side.expert_index, side.gates.detach(), side.probs.detach())]
+    return [out.output.detach(), out.aux_loss.detach(), *routing,
             *out.losses.values(), *grads]
 
 
@@ -230,3 +239,37 @@ def test_layers_with_the_fused_router_equal_their_composed_path(name, monkeypatc
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(9, 2, 4, 2), (1, 3, 5, 1), (6, 1, 3, 3)])
+def test_sigmoid_router_equals_the_composed_selector(shape, dtype):
+    """SwitchHead's selectors: the sigmoid, the choice numbered h E + e, the selected sigmoids and the gradient
+    from both, against the composed form (SwitchHeadAttention.select's ATen operations)."""
+    n, heads, per, top_k = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    logits = torch.randn(n, heads * per, generator=gen, dtype=torch.float64).to(dtype)
+    c_s = torch.randn(n, heads * per, generator=gen, dtype=torch.float64).to(dtype)
+    c_g = torch.randn(n, heads, top_k, generator=gen, dtype=torch.float64).to(dtype)
+
+    def composed_selector(z):
+        s = z.sigmoid().view(n, heads, per)
+        index = s.detach().topk(top_k, dim=-1).indices
+        return s.view(n, -1), index + per * torch.arange(heads)[:, None], s.gather(-1, index)
+
+    results = []
+    for fn in (lambda z: fused_router.sigmoid_topk_route(z, heads, top_k), composed_selector):
+        z = logits.clone().requires_grad_()
+        s, index, gates = fn(z)
+        (grad,) = torch.autograd.grad((s * c_s).sum() + (gates * c_g).sum(), z)
+        results.append((s.detach(), index, gates.detach(), grad))
+    (s, index, gates, grad), (s_ref, index_ref, gates_ref, grad_ref) = results
+    assert torch.equal(index, index_ref)
+    tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-7)
+    for got, want in ((s, s_ref), (gates, gates_ref), (grad, grad_ref)):
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_sigmoid_router_opcheck():
+    logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(fused_router._sigmoid_op, (logits, 2, 2))

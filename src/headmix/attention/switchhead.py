@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import IMPLS, expert_map, expert_map_weighted, expert_reduce, expert_routing
+from ..kernels.fused_router import fused_router_applies, sigmoid_topk_route
 from ..routing import Routing
 from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
@@ -176,7 +177,13 @@ class SwitchHeadAttention(AttentionLayer):
         batch, time, dim = x.shape
         n, h, e, k = batch * time, self.num_heads, self.num_experts, self.top_k
         flat = x.reshape(n, dim).to(router_dtype(x))
+        mask = None if token_mask is None else token_mask.reshape(n)
         with torch.autocast(device_type=x.device.type, enabled=False):
+            if (selector is not None and not (self.training and self.expert_dropout > 0)
+                    and fused_router_applies(x)):  # one C++ operation each way (kernels/fused_router.py)
+                logits = F.linear(flat, selector.weight.to(flat.dtype))
+                s, index, gates = sigmoid_topk_route(logits, h, k)
+                return Routing(logits, s, index.view(n, h * k), gates.view(n, h * k), mask, (batch, time))
             if selector is None:
                 logits = flat.new_zeros(n, h * e)
             else:
@@ -192,7 +199,6 @@ class SwitchHeadAttention(AttentionLayer):
                     index = pick.topk(k, dim=-1).indices                               # (N, H, k)
             gates = s.gather(-1, index)                                             # selected sigmoids
             index = index + torch.arange(0, h * e, e, device=x.device)[:, None]     # expert h * E + e
-        mask = None if token_mask is None else token_mask.reshape(n)
         return Routing(logits, s.view(n, h * e), index.view(n, h * k), gates.view(n, h * k), mask, (batch, time))
 
     def _project_kv_routed(self, key: Tensor, value: Tensor, token_mask: Tensor | None,

@@ -24,7 +24,7 @@ __all__ = ["ENV_VAR", "build_directory", "cpp_kernel_available", "cpp_ops"]
 ENV_VAR = "HEADMIX_CPU_KERNEL"
 ENV_VALUES = ("cpp", "python")
 
-_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("grouped_gemm.cpp", "softmax_topk_router.cpp"))
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("grouped_gemm.cpp", "routers.cpp"))
 _EXTENSION_NAME = "headmix_cpu_kernels"
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet

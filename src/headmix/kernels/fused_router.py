@@ -1,4 +1,5 @@
-"""The softmax top-k router and its auxiliary losses as one C++ operation forward and one backward (CPU).
+"""headmix's routers as one C++ operation forward and one backward each (CPU): the softmax top-k router with its
+auxiliary losses (:func:`softmax_topk_route`) and SwitchHead's sigmoid selectors (:func:`sigmoid_topk_route`).
 
 What it computes is :mod:`headmix.routing`'s (its reference, tested against it in tests/test_fused_router.py), for
 ``G`` routers side by side of ``M`` experts each (MoA: ``G = 1``; GQE and MoH routed per K/V group: one router per
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from .cpp_build import cpp_kernel_available, cpp_ops
 
-__all__ = ["RENORMALIZE_CODES", "fused_router_applies", "softmax_topk_route"]
+__all__ = ["RENORMALIZE_CODES", "fused_router_applies", "sigmoid_topk_route", "softmax_topk_route"]
 
 #: ``renormalize`` as the kernel numbers it.
 RENORMALIZE_CODES = {"none": 0, "detached": 1, "live": 2}
@@ -110,3 +111,53 @@ def softmax_topk_route(logits: Tensor, token_mask: Tensor | None, *, groups: int
     outputs = _route_op(logits, token_mask, groups, top_k, RENORMALIZE_CODES[renormalize], float(scale),
                         float(load_balance_weight), float(z_loss_weight), bool(per_token), bool(z_loss))
     return outputs[:6]
+
+
+# ------------------------------------------------------------------------------------ SwitchHead's selectors
+@torch.library.custom_op("headmix::sigmoid_topk_route", mutates_args=(), device_types="cpu")
+def _sigmoid_op(logits: Tensor, heads: int, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(s, index, gates)`` of :func:`sigmoid_topk_route`."""
+    return tuple(cpp_ops().sigmoid_topk_route(logits, heads, top_k))
+
+
+@_sigmoid_op.register_fake
+def _(logits, heads, top_k):
+    n = logits.shape[0]
+    return (logits.new_empty(logits.shape), logits.new_empty(n, heads, top_k, dtype=torch.long),
+            logits.new_empty(n, heads, top_k))
+
+
+@torch.library.custom_op("headmix::sigmoid_topk_route_backward", mutates_args=(), device_types="cpu")
+def _sigmoid_backward_op(grad_s: Tensor | None, grad_gates: Tensor | None, s: Tensor, index: Tensor) -> Tensor:
+    """The gradient of :func:`_sigmoid_op`'s ``s`` and ``gates`` with respect to the logits."""
+    return cpp_ops().sigmoid_topk_route_backward(grad_s, grad_gates, s, index)
+
+
+@_sigmoid_backward_op.register_fake
+def _(grad_s, grad_gates, s, index):
+    return s.new_empty(s.shape)
+
+
+def _sigmoid_setup_context(ctx, inputs, output):
+    s, index, _ = output
+    ctx.save_for_backward(s, index)
+    ctx.mark_non_differentiable(index)
+    ctx.set_materialize_grads(False)
+
+
+def _sigmoid_backward(ctx, grad_s, grad_index, grad_gates):
+    s, index = ctx.saved_tensors
+    if grad_s is None and grad_gates is None:
+        return None, None, None
+    return _sigmoid_backward_op(grad_s, grad_gates, s, index), None, None
+
+
+_sigmoid_op.register_autograd(_sigmoid_backward, setup_context=_sigmoid_setup_context)
+
+
+def sigmoid_topk_route(logits: Tensor, heads: int, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """SwitchHead's selectors (Csordás et al., arXiv 2312.07987) on ``logits`` ``(N, H E)``: ``s = sigmoid(z)``
+    ``(N, H E)``, per head the ``top_k`` largest ``s`` (``torch.topk``'s choice and order) as ``index`` ``(N, H, k)``
+    numbered ``h E + e``, and their ``s`` as ``gates`` ``(N, H, k)``; the gradient flows through ``s`` and the
+    gates, not the choice. Call where :func:`fused_router_applies`."""
+    return _sigmoid_op(logits, heads, top_k)

@@ -1,6 +1,9 @@
-// A softmax top-k router with its auxiliary losses, one operation forward and one backward (CPU), built on first
-// use by headmix/kernels/cpp_build.py beside grouped_gemm.cpp; the Python side is headmix/kernels/fused_router.py,
-// which states the equations (MoA eq. 7-9 and 13-17, grouped as GQE's and MoH's per-group routers).
+// headmix's routers as one operation forward and one backward each (CPU), built on first use by
+// headmix/kernels/cpp_build.py beside grouped_gemm.cpp; the Python side is headmix/kernels/fused_router.py, which
+// states the equations.
+//
+// 1. softmax_topk_route: a softmax top-k router with its auxiliary losses (MoA eq. 7-9 and 13-17, grouped as
+//    GQE's and MoH's per-group routers).
 //
 // Forward, on logits z (N, G*M) of G routers of M experts each, per token t and router g:
 //   p = softmax(z_g)                                  (at::softmax: the reference's values bit for bit)
@@ -67,7 +70,7 @@ softmax_topk_route(const at::Tensor& logits, const c10::optional<at::Tensor>& to
           denominator = sum;
         }
         for (int64_t j = 0; j < k; ++j)
-          g[r * k + j] = static_cast<scalar_t>(static_cast<acc_t>(tp[r * k + j]) / denominator);
+          g[r * k + j] = static_cast<scalar_t>(scale * static_cast<acc_t>(tp[r * k + j]) / denominator);
       }
     });
     // the sums over tokens, serially in token order (G*M numbers per token): the same result on every run
@@ -168,6 +171,54 @@ at::Tensor softmax_topk_route_backward(const c10::optional<at::Tensor>& grad_pro
   return grad;
 }
 
+// 2. sigmoid_topk_route: SwitchHead's selectors (arXiv 2312.07987): per head h of H, s = sigmoid(z_h) over its E
+//    experts, the k largest chosen (at::topk: the reference's choice), numbered h * E + e, weighted by their s.
+//    Backward: ds = grad_s + the gates' gradient scattered to the chosen experts, dz = s (1 - s) ds.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sigmoid_topk_route(const at::Tensor& logits, int64_t heads,
+                                                                  int64_t top_k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) % heads == 0, "sigmoid_topk_route: logits (N, H*E) expected");
+  const int64_t n = logits.size(0), per = logits.size(1) / heads, k = top_k;
+  const at::Tensor s = at::sigmoid(logits).contiguous();
+  auto [gates, index] = at::topk(s.view({n, heads, per}), k, -1);
+  index = index.contiguous();
+  int64_t* idx = index.data_ptr<int64_t>();
+  at::parallel_for(0, n * heads, 1024, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < k; ++j) idx[r * k + j] += (r % heads) * per;
+  });
+  return {s, index, gates.contiguous()};
+}
+
+at::Tensor sigmoid_topk_route_backward(const c10::optional<at::Tensor>& grad_s,
+                                       const c10::optional<at::Tensor>& grad_gates, const at::Tensor& s,
+                                       const at::Tensor& index) {
+  const int64_t n = s.size(0), experts = s.size(1), slots = index.size(1) * index.size(2);
+  at::Tensor ds = grad_s.has_value() && grad_s->defined() ? grad_s->to(s.scalar_type()).contiguous().clone()
+                                                          : at::zeros_like(s);
+  at::Tensor grad = at::empty_like(s);
+  at::Tensor gg;
+  if (grad_gates.has_value() && grad_gates->defined()) gg = grad_gates->contiguous();
+  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "sigmoid_topk_route_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* s_p = s.data_ptr<scalar_t>();
+    const int64_t* idx = index.data_ptr<int64_t>();
+    const scalar_t* gg_p = gg.defined() ? gg.data_ptr<scalar_t>() : nullptr;
+    scalar_t* d = ds.data_ptr<scalar_t>();
+    scalar_t* out = grad.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 256, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        if (gg_p)
+          for (int64_t j = 0; j < slots; ++j) d[t * experts + idx[t * slots + j]] += gg_p[t * slots + j];
+        for (int64_t e = 0; e < experts; ++e) {
+          const acc_t v = s_p[t * experts + e];
+          out[t * experts + e] = static_cast<scalar_t>(v * (acc_t(1) - v) * static_cast<acc_t>(d[t * experts + e]));
+        }
+      }
+    });
+  });
+  return grad;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(headmix_cpp, m) {
@@ -177,9 +228,13 @@ TORCH_LIBRARY_FRAGMENT(headmix_cpp, m) {
   m.def("softmax_topk_route_backward(Tensor? grad_probs, Tensor? grad_gates, Tensor? grad_total, Tensor? grad_la, "
         "Tensor? grad_lz, Tensor probs, Tensor index, Tensor? token_mask, Tensor lse, Tensor scaled_counts, "
         "Tensor tokens, int groups, int renorm, float scale, float lb_weight, float z_weight) -> Tensor");
+  m.def("sigmoid_topk_route(Tensor logits, int heads, int top_k) -> (Tensor, Tensor, Tensor)");
+  m.def("sigmoid_topk_route_backward(Tensor? grad_s, Tensor? grad_gates, Tensor s, Tensor index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(headmix_cpp, CPU, m) {
   m.impl("softmax_topk_route", &softmax_topk_route);
   m.impl("softmax_topk_route_backward", &softmax_topk_route_backward);
+  m.impl("sigmoid_topk_route", &sigmoid_topk_route);
+  m.impl("sigmoid_topk_route_backward", &sigmoid_topk_route_backward);
 }
