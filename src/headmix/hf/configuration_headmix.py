@@ -19,8 +19,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from headmix.models.config import ModelConfig
-from headmix.models.config_migrations import VERSION_FIELD, check_written_by
+from headmix.models.config import VERSION_FIELD, ModelConfig, check_written_by
 
 #: The ``HeadmixConfig`` attributes saved next to ``headmix`` (the rest of ``config.json`` is transformers').
 TOKEN_FIELDS = {"pad_token_id": "pad_id", "bos_token_id": "bos_id", "eos_token_id": "eos_id"}

@@ -40,9 +40,8 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from headmix.models.generation import mosa_layers, threshold_selection
-from headmix.models.blocks import Embeddings, sinusoidal_table
-from headmix.models.loss import check_labels
-from headmix.models.transformer import CausalLanguageModel, DecoderState, build_model
+from headmix.models.transformer import (CausalLanguageModel, DecoderState, Embeddings, build_model, check_labels,
+                                        sinusoidal_table)
 
 from .configuration_headmix import HeadmixConfig
 

@@ -1,5 +1,8 @@
-"""The Transformer's building blocks: positions and embeddings, norms, the feed-forward layers (MLP, SwiGLU, a
-mixture of SwiGLU experts), the residual wrapper, the encoder and decoder layers and the output projections."""
+"""The Transformer's layers: embeddings, norms, feed-forward layers, residual wrapper, encoder and decoder layers.
+
+Positions and token embeddings, LayerNorm / RMSNorm, the MLP, SwiGLU and the mixture of SwiGLU experts, the encoder
+and decoder layers built from each role's attention config, the output projection and RoBERTa's LM head.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Validation of model and attention configs: each check refuses a bad value in one line naming the field
-(``cross_attention.top_k``) and what was expected. The dataclasses of :mod:`headmix.models.config` take their
-``validate`` methods from the two classes here."""
+"""Validation of model and attention configs: one-line errors naming the field and what was expected.
+
+The dataclasses of :mod:`headmix.models.config` take their ``validate`` methods from the two classes here (errors
+name the field as ``cross_attention.top_k``).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Reading configs stored by older headmix versions as they were trained (each repair of a stored dict, in the
-order :meth:`AttentionConfig.from_dict <headmix.models.config.AttentionConfig.from_dict>` and
-:meth:`ModelConfig.from_dict <headmix.models.config.ModelConfig.from_dict>` apply them), and refusing a file
-written by a newer headmix in one line."""
+"""Reading configs stored by older headmix versions as they were trained, and refusing those of newer ones.
+
+Each repair of a stored dict, in the order :meth:`AttentionConfig.from_dict
+<headmix.models.config.AttentionConfig.from_dict>` and :meth:`ModelConfig.from_dict
+<headmix.models.config.ModelConfig.from_dict>` apply them.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""What each config field may hold: the choices of every field, which attention kinds use which field, and the
-defaults a kind's unset fields take (read by the dataclasses of :mod:`headmix.models.config`, their checks and
-the migrations of stored configs)."""
+"""What each config field may hold, which attention kinds use which field, and the defaults of their unset fields.
+
+Read by the dataclasses of :mod:`headmix.models.config`, their checks and the migrations of stored configs.
+"""
 
 from __future__ import annotations
 

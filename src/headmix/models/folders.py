@@ -1,6 +1,8 @@
-"""The folders a headmix model is saved in: their files (``config.json``, ``model.safetensors``), reading and
-writing them, and telling a headmix run, a ``save_pretrained`` folder and a Hugging Face folder of a headmix model
-from anything else; read as JSON and safetensors, no code of a folder runs."""
+"""A saved model's folder: ``config.json`` and ``model.safetensors``, read and written, and what kind of folder it is.
+
+A headmix run, a ``save_pretrained`` folder or a Hugging Face folder of a headmix model; read as JSON and
+safetensors, no code of a folder runs.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +21,49 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 #: The prefix of the headmix model's tensors in a Hugging Face folder (``HeadmixForCausalLM.model``).
 HF_PREFIX = "model."
+
+
+def read_folder_config(directory: Path) -> tuple[ModelConfig, bool]:
+    """The headmix :class:`ModelConfig` of a folder headmix wrote, and whether it is a Hugging Face folder (an
+    ``export-hf`` folder, ``HeadmixForCausalLM.save_pretrained``, a ``Trainer`` checkpoint: ``model_type``
+    ``"headmix"``, the headmix config in its ``headmix`` field), read as JSON: no code from the folder runs.
+    One-line errors name the file and what was expected."""
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (expected a folder headmix wrote: a run, save_pretrained, "
+                                f"export-hf or a Trainer checkpoint)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or "model_type" not in data:
+        return ModelConfig.load_json(path), False
+    if data["model_type"] != "headmix":
+        raise ValueError(f"{directory} holds a Hugging Face {data['model_type']!r} model, not a headmix one: convert "
+                         f"it with headmix.interop.from_pretrained (headmix train --init-from converts it too)")
+    check_written_by(data.get(VERSION_FIELD), str(path))
+    if not isinstance(data.get("headmix"), dict):
+        raise ValueError(f"{path} has no 'headmix' field (the headmix model config, which every folder headmix "
+                         f"writes holds): not a headmix folder, or a damaged one")
+    return ModelConfig.from_dict(data["headmix"], str(path)), True
+
+
+def is_headmix_run(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a headmix run folder (it holds ``train_config.json``), not a Hugging Face folder."""
+    return (Path(path) / "train_config.json").is_file()
+
+
+def is_headmix_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a model headmix wrote: a run folder, a ``save_pretrained`` folder (headmix's own
+    ``config.json``), or a Hugging Face folder of a headmix model (``export-hf``, ``HeadmixForCausalLM``'s
+    ``save_pretrained``, a ``Trainer`` checkpoint: ``model_type`` ``"headmix"``); read as JSON, no code run."""
+    if is_headmix_run(path):
+        return True
+    try:
+        data = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("model_type", "headmix") == "headmix"
 
 
 def save_folder(model: nn.Module, directory: str | os.PathLike) -> None:
@@ -69,46 +114,3 @@ def read_folder_weights(directory: Path, device: str | torch.device, hugging_fac
     for alias, source in tied.items():
         tensors[alias] = tensors[source]
     return tensors
-
-
-def read_folder_config(directory: Path) -> tuple[ModelConfig, bool]:
-    """The headmix :class:`ModelConfig` of a folder headmix wrote, and whether it is a Hugging Face folder (an
-    ``export-hf`` folder, ``HeadmixForCausalLM.save_pretrained``, a ``Trainer`` checkpoint: ``model_type``
-    ``"headmix"``, the headmix config in its ``headmix`` field), read as JSON: no code from the folder runs.
-    One-line errors name the file and what was expected."""
-    path = directory / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (expected a folder headmix wrote: a run, save_pretrained, "
-                                f"export-hf or a Trainer checkpoint)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict) or "model_type" not in data:
-        return ModelConfig.load_json(path), False
-    if data["model_type"] != "headmix":
-        raise ValueError(f"{directory} holds a Hugging Face {data['model_type']!r} model, not a headmix one: convert "
-                         f"it with headmix.interop.from_pretrained (headmix train --init-from converts it too)")
-    check_written_by(data.get(VERSION_FIELD), str(path))
-    if not isinstance(data.get("headmix"), dict):
-        raise ValueError(f"{path} has no 'headmix' field (the headmix model config, which every folder headmix "
-                         f"writes holds): not a headmix folder, or a damaged one")
-    return ModelConfig.from_dict(data["headmix"], str(path)), True
-
-
-def is_headmix_run(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a headmix run folder (it holds ``train_config.json``), not a Hugging Face folder."""
-    return (Path(path) / "train_config.json").is_file()
-
-
-def is_headmix_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds a model headmix wrote: a run folder, a ``save_pretrained`` folder (headmix's own
-    ``config.json``), or a Hugging Face folder of a headmix model (``export-hf``, ``HeadmixForCausalLM``'s
-    ``save_pretrained``, a ``Trainer`` checkpoint: ``model_type`` ``"headmix"``); read as JSON, no code run."""
-    if is_headmix_run(path):
-        return True
-    try:
-        data = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("model_type", "headmix") == "headmix"

@@ -1,5 +1,7 @@
-"""The task loss and the label conventions it scores: label-smoothed cross-entropy over the target tokens,
-padding and ``-100`` ignored, and the check that refuses a causal LM's labels given in the old, shifted convention."""
+"""The task loss (label-smoothed cross-entropy over the target tokens) and the causal LM's label convention.
+
+Padding and ``-100`` targets are ignored; :func:`check_labels` refuses labels given in the old, shifted convention.
+"""
 
 from __future__ import annotations
 
