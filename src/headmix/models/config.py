@@ -30,12 +30,13 @@ from .config_migrations import (VERSION_FIELD, StoredAttentionConfig, check_writ
 from .config_values import _KIND_DEFAULTS, ROTARY_ROLES, TASKS, _takes_default
 
 # Importable from here as before the split (user code, the tests); each lives in the module its comment names.
-from .config_values import (ACTIVATIONS, ATTENTION_KINDS, EXPERT_IMPLS, FFN_ALLOW_FLAG,  # noqa: F401  lives in config_values
-                            FFN_KINDS, NORM_TYPES, NORMS, POSITIONS, ROUTER_CHOICES, SEQUENCE_STARTS, _DEFAULT_KINDS,
-                            _KIND_FIELDS, field_applies)
+from .config_values import (  # noqa: F401  lives in config_values
+    ACTIVATIONS, ATTENTION_KINDS, EXPERT_IMPLS, FFN_ALLOW_FLAG, FFN_KINDS, NORM_TYPES, NORMS, POSITIONS, ROUTER_CHOICES,
+    SEQUENCE_STARTS, _DEFAULT_KINDS, _KIND_FIELDS, field_applies)
 from .config_checks import _fraction, _positive_int  # noqa: F401  lives in config_checks
-from .config_migrations import (_STORED_KEYS, _STORED_LM_KEYS, _STORED_MODEL_KEYS,  # noqa: F401  lives in config_migrations
-                                NewerVersionError, _same_value, version_tuple, with_kind_defaults)
+from .config_migrations import (  # noqa: F401  lives in config_migrations
+    _STORED_KEYS, _STORED_LM_KEYS, _STORED_MODEL_KEYS, NewerVersionError, _same_value, version_tuple,
+    with_kind_defaults)
 
 
 @dataclass
@@ -327,7 +328,7 @@ class AttentionConfig(AttentionConfigChecks, StoredAttentionConfig):
 
 
 #: A stored attention config dict marked as the ablation it was trained as: lives in config_migrations
-#: (:meth:`StoredAttentionConfig.marked_as_trained <headmix.models.config_migrations.StoredAttentionConfig.marked_as_trained>`).
+#: (:meth:`headmix.models.config_migrations.StoredAttentionConfig.marked_as_trained`, which builds the config).
 marked_as_trained = AttentionConfig.marked_as_trained
 
 
