@@ -50,7 +50,7 @@ def model_args_pretrained(argv: Sequence[str]) -> list[str]:
 def check_not_headmix_form(folder: str) -> None:
     """A ``ValueError`` naming ``headmix export-hf`` when ``folder`` is a headmix run or holds headmix's own
     ``config.json`` form (a ``save_pretrained`` folder): the harness's model types read Hugging Face folders."""
-    from ..models.transformer import is_headmix_run
+    from ..models.folders import is_headmix_run
 
     path = Path(folder)
     if is_headmix_run(path):

@@ -20,7 +20,7 @@ Masked LM (:class:`PackedBlockDataset` + :class:`MLMCollator`)
 
 Causal LM (:class:`CausalLMBlockDataset` + :class:`CausalLMCollator`)
     The stream holds each document as the model's ``sequence_start`` says
-    (:data:`headmix.models.config.SEQUENCE_STARTS`): ``bos text eos`` (a
+    (:data:`headmix.models.config_values.SEQUENCE_STARTS`): ``bos text eos`` (a
     tokenizer with a bos: Llama 3's pretraining), ``text eos`` (one without:
     Qwen3's; the stream's first document starts at its first token, which is
     given, not predicted; every later one is predicted after the eos before it),
@@ -233,7 +233,7 @@ class CausalLMBlockDataset(Dataset):
     ) -> CausalLMBlockDataset:
         """Tokenize and pack documents, each as ``sequence_start`` says (``"bos"``: ``bos text eos``; ``"none"``:
         ``text eos``; ``"eos"``: ``eos`` once first, then ``text eos``: the module docstring)."""
-        layouts = ("bos", "none", "eos")  # headmix.models.config.SEQUENCE_STARTS (a floor above this one)
+        layouts = ("bos", "none", "eos")  # headmix.models.config_values.SEQUENCE_STARTS (a floor above this one)
         if sequence_start not in layouts:
             raise ValueError(f"sequence_start must be one of {', '.join(layouts)}, got {sequence_start!r}")
         tokenizer.require("eos", *(["bos"] if sequence_start == "bos" else []), what=f"sequence_start {sequence_start!r}")

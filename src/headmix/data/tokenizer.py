@@ -142,7 +142,7 @@ class Tokenizer:
     @property
     def sequence_start(self) -> str:
         """How this tokenizer starts a text, as ``transformers`` reads the same files (a causal LM's
-        :data:`~headmix.models.config.SEQUENCE_STARTS`): ``"bos"`` where it puts its bos token first, ``"eos"``
+        :data:`~headmix.models.config_values.SEQUENCE_STARTS`): ``"bos"`` where it puts its bos token first, ``"eos"``
         where it puts its eos token first (an export of a run trained before the option), ``"none"`` where it adds
         nothing. Read from the first special token of ``tokenizer.json``'s post-processor (Llama 3's puts
         ``<|begin_of_text|>`` first; Qwen3's puts none: transformers 5 goes by it alone), else from

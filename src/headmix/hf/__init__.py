@@ -17,7 +17,7 @@ in docs/hf.md), so the registration happens here, once, on request.
 from __future__ import annotations
 
 from ..interop._hf import require_transformers
-from ..models.config import version_tuple
+from ..models.config_migrations import version_tuple
 
 #: The oldest transformers headmix.hf is tested with (``cache`` is ``past_key_values`` up to 5.23: both work).
 OLDEST_TRANSFORMERS = (5, 17)

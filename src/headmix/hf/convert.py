@@ -74,7 +74,7 @@ def hf_to_headmix(folder: str | os.PathLike) -> CausalLanguageModel:
     """The headmix causal LM of a Hugging Face folder written by :func:`run_to_hf` or
     ``HeadmixForCausalLM.save_pretrained`` (a ``ValueError`` names a missing tensor; a headmix run folder, whose
     ``config.json`` is headmix's own, is refused in one line naming its loader)."""
-    from headmix.models.transformer import CONFIG_NAME, read_folder_config
+    from headmix.models.folders import CONFIG_NAME, read_folder_config
 
     if not read_folder_config(Path(folder))[1]:
         raise ValueError(f"{folder} is a headmix run (or save_pretrained) folder, not a Hugging Face one: load it with "

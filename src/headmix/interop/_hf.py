@@ -121,7 +121,8 @@ def check_option_names(given: Iterable[str], named: Sequence[str], kind: str, *,
     the ``kind`` attention's config (:class:`~headmix.models.AttentionConfig`, those :func:`field_applies` to that
     kind, less ``exclude``: the fields the source fixes), with the closest valid name when one is close; it lists
     only the options valid for that kind."""
-    from ..models.config import AttentionConfig, field_applies
+    from ..models.config import AttentionConfig
+    from ..models.config_values import field_applies
 
     skip = set(exclude) | set(named) | {"kind"}
     fields = [f.name for f in dataclasses.fields(AttentionConfig) if f.name not in skip and field_applies(f.name, kind)]
@@ -139,7 +140,7 @@ def checkpoint_folder(name_or_path: str | os.PathLike, route: str) -> None:
     ``transformers`` would say "Unrecognized model": a local path that does not exist, a folder that holds no model
     (no ``config.json``), and a folder headmix wrote (a run, ``save_pretrained``, ``export-hf``), which names the
     headmix route. A Hub name (``org/model``, not on disk) passes."""
-    from ..models.transformer import is_headmix_folder
+    from ..models.folders import is_headmix_folder
 
     folder = Path(name_or_path).expanduser()
     text = str(name_or_path)

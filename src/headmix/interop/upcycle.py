@@ -48,7 +48,7 @@ from torch import Tensor
 from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
 from ..attention.base import scaled_dot_product
 from ..models import AttentionConfig, CausalLanguageModel, ModelConfig, build_model
-from ..models.transformer import is_headmix_folder
+from ..models.folders import is_headmix_folder
 from ._hf import check_option_names, stop_ids_of
 from .moh import zero_moh_routers
 
@@ -291,7 +291,7 @@ def source_config(path: str | os.PathLike, loader_options: dict[str, Any] | None
     included (``loader_options``: its ``pad_id``, ``expand_kv``)."""
     folder = Path(path)
     if is_headmix_folder(folder):
-        from ..models.transformer import read_folder_config
+        from ..models.folders import read_folder_config
 
         return read_folder_config(folder)[0]
     from . import CONFIGS

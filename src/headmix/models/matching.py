@@ -32,7 +32,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .config import AttentionConfig, ModelConfig, field_applies
+from .config import AttentionConfig, ModelConfig
+from .config_values import field_applies
 from .counting import analytic_macs, attention_macs, mosa_macs
 
 #: The fields a variant may ask to solve for.

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .config import TASKS, AttentionConfig, ModelConfig
+from .config import AttentionConfig, ModelConfig
+from .config_values import TASKS
 
 #: Default vocabulary sizes: the paper's joint BPE for WMT14 En-De, GPT-2's BPE for the masked LM.
 DEFAULT_VOCAB = {"translation": 32000, "mlm": 50265, "lm": 50265}

@@ -13,7 +13,7 @@ import torch
 
 from . import checkpoints as ckpt
 from ..models import ModelConfig, load_pretrained
-from ..models.config import NewerVersionError
+from ..models.config_migrations import NewerVersionError
 from ..storage.errors import CheckpointDamagedError, RunError, RunFileNotFoundError, short_error
 from .run import Run
 from .tokenizer import load_tokenizer

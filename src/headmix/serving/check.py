@@ -24,7 +24,7 @@ def serve_flags(folder: str) -> str:
     (``--skip-tokenizer-init``); an ``export-hf`` folder none (with its tokenizer)."""
     from pathlib import Path
 
-    from ..models.transformer import read_folder_config
+    from ..models.folders import read_folder_config
 
     if read_folder_config(Path(folder))[1]:
         return "" if (Path(folder) / "tokenizer.json").is_file() else " --skip-tokenizer-init"

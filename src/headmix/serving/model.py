@@ -62,7 +62,8 @@ from ..attention.moh import MoHHeadWeighting, head_ids
 from ..kernels import ExpertRouting, choose_impl, expert_map, expert_map_weighted, expert_reduce, expert_routing
 from ..kernels.dispatch import DENSE_MAX_EXPERTS_PER_K
 from ..models.config import AttentionConfig, ModelConfig
-from ..models.transformer import HF_PREFIX, sinusoidal_table
+from ..models.blocks import sinusoidal_table
+from ..models.folders import HF_PREFIX
 from ..routing import TopKRouter
 from .support import check_head_size, check_servable, check_tensor_parallel
 
@@ -128,7 +129,7 @@ def _split(shape: tuple[int, ...] | nn.Parameter, dim: int, parts: int = 1) -> n
 
 
 def _norm(config: ModelConfig, size: int | None = None) -> nn.Module:
-    """headmix's :func:`~headmix.models.transformer.make_norm` from vLLM's layers."""
+    """headmix's :func:`~headmix.models.blocks.make_norm` from vLLM's layers."""
     size = config.d_model if size is None else size
     if config.norm_type == "rmsnorm":
         return RMSNorm(size, eps=config.norm_eps)
@@ -525,7 +526,7 @@ class DenseFeedForward(nn.Module):
 
 
 class ExpertFeedForward(nn.Module):
-    """JetMoE's mixture of SwiGLU experts (:class:`~headmix.models.transformer.MixtureOfSwiGLUExperts`: headmix's
+    """JetMoE's mixture of SwiGLU experts (:class:`~headmix.models.blocks.MixtureOfSwiGLUExperts`: headmix's
     router, its grouped kernels), on ``(tokens, d)``. Across ranks the router is replicated and each rank holds
     ``ffn_dim / ranks`` of every expert's hidden units (vLLM's split of a mixture of experts); the ranks' outputs
     are summed."""

@@ -74,7 +74,7 @@ def hf_config_of_folder(folder: str | Path) -> Any:
     weights are saved in, :func:`saved_dtype`) of a folder headmix wrote, in its own form or as a Hugging Face
     folder, read as JSON (no code from the folder runs)."""
     from headmix.hf import HeadmixConfig
-    from headmix.models.transformer import read_folder_config
+    from headmix.models.folders import read_folder_config
 
     config, _ = read_folder_config(Path(folder))
     return HeadmixConfig(headmix=config, architectures=[ARCHITECTURE], name_or_path=str(folder),

@@ -44,7 +44,7 @@ def elsewhere(folder: str | os.PathLike | None) -> str:
     """Where the model of ``folder`` generates instead of vLLM, first what works for that folder's form: a run
     (``headmix generate``), a Hugging Face folder (``export-hf``: transformers through headmix.hf), or headmix's
     own ``save_pretrained`` form; :data:`ELSEWHERE` when ``folder`` is None or not a folder headmix wrote."""
-    from ..models.transformer import is_headmix_run, read_folder_config
+    from ..models.folders import is_headmix_run, read_folder_config
 
     if folder is None or not (Path(folder) / "config.json").is_file():
         return ELSEWHERE
@@ -65,7 +65,7 @@ def servable_config(config: Any) -> tuple[ModelConfig, str | None]:
     """``config`` as a headmix :class:`ModelConfig` and the folder it came from (None when not known): a
     ``ModelConfig``, a :class:`~headmix.hf.HeadmixConfig` (``AutoConfig.from_pretrained`` of a headmix folder after
     ``import headmix.hf``, or vLLM's ``hf_config``), or a folder headmix wrote (read as JSON)."""
-    from ..models.transformer import read_folder_config
+    from ..models.folders import read_folder_config
 
     if isinstance(config, ModelConfig):
         return config, None

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..models import AttentionConfig
-from ..models.config import shared_head_kv_as_trained
+from ..models.config_migrations import shared_head_kv_as_trained
 from ..models.counting import attention_macs, mosa_macs
 from .markdown import _attention_text
 

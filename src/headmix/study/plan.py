@@ -139,8 +139,8 @@ def _with_new_defaults(stored: dict[str, Any]) -> dict[str, Any]:
     (absent from the file) take their defaults, which is what the older version did without naming them; the
     file is then rewritten with them (:func:`_write_plan`)."""
     from ..models import AttentionConfig
-    from ..models.config import (marked_as_trained, shared_head_kv_as_trained, with_kind_defaults,
-                                 without_foreign_defaults)
+    from ..models.config import marked_as_trained  # AttentionConfig.marked_as_trained (it builds the config it reads)
+    from ..models.config_migrations import shared_head_kv_as_trained, with_kind_defaults, without_foreign_defaults
     from ..routing.task_gradient import ALLOW_FLAG
 
     def as_trained(stored_attention: dict[str, Any]) -> dict[str, Any]:

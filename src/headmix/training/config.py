@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..data.tokenizer import SPECIAL_TOKENS
-from ..models.transformer import is_headmix_folder, is_headmix_run  # noqa: F401  (setup imports them from here)
+from ..models.folders import is_headmix_folder, is_headmix_run  # noqa: F401  (setup imports them from here)
 from ..tasks import TASKS, get_task
 from .schedule import SCHEDULES
 
