@@ -19,7 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from kernel_cases import NAMES, assert_all_close, make_case, run, run_einsum
 
 from headmix.attention import MixtureOfAttentionHeads, SwitchHeadAttention
-from headmix.kernels import choose_impl, expert_map, expert_map_weighted, expert_reduce, expert_routing, grouped_cpp
+from headmix.kernels import (choose_impl, cpp_build, expert_map, expert_map_weighted, expert_reduce, expert_routing,
+                             grouped_cpp)
 from headmix.kernels import grouped_cpu
 from headmix.kernels import reference as kernel_reference
 
@@ -235,12 +236,12 @@ def test_failed_build_warns_once_and_runs_sorted(monkeypatch):
     def no_compiler():
         raise RuntimeError("c++: command not found")
 
-    monkeypatch.setattr(grouped_cpp, "_loaded", None)
-    monkeypatch.setattr(grouped_cpp, "_warned", False)
-    monkeypatch.setattr(grouped_cpp, "_build", no_compiler)
+    monkeypatch.setattr(cpp_build, "_loaded", None)
+    monkeypatch.setattr(cpp_build, "_warned", False)
+    monkeypatch.setattr(cpp_build, "_build", no_compiler)
     calls = spy_sorted(monkeypatch)
     idx, tensors = make_case(13, 2, 5, 4, 3, torch.float64)
-    with pytest.warns(RuntimeWarning, match="could not be built .*command not found.* Python 'sorted' path"):
+    with pytest.warns(RuntimeWarning, match="could not be built .*command not found.*impl='grouped_cpp' runs 'sorted'"):
         got = run("grouped_cpp", idx, 5, *tensors)
     assert_all_close(got, run_einsum(idx, *tensors), 1e-12, 1e-12, "fallback")
     with warnings.catch_warnings():
@@ -295,3 +296,27 @@ def test_bad_device_is_one_line():
     routing = expert_routing(torch.zeros(4, 1, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="impl='grouped_cpp' runs on CPU tensors, got a tensor on meta"):
         grouped_cpp.grouped_cpp_map(x, torch.empty(2, 3, 5, device="meta"), routing)
+
+
+@pytest.mark.parametrize("n, k, num_experts", [(7, 2, 5), (1, 1, 1), (100, 4, 64), (33, 3, 3), (12, 2, 40)])
+def test_the_counting_sort_groups_slots_as_torch_sort_does(n, k, num_experts):
+    """expert_routing's C++ counting sort (one operation) against the stable sort and searchsorted it replaces:
+    empty experts, one expert in every row, more experts than slots."""
+    from headmix.kernels.routing_info import sort_by_expert
+
+    idx = torch.randint(0, num_experts, (n, k), generator=torch.Generator().manual_seed(n * k))
+    idx[:, 0] = 0
+    sorted_expert, sort_order, offsets = sort_by_expert(idx, num_experts)
+    want_sorted, want_order = torch.sort(idx.reshape(-1), stable=True)
+    assert torch.equal(sort_order, want_order) and torch.equal(sorted_expert, want_sorted)
+    assert torch.equal(offsets, torch.searchsorted(want_sorted, torch.arange(num_experts + 1)))
+    routing = expert_routing(idx, num_experts)
+    assert torch.equal(routing.sort_order, want_order) and torch.equal(routing.offsets, offsets)
+    torch.library.opcheck(sort_by_expert, (idx, num_experts))
+
+
+def test_the_counting_sort_refuses_an_expert_out_of_range():
+    from headmix.kernels.routing_info import sort_by_expert
+
+    with pytest.raises(RuntimeError, match=r"expert 7 outside \[0, 5\)"):
+        sort_by_expert(torch.tensor([[0, 7]]), 5)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .cpp_build import cpp_kernel_available, cpp_ops
+
 __all__ = ["DEFAULT_BLOCK_M", "ExpertRouting", "block_table", "expert_routing"]
 
 #: Rows of the sorted slot buffer handled by one Triton program.
@@ -130,6 +132,20 @@ def block_table(counts: Tensor, offsets: Tensor, num_slots: int, block_m: int) -
     return block_expert.to(torch.int32), block_start.to(torch.int32)
 
 
+@torch.library.custom_op("headmix::sort_by_expert", mutates_args=(), device_types="cpu")
+def sort_by_expert(expert_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(sorted_expert, sort_order, offsets)`` of the (N, k) int64 ``expert_index``: its flat slots stably sorted by
+    expert, as ``torch.sort(stable=True)`` and ``torch.searchsorted`` give them, by one C++ counting sort (CPU;
+    built with headmix's C++ kernels, :mod:`.cpp_build`)."""
+    return tuple(cpp_ops().sort_by_expert(expert_index, num_experts))
+
+
+@sort_by_expert.register_fake
+def _(expert_index, num_experts):
+    slots = expert_index.numel()
+    return expert_index.new_empty(slots), expert_index.new_empty(slots), expert_index.new_empty(num_experts + 1)
+
+
 def expert_routing(
     expert_index: Tensor, num_experts: int, *, block_m: int | None = None, check_range: bool = True
 ) -> ExpertRouting:
@@ -148,8 +164,10 @@ def expert_routing(
 
     Call once per layer call; :func:`~headmix.kernels.expert_map` and
     :func:`~headmix.kernels.expert_reduce` reuse the result.  No host sync:
-    one sort and one ``searchsorted`` (``sorted_token``, ``counts`` and the
-    block table are computed only when read).
+    one sort and one ``searchsorted``, or on the CPU one C++ counting sort
+    (:func:`sort_by_expert`) where headmix's C++ kernels are built
+    (``sorted_token``, ``counts`` and the block table are computed only when
+    read).
     """
     if not isinstance(expert_index, Tensor) or expert_index.dim() != 2:
         shape = tuple(expert_index.shape) if isinstance(expert_index, Tensor) else type(expert_index).__name__
@@ -170,10 +188,14 @@ def expert_routing(
             raise ValueError(f"expert_index values must lie in [0, {num_experts}), got range [{lo}, {hi}]")
 
     expert_index = expert_index.long()
-    sorted_expert, sort_order = torch.sort(expert_index.reshape(-1), stable=True)
-    # offsets[e] = number of slots with expert < e (sorted_expert is sorted)
-    offsets = torch.searchsorted(
-        sorted_expert, torch.arange(num_experts + 1, device=expert_index.device, dtype=torch.long))
+    if expert_index.device.type == "cpu" and n > 0 and cpp_kernel_available():
+        # one C++ counting sort (the same result as the sort and searchsorted below, one operation)
+        sorted_expert, sort_order, offsets = sort_by_expert(expert_index, num_experts)
+    else:
+        sorted_expert, sort_order = torch.sort(expert_index.reshape(-1), stable=True)
+        # offsets[e] = number of slots with expert < e (sorted_expert is sorted)
+        offsets = torch.searchsorted(
+            sorted_expert, torch.arange(num_experts + 1, device=expert_index.device, dtype=torch.long))
     return ExpertRouting(
         expert_index=expert_index,
         num_experts=num_experts,

@@ -266,14 +266,48 @@ at::Tensor weight_grad(const at::Tensor& a, int64_t a_div, const std::optional<a
 
 }  // namespace
 
+namespace {
+
+// The slots n*k + j of expert_index (N, k) grouped by expert, stably (a counting sort: what torch.sort(stable=True)
+// and torch.searchsorted give, in two passes over the slots): (sorted_expert, sort_order, offsets).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sort_by_expert(const at::Tensor& expert_index, int64_t num_experts) {
+  TORCH_CHECK(expert_index.scalar_type() == at::kLong, "sort_by_expert: expert_index must be int64");
+  const at::Tensor flat = expert_index.contiguous().view(-1);
+  const int64_t slots = flat.numel();
+  const int64_t* idx = flat.data_ptr<int64_t>();
+  at::Tensor offsets = at::zeros({num_experts + 1}, flat.options());
+  at::Tensor sort_order = at::empty({slots}, flat.options());
+  at::Tensor sorted_expert = at::empty({slots}, flat.options());
+  int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t s = 0; s < slots; ++s) {
+    TORCH_CHECK(idx[s] >= 0 && idx[s] < num_experts, "sort_by_expert: expert ", idx[s], " outside [0, ",
+                num_experts, ")");
+    ++off[idx[s] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) off[e + 1] += off[e];
+  std::vector<int64_t> next(off, off + num_experts);
+  int64_t* order = sort_order.data_ptr<int64_t>();
+  int64_t* sorted = sorted_expert.data_ptr<int64_t>();
+  for (int64_t s = 0; s < slots; ++s) {
+    const int64_t p = next[idx[s]]++;
+    order[p] = s;
+    sorted[p] = idx[s];
+  }
+  return {sorted_expert, sort_order, offsets};
+}
+
+}  // namespace
+
 TORCH_LIBRARY(headmix_cpp, m) {
   m.def("slot_pass(Tensor src, int src_div, Tensor weight, Tensor? gates, Tensor sort_order, Tensor offsets, "
         "int dst_div, bool need_dst, Tensor? dot_src, int dot_div) -> (Tensor, Tensor)");
   m.def("weight_grad(Tensor a, int a_div, Tensor? gates, Tensor b, int b_div, Tensor sort_order, Tensor offsets, "
         "int num_experts) -> Tensor");
+  m.def("sort_by_expert(Tensor expert_index, int num_experts) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(headmix_cpp, CPU, m) {
   m.impl("slot_pass", &slot_pass);
   m.impl("weight_grad", &weight_grad);
+  m.impl("sort_by_expert", &sort_by_expert);
 }
