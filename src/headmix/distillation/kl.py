@@ -1,6 +1,9 @@
-"""The distillation loss (issue 52): the KL divergence from a parent's next-token distribution at a temperature,
-mixed with the task loss; the one formula of ``headmix train --distill-from`` (:mod:`headmix.training.distill`,
-whose docstring states it in full) and of ``headmix.hf.DistillationTrainer``."""
+"""The distillation loss (issue 52): the KL from a parent's next-token distribution, chunked, and its mix.
+
+The KL divergence from a parent's next-token distribution at a temperature, computed a chunk of positions at a
+time forward and backward, mixed with the task loss: the one formula of ``headmix train --distill-from``
+(:mod:`headmix.distillation.loop`, whose docstring states it in full) and of ``headmix.hf.DistillationTrainer``
+(:mod:`headmix.distillation.hf_trainer`). Its plain reference is the unchunked formula in ``tests/test_distill.py``."""
 
 from __future__ import annotations
 
