@@ -1,5 +1,7 @@
-"""Which device a ``--device`` option names: the one parser of every command's device, below ``training``,
-``study`` and ``bench``, which all take one."""
+"""Which device a ``--device`` option names: the one parser of every command's device.
+
+It sits below ``training``, ``study`` and ``bench``, which all take a device (``headmix.training.config`` still
+exports both names)."""
 
 from __future__ import annotations
 

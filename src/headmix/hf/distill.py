@@ -1,5 +1,6 @@
-"""The Hugging Face route's distillation, whose old home this was: it lives in
-:mod:`headmix.distillation.hf_trainer` now; these names stay importable from here."""
+"""The Trainer route's old import path: it lives in :mod:`headmix.distillation.hf_trainer` now.
+
+These names stay importable from here (and ``headmix.hf.DistillationTrainer`` from the package)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Distillation's old home for ``headmix train --distill-from``: it lives in :mod:`headmix.distillation` now
-(:mod:`~headmix.distillation.loop`, :mod:`~headmix.distillation.parent`, :mod:`~headmix.distillation.kl`);
-these names stay importable from here."""
+"""Distillation's old import path: it lives in :mod:`headmix.distillation` now.
+
+:mod:`~headmix.distillation.loop` (``Distiller``), :mod:`~headmix.distillation.parent` (the parent folder) and
+:mod:`~headmix.distillation.kl` (the loss); these names stay importable from here."""
 
 from __future__ import annotations
 
