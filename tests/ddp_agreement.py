@@ -1,7 +1,7 @@
 """Run by tests/test_training.py under torchrun (2 processes, gloo): one data-parallel step (DDP or FSDP2)
 against the same step taken by one process on both ranks' batches. Usage: ddp_agreement.py OUT_DIR KIND [distill]
 (distill: the loss distilled from a frozen parent, as the training loop sets it up: hashed by rank 0, loaded on every
-rank, sharded under FSDP; its KL logged as the mean over the ranks: headmix.training.distill)"""
+rank, sharded under FSDP; its KL logged as the mean over the ranks: headmix.distillation)"""
 
 import copy
 import json
@@ -35,7 +35,8 @@ def loss_of(module, batch):
 extra = {}
 if distill:  # as the training loop does it: hashed by rank 0 alone, loaded once per rank, sharded under FSDP
     import headmix.storage.files as files
-    from headmix.training.distill import Distiller, load_parent, shared_parent_identity
+    from headmix.distillation import Distiller, load_parent, shared_parent_identity
+    from headmix.training.distributed import shard_by_layer
     from headmix.training.metrics import TrainingWindow
 
     folder = Path(out_dir, "parent")
@@ -49,7 +50,7 @@ if distill:  # as the training loop does it: hashed by rank 0 alone, loaded once
     files.sha256_file = real_sha
     distiller = Distiller(load_parent(str(folder), "cpu", torch.float32), weight=0.4, temperature=2.0,
                           input_names=("src", "tgt_in"), pad_id=config.pad_id, device="cpu", dtype=torch.float32,
-                          shard=kind == "fsdp")
+                          shard=shard_by_layer if kind == "fsdp" else None)
     extra["parent_sharded"] = all(type(p).__name__ == "DTensor" for p in distiller.parent.parameters())
     records = [None, None]
     dist.all_gather_object(records, {"hashed": len(hashed), "identity": identity})

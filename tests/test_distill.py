@@ -146,7 +146,7 @@ def test_the_chunked_kl_equals_the_unchunked_one_in_float64_gradients_included(c
 
 
 def test_a_parents_logits_made_a_chunk_at_a_time_from_its_hidden_states_give_the_same_kl_and_gradient():
-    from headmix.models.distill import ParentLogits
+    from headmix.distillation.kl import ParentLogits
 
     g = torch.Generator().manual_seed(5)
     hidden, head = torch.randn(2, 9, 6, dtype=torch.float64, generator=g), torch.randn(37, 6, dtype=torch.float64,
@@ -511,6 +511,26 @@ def test_refusals_name_the_option_before_anything_is_written(corpus, parent, tmp
     assert f"--distill-from {parent} holds a 'lm' model; this run's task is 'translation'" in err
 
 
+def test_a_folder_holding_a_runs_tokenizer_and_a_top_level_one_gives_the_runs_everywhere(corpus, parent, tmp_path):
+    """One look-up of a model folder's tokenizer (:func:`headmix.runs.tokenizer.tokenizer_of`): a folder holding
+    both a run's ``tokenizer/`` and a ``tokenizer.json`` beside its ``config.json`` gives ``tokenizer/`` to
+    ``--init-from`` and to ``--distill-from`` alike (the two look-ups once had opposite precedence)."""
+    from headmix.distillation.parent import parent_tokenizer_file, run_tokenizer_file
+    from headmix.runs.tokenizer import tokenizer_of
+
+    both = tmp_path / "both"
+    shutil.copytree(parent, both, ignore=shutil.ignore_patterns("checkpoints"))
+    vocab = json.loads((parent / "tokenizer" / "tokenizer.json").read_text())
+    vocab["model"]["vocab"] = {token: i for i, token in enumerate(list(vocab["model"]["vocab"])[::-1])}
+    (both / "tokenizer.json").write_text(json.dumps(vocab))  # the same tokens under other ids
+    assert tokenizer_of(both) == str(both / "tokenizer")
+    student = _student(corpus, both, "both", distill_from=str(both))
+    assert student.tokenizer == str(both / "tokenizer")  # --init-from's
+    assert run_tokenizer_file(student) == parent_tokenizer_file(both) == both / "tokenizer" / "tokenizer.json"
+    student.validate()  # --distill-from's: the parent's tokenizer is the run's
+    _student(corpus, parent, "from-parent", distill_from=str(both)).validate()
+
+
 # ------------------------------------------------------------------------------------------- studies
 def _study(corpus: Path, **kw):
     from headmix.study.spec import ParentSpec, RowSpec, StudySpec
@@ -585,6 +605,24 @@ def test_a_distilled_row_continues_from_the_parent_and_its_timing_counts_the_par
 
 
 # ------------------------------------------------------------------------------------ Hugging Face Trainer
+def test_distillation_lives_in_one_package_and_its_old_import_paths_give_the_same_objects():
+    """:mod:`headmix.distillation` holds the loss, the parent, the loop's term and the Trainer route; the names
+    once imported from ``headmix.training.distill``, ``headmix.hf`` and ``headmix.hf.distill`` are those."""
+    import headmix.distillation as distillation
+    import headmix.training.distill as old
+    from headmix.distillation import hf_trainer, kl, loop, parent
+
+    assert old.Distiller is distillation.Distiller is loop.Distiller
+    assert old.distillation_kl is kl.distillation_kl and old.check_parent is parent.check_parent
+    assert old.load_parent is parent.load_parent and old.shared_parent_identity is parent.shared_parent_identity
+    pytest.importorskip("transformers")
+    import headmix.hf
+    import headmix.hf.distill
+
+    assert headmix.hf.DistillationTrainer is headmix.hf.distill.DistillationTrainer is hf_trainer.DistillationTrainer
+    assert headmix.hf.distillation_loss is distillation.distillation_loss is hf_trainer.distillation_loss
+
+
 def test_the_trainer_route_distils_exactly_and_leaves_the_parent_unchanged(tmp_path):
     transformers = pytest.importorskip("transformers")
     from headmix.hf import DistillationTrainer, HeadmixConfig, HeadmixForCausalLM, distillation_loss
@@ -663,7 +701,7 @@ def test_the_trainer_route_gives_the_parent_the_students_positions_on_a_packed_b
     sequence. A parent whose forward cannot take them is refused in one line."""
     transformers = pytest.importorskip("transformers")
     from headmix.hf import DistillationTrainer
-    from headmix.hf import distill as hf_distill
+    from headmix.distillation import hf_trainer as hf_distill
 
     def llama(seed):
         torch.manual_seed(seed)

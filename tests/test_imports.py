@@ -171,11 +171,13 @@ def test_no_circle_even_through_type_checking_imports():
 #: its neighbours on the same floor), counting imports inside functions. ``headmix`` is the package's face
 #: (its ``__init__``: the layers). A new package must be given a floor here.
 FLOORS = [
-    {"storage", "process", "provenance"},        # atomic files; process-wide settings; which machine and code ran
+    {"storage", "process", "provenance", "devices"},  # atomic files; process-wide settings; which machine and code
+                                                      # ran; which device a --device names
     {"kernels", "routing", "data"},              # kernels, the router, corpora and tokenizers
     {"attention"},                               # the layers
     {"headmix", "models"},                       # the face; models, presets, counting, matching, generation
     {"runs", "evaluation", "interop"},           # run folders, scoring, the peers' models
+    {"distillation"},                            # the KL, the parent, the loop's term, the Trainer route
     {"tasks", "hf"},                             # what a task trains and scores, token packs; Hugging Face export
     {"training", "serving"},                     # the trainer and the demo; serving with vLLM
     {"study", "bench", "analysis"},              # comparisons at equal MACs, speed, looking inside
@@ -296,3 +298,30 @@ def test_the_provenance_check_finds_an_import_from_training(tmp_path, monkeypatc
         "headmix/bench/a.py: headmix.training.machine.cpu_model",
         "headmix/bench/b.py: headmix.training.source_commit",
         "headmix/bench/c.py: headmix.training.machine."]
+
+
+#: What ``bench/`` takes from ``training``: only what it benchmarks of training itself, the demo's two models
+#: (``headmix bench models --size demo``). The device parser, provenance and distillation live below both.
+BENCH_FROM_TRAINING = {("headmix/bench/models.py", "headmix.training.demo", "demo_models"),
+                       ("headmix/bench/models.py", "headmix.training.demo", "describe_attention")}
+
+
+def imports_from_training(files) -> set[tuple[str, str, str]]:
+    """``(file, module, name)`` for each import from ``headmix.training`` in ``files``."""
+    return {(str(file.relative_to(SRC)), module, name) for file in files for module, name in imported_names(file)
+            if module == "headmix.training" or module.startswith("headmix.training.")}
+
+
+def test_bench_imports_from_training_only_the_demo_models_it_times():
+    """``pick_device`` (and ``check_device_name``) live in :mod:`headmix.devices`, below ``training``, ``study``
+    and ``bench`` (issue 60): ``bench/`` imports nothing from ``training`` but the demo's models, and no module
+    outside ``training`` takes the device parser from there."""
+    import headmix.devices
+    import headmix.training.config
+
+    assert headmix.training.config.pick_device is headmix.devices.pick_device  # the old import path still works
+    assert imports_from_training(sorted((SRC / "headmix" / "bench").rglob("*.py"))) == BENCH_FROM_TRAINING
+    outside = [file for file in sorted((SRC / "headmix").rglob("*.py")) if "training" not in file.parts]
+    assert {(file, module, name) for file, module, name in imports_from_training(outside)
+            if name in ("pick_device", "check_device_name")} == set()
+    assert ("headmix.devices", "pick_device") in imported_names(SRC / "headmix" / "bench" / "attention.py")

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..attention import MixtureOfAttentionHeads, MixtureOfHeadsAttention, MultiHeadAttention, SwitchHeadAttention
-from ..training.config import pick_device
+from ..devices import pick_device
 from .timing import add_clock_arguments, bench_dtype, clock_setup, interleaved_timings
 
 

@@ -603,7 +603,7 @@ def check_args(args, device_type: str) -> None:
 
 
 def _device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
-    from ..training.config import pick_device
+    from ..devices import pick_device
 
     device = pick_device(args.device)
     return device, {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or

@@ -39,7 +39,7 @@ from ..attention import MixtureOfAttentionHeads, MultiHeadAttention
 from ..kernels.dispatch import IMPLS
 from ..models import build_model, get_config
 from ..models.generation import greedy_decode
-from ..training.config import pick_device
+from ..devices import pick_device
 from .attention import format_rows
 from .timing import add_clock_arguments, check_positive, clock_setup, interleaved_timings, sync
 

@@ -1,4 +1,4 @@
-"""``headmix bench distill``: what distillation (:mod:`headmix.training.distill`) adds to a training step, in memory
+"""``headmix bench distill``: what distillation (:mod:`headmix.distillation`) adds to a training step, in memory
 and in time, at a real vocabulary (issue 60).
 
 A small Llama-style decoder (``--d-model`` 64, ``--layers`` 1, 8 query heads on 2 K/V heads, SwiGLU) and a parent of
@@ -6,7 +6,7 @@ the same shape take one training step (forward, backward, AdamW) on ``--batch`` 
 ``--vocab``:
 
 * ``plain``: the student's own loss (the baseline);
-* ``distilled``: what ``headmix train --distill-from`` runs, :class:`~headmix.training.distill.Distiller`: the
+* ``distilled``: what ``headmix train --distill-from`` runs, :class:`~headmix.distillation.loop.Distiller`: the
   parent's forward (no graph), the chunked KL and its gradient, the mixed loss;
 * ``parent forward``: the parent's forward alone, under ``torch.no_grad`` (what distillation cannot avoid).
 
@@ -56,7 +56,7 @@ def _model(vocab: int, d_model: int, layers: int, length: int, seed: int):
 
 def _setup(vocab: int, batch: int, length: int, d_model: int, layers: int, device: str, temperature: float):
     """``{"plain": step, "distilled": step, "parent forward": call}`` on one batch."""
-    from ..training.distill import Distiller
+    from ..distillation.loop import Distiller
 
     student = _model(vocab, d_model, layers, length, 0).to(device).train()
     parent = _model(vocab, d_model, layers, length, 1)

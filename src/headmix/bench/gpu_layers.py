@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..kernels import expert_map, expert_reduce, expert_routing
-from ..training.config import pick_device
+from ..devices import pick_device
 from .attention import peak_memory
 from .kinds import KINDS, Kind, describe, heads_for, triton_usable
 from .timing import check_positive, count_aten_ops, interleaved_timings, kernel_profile, machine_load, standalone_args

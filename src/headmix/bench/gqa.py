@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import MixtureOfHeadsAttention, MultiHeadAttention
-from ..training.config import pick_device
+from ..devices import pick_device
 from .attention import _device_name, format_rows
 from .timing import add_clock_arguments, bench_dtype, clock_setup, interleaved_timings
 

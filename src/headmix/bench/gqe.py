@@ -29,7 +29,7 @@ from torch import nn
 
 from ..attention import GroupedQueryExpertsAttention, MultiHeadAttention
 from ..provenance import cpu_model
-from ..training.config import pick_device
+from ..devices import pick_device
 from .attention import format_rows
 from .timing import add_clock_arguments, bench_dtype, check_positive, clock_setup, interleaved_timings, kernel_profile
 

@@ -32,7 +32,7 @@ import torch
 
 from ..models import analytic_macs, build_model, get_config
 from ..models.config import ModelConfig
-from ..training.config import pick_device
+from ..devices import pick_device
 from .attention import format_rows
 from .timing import add_clock_arguments, check_positive, clock_setup, interleaved_timings, sync
 

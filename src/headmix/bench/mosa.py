@@ -29,7 +29,7 @@ import torch
 
 from ..attention import MixtureOfSparseAttention, MultiHeadAttention
 from ..models.matching import matched_sparse_heads
-from ..training.config import pick_device
+from ..devices import pick_device
 from .attention import _device_name, format_rows, peak_memory
 from .timing import add_clock_arguments, bench_dtype, clock_setup, interleaved_timings
 

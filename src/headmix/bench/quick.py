@@ -27,7 +27,7 @@ import torch
 from ..models import build_model
 from ..models.generation import calibrate_mosa, greedy_decode, mosa_layers
 from ..models.presets import llama_model
-from ..training.config import pick_device
+from ..devices import pick_device
 from .gpu_layers import _time_ms, drift_line
 from .kinds import KINDS, describe, triton_usable, without_triton
 from .models import lm_batch, lm_training_step

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..training.config import pick_device
+from ..devices import pick_device
 from .main import add_device_option
 
 

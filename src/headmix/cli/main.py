@@ -145,8 +145,8 @@ _non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
 
 def device_option(text: str) -> str:
     """The ``--device`` argument type of every command: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``, checked by
-    :func:`headmix.training.config.pick_device` (a bad name is a one-line usage error naming ``--device``)."""
-    from ..training.config import pick_device
+    :func:`headmix.devices.pick_device` (a bad name is a one-line usage error naming ``--device``)."""
+    from ..devices import pick_device
 
     try:
         pick_device(text)
@@ -157,8 +157,8 @@ def device_option(text: str) -> str:
 
 def device_name_option(text: str) -> str:
     """A ``--device`` argument that names the device of runs made elsewhere (``headmix study``): the name's form
-    is checked here (:func:`headmix.training.config.check_device_name`), the device when a run starts."""
-    from ..training.config import check_device_name
+    is checked here (:func:`headmix.devices.check_device_name`), the device when a run starts."""
+    from ..devices import check_device_name
 
     try:
         return check_device_name(text)
@@ -240,7 +240,7 @@ def _add_translate(sub) -> None:
 def _run_translate(args) -> int:
     from ..evaluation import translate
     from ..runs import load_run
-    from ..training.config import pick_device
+    from ..devices import pick_device
 
     device = pick_device(args.device)
     run = load_run(args.run, device)
@@ -281,7 +281,7 @@ def _add_generate(sub) -> None:
 def _run_generate(args) -> int:
     from ..models import CausalLanguageModel, generate_text
     from ..runs import load_run
-    from ..training.config import pick_device
+    from ..devices import pick_device
 
     if args.prompts is None:
         prompts = args.prompt
@@ -325,7 +325,7 @@ def _add_evaluate(sub) -> None:
 
 def _run_evaluate(args) -> int:
     from ..tasks import evaluate_run
-    from ..training.config import pick_device
+    from ..devices import pick_device
 
     result = evaluate_run(args.run, split=args.split, beam_size=args.beam, length_penalty=args.length_penalty,
                           limit=args.limit, compound_split=args.compound_split, device=pick_device(args.device),
@@ -348,7 +348,7 @@ def _add_calibrate(sub) -> None:
 
 def _run_calibrate(args) -> int:
     from ..training.calibrate import calibrate_run
-    from ..training.config import pick_device
+    from ..devices import pick_device
 
     thresholds = calibrate_run(args.run, device=pick_device(args.device))
     for name, values in thresholds.items():

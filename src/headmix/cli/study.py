@@ -191,7 +191,7 @@ def run(args) -> int:
             write_report(spec, planned, results, args.out)
         print(open(os.path.join(args.out, "results.md")).read())
         return 0
-    from ..training.config import pick_device
+    from ..devices import pick_device
     from .main import stop_on_signals
 
     pick_device(spec.training.get("device", "auto"))  # a one-line error for a bad --device, before any work

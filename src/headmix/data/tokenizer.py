@@ -275,9 +275,7 @@ class Tokenizer:
         files beside it name (module docstring): ``tokenizer_config.json`` or ``special_tokens_map.json``, then
         the model's ``config.json`` for the roles they leave out. Without any of them the tokenizer must have
         headmix's special tokens at ids 0..4."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / TOKENIZER_FILENAME
+        p = tokenizer_file(path)
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {p}")
         tok = _HFTokenizer.from_file(str(p))
@@ -285,6 +283,14 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """The ``tokenizer.json`` a tokenizer path names, as :meth:`Tokenizer.load` reads it: the file ``path`` itself,
+    or the one in the folder ``path`` (whether or not it exists). A model folder's tokenizer path is
+    :func:`headmix.runs.tokenizer.tokenizer_of`'s."""
+    p = Path(path)
+    return p / TOKENIZER_FILENAME if p.is_dir() else p
 
 
 def _token_text(value) -> str | None:

@@ -10,8 +10,8 @@ in docs/hf.md), so the registration happens here, once, on request.
 - :class:`HeadmixConfig`, :class:`HeadmixForCausalLM`, :class:`HeadmixCache`: the config, the model, the cache.
 - :func:`run_to_hf`, :func:`hf_to_headmix`: a headmix run folder (or model folder) to a Hugging Face folder
   (weights, config, tokenizer) and back, without loss.
-- :class:`DistillationTrainer`, :func:`distillation_loss` (:mod:`headmix.hf.distill`): ``Trainer`` with the loss
-  distilled from a frozen parent; imported on first use (``transformers.Trainer`` is a slow import).
+- :class:`DistillationTrainer`, :func:`distillation_loss` (:mod:`headmix.distillation.hf_trainer`): ``Trainer``
+  with the loss distilled from a frozen parent; imported on first use (``transformers.Trainer`` is a slow import).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = ["HeadmixConfig", "HeadmixForCausalLM", "HeadmixCache", "HeadmixCausal
 
 def __getattr__(name: str):
     if name in ("DistillationTrainer", "distillation_loss"):  # transformers.Trainer only when it is asked for
-        from . import distill
+        from ..distillation import hf_trainer
 
-        return getattr(distill, name)
+        return getattr(hf_trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

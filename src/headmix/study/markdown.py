@@ -185,7 +185,7 @@ def continuation_markdown(table: dict[str, Any]) -> list[str]:
 def _options_text(options: dict[str, Any], distill: dict[str, Any] | None = None) -> str:
     """A row's ``init_options`` in a few words, and its distillation from the parent (``distill``) if it has one."""
     if distill is not None:
-        from ..models.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT
+        from ..distillation.kl import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT
 
         return (f"{_options_text(options)}; distilled from the parent (weight {distill.get('weight', DEFAULT_WEIGHT):g},"
                 f" temperature {distill.get('temperature', DEFAULT_TEMPERATURE):g})")

@@ -225,7 +225,7 @@ def check_timing_devices(spec: StudySpec, planned: list[PlannedRow], out: Path) 
     """``ValueError`` when a row's timing record was measured on another kind of device (``cpu``, ``cuda``) than
     the one this study now runs on: side-by-side timings of different devices are never mixed in one equal-time
     table (remove ``OUT/timing/*.json`` to time the rows again here)."""
-    from ..training.config import pick_device
+    from ..devices import pick_device
     from .timing import read_timing
 
     here = pick_device(spec.training.get("device", "auto")).type

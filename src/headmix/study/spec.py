@@ -157,7 +157,7 @@ class RowSpec:
             if not isinstance(self.distill, dict) or set(self.distill) - {"weight", "temperature"}:
                 raise ValueError(f"rows[{self.name!r}].distill must be a table of weight and temperature (empty: the "
                                  f"defaults), got {self.distill!r}")
-            from ..models.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, check_distill_values
+            from ..distillation.kl import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, check_distill_values
 
             check_distill_values(self.distill.get("weight", DEFAULT_WEIGHT),
                                  self.distill.get("temperature", DEFAULT_TEMPERATURE), prefix=f"rows[{self.name!r}].distill.")

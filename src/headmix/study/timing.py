@@ -156,7 +156,7 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
     from ..data import Tokenizer
     from ..models import build_model
     from ..training import TrainConfig
-    from ..training.config import pick_device
+    from ..devices import pick_device
     from ..training.sequence_start import run_sequence_start
     from ..process import freed_memory_kept
     from ..provenance import load_average, machine_record
@@ -193,7 +193,7 @@ def measure_row(spec, out: Path, baseline_config: Path, row_config: Path, row_na
         optimizer, schedule = optimizer_and_schedule(cfg, model.parameters())
         distiller = None
         if distill is not None:  # the parent's forward is part of a distilled step: the baseline's shape, frozen
-            from ..training.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, Distiller
+            from ..distillation import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, Distiller
 
             distiller = Distiller(build(baseline_config), weight=distill.get("weight", DEFAULT_WEIGHT),
                                   temperature=distill.get("temperature", DEFAULT_TEMPERATURE),

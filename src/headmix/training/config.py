@@ -6,15 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..data.tokenizer import SPECIAL_TOKENS
+from ..devices import check_device_name, pick_device  # noqa: F401  (live in headmix.devices; imported from here too)
 from ..models.folders import is_headmix_folder, is_headmix_run  # noqa: F401  (setup imports them from here)
+from ..runs.tokenizer import tokenizer_of  # noqa: F401  (lives in headmix.runs.tokenizer; imported from here too)
 from ..tasks import TASKS, get_task
 from .schedule import SCHEDULES
 
@@ -165,14 +164,14 @@ class TrainConfig:
     @property
     def resolved_distill_weight(self) -> float:
         """``distill_weight``, or 0.5 when unset."""
-        from .distill import DEFAULT_WEIGHT
+        from ..distillation.kl import DEFAULT_WEIGHT
 
         return DEFAULT_WEIGHT if self.distill_weight is None else self.distill_weight
 
     @property
     def resolved_distill_temperature(self) -> float:
         """``distill_temperature``, or 1 when unset."""
-        from .distill import DEFAULT_TEMPERATURE
+        from ..distillation.kl import DEFAULT_TEMPERATURE
 
         return DEFAULT_TEMPERATURE if self.distill_temperature is None else self.distill_temperature
 
@@ -250,7 +249,7 @@ class TrainConfig:
             if given:
                 raise ValueError(f"{given[0]} applies to a distill_from (the parent to distil from), got none")
         else:
-            from .distill import check_distill_values
+            from ..distillation.kl import check_distill_values
 
             check_distill_values(self.resolved_distill_weight, self.resolved_distill_temperature)
 
@@ -308,7 +307,7 @@ class TrainConfig:
 
             check_tokenizer(self)
         if self.distill_from is not None:  # the parent, its tokenizer and vocabulary: before anything is written
-            from .distill import check_parent
+            from ..distillation.parent import check_parent
 
             check_parent(self)
 
@@ -318,17 +317,6 @@ class TrainConfig:
 
 #: ``preset`` when none is given (and no ``init_from``).
 DEFAULT_PRESET = "tiny-moa"
-
-
-def tokenizer_of(path: str | os.PathLike) -> str | None:
-    """The tokenizer of a model folder, or ``None``: a headmix run's ``tokenizer/``, the ``tokenizer.json`` of an
-    ``export-hf`` or Hugging Face folder (with the ``tokenizer_config.json`` and ``config.json`` beside it, which
-    name its special tokens: :meth:`headmix.data.Tokenizer.load`)."""
-    folder = Path(path)
-    for candidate in (folder / "tokenizer", folder):
-        if (candidate / "tokenizer.json").is_file():
-            return str(candidate)
-    return None
 
 
 #: ``vocab_size`` when neither the option nor a JSON preset gives one.
@@ -361,42 +349,3 @@ def _positive(name: str, value: float | None, *, allow_none: bool = False) -> No
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
-
-
-def pick_device(name: str) -> torch.device:
-    """The device ``name`` names: ``cpu``, ``cuda:N``, ``cuda`` (this process' CUDA device: ``LOCAL_RANK``
-    under torchrun, else the current one) or ``auto`` (``cuda`` when there is one, else the CPU). A CUDA
-    device always comes back with its index (``torch.cuda.set_device`` and DDP need one). ``ValueError``
-    (naming ``device``) for a name that is not a device, or a CUDA device this machine does not have. The one
-    parser of every ``--device`` option (train, evaluate, translate, analyze, study, bench, demo)."""
-    name = check_device_name(name)
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r}: no CUDA device is available on this machine (use --device cpu)")
-        if device.index is None:
-            local_rank = os.environ.get("LOCAL_RANK")
-            device = torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
-        if device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-def check_device_name(name: str | torch.device) -> str:
-    """``name`` as a string when it is a device name (``auto``, ``cpu``, ``cuda``, ``cuda:N``; ``mps``), whether or
-    not this machine has that device (a study's spec may name the device its runs will have); ``ValueError``
-    naming ``device`` otherwise."""
-    if not isinstance(name, (str, torch.device)):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
-    name = str(name)
-    if name == "auto":
-        return name
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}") from None
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
-    return name

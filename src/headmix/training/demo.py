@@ -35,7 +35,8 @@ from ..tasks import evaluate_run, get_task
 from ..models import analytic_macs, get_config
 from ..models.matching import match_attention, with_attention
 from ..storage.files import atomic_write
-from .config import TrainConfig, pick_device
+from ..devices import pick_device
+from .config import TrainConfig
 from ..provenance import load_average
 from .metrics import read_metrics
 from .setup import prepare_shared_data

@@ -63,7 +63,7 @@ class TrainingWindow:
 
     def add_batch(self, out, grad_accum: int, distill_kl: torch.Tensor | None = None) -> None:
         """One micro-batch's model output: its auxiliary loss and routing; and, in a distilled run, its
-        distillation KL (:mod:`headmix.training.distill`)."""
+        distillation KL (:mod:`headmix.distillation`)."""
         self.aux += float(out.aux_loss.detach()) / grad_accum
         if distill_kl is not None:  # summed on its device: read once, at the record (no host sync per micro-batch)
             self.distill_kl = getattr(self, "distill_kl", 0) + distill_kl.detach() / grad_accum

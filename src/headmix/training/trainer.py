@@ -24,7 +24,8 @@ from ..models.generation import mosa_layers
 from ..runs import Run, average_checkpoints, rng_state, set_rng_state
 from ..runs.checkpoints import averaging_window_start, checkpoint_step
 from .calibrate import calibration_batches
-from .config import IDENTITY, TrainConfig, pick_device
+from ..devices import pick_device
+from .config import IDENTITY, TrainConfig
 from .distributed import Parallel, init_distributed
 from .metrics import MetricsLog, TrainingWindow
 from ..provenance import machine_record
@@ -61,7 +62,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
     if sequence_start is not None:
         stored[SEQUENCE_START_KEY] = sequence_start
     if cfg.distill_from is not None:  # the parent's weights, identified and loaded before the folder is touched
-        from .distill import check_recorded_parent, load_parent, shared_parent_identity
+        from ..distillation.parent import check_recorded_parent, load_parent, shared_parent_identity
 
         stored["distill_parent"] = shared_parent_identity(cfg.distill_from)  # hashed by rank 0 alone
         identity = (*IDENTITY, "distill_parent")
@@ -127,7 +128,8 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
         autocast = autocast_for(cfg, device)
         distiller = None
         if parent is not None:  # frozen, unwrapped, on the student's device and dtype, under its autocast
-            from .distill import Distiller
+            from ..distillation.loop import Distiller
+            from .distributed import shard_by_layer
 
             if parent.config.vocab_size != mcfg.vocab_size:
                 raise ValueError(f"distill_from {cfg.distill_from}: its model has {parent.config.vocab_size} logits "
@@ -135,7 +137,7 @@ def train(cfg: TrainConfig, *, stop: Callable[[], str | None] | None = None) -> 
             distiller = Distiller(parent, weight=cfg.resolved_distill_weight,
                                   temperature=cfg.resolved_distill_temperature, input_names=task.input_names,
                                   pad_id=mcfg.pad_id, device=device, dtype=next(model.parameters()).dtype, autocast=autocast,
-                                  shard=par.kind == "fsdp")
+                                  shard=shard_by_layer if par.kind == "fsdp" else None)
             log(f"distilling from {cfg.distill_from} (weight {distiller.weight:g}, temperature "
                 f"{distiller.temperature:g})")
         metrics = MetricsLog(run.path, enabled=d.main)

@@ -1,6 +1,9 @@
-"""The distillation loss (issue 52): the KL divergence from a parent's next-token distribution at a temperature,
-mixed with the task loss; the one formula of ``headmix train --distill-from`` (:mod:`headmix.training.distill`,
-whose docstring states it in full) and of ``headmix.hf.DistillationTrainer``."""
+"""The distillation loss (issue 52): the KL from a parent's next-token distribution, chunked, and its mix.
+
+The KL divergence from a parent's next-token distribution at a temperature, computed a chunk of positions at a
+time forward and backward, mixed with the task loss: the one formula of ``headmix train --distill-from``
+(:mod:`headmix.distillation.loop`, whose docstring states it in full) and of ``headmix.hf.DistillationTrainer``
+(:mod:`headmix.distillation.hf_trainer`). Its plain reference is the unchunked formula in ``tests/test_distill.py``."""
 
 from __future__ import annotations
 
@@ -110,7 +113,7 @@ class _ChunkedKL(torch.autograd.Function):
                 log_q, lse_q[start:stop] = _log_softmax(student[start:stop], keep.dtype, temperature)
                 log_p, lse_p[start:stop] = _log_softmax(_rows(parent, start, stop), keep.dtype, temperature)
                 p = log_p.exp()
-                per_position = torch.bmm(p[:, None, :], log_p.sub_(log_q)[:, :, None]).view(-1)  # p.(log p - log q)
+                per_position = torch.linalg.vecdot(p, log_p.sub_(log_q))  # p.(log p - log q): faster than a bmm
                 total = total + (per_position * keep[start:stop]).sum()
         count = keep.sum().clamp(min=1)
         ctx.student_logits, ctx.parent, ctx.keep, ctx.count = student_logits, parent, keep, count
@@ -131,7 +134,7 @@ class _ChunkedKL(torch.autograd.Function):
                     stop = min(start + ctx.chunk, student.shape[0])
                     q = _softmax_from(student[start:stop], ctx.lse_q[start:stop], dtype, t)
                     q.sub_(_softmax_from(_rows(ctx.parent, start, stop), ctx.lse_p[start:stop], dtype, t))
-                    flat[start:stop].add_(q.mul_(coefficient[start:stop, None]))
+                    flat[start:stop].addcmul_(q, coefficient[start:stop, None])  # one pass, no product kept
             return grad
 
         if not ctx.into_task_gradient:  # a gradient of its own, built chunk by chunk
