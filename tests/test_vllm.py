@@ -741,3 +741,48 @@ def test_vllm_internals_are_patched_only_on_a_tested_release(monkeypatch, caplog
     monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")
     assert plugin.patch_vllm_internals() is True
     assert MODELS_CONFIG_MAP["HeadmixForCausalLM"] is plugin.ServableCheck and "headmix" in MODEL_ARCH_CONFIG_CONVERTORS
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `headmix bench serve` (issue 59, item 5): the table's structure, not its times.
+
+def test_bench_serve_rows_are_each_against_the_llama_of_the_same_run(engine_env, tmp_path, capsys):
+    """At a tiny size (eager only, 2 rounds): one row per phase, batch and served model (headmix's GQA and every routed
+    kind), each naming vLLM's Llama as its baseline, whose times are the Llama's own of that run, mode, phase and
+    batch (``baseline_seconds``), its ratio the median of the per-round ratios; headmix's GQA at a MAC ratio of
+    exactly 1 (the same model), each routed kind at its own; the printed table has the same rows."""
+    import argparse
+    import statistics
+
+    from headmix.bench import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    out = tmp_path / "serve.json"
+    args = parser.parse_args(["--d-model", "128", "--layers", "1", "--vocab", "256", "--batches", "1", "2",
+                              "--prompt", "8", "--new-tokens", "3", "--rounds", "2", "--modes", "eager",
+                              "--json", str(out)])
+    assert serve.run(args) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    served_models = [serve.HEADMIX_GQA, *serve.ROUTED]
+    keys = [(r["mode"], r["phase"], r["batch"], r["model"]) for r in result["rows"]]
+    assert sorted(keys) == sorted(("eager", phase, batch, model) for phase in serve.PHASES for batch in (1, 2)
+                                  for model in served_models)
+    assert sorted(result["baseline_seconds"]) == sorted(f"eager {phase} {batch}" for phase in serve.PHASES
+                                                        for batch in (1, 2))
+    for row in result["rows"]:
+        assert row["baseline"] == serve.BASELINE
+        base = result["baseline_seconds"][f"{row['mode']} {row['phase']} {row['batch']}"]
+        assert row["baseline_seconds"] == base and len(base) == len(row["seconds"]) == 2
+        assert row["ratio"] == statistics.median(a / b for a, b in zip(row["seconds"], base))
+        if row["model"] == serve.HEADMIX_GQA:
+            assert row["mac_ratio"] == row["attention_mac_ratio"] == 1.0
+        else:
+            expected = [serve.minimal_model_macs(serve.model_config(attention, args), row["phase"], 8, 3)
+                        for attention in (serve.ROUTED[row["model"]], serve.GQA)]
+            assert row["mac_ratio"] == expected[0][0] / expected[1][0], row
+        start = f"{row['mode']:<9}{row['phase']:<9}{row['batch']:>5}  {row['model']:<38}{row['ratio']:>12.2f}x"
+        assert sum(line.startswith(start) and line.endswith(serve.BASELINE) for line in printed.splitlines()) == 1, (
+            start, printed)
+    assert set(result["capacity"]) == {serve.BASELINE, *served_models}
