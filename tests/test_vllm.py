@@ -776,6 +776,11 @@ def test_bench_serve_rows_are_each_against_the_llama_of_the_same_run(engine_env,
         base = result["baseline_seconds"][f"{row['mode']} {row['phase']} {row['batch']}"]
         assert row["baseline_seconds"] == base and len(base) == len(row["seconds"]) == 2
         assert row["ratio"] == statistics.median(a / b for a, b in zip(row["seconds"], base))
+        if row["phase"] == "decode":  # the whole generation less the prefill of the same round
+            prefill = next(r for r in result["rows"] if r["phase"] == "prefill" and r["batch"] == row["batch"]
+                           and r["model"] == row["model"])
+            whole = result["generation_seconds"][f"eager {row['batch']} {row['model']}"]
+            assert row["seconds"] == [w - p for w, p in zip(whole, prefill["seconds"])]
         if row["model"] == serve.HEADMIX_GQA:
             assert row["mac_ratio"] == row["attention_mac_ratio"] == 1.0
         else:

@@ -158,7 +158,7 @@ def write_folders(root: str, args: argparse.Namespace) -> tuple[dict[str, str], 
 
 def measure_mode(mode: str, folders: dict[str, str], prompts: torch.Tensor, args: argparse.Namespace) -> dict:
     """Every engine of ``folders`` open at once in ``mode``; per round, batch and engine (rotated order) a prefill
-    and a generation. Returns ``{"times": {(name, phase, batch): [seconds per round]}, "tokens": {name: first
+    and a generation. Returns ``{"times": {(name, phase or "generate", batch): [seconds per round]}, "tokens": {name: first
     round's tokens at the largest batch}, "capacity": {name: KV-cache tokens}, "start_s": {name: seconds}}``."""
     engines, start_s, capacity = {}, {}, {}
     try:
@@ -172,7 +172,8 @@ def measure_mode(mode: str, folders: dict[str, str], prompts: torch.Tensor, args
             for batch in args.batches:
                 generate(llm, prompts[:batch], 2)
         names = list(engines)
-        times = {(name, phase, batch): [] for name in names for phase in PHASES for batch in args.batches}
+        times = {(name, phase, batch): [] for name in names for phase in (*PHASES, "generate")
+                 for batch in args.batches}
         tokens = {}
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
@@ -181,6 +182,7 @@ def measure_mode(mode: str, folders: dict[str, str], prompts: torch.Tensor, args
                     prefill, _ = generate(engines[name], prompts[:batch], 1)
                     whole, out = generate(engines[name], prompts[:batch], 1 + args.new_tokens)
                     times[(name, "prefill", batch)].append(prefill)
+                    times[(name, "generate", batch)].append(whole)
                     times[(name, "decode", batch)].append(whole - prefill)
                     if r == 0 and batch == max(args.batches):
                         tokens[name] = out
@@ -220,6 +222,7 @@ def token_agreement(tokens: dict[str, list[list[int]]]) -> float:
 
 def measure(args: argparse.Namespace) -> dict:
     """Every mode's rows (:func:`ratio_rows`), the Llama's own times (``"MODE PHASE BATCH"`` -> seconds per round),
+    every engine's whole generations (prefill and decode: ``"MODE BATCH MODEL"`` -> seconds per round),
     the engines' KV-cache capacities and start seconds, and the greedy token agreement of the Llama and headmix's
     GQA, measured in this process."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -228,14 +231,17 @@ def measure(args: argparse.Namespace) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(3, args.vocab, (max(args.batches), args.prompt), generator=generator)
     prompts[:, 0] = 1  # bos
-    result = {"rows": [], "baseline_seconds": {}, "capacity": {}, "start_s": {}, "agreement": {}}
+    result = {"rows": [], "baseline_seconds": {}, "generation_seconds": {}, "capacity": {}, "start_s": {},
+              "agreement": {}}
     with tempfile.TemporaryDirectory() as root:
         folders, configs = write_folders(root, args)
         for mode in args.modes:
             measured = measure_mode(mode, folders, prompts, args)
             result["rows"] += ratio_rows(mode, measured, configs, args)
             for (name, phase, batch), seconds in measured["times"].items():
-                if name == BASELINE:
+                if phase == "generate":
+                    result["generation_seconds"][f"{mode} {batch} {name}"] = seconds
+                elif name == BASELINE:
                     result["baseline_seconds"][f"{mode} {phase} {batch}"] = seconds
             result["capacity"] = measured["capacity"]
             result["start_s"][mode] = measured["start_s"]
