@@ -100,9 +100,10 @@ KINDS = {
                      norm="post", positions="learned", activation="gelu", embedding_norm=True,
                      scale_embeddings=False), 1, "hf"),
     # MoH routed inside each of 2 K/V groups (the `llama3-*-moh-per-group` presets' form; not the paper's GQE,
-    # kind "gqe"), with QK-norm and the headwise gate
+    # kind "gqe"), with QK-norm, the headwise gate and a query bias without K/V biases (vLLM's merged q/k/v layer
+    # holds zeros in the K/V rows of its bias)
     "moh-per-group": (_llama(_attention("moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
-                              qk_norm=True, output_gate="headwise")), 2, "hf"),
+                              qk_norm=True, output_gate="headwise", q_bias=True)), 2, "hf"),
     # MoH-LLaMA3's parameter-free query-norm router, routed inside each of 2 K/V groups (each group's shared head
     # first, its 3 routed heads after: the rule must read those heads' queries), with QK-norm (the rule reads the
     # queries before it)

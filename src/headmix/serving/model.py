@@ -33,7 +33,8 @@ vLLM compiles the decoder (:class:`Decoder`, ``@support_torch_compile``, the tok
 the data (docs/serving.md, "Compiled").
 
 The weights load from headmix's safetensors names (a Hugging Face folder's ``model.`` prefix dropped, a tied
-output projection stored once); a merged layer's separate tensors go to their shards (:data:`MERGED`). The padding token (``pad_id``) is never generated: its logit is ``-inf``, as
+output projection stored once); a merged layer's separate tensors go to their shards (:data:`MERGED`). The padding
+token (``pad_id``) is never generated: its logit is ``-inf``, as
 headmix's decoding removes it, so vLLM's log-probabilities are over the tokens the model can emit (docs/serving.md).
 """
 
@@ -274,7 +275,9 @@ class MixtureOfHeads(MoHHeadWeighting, HeadsAttention):
         queries, keys, values = self.project(x)
         routed_queries = None
         if self.query_norm_routing:  # the rule reads the raw queries of the routed heads, on every rank
-            every = tensor_model_parallel_all_gather(queries) if self.local_heads < self.num_heads else queries
+            # (contiguous: the queries are a slice of the merged q/k/v output, which the all-gather does not take)
+            every = queries if self.local_heads == self.num_heads else tensor_model_parallel_all_gather(
+                queries.contiguous())
             routed_queries = every.view(x.shape[0], self.num_heads, self.head_dim)[:, self.routed_head_ids]
         o = self.head_outputs(positions, x, queries, keys, values)
         g, _ = self.head_weights(x[None], None, routed_queries=routed_queries)
