@@ -170,6 +170,11 @@ class _Rotated(nn.Module):
 
     def _attend(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.rotary_emb is not None:
+            if torch.compiler.is_compiling():
+                # vLLM's rotary views q and k as (tokens, heads, head_size), which a slice of a merged projection's
+                # output (q/k/v, MoA's k/v) cannot be without a guard on the token count (refused when it is
+                # unbacked); compiled, the copy fuses into the rotation; eagerly the slices rotate as they are
+                q, k = q.contiguous(), k.contiguous()
             q, k = self.rotary_emb(positions, q, k)
         return self.attn(q, k, v)
 
