@@ -352,7 +352,8 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     by the tests above), and each rank holds its share of the attention and feed-forward projections, counted from
     its model's parameters: 1 / RANKS of headmix's bytes, but the K/V projections where the K/V heads are fewer than
     the ranks (the fixtures' MoA and MoH, on one K/V head) and GQE's shared-head and weighted-slot rows
-    (:func:`gqe_whole_bytes`), which every rank holds whole."""
+    (:func:`gqe_whole_bytes`), which every rank holds whole, and the zero K/V rows of the merged q/k/v layer's bias
+    where only the queries have one (:func:`merged_zero_bias_bytes`)."""
     if served["ranks"] == 1:
         pytest.skip("one rank: nothing split")
     kind, outputs, one_rank = served["kind"], served["outputs"], OUTPUTS[served["kind"], 1]
@@ -367,8 +368,19 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     kv = sum(size for name, size in sizes.items() if kv_heads < RANKS and ".self_attn." in name
              and (".k_proj." in name or ".v_proj." in name))
     kv += gqe_whole_bytes(sizes, att)
-    share = (projection_bytes(sizes) - kv) // RANKS + kv
+    share = (projection_bytes(sizes) - kv) // RANKS + kv + merged_zero_bias_bytes(att)
     assert [projection for projection, _ in served["ranks_bytes"]] == [share] * RANKS, (kind, served["ranks_bytes"])
+
+
+def merged_zero_bias_bytes(att: AttentionConfig) -> int:
+    """The bytes one of RANKS ranks holds beyond headmix's where MHA's or MoH's query bias and K/V biases differ:
+    vLLM's merged q/k/v layer has one bias, zeros in the rows of the projections without one (model.py)."""
+    if att.kind not in ("mha", "moh"):
+        return 0
+    q_bias, kv_bias, _ = att.resolved_biases()
+    heads, kv_heads = att.num_heads // RANKS, max(1, (att.kv_heads or att.num_heads) // RANKS)
+    rows = (0 if q_bias else heads * att.head_dim) + (0 if kv_bias else 2 * kv_heads * att.head_dim)
+    return LAYERS * rows * 4 if q_bias or kv_bias else 0  # float32
 
 
 def gqe_whole_bytes(sizes: dict[str, int], att: AttentionConfig) -> int:
