@@ -221,3 +221,23 @@ def test_no_private_vllm_name_outside_the_one_version_checked_function():
                     and isinstance(node.value, ast.Name) and node.value.id in vllm_names and id(node) not in allowed):
                 found.append(f"{path.name}: {node.value.id}.{node.attr}")
     assert found == []
+
+
+def test_bench_serve_decode_macs_count_one_query_per_step():
+    """``headmix bench serve``'s decode MACs: for the dense GQA model, each step one query over its context
+    (attention_macs with one target token over ``s`` keys, less the K/V projections of the ``s - 1`` cached tokens)
+    plus the feed-forward and the logits of one token; prefill the causal prompt and one token's logits."""
+    from headmix.bench.serve import GQA, minimal_model_macs
+    from headmix.models.counting import attention_macs, ffn_macs
+    from headmix.models.presets import llama_model
+
+    config = llama_model(GQA, 96, d_model=128, layers=3, max_positions=64)
+    d, layers, prompt, steps = 128, 3, 7, 5
+    cached_kv = d * GQA.kv_heads * 2 * GQA.head_dim  # one cached token's K and V projections
+    attention = sum(layers * (attention_macs(GQA, d, 1, s)[0] - (s - 1) * cached_kv)
+                    for s in range(prompt + 1, prompt + steps + 1))
+    assert minimal_model_macs(config, "decode", prompt, steps) == (
+        attention + steps * (layers * ffn_macs(config, 1) + d * 96), attention)
+    prefill = layers * attention_macs(GQA, d, prompt, prompt, causal=True)[0]
+    assert minimal_model_macs(config, "prefill", prompt, steps) == (
+        prefill + layers * ffn_macs(config, prompt) + d * 96, prefill)

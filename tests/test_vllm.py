@@ -100,9 +100,10 @@ KINDS = {
                      norm="post", positions="learned", activation="gelu", embedding_norm=True,
                      scale_embeddings=False), 1, "hf"),
     # MoH routed inside each of 2 K/V groups (the `llama3-*-moh-per-group` presets' form; not the paper's GQE,
-    # kind "gqe"), with QK-norm and the headwise gate
+    # kind "gqe"), with QK-norm, the headwise gate and a query bias without K/V biases (vLLM's merged q/k/v layer
+    # holds zeros in the K/V rows of its bias)
     "moh-per-group": (_llama(_attention("moh", num_heads=8, kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2,
-                              qk_norm=True, output_gate="headwise")), 2, "hf"),
+                              qk_norm=True, output_gate="headwise", q_bias=True)), 2, "hf"),
     # MoH-LLaMA3's parameter-free query-norm router, routed inside each of 2 K/V groups (each group's shared head
     # first, its 3 routed heads after: the rule must read those heads' queries), with QK-norm (the rule reads the
     # queries before it)
@@ -351,7 +352,8 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     by the tests above), and each rank holds its share of the attention and feed-forward projections, counted from
     its model's parameters: 1 / RANKS of headmix's bytes, but the K/V projections where the K/V heads are fewer than
     the ranks (the fixtures' MoA and MoH, on one K/V head) and GQE's shared-head and weighted-slot rows
-    (:func:`gqe_whole_bytes`), which every rank holds whole."""
+    (:func:`gqe_whole_bytes`), which every rank holds whole, and the zero K/V rows of the merged q/k/v layer's bias
+    where only the queries have one (:func:`merged_zero_bias_bytes`)."""
     if served["ranks"] == 1:
         pytest.skip("one rank: nothing split")
     kind, outputs, one_rank = served["kind"], served["outputs"], OUTPUTS[served["kind"], 1]
@@ -366,8 +368,19 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     kv = sum(size for name, size in sizes.items() if kv_heads < RANKS and ".self_attn." in name
              and (".k_proj." in name or ".v_proj." in name))
     kv += gqe_whole_bytes(sizes, att)
-    share = (projection_bytes(sizes) - kv) // RANKS + kv
+    share = (projection_bytes(sizes) - kv) // RANKS + kv + merged_zero_bias_bytes(att)
     assert [projection for projection, _ in served["ranks_bytes"]] == [share] * RANKS, (kind, served["ranks_bytes"])
+
+
+def merged_zero_bias_bytes(att: AttentionConfig) -> int:
+    """The bytes one of RANKS ranks holds beyond headmix's where MHA's or MoH's query bias and K/V biases differ:
+    vLLM's merged q/k/v layer has one bias, zeros in the rows of the projections without one (model.py)."""
+    if att.kind not in ("mha", "moh"):
+        return 0
+    q_bias, kv_bias, _ = att.resolved_biases()
+    heads, kv_heads = att.num_heads // RANKS, max(1, (att.kv_heads or att.num_heads) // RANKS)
+    rows = (0 if q_bias else heads * att.head_dim) + (0 if kv_bias else 2 * kv_heads * att.head_dim)
+    return LAYERS * rows * 4 if q_bias or kv_bias else 0  # float32
 
 
 def gqe_whole_bytes(sizes: dict[str, int], att: AttentionConfig) -> int:
@@ -741,3 +754,53 @@ def test_vllm_internals_are_patched_only_on_a_tested_release(monkeypatch, caplog
     monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")
     assert plugin.patch_vllm_internals() is True
     assert MODELS_CONFIG_MAP["HeadmixForCausalLM"] is plugin.ServableCheck and "headmix" in MODEL_ARCH_CONFIG_CONVERTORS
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `headmix bench serve` (issue 59, item 5): the table's structure, not its times.
+
+def test_bench_serve_rows_are_each_against_the_llama_of_the_same_run(engine_env, tmp_path, capsys):
+    """At a tiny size (eager only, 2 rounds): one row per phase, batch and served model (headmix's GQA and every routed
+    kind), each naming vLLM's Llama as its baseline, whose times are the Llama's own of that run, mode, phase and
+    batch (``baseline_seconds``), its ratio the median of the per-round ratios; headmix's GQA at a MAC ratio of
+    exactly 1 (the same model), each routed kind at its own; the printed table has the same rows."""
+    import argparse
+    import statistics
+
+    from headmix.bench import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    out = tmp_path / "serve.json"
+    args = parser.parse_args(["--d-model", "128", "--layers", "1", "--vocab", "256", "--batches", "1", "2",
+                              "--prompt", "8", "--new-tokens", "3", "--rounds", "2", "--modes", "eager",
+                              "--json", str(out)])
+    assert serve.run(args) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    served_models = [serve.HEADMIX_GQA, *serve.ROUTED]
+    keys = [(r["mode"], r["phase"], r["batch"], r["model"]) for r in result["rows"]]
+    assert sorted(keys) == sorted(("eager", phase, batch, model) for phase in serve.PHASES for batch in (1, 2)
+                                  for model in served_models)
+    assert sorted(result["baseline_seconds"]) == sorted(f"eager {phase} {batch}" for phase in serve.PHASES
+                                                        for batch in (1, 2))
+    for row in result["rows"]:
+        assert row["baseline"] == serve.BASELINE
+        base = result["baseline_seconds"][f"{row['mode']} {row['phase']} {row['batch']}"]
+        assert row["baseline_seconds"] == base and len(base) == len(row["seconds"]) == 2
+        assert row["ratio"] == statistics.median(a / b for a, b in zip(row["seconds"], base))
+        if row["phase"] == "decode":  # the whole generation less the prefill of the same round
+            prefill = next(r for r in result["rows"] if r["phase"] == "prefill" and r["batch"] == row["batch"]
+                           and r["model"] == row["model"])
+            whole = result["generation_seconds"][f"eager {row['batch']} {row['model']}"]
+            assert row["seconds"] == [w - p for w, p in zip(whole, prefill["seconds"])]
+        if row["model"] == serve.HEADMIX_GQA:
+            assert row["mac_ratio"] == row["attention_mac_ratio"] == 1.0
+        else:
+            expected = [serve.minimal_model_macs(serve.model_config(attention, args), row["phase"], 8, 3)
+                        for attention in (serve.ROUTED[row["model"]], serve.GQA)]
+            assert row["mac_ratio"] == expected[0][0] / expected[1][0], row
+        start = f"{row['mode']:<9}{row['phase']:<9}{row['batch']:>5}  {row['model']:<38}{row['ratio']:>12.2f}x"
+        assert sum(line.startswith(start) and line.endswith(serve.BASELINE) for line in printed.splitlines()) == 1, (
+            start, printed)
+    assert set(result["capacity"]) == {serve.BASELINE, *served_models}

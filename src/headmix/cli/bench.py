@@ -26,7 +26,8 @@ def _modules():
             "gemm-shapes": (expert_gemm_shapes, "the per-expert GEMMs of the sorted CPU kernels vs one dense GEMM"),
             "moh-projections": (moh_projections, "MoH's query and output projections: dense vs grouped"),
             "kv-cache": (kv_cache_bytes, "KV-cache bytes per token: MoA kv_heads=G vs MHA and HF GQA"),
-            "serve": (serve, "vLLM vs headmix and transformers generation; vLLM KV-cache capacity of MoA, MoH per K/V group, GQE, GQA"),
+            "serve": (serve, "vLLM serving headmix's GQA and routed kinds vs vLLM's own Llama on the same GQA weights: "
+                             "prefill and decode, eager and compiled, beside the minimal MAC ratio"),
             "hopper-aot": (hopper_aot, "the Triton kernels compiled for an H100 without a GPU: shared memory, spills"),
             "upcycle": (upcycle, "dense -> MoH / pruned: conversion time and continued-training step vs dense"),
             "distill": (distill, "a distilled training step vs a plain one at a real vocabulary: peak memory, time")}

@@ -2,8 +2,10 @@
 
 The decoder is headmix's (:class:`headmix.models.transformer.CausalLanguageModel`), rebuilt from vLLM's layers:
 ``Attention`` (the paged KV cache, continuous batching), ``get_rope`` (RoFormer's rotation, half-split as
-headmix's, ``rotary_fraction`` of each head), ``RMSNorm`` / ``LayerNorm``, ``ColumnParallelLinear`` /
-``RowParallelLinear``, ``VocabParallelEmbedding`` / ``ParallelLMHead`` and ``LogitsProcessor``. vLLM hands the model the tokens of all
+headmix's, ``rotary_fraction`` of each head), ``RMSNorm`` / ``LayerNorm``, ``QKVParallelLinear`` (MHA's and MoH's
+q/k/v projections, one GEMM), ``MergedColumnParallelLinear`` (MoA's k/v, SwiGLU's gate/up) with ``SiluAndMul``,
+``ColumnParallelLinear`` / ``RowParallelLinear``, ``VocabParallelEmbedding`` / ``ParallelLMHead`` and
+``LogitsProcessor``. vLLM hands the model the tokens of all
 its running sequences flattened, ``(tokens, d_model)``, with each token's position; every routing decision
 headmix makes is per token, so it is the same in any batch.
 
@@ -31,7 +33,8 @@ vLLM compiles the decoder (:class:`Decoder`, ``@support_torch_compile``, the tok
 the data (docs/serving.md, "Compiled").
 
 The weights load from headmix's safetensors names (a Hugging Face folder's ``model.`` prefix dropped, a tied
-output projection stored once). The padding token (``pad_id``) is never generated: its logit is ``-inf``, as
+output projection stored once); a merged layer's separate tensors go to their shards (:data:`MERGED`). The padding
+token (``pad_id``) is never generated: its logit is ``-inf``, as
 headmix's decoding removes it, so vLLM's log-probabilities are over the tokens the model can emit (docs/serving.md).
 """
 
@@ -49,7 +52,9 @@ from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_p
                               tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
-from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                               RowParallelLinear)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -166,6 +171,11 @@ class _Rotated(nn.Module):
 
     def _attend(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.rotary_emb is not None:
+            if torch.compiler.is_compiling():
+                # vLLM's rotary views q and k as (tokens, heads, head_size), which a slice of a merged projection's
+                # output (q/k/v, MoA's k/v) cannot be without a guard on the token count (refused when it is
+                # unbacked); compiled, the copy fuses into the rotation; eagerly the slices rotate as they are
+                q, k = q.contiguous(), k.contiguous()
             q, k = self.rotary_emb(positions, q, k)
         return self.attn(q, k, v)
 
@@ -190,9 +200,13 @@ class HeadsAttention(_Rotated):
         #: This rank's heads: ``first_head ..`` (``local_heads`` of them), over ``local_kv_heads`` K/V heads.
         self.local_heads, self.local_kv_heads = h // ranks, g * kv_replicas // ranks
         self.first_head = rank * self.local_heads
-        self.q_proj = _column(d, h * dh, q_bias, f"{prefix}.q_proj")
-        self.k_proj = _column(d, g * dh, kv_bias, f"{prefix}.k_proj", kv_replicas)
-        self.v_proj = _column(d, g * dh, kv_bias, f"{prefix}.v_proj", kv_replicas)
+        #: headmix's ``q_proj``, ``k_proj`` and ``v_proj`` as vLLM's one merged layer (one GEMM; vLLM splits and, with
+        #: fewer K/V heads than ranks, replicates the K/V heads as above); a bias of one of them alone is zeros in the
+        #: others' rows.
+        self.qkv_proj = QKVParallelLinear(d, dh, h, g, bias=q_bias or kv_bias, prefix=f"{prefix}.qkv_proj")
+        if self.qkv_proj.bias is not None:
+            self.qkv_proj.bias.data.zero_()
+        self.qkv_sizes = [self.local_heads * dh, self.local_kv_heads * dh, self.local_kv_heads * dh]
         self.out_proj = _row(h * dh, d, out_bias, f"{prefix}.out_proj")
         self.q_norm = self.k_norm = self.gate_proj = None
         if att.qk_norm:
@@ -215,20 +229,21 @@ class HeadsAttention(_Rotated):
             return x
         return norm(x.view(x.shape[0], x.shape[1] // self.head_dim, self.head_dim)).view(x.shape)
 
-    def head_outputs(self, positions: Tensor, x: Tensor, queries: Tensor | None = None) -> Tensor:
-        """The gated attention output of this rank's heads, ``(tokens, local_heads, head_dim)``; ``queries``:
-        ``q_proj``'s output ``(tokens, local_heads * head_dim)`` when the caller has it already (projected here
-        when not)."""
-        q = self._heads_norm(self.q_proj(x)[0] if queries is None else queries, self.q_norm)
-        k = self._heads_norm(self.k_proj(x)[0], self.k_norm)
-        v = self.v_proj(x)[0]
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's queries, keys and values ``(tokens, heads * head_dim)``, from one merged GEMM."""
+        return self.qkv_proj(x)[0].split(self.qkv_sizes, dim=-1)
+
+    def head_outputs(self, positions: Tensor, x: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The gated attention output of this rank's heads, ``(tokens, local_heads, head_dim)``, from their
+        projections (:meth:`project`)."""
+        q, k = self._heads_norm(q, self.q_norm), self._heads_norm(k, self.k_norm)
         o = self._attend(positions, q, k, v).view(x.shape[0], self.local_heads, self.head_dim)
         if self.gate_proj is not None:
             o = o * torch.sigmoid(self.gate_proj(x)[0]).view(x.shape[0], self.local_heads, self.gate_size)
         return o
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        return self.out_proj(self.head_outputs(positions, x).flatten(1))[0]
+        return self.out_proj(self.head_outputs(positions, x, *self.project(x)).flatten(1))[0]
 
 
 class MixtureOfHeads(MoHHeadWeighting, HeadsAttention):
@@ -263,12 +278,14 @@ class MixtureOfHeads(MoHHeadWeighting, HeadsAttention):
                 self.group_gate = nn.Linear(d, 2 * self.route_groups, bias=False)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        queries = self.q_proj(x)[0]
+        queries, keys, values = self.project(x)
         routed_queries = None
         if self.query_norm_routing:  # the rule reads the raw queries of the routed heads, on every rank
-            every = tensor_model_parallel_all_gather(queries) if self.local_heads < self.num_heads else queries
+            # (contiguous: the queries are a slice of the merged q/k/v output, which the all-gather does not take)
+            every = queries if self.local_heads == self.num_heads else tensor_model_parallel_all_gather(
+                queries.contiguous())
             routed_queries = every.view(x.shape[0], self.num_heads, self.head_dim)[:, self.routed_head_ids]
-        o = self.head_outputs(positions, x, queries)
+        o = self.head_outputs(positions, x, queries, keys, values)
         g, _ = self.head_weights(x[None], None, routed_queries=routed_queries)
         if g is not None:
             g = g[0, :, self.first_head:self.first_head + self.local_heads]
@@ -307,9 +324,9 @@ class MixtureOfAttentionHeads(_Rotated):
             self.query_experts, self.output_experts = _split((el, d, g * dh), 0), _split((el, g * dh, d), 0)
         else:
             self.query_experts, self.output_experts = _split((e, d, gl * dh), 2), _split((e, gl * dh, d), 1)
-        kv_replicas = ranks if self.split_experts else 1
-        self.k_proj = _column(d, g * dh, kv_bias, f"{prefix}.k_proj", kv_replicas)
-        self.v_proj = _column(d, g * dh, kv_bias, f"{prefix}.v_proj", kv_replicas)
+        #: headmix's ``k_proj`` and ``v_proj`` as one merged layer (one GEMM): split by K/V head, or replicated.
+        self.kv_proj = MergedColumnParallelLinear(d, [g * dh, g * dh], bias=kv_bias, prefix=f"{prefix}.kv_proj",
+                                                  disable_tp=self.split_experts)
         self.out_bias = nn.Parameter(torch.empty(d)) if out_bias else None
         self.rotary_emb = _rope(att, dh, config.max_positions)
         self.attn = _paged_attention(vllm_config, k * gl, dh, gl, prefix)
@@ -325,7 +342,8 @@ class MixtureOfAttentionHeads(_Rotated):
         # query head g * k + j: expert slot j's query for K/V head g (headmix's order)
         impl = _kernel(self.expert_impl, x, info)
         q = expert_map(x, self.query_experts, info, impl=impl).view(n, k, g, dh).transpose(1, 2)
-        o = self._attend(positions, q.reshape(n, g * k * dh), self.k_proj(x)[0], self.v_proj(x)[0])
+        keys, values = self.kv_proj(x)[0].chunk(2, dim=-1)
+        o = self._attend(positions, q.reshape(n, g * k * dh), keys, values)
         o = o.view(n, g, k, dh).transpose(1, 2).reshape(n, k, g * dh)
         return _reduce(expert_reduce(o, self.output_experts, gates, info, impl=impl), self.out_bias)
 
@@ -510,9 +528,9 @@ class DenseFeedForward(nn.Module):
         super().__init__()
         d, f, b = config.d_model, config.ffn_dim, config.bias
         self.swiglu = config.ffn == "swiglu"
-        if self.swiglu:
-            self.gate_proj = _column(d, f, b, f"{prefix}.gate_proj")
-            self.up_proj = _column(d, f, b, f"{prefix}.up_proj")
+        if self.swiglu:  # headmix's gate_proj and up_proj as one merged layer (one GEMM), vLLM's fused SiLU-and-mul
+            self.gate_up_proj = MergedColumnParallelLinear(d, [f, f], bias=b, prefix=f"{prefix}.gate_up_proj")
+            self.silu_and_mul = SiluAndMul()
             self.down_proj = _row(f, d, b, f"{prefix}.down_proj")
         else:
             self.fc1 = _column(d, f, b, f"{prefix}.fc1")
@@ -521,7 +539,7 @@ class DenseFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.swiglu:
-            return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
+            return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)[0]))[0]
         return self.fc2(self.activation(self.fc1(x)[0]))[0]
 
 
@@ -658,12 +676,19 @@ class VllmHeadmixForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """Copy headmix's tensors (names as headmix saves them; ``model.`` of a Hugging Face folder dropped)."""
+        """Copy headmix's tensors (names as headmix saves them; ``model.`` of a Hugging Face folder dropped); a tensor
+        of a merged layer (:data:`MERGED`) into its shard of the merged parameter, by vLLM's weight loader."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            if name.startswith(HF_PREFIX) and name[len(HF_PREFIX):] in params:
+            if name.startswith(HF_PREFIX) and _known(name[len(HF_PREFIX):], params):
                 name = name[len(HF_PREFIX):]
+            merged = _merged(name, params)
+            if merged is not None:
+                param = params[merged[0]]
+                param.weight_loader(param, tensor, merged[1])
+                loaded.add(merged[0])
+                continue
             if name not in params:
                 raise ValueError(f"the weights hold {name!r}, which the model its config describes does not have")
             param = params[name]
@@ -675,3 +700,25 @@ class VllmHeadmixForCausalLM(nn.Module):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded
+
+
+#: headmix's separate projections held by one of vLLM's merged layers: (headmix's module, the merged module, the
+#: shard id vLLM's weight loader takes): the attention's q/k/v (``QKVParallelLinear``), MoA's k/v and the SwiGLU
+#: gate/up (``MergedColumnParallelLinear``). Applied where the model has the merged module (GQE keeps its own).
+MERGED = ((".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"), (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+          (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"), (".self_attn.k_proj.", ".self_attn.kv_proj.", 0),
+          (".self_attn.v_proj.", ".self_attn.kv_proj.", 1), (".ffn.gate_proj.", ".ffn.gate_up_proj.", 0),
+          (".ffn.up_proj.", ".ffn.gate_up_proj.", 1))
+
+
+def _merged(name: str, params: dict) -> tuple[str, str | int] | None:
+    """The merged parameter that holds headmix's tensor ``name`` and its shard id, or None (:data:`MERGED`)."""
+    for ours, theirs, shard in MERGED:
+        if ours in name and name.replace(ours, theirs) in params:
+            return name.replace(ours, theirs), shard
+    return None
+
+
+def _known(name: str, params: dict) -> bool:
+    """Whether ``name`` is a parameter of the model or a tensor one of its merged parameters holds."""
+    return name in params or _merged(name, params) is not None
