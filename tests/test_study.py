@@ -837,6 +837,8 @@ def test_retime_measures_again_only_what_other_code_timed_and_keeps_the_old_reco
     run_study(spec, out, log=lambda m: None, retime=True)
     assert measured == ["MoA", "MoA"]
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/summary.json")} == summaries  # no run retrained
+    run_study(_spec(docs_file, seeds=[1, 2]), out, log=lambda m: None, retime=True)
+    assert not list(out.glob("runs/*/seed-2"))  # a re-timing trains no run, not even an unfinished one
     commit["now"] = "bbbb222+"
     with pytest.raises(ValueError, match="retime needs this code's commit"):
         run_study(spec, out, log=lambda m: None, retime=True)

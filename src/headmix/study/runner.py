@@ -88,8 +88,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
     if spec.pack:
         check_pack(spec)  # every file of the pack against its checksums, before the folder is touched
     check_timing_devices(spec, planned, out)
-    if spec.parent is not None:
-        check_parent(spec, out, retrain=retrain_parent)
+    if spec.parent is not None and not retime:  # re-timing reads no parent weights (a distilled row is timed with a
+        check_parent(spec, out, retrain=retrain_parent)  # frozen model of the baseline's shape) and trains nothing
     out.mkdir(parents=True, exist_ok=True)
     with study_lock(out):
         _write_plan(spec, planned, out)
@@ -124,6 +124,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, *, progress: bool = False
                     record["previous"] = {**{k: existing.get(k) for k in ("ratio", "low", "high", "measured_at")},
                                           "commit": _timed_by(existing)}
                 write_timing(out, slug(row.name), {**record, "study_workers_excluded": True})
+    if retime:  # the runs stay as they are
+        return finished()
     if spec.parent is not None and not train_parent(spec, out, log=log, stop=stop, progress=progress,
                                                     retrain=retrain_parent):
         return finished()  # stopped while the parent trained (or waited for it)
