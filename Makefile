@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   set up .venv and run the main job (MoA vs MHA at equal attention MACs, about 9 min on 2 CPU cores;
 #               on a CUDA machine the GPU-sized demo, see docs/training.md)
-#   make test   set up .venv and run the test suite (about 8 min on 2 quiet CPU cores after a ~1.5 min install)
+#   make test   set up .venv and run the test suite (about 6 min on 2 quiet CPU cores after a ~1 min install)
 #
 # TORCH picks the PyTorch build: the default pins the release we test with. On a machine without a GPU
 # that resolves to a CPU wheel where one is provided locally (pip's find-links) or from PyPI; for another
