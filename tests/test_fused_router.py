@@ -273,3 +273,18 @@ def test_sigmoid_router_equals_the_composed_selector(shape, dtype):
 def test_sigmoid_router_opcheck():
     logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(fused_router._sigmoid_op, (logits, 2, 2))
+
+
+@pytest.mark.parametrize("name", ["moh per group", "moh global"])
+def test_a_compiled_graph_with_an_unbacked_token_count_keeps_the_composed_router(name):
+    """vLLM compiles its models with the token count unbacked: asking whether a batch has tokens (the fused
+    router's condition) would guard on it, so compiled graphs keep the composed router (vLLM's compiled MoH engines
+    failed to start before)."""
+    torch.manual_seed(0)
+    layer = LAYERS[name]().eval()
+    x = torch.randn(1, 6, 24)
+    torch._dynamo.decorators.mark_unbacked(x, 1)
+    # MoH's head weighting, as headmix's vLLM model calls it (serving/model.py)
+    compiled = torch.compile(lambda t: layer.head_weights(t, None)[0], fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), layer.head_weights(x, None)[0])

@@ -96,8 +96,11 @@ _route_op.register_autograd(_backward, setup_context=_setup_context)
 
 def fused_router_applies(x: Tensor) -> bool:
     """True where :func:`softmax_topk_route` runs the C++ operation for a router reading ``x``: CPU tensors of at
-    least one token, with the C++ kernels built and not forced off (``HEADMIX_CPU_KERNEL=python``)."""
-    return x.device.type == "cpu" and x.numel() > 0 and cpp_kernel_available()
+    least one token, eager (a compiled graph, vLLM's with its token count unbacked among them, keeps the composed
+    router, which it traces whole: asking for the token count there would guard on it), with the C++ kernels built
+    and not forced off (``HEADMIX_CPU_KERNEL=python``)."""
+    return (x.device.type == "cpu" and not torch.compiler.is_compiling() and x.numel() > 0
+            and cpp_kernel_available())
 
 
 def softmax_topk_route(logits: Tensor, token_mask: Tensor | None, *, groups: int, top_k: int, renormalize: str,

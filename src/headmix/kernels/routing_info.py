@@ -164,8 +164,8 @@ def expert_routing(
 
     Call once per layer call; :func:`~headmix.kernels.expert_map` and
     :func:`~headmix.kernels.expert_reduce` reuse the result.  No host sync:
-    one sort and one ``searchsorted``, or on the CPU one C++ counting sort
-    (:func:`sort_by_expert`) where headmix's C++ kernels are built
+    one sort and one ``searchsorted``, or on the CPU, eager, one C++ counting
+    sort (:func:`sort_by_expert`) where headmix's C++ kernels are built
     (``sorted_token``, ``counts`` and the block table are computed only when
     read).
     """
@@ -188,7 +188,7 @@ def expert_routing(
             raise ValueError(f"expert_index values must lie in [0, {num_experts}), got range [{lo}, {hi}]")
 
     expert_index = expert_index.long()
-    if expert_index.device.type == "cpu" and n > 0 and cpp_kernel_available():
+    if expert_index.device.type == "cpu" and not torch.compiler.is_compiling() and n > 0 and cpp_kernel_available():
         # one C++ counting sort (the same result as the sort and searchsorted below, one operation)
         sorted_expert, sort_order, offsets = sort_by_expert(expert_index, num_experts)
     else:
