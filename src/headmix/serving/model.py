@@ -422,6 +422,7 @@ class GroupedQueryExperts(nn.Module):
     the shared head) are arranged from headmix's tensors at loading (:meth:`arrange_weight`)."""
 
     route = GroupedQueryExpertsAttention.route
+    router_logits = GroupedQueryExpertsAttention.router_logits
     slot_weights = GroupedQueryExpertsAttention.slot_weights
     shared_kv = GroupedQueryExpertsAttention.shared_kv
 
