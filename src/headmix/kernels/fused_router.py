@@ -19,8 +19,10 @@ The composed form takes about 30 ATen operations forward and backward (softmax, 
 two losses' fused autograd functions and their backward); here the forward is one operation and the backward one,
 so a training step dispatches the router's gate GEMM and these two. The operation runs on CPU tensors where the C++
 kernels are built (:mod:`.cpp_build`); :func:`fused_router_applies` says when, and the layers run their composed
-form everywhere else (a GPU, ``HEADMIX_CPU_KERNEL=python``, no compiler, no token). It is a ``torch.library``
-custom op with a fake implementation, so ``torch.compile(fullgraph=True)`` sees one operation.
+form everywhere else (a GPU, a compiled graph, ``HEADMIX_CPU_KERNEL=python``, no compiler, no token). It is a
+``torch.library`` custom op with a fake implementation, so ``torch.compile(fullgraph=True)`` of a function that
+calls it sees one operation; the layers themselves keep the composed form under compile (vLLM's graphs leave the
+token count unbacked, and asking whether a batch has tokens would guard on it).
 """
 
 from __future__ import annotations
