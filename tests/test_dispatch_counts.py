@@ -34,6 +34,7 @@ def composed_router():
         patch.setenv("HEADMIX_CPU_KERNEL", "python")
         yield
 
+
 #: Operations that read device data back to the host (``.item()``, ``.tolist()``, ``bool(t)``, ...) or have
 #: a data-dependent output shape (``nonzero``, boolean indexing, ``bincount``, ``repeat_interleave`` with a
 #: tensor of repeats, ``unique``): each one is a host synchronisation on a GPU.

@@ -7,28 +7,18 @@ checks and compile; then MoA, GQE and MoH with the fused router against the same
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from test_kernels_cpu_op import built_kernel  # noqa: F401  (autouse: the C++ kernels built, or the module skipped)
 
 from headmix.attention import (GroupedQueryExpertsAttention, MixtureOfAttentionHeads, MixtureOfHeadsAttention,
                                SwitchHeadAttention)
 from headmix.kernels import cpp_build, fused_router
 from headmix.routing import Routing, routing_losses
 from headmix.routing.losses import weighted_load_balance
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built_kernel():
-    if os.environ.get(cpp_build.ENV_VAR, "").lower() == "python":
-        pytest.skip(f"{cpp_build.ENV_VAR}=python forces the composed path")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler: the layers run their composed path (tested everywhere else)")
-    assert cpp_build.cpp_kernel_available(), "the C++ CPU kernels failed to build (see the warning)"
 
 
 def composed(logits, mask, groups, top_k, renormalize, scale, lb_weight, z_weight, per_token, z_loss):

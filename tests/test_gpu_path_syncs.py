@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_dispatch_counts import SYNC_OPS, OpRecorder
+from test_dispatch_counts import SYNC_OPS, OpRecorder, composed_router  # noqa: F401  (autouse: the router a GPU runs)
 from test_kernels_grouped_mm import assert_aot_equals_eager
 
 from headmix.attention import (
@@ -55,15 +55,6 @@ def make(name: str) -> torch.nn.Module:
     if kind == "moh":
         return MixtureOfHeadsAttention(D, 8, num_shared_heads=2, top_k=2, impl=impl, expert_impl="grouped_mm")
     return MixtureOfSparseAttention(D, 4, 8, tokens_per_head=3, num_dense_heads=1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def composed_router():
-    """The routers as a GPU runs them: their composed form (the fused router, kernels/fused_router.py, is the
-    CPU's)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HEADMIX_CPU_KERNEL", "python")
-        yield
 
 
 @pytest.fixture

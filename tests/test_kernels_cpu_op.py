@@ -32,7 +32,7 @@ def built_kernel():
         pytest.skip(f"{grouped_cpp.ENV_VAR}=python forces the Python path")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler: the Python fallback is tested in test_kernels.py's sorted tests")
-    assert grouped_cpp.cpp_kernel_available(), "the C++ grouped GEMM failed to build (see the warning)"
+    assert grouped_cpp.cpp_kernel_available(), "the C++ CPU kernels failed to build (see the warning)"
 
 
 @pytest.fixture

@@ -28,6 +28,13 @@ namespace {
 
 constexpr int64_t kNone = 0, kDetached = 1, kLive = 2;
 
+// The real-token mask as bools, or nullptr where every token is real; `keep` holds the converted tensor.
+const bool* real_tokens(const c10::optional<at::Tensor>& token_mask, at::Tensor& keep) {
+  if (!token_mask.has_value() || !token_mask->defined()) return nullptr;
+  keep = token_mask->to(at::kBool).contiguous();
+  return keep.data_ptr<bool>();
+}
+
 double scalar_or_zero(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->item<double>() : 0.0;
 }
@@ -49,12 +56,8 @@ softmax_topk_route(const at::Tensor& logits, const c10::optional<at::Tensor>& to
   at::Tensor tokens_t = at::empty({}, logits.options());
   at::Tensor total = at::empty({}, logits.options()), la = at::empty({}, logits.options()),
              lz = at::empty({}, logits.options());
-  const bool* real = nullptr;
   at::Tensor mask;
-  if (token_mask.has_value() && token_mask->defined()) {
-    mask = token_mask->to(at::kBool).contiguous();
-    real = mask.data_ptr<bool>();
-  }
+  const bool* real = real_tokens(token_mask, mask);
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "softmax_topk_route", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* p = probs.data_ptr<scalar_t>();
@@ -120,11 +123,7 @@ at::Tensor softmax_topk_route_backward(const c10::optional<at::Tensor>& grad_pro
   at::Tensor gp, gg, mask;
   if (grad_probs.has_value() && grad_probs->defined()) gp = grad_probs->contiguous();
   if (grad_gates.has_value() && grad_gates->defined()) gg = grad_gates->contiguous();
-  const bool* real = nullptr;
-  if (token_mask.has_value() && token_mask->defined()) {
-    mask = token_mask->to(at::kBool).contiguous();
-    real = mask.data_ptr<bool>();
-  }
+  const bool* real = real_tokens(token_mask, mask);
   AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "softmax_topk_route_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* p_all = probs.data_ptr<scalar_t>();
