@@ -127,6 +127,37 @@ def test_ties_choose_what_torch_topk_chooses():
         assert torch.equal(index.view(4, top_k), logits.softmax(-1).topk(top_k, -1).indices)
 
 
+def _rows_with(kind: str, rows: int, per: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(rows, per, generator=gen, dtype=torch.float64)
+    if kind == "ties":  # a few values only: ties inside the k largest and at the k-th
+        x = torch.randint(0, 3, (rows, per), generator=gen).double()
+    elif kind == "boundary" and top_k < per:  # the k-th and (k+1)-th largest equal, the k - 1 above them distinct
+        x = torch.arange(per, 0, -1, dtype=torch.float64).repeat(rows, 1)
+        x[:, top_k] = x[:, top_k - 1]
+        x = x.gather(1, torch.rand(rows, per, generator=gen).argsort(1))
+    elif kind == "nan":
+        x[torch.rand(rows, per, generator=gen) < 0.05] = float("nan")
+    elif kind == "inf":
+        x[torch.rand(rows, per, generator=gen) < 0.3] = float("-inf")
+    elif kind == "zeros":
+        x = torch.zeros(rows, per, dtype=torch.float64)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["distinct", "ties", "boundary", "nan", "inf", "zeros"])
+def test_topk_rows_equals_torch_topk(kind, dtype):
+    """The routers' top-k (``headmix_cpp::topk_rows``: a rank per value where the choice is unique, torch.topk on the
+    rows with a tie or a NaN) gives torch.topk's values and indices on every row, ties included."""
+    gen = torch.Generator().manual_seed(len(kind))
+    for per, top_k in ((16, 1), (16, 2), (16, 4), (16, 16), (3, 2), (1, 1), (64, 8)):
+        x = _rows_with(kind, 300, per, top_k, gen).to(dtype)
+        values, index = torch.ops.headmix_cpp.topk_rows(x, top_k)
+        want = torch.topk(x, top_k, dim=-1)
+        assert torch.equal(index, want.indices), (per, top_k)
+        assert torch.equal(values.nan_to_num(7.0), want.values.nan_to_num(7.0)), (per, top_k)
+
+
 def test_opcheck():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(7, 6, generator=gen, dtype=torch.float64, requires_grad=True)

@@ -260,6 +260,19 @@ def test_build_directory_honours_the_cache_variables(monkeypatch, tmp_path):
     assert torch.__version__.replace("+", "_") in tag and f"py{sys.version_info[0]}{sys.version_info[1]}_" in tag
 
 
+def test_build_directory_changes_with_the_sources(monkeypatch, tmp_path):
+    """Two versions of the C++ sources (two checkouts) build into two directories, not over each other."""
+    from headmix.kernels import cpp_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    before = cpp_build.build_directory()
+    assert before == cpp_build.build_directory()
+    changed = tmp_path / "routers.cpp"
+    changed.write_bytes(cpp_build._SOURCES[-1].read_bytes() + b"// another version\n")
+    monkeypatch.setattr(cpp_build, "_SOURCES", (*cpp_build._SOURCES[:-1], changed))
+    assert cpp_build.build_directory() != before and cpp_build.build_directory().parent.parent == before.parent.parent
+
+
 def test_auto_picks_the_cpp_kernel_for_training_at_one_thread(threads):
     cpu = torch.device("cpu")
     assert choose_impl(cpu, 1024 * 8, 32, 8, threads=1) == "grouped_cpp"  # the issue's size

@@ -3,13 +3,15 @@
 One extension holds every C++ kernel: the grouped GEMM (:mod:`.grouped_cpp`) and the softmax top-k router with its
 losses (:mod:`.fused_router`). It is compiled with ``torch.utils.cpp_extension`` on the first call that needs it
 and cached under ``$TORCH_EXTENSIONS_DIR`` or ``$XDG_CACHE_HOME/headmix/torch_extensions`` (``~/.cache`` by
-default), one directory per Python and torch version; ``cpp_extension`` locks the directory while it builds, so two
+default), one directory per Python version, torch version and version of the sources (two checkouts of different
+headmix versions, or a helper's branch beside main, would otherwise rebuild over each other's build); ``cpp_extension`` locks the directory while it builds, so two
 processes can build at once. Where no compiler is found or the build fails, each kernel's Python path runs instead
 and one warning says so. ``HEADMIX_CPU_KERNEL=python`` forces the Python paths.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -33,13 +35,15 @@ _warned = False
 
 def build_directory() -> Path:
     """Where the kernels are compiled and cached: ``$TORCH_EXTENSIONS_DIR`` or ``$XDG_CACHE_HOME/headmix/
-    torch_extensions`` (``~/.cache/...``), one subdirectory per Python and torch version."""
+    torch_extensions`` (``~/.cache/...``), one subdirectory per Python version, torch version and version of the
+    sources (the first 12 hex digits of their SHA-256)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
         base = Path(root)
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headmix" / "torch_extensions"
-    tag = f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}".replace("+", "_")
+    sources = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES)).hexdigest()[:12]
+    tag = f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}_src{sources}".replace("+", "_")
     return base / tag / _EXTENSION_NAME
 
 
