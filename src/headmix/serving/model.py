@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
 from vllm.model_executor.layers.attention import Attention
@@ -73,7 +73,7 @@ from ..models.config import AttentionConfig, ModelConfig
 from ..models.blocks import sinusoidal_table
 from ..models.folders import HF_PREFIX
 from ..routing import TopKRouter
-from .support import check_head_size, check_servable, check_tensor_parallel
+from .support import NotServableError, check_head_size, check_servable, check_tensor_parallel, elsewhere
 
 
 def _ranks() -> tuple[int, int]:
@@ -567,9 +567,15 @@ class ExpertFeedForward(nn.Module):
         d, e, f = config.d_model, config.ffn_experts, config.ffn_dim
         self.num_experts, self.d_model, self.ffn_dim = e, d, f
         self.router = TopKRouter(d, e, config.ffn_top_k, renormalize="live")
-        self.experts = FusedMoEFactory(num_experts=e, top_k=config.ffn_top_k, hidden_size=d, intermediate_size=f,
-                                       renormalize=True, custom_routing_function=self.route, activation="silu",
-                                       prefix=f"{prefix}.experts")
+        try:
+            self.experts = FusedMoEFactory(num_experts=e, top_k=config.ffn_top_k, hidden_size=d, intermediate_size=f,
+                                           renormalize=True, custom_routing_function=self.route, activation="silu",
+                                           prefix=f"{prefix}.experts")
+        except (ValueError, NotImplementedError) as err:  # no FusedMoE kernel of this vLLM build takes these sizes
+            raise NotServableError(f"vLLM's FusedMoE does not take JetMoE's expert feed-forward of d_model={d}, "
+                                   f"ffn_dim={f} ({err} vLLM's CPU kernel needs d_model divisible by 32): build the "
+                                   f"model with sizes it takes, or "
+                                   f"{elsewhere(get_current_vllm_config().model_config.model)}") from None
         self.out_bias = nn.Parameter(torch.empty(d), requires_grad=False) if config.bias else None
 
     def route(self, hidden_states: Tensor, gating_output: Tensor, topk: int,
