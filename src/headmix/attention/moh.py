@@ -14,7 +14,7 @@ from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
 from ..routing.task_gradient import check_router_learns, moh_router_without_task_gradient
 from .base import AttentionOutput, KVCache, attention_bias, query_offset, scaled_dot_product, zero_loss
-from .mha import MultiHeadAttention, merge_heads, split_heads
+from .mha import QK_NORM_EPS, MultiHeadAttention, merge_heads, split_heads
 from .moa import autocast_dtype
 from .moh_sparse import routed_heads_attention, routed_layout, slot_attention
 from .padding import check_flag, real_token_mask, zero_padded_queries
@@ -320,7 +320,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
                  head_weighting: str = "renormalized", load_balance_fractions: str = "normalized",
                  zero_padded_queries: bool = False, impl: str = "auto", expert_impl: str = "auto",
-                 kv_heads: int | None = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
+                 kv_heads: int | None = None, qk_norm: bool = False, qk_norm_eps: float = QK_NORM_EPS,
                  output_gate: str | None = None, route_per_group: bool = False, router: str = "softmax",
                  router_seed: int | None = None, allow_router_without_task_gradient: bool = False):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, bias=bias, dropout=dropout,

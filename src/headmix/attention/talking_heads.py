@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .base import AttentionOutput, KVCache, check_mask_dtype, check_positive, zero_loss
-from .mha import MultiHeadAttention, merge_heads
+from .mha import QK_NORM_EPS, MultiHeadAttention, merge_heads
 from .rotary import RotaryEmbedding
 
 
@@ -44,7 +44,7 @@ class TalkingHeadsAttention(MultiHeadAttention):
                  q_bias: bool | None = None, kv_bias: bool | None = None, out_bias: bool | None = None,
                  rotary: bool | RotaryEmbedding = False, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
                  zero_padded_queries: bool = False, query_block: int | None = 128, kv_heads: int | None = None,
-                 qk_norm: bool = False, qk_norm_eps: float = 1e-6, output_gate: str | None = None):
+                 qk_norm: bool = False, qk_norm_eps: float = QK_NORM_EPS, output_gate: str | None = None):
         super().__init__(embed_dim, num_heads, head_dim=head_dim, key_dim=key_dim, bias=bias, dropout=dropout,
                          q_bias=q_bias, kv_bias=kv_bias, out_bias=out_bias, rotary=rotary,
                          rotary_base=rotary_base, rotary_fraction=rotary_fraction, zero_padded_queries=zero_padded_queries,

@@ -41,15 +41,12 @@ import torch
 from torch import Tensor
 
 from ..attention import MultiHeadAttention
+from ..attention.mha import QK_NORM_EPS  # Qwen3 uses rms_norm_eps (1e-6 in every released Qwen3) for both norms
 from ..models import CausalLanguageModel, ModelConfig
 from ._hf import checkpoint_folder, copy_into, pad_id_of, require_transformers, stop_ids_of
 from .llama import (SourceTensors, causal_lm_from_state, check_conversion_options, decoder_config,
                     hf_decoder_from_causal_lm)
 
-#: The epsilon of the QK-norm of layers built from an :class:`AttentionConfig` (``MultiHeadAttention``'s
-#: ``qk_norm_eps`` default; the config has no field for it). Qwen3 uses ``rms_norm_eps`` (1e-6 in every released
-#: Qwen3) for QK-norm and the layer norms alike.
-QK_NORM_EPS = 1e-6
 
 #: The gate flags of the Gated Attention authors' Qwen3 config and the headmix ``output_gate`` they map to.
 GATE_FLAGS = {"headwise_attn_output_gate": "headwise", "elementwise_attn_output_gate": "elementwise"}

@@ -97,6 +97,19 @@ class TopKRouter(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             return F.linear(flat, self.gate.weight.to(flat.dtype))
 
+    def select(self, probs: Tensor) -> tuple[Tensor, Tensor]:
+        """The softmax router's choice from ``probs = softmax(x W_g)`` ``(N, E)``: the gates ``(N, k)`` of the
+        ``top_k`` experts (eq. 9, renormalised as ``renormalize`` says) and their indices ``(N, k)`` (eq. 8), in
+        ``probs``' dtype. (Also vLLM's routing function for JetMoE's experts: headmix.serving.)"""
+        top_p, index = probs.topk(self.top_k, dim=-1)
+        if self.renormalize == "detached":
+            gates = top_p / top_p.sum(-1, keepdim=True).detach()
+        elif self.renormalize == "live":
+            gates = top_p / top_p.sum(-1, keepdim=True)
+        else:
+            gates = top_p
+        return gates, index
+
     def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Routing:
         """``x``: ``(batch, time, embed_dim)``; ``token_mask``: ``(batch, time)`` True for real tokens."""
         batch, time, dim = x.shape
@@ -105,13 +118,7 @@ class TopKRouter(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             probs = logits.softmax(dim=-1)
             if self.noise is None:
-                top_p, index = probs.topk(self.top_k, dim=-1)
-                if self.renormalize == "detached":
-                    gates = top_p / top_p.sum(-1, keepdim=True).detach()
-                elif self.renormalize == "live":
-                    gates = top_p / top_p.sum(-1, keepdim=True)
-                else:
-                    gates = top_p
+                gates, index = self.select(probs)
             else:
                 noisy = logits
                 if self.training:

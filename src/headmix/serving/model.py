@@ -2,20 +2,22 @@
 
 The decoder is headmix's (:class:`headmix.models.transformer.CausalLanguageModel`), rebuilt from vLLM's layers:
 ``Attention`` (the paged KV cache, continuous batching), ``get_rope`` (RoFormer's rotation, half-split as
-headmix's, ``rotary_fraction`` of each head), ``RMSNorm`` / ``LayerNorm``, ``QKVParallelLinear`` (MHA's and MoH's
+headmix's, ``rotary_fraction`` of each head), ``RMSNorm`` / ``LayerNorm`` (the sublayer norms; ``RMSNorm`` also
+for QK-norm, which it computes as headmix's ``HeadRMSNorm`` does), ``QKVParallelLinear`` (MHA's and MoH's
 q/k/v projections, one GEMM), ``MergedColumnParallelLinear`` (MoA's k/v, SwiGLU's gate/up) with ``SiluAndMul``,
-``ColumnParallelLinear`` / ``RowParallelLinear``, ``VocabParallelEmbedding`` / ``ParallelLMHead`` and
-``LogitsProcessor``. vLLM hands the model the tokens of all
-its running sequences flattened, ``(tokens, d_model)``, with each token's position; every routing decision
-headmix makes is per token, so it is the same in any batch.
+``FusedMoE`` (JetMoE's expert feed-forward, with headmix's routing), ``ColumnParallelLinear`` /
+``RowParallelLinear``, ``VocabParallelEmbedding`` / ``ParallelLMHead`` and ``LogitsProcessor``. vLLM hands the
+model the tokens of all its running sequences flattened, ``(tokens, d_model)``, with each token's position;
+every routing decision headmix makes is per token, so it is the same in any batch.
 
 The routers are headmix's own code, called on the modules here, which hold the same parameters under the same
 names: MoA's and the expert feed-forward's :class:`~headmix.routing.TopKRouter` (eq. 7-9; the noisy router
 without its noise, which is training-only), MoH's head weights
 (:meth:`~headmix.attention.MixtureOfHeadsAttention.head_weights`, eq. 5-6 or the authors' form) and SwitchHead's
-selectors (:meth:`~headmix.attention.SwitchHeadAttention.select`); the grouped expert projections are headmix's
-kernels (:func:`~headmix.kernels.expert_map`, :func:`~headmix.kernels.expert_reduce`). So vLLM computes what
-headmix computes, up to the order of float operations.
+selectors (:meth:`~headmix.attention.SwitchHeadAttention.select`); the grouped expert projections of the attention
+kinds are headmix's kernels (:func:`~headmix.kernels.expert_map`, :func:`~headmix.kernels.expert_reduce`), the
+expert feed-forward's vLLM's ``FusedMoE``. So vLLM computes what headmix computes, up to the order of float
+operations.
 
 What the paged cache holds per token and layer: MHA/MoH ``kv_heads`` heads (``num_heads`` without GQA), MoA its
 ``kv_heads`` shared K/V heads (the selected experts' ``top_k * kv_heads`` queries are the attention's query
@@ -47,12 +49,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                                RowParallelLinear)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -62,7 +65,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 
 from ..attention import GroupedQueryExpertsAttention, SwitchHeadAttention
-from ..attention.mha import HeadRMSNorm
+from ..attention.mha import QK_NORM_EPS
 from ..attention.moh import MoHHeadWeighting, head_ids
 from ..kernels import ExpertRouting, choose_impl, expert_map, expert_map_weighted, expert_reduce, expert_routing
 from ..kernels.dispatch import DENSE_MAX_EXPERTS_PER_K
@@ -70,7 +73,7 @@ from ..models.config import AttentionConfig, ModelConfig
 from ..models.blocks import sinusoidal_table
 from ..models.folders import HF_PREFIX
 from ..routing import TopKRouter
-from .support import check_head_size, check_servable, check_tensor_parallel
+from .support import NotServableError, check_head_size, check_servable, check_tensor_parallel, elsewhere
 
 
 def _ranks() -> tuple[int, int]:
@@ -114,10 +117,9 @@ def _kernel(impl: str, x: Tensor, routing: ExpertRouting) -> str:
     return "dense" if e <= DENSE_MAX_EXPERTS_PER_K * k else "sorted"
 
 
-def _split(shape: tuple[int, ...] | nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
+def _split(shape: tuple[int, ...] | nn.Parameter, dim: int) -> nn.Parameter:
     """A parameter (new, of local ``shape``, or the one given) holding this rank's share of headmix's tensor along
-    ``dim``: the tensor there is ``parts`` equal blocks (JetMoE's ``[W1 | W3]``: 2), each cut into one slice per
-    rank; the loader copies this rank's slice of each block."""
+    ``dim`` (one slice per rank); the loader copies this rank's slice."""
     param = shape if isinstance(shape, nn.Parameter) else nn.Parameter(torch.empty(shape), requires_grad=False)
     shape = tuple(param.shape)
     ranks, rank = _ranks()
@@ -126,8 +128,7 @@ def _split(shape: tuple[int, ...] | nn.Parameter, dim: int, parts: int = 1) -> n
     def load(param: nn.Parameter, tensor: Tensor) -> None:
         if tuple(tensor.shape) != whole:
             raise ValueError(f"a headmix tensor of shape {tuple(tensor.shape)} where the model has {whole}")
-        size = shape[dim] // parts
-        param.data.copy_(torch.cat([block.narrow(dim, rank * size, size) for block in tensor.chunk(parts, dim)], dim))
+        param.data.copy_(tensor.narrow(dim, rank * shape[dim], shape[dim]))
 
     set_weight_attrs(param, {"weight_loader": load})
     return param
@@ -210,8 +211,9 @@ class HeadsAttention(_Rotated):
         self.out_proj = _row(h * dh, d, out_bias, f"{prefix}.out_proj")
         self.q_norm = self.k_norm = self.gate_proj = None
         if att.qk_norm:
-            # headmix's own QK-norm (its default epsilon, which configs do not set), on (tokens, heads, head_dim)
-            self.q_norm, self.k_norm = HeadRMSNorm(dh), HeadRMSNorm(dh)
+            # vLLM's RMSNorm, which computes headmix's HeadRMSNorm (float32, cast back before the weight), with its
+            # epsilon (configs have no field for it), on (tokens, heads, head_dim)
+            self.q_norm, self.k_norm = RMSNorm(dh, eps=QK_NORM_EPS), RMSNorm(dh, eps=QK_NORM_EPS)
         if att.output_gate is not None:
             #: The gate's size per head: one (headwise) or ``head_dim`` (elementwise).
             self.gate_size = 1 if att.output_gate == "headwise" else dh
@@ -545,27 +547,68 @@ class DenseFeedForward(nn.Module):
 
 
 class ExpertFeedForward(nn.Module):
-    """JetMoE's mixture of SwiGLU experts (:class:`~headmix.models.blocks.MixtureOfSwiGLUExperts`: headmix's
-    router, its grouped kernels), on ``(tokens, d)``. Across ranks the router is replicated and each rank holds
-    ``ffn_dim / ranks`` of every expert's hidden units (vLLM's split of a mixture of experts); the ranks' outputs
-    are summed."""
+    """JetMoE's mixture of SwiGLU experts (:class:`~headmix.models.blocks.MixtureOfSwiGLUExperts`) on vLLM's
+    ``FusedMoE`` (``FusedMoEFactory``: one fused grouped kernel, SiLU-and-mul inside), on ``(tokens, d)``.
 
-    def __init__(self, config: ModelConfig):
+    The routing is headmix's: the router's float32 logits (:meth:`~headmix.routing.TopKRouter.logits`) go in as
+    FusedMoE's router logits, and its routing function is :meth:`route` (headmix's softmax over all experts, top-k,
+    ``p_i / sum_{j in G} p_j``), not vLLM's own softmax routing, which takes the top-k of the logits and a softmax over
+    those: the same gates but for rounding. The experts' weights are FusedMoE's ``w13`` (``[W1^T; W3^T]`` per expert,
+    gate then up) and ``w2`` (``W2^T``), loaded from headmix's ``input_experts`` / ``output_experts``
+    (:meth:`load_headmix_tensor`). Across ranks the router is replicated and each rank holds ``ffn_dim / ranks`` of
+    every expert's hidden units (FusedMoE's tensor-parallel split); FusedMoE sums the ranks' outputs, then the bias
+    is added (once)."""
+
+    #: headmix's tensors of the experts, which :meth:`load_headmix_tensor` maps onto FusedMoE's parameters.
+    HEADMIX_TENSORS = ("input_experts", "output_experts")
+
+    def __init__(self, config: ModelConfig, prefix: str):
         super().__init__()
-        d, e, ranks = config.d_model, config.ffn_experts, _ranks()[0]
-        self.num_experts, self.ffn_dim, self.expert_impl = e, config.ffn_dim // ranks, config.ffn_expert_impl
+        d, e, f = config.d_model, config.ffn_experts, config.ffn_dim
+        self.num_experts, self.d_model, self.ffn_dim = e, d, f
         self.router = TopKRouter(d, e, config.ffn_top_k, renormalize="live")
-        self.input_experts = _split((e, d, 2 * self.ffn_dim), 2, parts=2)  # [W1 | W3], this rank's units of each
-        self.output_experts = _split((e, self.ffn_dim, d), 1)
-        self.out_bias = nn.Parameter(torch.empty(d)) if config.bias else None
+        try:
+            self.experts = FusedMoEFactory(num_experts=e, top_k=config.ffn_top_k, hidden_size=d, intermediate_size=f,
+                                           renormalize=True, custom_routing_function=self.route, activation="silu",
+                                           prefix=f"{prefix}.experts")
+        except (ValueError, NotImplementedError) as err:  # no FusedMoE kernel of this vLLM build takes these sizes
+            raise NotServableError(f"vLLM's FusedMoE does not take JetMoE's expert feed-forward of d_model={d}, "
+                                   f"ffn_dim={f} ({err} vLLM's CPU kernel needs d_model divisible by 32): build the "
+                                   f"model with sizes it takes, or "
+                                   f"{elsewhere(get_current_vllm_config().model_config.model)}") from None
+        self.out_bias = nn.Parameter(torch.empty(d), requires_grad=False) if config.bias else None
+
+    def route(self, hidden_states: Tensor, gating_output: Tensor, topk: int,
+              renormalize: bool) -> tuple[Tensor, Tensor]:
+        """FusedMoE's routing function: headmix's gates (in the activations' dtype, as headmix casts them) and
+        expert ids from the router logits :meth:`forward` passes (``topk`` and ``renormalize`` are the router's)."""
+        gates, index = self.router.select(gating_output.softmax(dim=-1))
+        return gates.to(hidden_states.dtype), index
+
+    def load_headmix_tensor(self, leaf: str, tensor: Tensor) -> str:
+        """Copy headmix's ``input_experts`` ``(E, d, 2 ffn_dim)``, ``[W1 | W3]`` per expert, into FusedMoE's ``w13``
+        (``(E, 2 ffn_dim, d)``: shard ``w1`` the gate ``W1^T``, shard ``w3`` the up ``W3^T``), or ``output_experts``
+        ``(E, ffn_dim, d)`` into ``w2`` (``(E, d, ffn_dim)``, ``W2^T``), through FusedMoE's expert loader (all experts
+        at once, this rank's hidden units of each); returns the parameter's name under this module."""
+        e, d, f = self.num_experts, self.d_model, self.ffn_dim
+        whole = (e, d, 2 * f) if leaf == "input_experts" else (e, f, d)
+        if tuple(tensor.shape) != whole:
+            raise ValueError(f"a headmix {leaf} tensor of shape {tuple(tensor.shape)} where the model has {whole}")
+        routed = self.experts.routed_experts
+        if leaf == "input_experts":
+            gate, up = tensor.transpose(1, 2).chunk(2, dim=1)
+            for shard, part in (("w1", gate), ("w3", up)):
+                routed.w13_weight.weight_loader(routed.w13_weight, part, "w13_weight", shard, 0)
+            return "experts.routed_experts.w13_weight"
+        routed.w2_weight.weight_loader(routed.w2_weight, tensor.transpose(1, 2), "w2_weight", "w2", 0)
+        return "experts.routed_experts.w2_weight"
 
     def forward(self, x: Tensor) -> Tensor:
-        routing = self.router(x[None])  # replicated: every rank makes the same choice
-        info = expert_routing(routing.expert_index, self.num_experts, check_range=False)
-        impl = _kernel(self.expert_impl, x, info)
-        gate, up = expert_map(x, self.input_experts, info, impl=impl).split(self.ffn_dim, dim=-1)
-        y = expert_reduce(F.silu(gate) * up, self.output_experts, routing.gates.to(x.dtype), info, impl=impl)
-        return _reduce(y, self.out_bias)
+        # FusedMoE returns early on an empty batch, a branch on the token count, which vLLM never runs the model with:
+        # said here, so that the compiled graph (the token count unbacked: docs/serving.md, "Compiled") needs no guard
+        torch._check(x.shape[0] > 0)
+        y = self.experts(x, self.router.logits(x))  # the router replicated: every rank makes the same choice
+        return y if self.out_bias is None else y + self.out_bias
 
 
 class SublayerNorm(nn.Module):
@@ -589,7 +632,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = ATTENTION[config.decoder_self_attention.kind](vllm_config, config, f"{prefix}.self_attn")
         self.self_attn_norm = SublayerNorm(config)
-        self.ffn = ExpertFeedForward(config) if config.ffn == "moe_swiglu" else DenseFeedForward(config, f"{prefix}.ffn")
+        ffn = ExpertFeedForward if config.ffn == "moe_swiglu" else DenseFeedForward
+        self.ffn = ffn(config, f"{prefix}.ffn")
         self.ffn_norm = SublayerNorm(config)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
@@ -679,16 +723,20 @@ class VllmHeadmixForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Copy headmix's tensors (names as headmix saves them; ``model.`` of a Hugging Face folder dropped); a tensor
         of a merged layer (:data:`MERGED`) into its shard of the merged parameter, by vLLM's weight loader."""
-        params = dict(self.named_parameters())
+        params, modules = dict(self.named_parameters()), dict(self.named_modules())
         loaded = set()
         for name, tensor in weights:
-            if name.startswith(HF_PREFIX) and _known(name[len(HF_PREFIX):], params):
+            if name.startswith(HF_PREFIX) and _known(name[len(HF_PREFIX):], params, modules):
                 name = name[len(HF_PREFIX):]
             merged = _merged(name, params)
             if merged is not None:
                 param = params[merged[0]]
                 param.weight_loader(param, tensor, merged[1])
                 loaded.add(merged[0])
+                continue
+            experts = _experts_tensor(name, modules)
+            if experts is not None:  # JetMoE's experts: onto FusedMoE's parameters
+                loaded.add(f"{experts[0]}.{modules[experts[0]].load_headmix_tensor(experts[1], tensor)}")
                 continue
             if name not in params:
                 raise ValueError(f"the weights hold {name!r}, which the model its config describes does not have")
@@ -720,6 +768,14 @@ def _merged(name: str, params: dict) -> tuple[str, str | int] | None:
     return None
 
 
-def _known(name: str, params: dict) -> bool:
-    """Whether ``name`` is a parameter of the model or a tensor one of its merged parameters holds."""
-    return name in params or _merged(name, params) is not None
+def _experts_tensor(name: str, modules: dict) -> tuple[str, str] | None:
+    """``(module, leaf)`` when ``name`` is one of headmix's expert tensors of an :class:`ExpertFeedForward` (held by
+    its FusedMoE's parameters), else None."""
+    module, _, leaf = name.rpartition(".")
+    owner = modules.get(module)
+    return (module, leaf) if isinstance(owner, ExpertFeedForward) and leaf in owner.HEADMIX_TENSORS else None
+
+
+def _known(name: str, params: dict, modules: dict) -> bool:
+    """Whether ``name`` is a parameter of the model or a tensor one of its merged or expert parameters holds."""
+    return name in params or _merged(name, params) is not None or _experts_tensor(name, modules) is not None
