@@ -148,6 +148,8 @@ def test_auto_picks_the_slot_form_on_every_device_and_under_compile(monkeypatch)
         assert choose_moh_impl(device, 2, 4, 512, slot_form=True) == "sparse"
         assert choose_moh_impl(device, 2, 4, 1, slot_form=True) == "dense"  # decoding: measured no faster
         assert choose_moh_impl(device, 3, 4, 512, slot_form=True) == "dense"  # most routed heads active
+        assert choose_moh_impl(device, 2, 4, 256, slot_form=True) == "sparse"
+        assert choose_moh_impl(device, 2, 4, 255, slot_form=True) == "dense"  # short sequences: measured slower
     assert choose_moh_impl(cuda, 2, 4, 512) == "dense"  # global routing: the padded layout skips no attention
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert choose_moh_impl(cpu, 2, 4, 512, slot_form=True) == "sparse"
@@ -174,12 +176,13 @@ def test_slot_form_runs_no_host_read(monkeypatch):
 
 @pytest.mark.parametrize("form", ["per_group", pytest.param("one_kv_head", marks=pytest.mark.slow)])
 def test_slot_form_compiles_fullgraph_forward_and_backward_equal_to_eager(form, monkeypatch):
-    """``torch.compile(fullgraph=True, dynamic=False)`` of a training step (``auto`` picks the sparse path under
-    compile): no graph break (``torch._dynamo.explain``), one graph, and with AOTAutograd (the backward traced too)
+    """``torch.compile(fullgraph=True, dynamic=False)`` of a training step on the sparse path (which ``auto`` picks
+    under compile from SPARSE_MIN_QUERIES queries on: test_auto_picks_the_slot_form_on_every_device_and_under_compile):
+    no graph break (``torch._dynamo.explain``), one graph, and with AOTAutograd (the backward traced too)
     the eager outputs and gradients. ``fullgraph`` fails on ``.item()``, ``.tolist()`` and data-dependent shapes."""
     torch._dynamo.reset()
     spy = LayoutSpy(monkeypatch)
-    layer = make(form, 1, 1, rotary=True, qk_norm=True)  # few routed heads active: auto picks sparse
+    layer = make(form, 1, 1, rotary=True, qk_norm=True)
     x = torch.randn(2, 9, D, dtype=torch.double, requires_grad=True)
     padding = padding_mask()[:2, :9]
 
@@ -192,7 +195,7 @@ def test_slot_form_compiles_fullgraph_forward_and_backward_equal_to_eager(form, 
 
     layer.impl = "dense"
     want = grads(loss_of(x, padding))
-    layer.impl = "auto"
+    layer.impl = "sparse"
     assert spy.slots == 0
     explained = torch._dynamo.explain(loss_of)(x, padding)  # one graph, no break
     assert explained.graph_break_count == 0 and explained.graph_count == 1

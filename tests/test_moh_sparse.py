@@ -232,6 +232,24 @@ def test_auto_rule():
     assert choose_moh_impl(cpu, 2, 6, 1) == "dense"      # one-query decoding steps
     assert choose_moh_impl(cuda, 2, 6, 512) == "dense"   # not measured on a GPU yet
     assert choose_moh_impl(cpu, 0, 0, 512) == "dense"
+    # global routing on the CPU, measured slower than dense MoH (docs/performance.md, "Sparse MoH"):
+    assert choose_moh_impl(cpu, 2, 6, 256) == "dense"  # fewer than GLOBAL_SPARSE_MIN_QUERIES queries
+    assert choose_moh_impl(cpu, 2, 6, 512, head_dim=32) == "dense"  # heads narrower than 64
+    assert choose_moh_impl(cpu, 2, 6, 512, head_dim=64) == "sparse"
+    assert choose_moh_impl(cpu, 2, 6, 512, head_dim=64, needs_grad=False) == "dense"  # prefill, evaluation
+
+
+def test_auto_follows_the_rule_in_the_layer(monkeypatch):
+    """The layer passes its sequence length, head width and whether gradients are on to the rule."""
+    seen = []
+    monkeypatch.setattr(moh_module, "choose_moh_impl", lambda *args: seen.append(args) or "dense")
+    layer = make()
+    layer.impl = "auto"
+    x = torch.randn(2, 5, D, dtype=torch.double)
+    layer(x)
+    with torch.no_grad():
+        layer(x)
+    assert [(a[3], a[5], a[6]) for a in seen] == [(5, D // 8, True), (5, D // 8, False)]
 
 
 @pytest.mark.parametrize("grouping", [{}, {"kv_heads": 2, "route_per_group": True, "shared": 0},

@@ -34,6 +34,19 @@ MOH_IMPLS = ("auto", "dense", "sparse")
 #: (``top_k / routed``). ``headmix bench attention --moh-curve`` (2-core CPU, fp32, d_model 512, 8 heads of
 #: 64, 2 shared, batch 2 x 512 causal, forward+backward): see docs/performance.md, "Sparse MoH".
 SPARSE_MAX_ACTIVE_FRACTION = 0.5
+#: ``auto`` picks ``sparse`` only for calls of at least this many queries per sequence: below it the routing and
+#: the slots' layout cost more than the skipped heads save. The slot form at d_model 128 (8 heads of 16, H/4 shared
+#: + top H/4, or top 2 of 4 per K/V group), batch 8, fp32, 2-core Intel Xeon, sparse over dense MoH, forward +
+#: backward, 1 / 2 threads: T 64 1.17-1.20 / 1.57-1.75, T 128 0.93-0.97 / 1.31-1.44, T 256 0.79-0.80 / 0.97,
+#: T 512 0.67-0.68 / 0.73-0.81 (``headmix bench compute --rows MoH``, 2026-12-07; docs/performance.md, "Sparse MoH").
+SPARSE_MIN_QUERIES = 256
+#: Global routing over several K/V heads (the ``heads`` layout, CPU eager): ``sparse`` only with gradients, at least
+#: this many queries per sequence and heads at least this wide. At d_model 128 (heads of 16) it was slower than
+#: dense MoH at every length measured (T 64-512: 1.07-1.81x forward+backward, 1.53-2.05x prefill); at d_model 1024
+#: (heads of 64) 0.88-0.94x forward+backward at one thread, 0.98-1.05x at two, 1.01-1.18x prefill; at d_model 512
+#: (heads of 64), T 512, 0.80x (one thread, 2026-11-23).
+GLOBAL_SPARSE_MIN_QUERIES = 512
+GLOBAL_SPARSE_MIN_HEAD_DIM = 64
 
 
 def head_ids(groups: int, group_heads: int, num_shared_heads: int) -> tuple[list[int], list[int]]:
@@ -45,33 +58,37 @@ def head_ids(groups: int, group_heads: int, num_shared_heads: int) -> tuple[list
     return shared, routed
 
 
-def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int, slot_form: bool = False) -> str:
+def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int, slot_form: bool = False,
+                    head_dim: int | None = None, needs_grad: bool = True) -> str:
     """The ``auto`` rule. ``routed``: the routed heads ``top_k`` picks from (per group with ``route_per_group``);
     ``tgt``: queries per sequence in the call; ``slot_form``: the layer's selected heads are query heads of
-    grouped-query attention (:attr:`MixtureOfHeadsAttention.slot_form`: ``route_per_group``, or one K/V head).
+    grouped-query attention (:attr:`MixtureOfHeadsAttention.slot_form`: ``route_per_group``, or one K/V head);
+    ``head_dim``: the heads' width (``None``: unknown, taken as wide); ``needs_grad``: a training step, not a
+    forward without gradients (prefill, evaluation).
 
-    - ``dense`` without routed heads, and for one-query decoding steps: their projections are one GEMM of every
-      head either way and the sparse step adds routing work (CPU, batch 8 after 512 tokens: sparse 0.97-1.28x
-      dense in the slot form; with global routing the gathered cache slices cost as much as the skipped heads
-      save: docs/performance.md, "Sparse MoH").
-    - ``slot_form``: ``sparse`` when ``top_k / routed <= SPARSE_MAX_ACTIVE_FRACTION``, on every device and
-      under ``torch.compile``. Its attention is one grouped-query call of the selected heads only
-      (``moh_sparse``'s ``grouped_query`` layout): static shapes and no host read, so it is the same path
-      off the CPU and compiled. Measured on the CPU (fp32, one thread, forward+backward, batch 2 x 512 and
-      x 1024): 0.61-0.71x dense MoH's time (docs/performance.md, "Sparse MoH"); not yet on a GPU.
-    - otherwise (global routing over several K/V heads) ``sparse`` on the CPU when ``top_k / routed <=
-      SPARSE_MAX_ACTIVE_FRACTION`` and the call is not being compiled (the ``heads`` layout reads group sizes
-      back to the host); ``dense`` on other devices and under compile: there the sparse path must keep static
-      shapes and pads every (row, head) group to the sequence length (``padded``), so its attention is as
-      large as dense's and only the routed projections are saved."""
-    if routed == 0 or tgt == 1:
+    - ``dense`` without routed heads, for one-query decoding steps, when more than ``SPARSE_MAX_ACTIVE_FRACTION``
+      of the routed heads are active, and for fewer than :data:`SPARSE_MIN_QUERIES` queries per sequence: the
+      projections are one GEMM of every head either way and the sparse step adds routing and layout work that the
+      skipped heads do not pay back there (CPU measurements beside the constants; docs/performance.md, "Sparse
+      MoH").
+    - ``slot_form``: ``sparse`` otherwise, on every device and under ``torch.compile``. Its attention is one
+      grouped-query call of the selected heads only (``moh_sparse``'s ``grouped_query`` layout): static shapes
+      and no host read, so it is the same path off the CPU and compiled. Measured on the CPU only; the length
+      threshold holds off the CPU unmeasured.
+    - otherwise (global routing over several K/V heads) ``sparse`` on the CPU outside ``torch.compile`` only with
+      gradients, at least :data:`GLOBAL_SPARSE_MIN_QUERIES` queries and heads of at least
+      :data:`GLOBAL_SPARSE_MIN_HEAD_DIM` (the ``heads`` layout reads group sizes back to the host); ``dense``
+      on other devices and under compile: there the sparse path must keep static shapes and pads every (row,
+      head) group to the sequence length (``padded``), so its attention is as large as dense's and only the
+      routed projections are saved."""
+    if routed == 0 or tgt < SPARSE_MIN_QUERIES or top_k > SPARSE_MAX_ACTIVE_FRACTION * routed:
         return "dense"
-    few_active = top_k <= SPARSE_MAX_ACTIVE_FRACTION * routed
     if slot_form:
-        return "sparse" if few_active else "dense"
+        return "sparse"
     if torch.compiler.is_compiling() or device.type != "cpu":
         return "dense"
-    return "sparse" if few_active else "dense"
+    wide = head_dim is None or head_dim >= GLOBAL_SPARSE_MIN_HEAD_DIM
+    return "sparse" if needs_grad and wide and tgt >= GLOBAL_SPARSE_MIN_QUERIES else "dense"
 
 
 class MoHHeadWeighting:
@@ -420,7 +437,8 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         ``query_padding_mask`` ``(B, T)``, with ``torch.nn.MultiheadAttention``'s conventions (``True`` =
         padding / forbidden; see :mod:`headmix.attention.base`); ``use_cache`` returns the new ``cache``."""
         query, key, value = self._check_inputs(query, key, value)  # layer(x, x, x) is layer(x)
-        impl = (choose_moh_impl(query.device, self.top_k, self.num_routed_per_group, query.shape[1], self.slot_form)
+        impl = (choose_moh_impl(query.device, self.top_k, self.num_routed_per_group, query.shape[1], self.slot_form,
+                                self.head_dim, torch.is_grad_enabled())
                 if self.impl == "auto" else self.impl)  # top_k of each router group's routed heads
         if impl == "sparse" and self.num_routed_heads:
             return self._forward_sparse(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
