@@ -831,7 +831,7 @@ def test_bench_serve_rows_are_each_against_the_llama_of_the_same_run(engine_env,
     out = tmp_path / "serve.json"
     args = parser.parse_args(["--d-model", "128", "--layers", "1", "--vocab", "256", "--batches", "1", "2",
                               "--prompt", "8", "--new-tokens", "3", "--rounds", "2", "--modes", "eager",
-                              "--json", str(out)])
+                              "--profile", "3", "--json", str(out)])
     assert serve.run(args) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -861,3 +861,11 @@ def test_bench_serve_rows_are_each_against_the_llama_of_the_same_run(engine_env,
         assert sum(line.startswith(start) and line.endswith(serve.BASELINE) for line in printed.splitlines()) == 1, (
             start, printed)
     assert set(result["capacity"]) == {serve.BASELINE, *served_models}
+    # --profile: one profiled generation per engine, its 3 operations of most CPU time, each within the total
+    profiles = result["profiles"]["eager"]
+    assert set(profiles) == {serve.BASELINE, *served_models}
+    for name, prof in profiles.items():
+        assert len(prof["top"]) == 3 and prof["wall_s"] > 0
+        own = [seconds for _, seconds, calls in prof["top"]]
+        assert own == sorted(own, reverse=True) and 0 < sum(own) <= prof["ops_cpu_s"], (name, prof)
+        assert f"  {name}: " in printed

@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (CPU build), unless set")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the records (every round's times) here")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed rounds, profile one generation of each engine at the largest batch and "
+                        "print its N operations of most CPU time (0: none)")
 
 
 def model_config(attention: AttentionConfig, args: argparse.Namespace) -> ModelConfig:
@@ -186,10 +189,27 @@ def measure_mode(mode: str, folders: dict[str, str], prompts: torch.Tensor, args
                     times[(name, "decode", batch)].append(whole - prefill)
                     if r == 0 and batch == max(args.batches):
                         tokens[name] = out
+        profiles = {name: profile_generation(llm, prompts[:max(args.batches)], 1 + args.new_tokens, args.profile)
+                    for name, llm in engines.items()} if args.profile else {}
     finally:
         for llm in engines.values():
             close_engine(llm)
-    return {"times": times, "tokens": tokens, "capacity": capacity, "start_s": start_s}
+    return {"times": times, "tokens": tokens, "capacity": capacity, "start_s": start_s, "profiles": profiles}
+
+
+def profile_generation(llm, prompts: torch.Tensor, max_tokens: int, top: int) -> dict:
+    """Where one generation's CPU time goes (vLLM runs the model in this process): its wall seconds, the CPU time of
+    every operation the profiler records (ATen operations, custom operations, vLLM's kernels) and the ``top`` of them by
+    their own CPU time, each with its calls. Profiling slows every operation down, so compare shares, not times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        seconds, _ = generate(llm, prompts, max_tokens)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    return {"wall_s": seconds, "ops_cpu_s": total,
+            "top": [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events[:top]]}
 
 
 def ratio_rows(mode: str, measured: dict, configs: dict[str, ModelConfig], args: argparse.Namespace) -> list[dict]:
@@ -232,7 +252,7 @@ def measure(args: argparse.Namespace) -> dict:
     prompts = torch.randint(3, args.vocab, (max(args.batches), args.prompt), generator=generator)
     prompts[:, 0] = 1  # bos
     result = {"rows": [], "baseline_seconds": {}, "generation_seconds": {}, "capacity": {}, "start_s": {},
-              "agreement": {}}
+              "agreement": {}, "profiles": {}}
     with tempfile.TemporaryDirectory() as root:
         folders, configs = write_folders(root, args)
         for mode in args.modes:
@@ -246,6 +266,8 @@ def measure(args: argparse.Namespace) -> dict:
             result["capacity"] = measured["capacity"]
             result["start_s"][mode] = measured["start_s"]
             result["agreement"][mode] = token_agreement(measured["tokens"])
+            if measured["profiles"]:
+                result["profiles"][mode] = measured["profiles"]
     return result
 
 
@@ -256,6 +278,19 @@ def format_table(result: dict) -> list[str]:
         spread = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
         lines.append(f"{r['mode']:<9}{r['phase']:<9}{r['batch']:>5}  {r['model']:<38}{r['ratio']:>12.2f}x"
                      f"{spread:>14}{r['mac_ratio']:>7.2f}{r['attention_mac_ratio']:>10.2f}   {r['baseline']}")
+    return lines
+
+
+def format_profiles(result: dict, batch: int, new_tokens: int) -> list[str]:
+    """Per mode and served model: the operations of most CPU time in one profiled generation (:func:`profile_generation`)."""
+    lines = []
+    for mode, profiles in result["profiles"].items():
+        lines.append(f"\n{mode}: where one generation's CPU time goes (batch {batch}, 1 + {new_tokens} tokens each, "
+                     f"profiled; shares of the recorded operations' CPU time)")
+        for name, prof in profiles.items():
+            lines.append(f"  {name}: {prof['wall_s'] * 1e3:.0f} ms wall, {prof['ops_cpu_s'] * 1e3:.0f} ms in operations")
+            for op, seconds, calls in prof["top"]:
+                lines.append(f"    {op[:56]:<58}{seconds * 1e3:>8.1f} ms {seconds / prof['ops_cpu_s']:>5.0%} {calls:>7} calls")
     return lines
 
 
@@ -288,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nvLLM KV-cache capacity (VLLM_CPU_KVCACHE_SPACE={space} GiB), tokens:")
     for name, capacity in result["capacity"].items():
         print(f"{name:<40}{capacity:>12}{capacity / result['capacity'][BASELINE]:>8.2f}x {BASELINE}")
+    print("\n".join(format_profiles(result, max(args.batches), args.new_tokens)))
     if args.json is not None:
         atomic_write_json(args.json, {"args": vars(args), **result})
     return 0
