@@ -241,3 +241,15 @@ def test_bench_serve_decode_macs_count_one_query_per_step():
     prefill = layers * attention_macs(GQA, d, prompt, prompt, causal=True)[0]
     assert minimal_model_macs(config, "prefill", prompt, steps) == (
         prefill + layers * ffn_macs(config, prompt) + d * 96, prefill)
+
+
+def test_bench_serve_refuses_a_negative_profile_in_one_line():
+    """``--profile`` counts operations to print: a negative count is refused before anything starts."""
+    import argparse
+
+    from headmix.bench import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with pytest.raises(ValueError, match=r"^--profile must be >= 0 .*got -1$"):
+        serve.run(parser.parse_args(["--profile", "-1"]))

