@@ -23,6 +23,7 @@ differ by more than :data:`TIE` (so that equal tokens are a claim, not luck).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -251,6 +252,11 @@ def weight_bytes(model) -> tuple[int, int]:
     """Run on each rank (``LLM.apply_model``): its projection bytes and all its parameters' bytes."""
     sizes = parameter_bytes(model)
     return projection_bytes(sizes), sum(sizes.values())
+
+
+def expert_ffn_kinds(model) -> list[str]:
+    """Run on each rank (``LLM.apply_model``): the class of each expert feed-forward of vLLM's model."""
+    return [type(module).__name__ for name, module in model.named_modules() if name.endswith(".ffn")]
 
 
 def qk_norm_epsilons(model) -> list[float]:
@@ -546,19 +552,33 @@ def error_chain(error: BaseException) -> tuple[list[str], list[str]]:
     return chain, [line.strip() for text in chain for line in text.splitlines()]
 
 
-def test_expert_sizes_fused_moe_does_not_take_are_refused_in_one_line(engine_env, tmp_path):
-    """JetMoE with d_model 80, which vLLM's CPU FusedMoE kernel does not take (hidden sizes in multiples of 32): refused
-    in one line when the model is built, naming the sizes, why and what works for the folder."""
-    config = jetmoe_model(VOCAB, d_model=80, layers=1, max_positions=MAX_POSITIONS, top_k=2, num_experts=4,
+@pytest.mark.parametrize("ranks", [1, RANKS])
+def test_expert_sizes_fused_moe_does_not_take_run_on_headmix_kernels(engine_env, tmp_path, ranks):
+    """JetMoE with d_model 80, which vLLM's CPU FusedMoE kernel does not take (hidden sizes in multiples of 32): its
+    expert feed-forward runs on headmix's grouped kernels instead, with a warning naming the sizes, and vLLM's greedy
+    tokens are headmix's, on 1 and 2 ranks."""
+    from vllm import SamplingParams
+
+    config = jetmoe_model(VOCAB, d_model=80, layers=2, max_positions=MAX_POSITIONS, top_k=2, num_experts=4,
                           head_dim=64, kv_heads=2)
+    model = build_tiny(config)
     folder = tmp_path / "model"
-    save(build_tiny(config), folder, "hf")
-    with pytest.raises(Exception) as caught:
-        start(folder)
-    chain, lines = error_chain(caught.value)
-    refusal = "vLLM's FusedMoE does not take JetMoE's expert feed-forward of d_model=80, ffn_dim=112 ("
-    assert any(refusal in line and "divisible by 32" in line and "generate with transformers" in line
-               for line in lines), chain
+    save(model, folder, "hf")
+    warning = pytest.warns(RuntimeWarning, match=r"FusedMoE does not take JetMoE's expert feed-forward of d_model="
+                                                 r"80, ffn_dim=112 .*runs on headmix's grouped kernels instead")
+    with warning if ranks == 1 else contextlib.nullcontext():  # 2 ranks: the workers build the model, and warn
+        llm = start(folder, **({"tensor_parallel_size": ranks} if ranks > 1 else {}))
+    try:
+        assert llm.apply_model(expert_ffn_kinds) == [["HeadmixExpertFeedForward"] * config.decoder_layers] * ranks
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        stop(llm)
+    for prompt, output in zip(PROMPTS, outputs):
+        tokens, gaps = headmix_greedy(model, prompt)
+        assert min(gaps) > TIE and len(set(tokens)) >= 3, "the fixture is not decisive"
+        assert list(output.outputs[0].token_ids) == tokens, prompt
 
 
 def test_a_rank_count_that_does_not_divide_is_refused_before_the_workers_start(engine_env, tmp_path):

@@ -43,13 +43,14 @@ headmix's decoding removes it, so vLLM's log-probabilities are over the tokens t
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig
 from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
 from vllm.model_executor.layers.attention import Attention
@@ -73,7 +74,7 @@ from ..models.config import AttentionConfig, ModelConfig
 from ..models.blocks import sinusoidal_table
 from ..models.folders import HF_PREFIX
 from ..routing import TopKRouter
-from .support import NotServableError, check_head_size, check_servable, check_tensor_parallel, elsewhere
+from .support import check_head_size, check_servable, check_tensor_parallel
 
 
 def _ranks() -> tuple[int, int]:
@@ -117,9 +118,10 @@ def _kernel(impl: str, x: Tensor, routing: ExpertRouting) -> str:
     return "dense" if e <= DENSE_MAX_EXPERTS_PER_K * k else "sorted"
 
 
-def _split(shape: tuple[int, ...] | nn.Parameter, dim: int) -> nn.Parameter:
+def _split(shape: tuple[int, ...] | nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
     """A parameter (new, of local ``shape``, or the one given) holding this rank's share of headmix's tensor along
-    ``dim`` (one slice per rank); the loader copies this rank's slice."""
+    ``dim``: the tensor there is ``parts`` equal blocks (JetMoE's ``[W1 | W3]``: 2), each cut into one slice per
+    rank; the loader copies this rank's slice of each block."""
     param = shape if isinstance(shape, nn.Parameter) else nn.Parameter(torch.empty(shape), requires_grad=False)
     shape = tuple(param.shape)
     ranks, rank = _ranks()
@@ -128,7 +130,8 @@ def _split(shape: tuple[int, ...] | nn.Parameter, dim: int) -> nn.Parameter:
     def load(param: nn.Parameter, tensor: Tensor) -> None:
         if tuple(tensor.shape) != whole:
             raise ValueError(f"a headmix tensor of shape {tuple(tensor.shape)} where the model has {whole}")
-        param.data.copy_(tensor.narrow(dim, rank * shape[dim], shape[dim]))
+        size = shape[dim] // parts
+        param.data.copy_(torch.cat([block.narrow(dim, rank * size, size) for block in tensor.chunk(parts, dim)], dim))
 
     set_weight_attrs(param, {"weight_loader": load})
     return param
@@ -572,10 +575,8 @@ class ExpertFeedForward(nn.Module):
                                            renormalize=True, custom_routing_function=self.route, activation="silu",
                                            prefix=f"{prefix}.experts")
         except (ValueError, NotImplementedError) as err:  # no FusedMoE kernel of this vLLM build takes these sizes
-            raise NotServableError(f"vLLM's FusedMoE does not take JetMoE's expert feed-forward of d_model={d}, "
-                                   f"ffn_dim={f} ({err} vLLM's CPU kernel needs d_model divisible by 32): build the "
-                                   f"model with sizes it takes, or "
-                                   f"{elsewhere(get_current_vllm_config().model_config.model)}") from None
+            raise FusedMoEUnavailable(f"vLLM's FusedMoE does not take JetMoE's expert feed-forward of d_model={d}, "
+                                      f"ffn_dim={f} ({err} vLLM's CPU kernel needs d_model divisible by 32)") from None
         self.out_bias = nn.Parameter(torch.empty(d), requires_grad=False) if config.bias else None
 
     def route(self, hidden_states: Tensor, gating_output: Tensor, topk: int,
@@ -611,6 +612,46 @@ class ExpertFeedForward(nn.Module):
         return y if self.out_bias is None else y + self.out_bias
 
 
+class FusedMoEUnavailable(ValueError):
+    """vLLM's ``FusedMoE`` has no kernel for an expert feed-forward's sizes (:func:`expert_feed_forward` then serves it
+    on headmix's kernels)."""
+
+
+class HeadmixExpertFeedForward(nn.Module):
+    """JetMoE's mixture of SwiGLU experts on headmix's router and grouped kernels (:func:`~headmix.kernels.expert_map`,
+    :func:`~headmix.kernels.expert_reduce`), for sizes vLLM's ``FusedMoE`` does not take (:func:`expert_feed_forward`).
+    Across ranks the router is replicated and each rank holds ``ffn_dim / ranks`` of every expert's hidden units; the
+    ranks' outputs are summed."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, e, ranks = config.d_model, config.ffn_experts, _ranks()[0]
+        self.num_experts, self.ffn_dim, self.expert_impl = e, config.ffn_dim // ranks, config.ffn_expert_impl
+        self.router = TopKRouter(d, e, config.ffn_top_k, renormalize="live")
+        self.input_experts = _split((e, d, 2 * self.ffn_dim), 2, parts=2)  # [W1 | W3], this rank's units of each
+        self.output_experts = _split((e, self.ffn_dim, d), 1)
+        self.out_bias = nn.Parameter(torch.empty(d), requires_grad=False) if config.bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        routing = self.router(x[None])  # replicated: every rank makes the same choice
+        info = expert_routing(routing.expert_index, self.num_experts, check_range=False)
+        impl = _kernel(self.expert_impl, x, info)
+        gate, up = expert_map(x, self.input_experts, info, impl=impl).split(self.ffn_dim, dim=-1)
+        y = expert_reduce(F.silu(gate) * up, self.output_experts, routing.gates.to(x.dtype), info, impl=impl)
+        return _reduce(y, self.out_bias)
+
+
+def expert_feed_forward(config: ModelConfig, prefix: str) -> nn.Module:
+    """JetMoE's expert feed-forward on vLLM's ``FusedMoE`` (:class:`ExpertFeedForward`), or on headmix's kernels
+    (:class:`HeadmixExpertFeedForward`) where this vLLM build's ``FusedMoE`` has no kernel for its sizes (the CPU
+    build: ``d_model`` not a multiple of 32); a warning says which and why."""
+    try:
+        return ExpertFeedForward(config, prefix)
+    except FusedMoEUnavailable as err:
+        warnings.warn(f"{err}: {prefix} runs on headmix's grouped kernels instead", RuntimeWarning, stacklevel=2)
+        return HeadmixExpertFeedForward(config)
+
+
 class SublayerNorm(nn.Module):
     """headmix's ``ResidualNorm``: pre-norm ``x + f(norm(x))`` or post-norm ``norm(x + f(x))``."""
 
@@ -632,7 +673,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = ATTENTION[config.decoder_self_attention.kind](vllm_config, config, f"{prefix}.self_attn")
         self.self_attn_norm = SublayerNorm(config)
-        ffn = ExpertFeedForward if config.ffn == "moe_swiglu" else DenseFeedForward
+        ffn = expert_feed_forward if config.ffn == "moe_swiglu" else DenseFeedForward
         self.ffn = ffn(config, f"{prefix}.ffn")
         self.ffn_norm = SublayerNorm(config)
 
