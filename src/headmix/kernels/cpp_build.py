@@ -5,8 +5,8 @@ losses (:mod:`.fused_router`). It is compiled with ``torch.utils.cpp_extension``
 and cached under ``$TORCH_EXTENSIONS_DIR`` or ``$XDG_CACHE_HOME/headmix/torch_extensions`` (``~/.cache`` by
 default), one directory per Python version, torch version and version of the sources (two checkouts of different
 headmix versions would otherwise rebuild over each other's build); ``cpp_extension`` locks the directory while it
-builds, so two processes can build at once. Where no compiler is found or the build fails, each kernel's Python path runs instead
-and one warning says so. ``HEADMIX_CPU_KERNEL=python`` forces the Python paths.
+builds, so two processes can build at once. Where no compiler is found or the build fails, each kernel's Python
+path runs instead and one warning says so. ``HEADMIX_CPU_KERNEL=python`` forces the Python paths.
 """
 
 from __future__ import annotations

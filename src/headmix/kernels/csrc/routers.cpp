@@ -7,7 +7,7 @@
 //
 // Forward, on logits z (N, G*M) of G routers of M experts each, per token t and router g:
 //   p = softmax(z_g)                                  (at::softmax: the reference's values bit for bit)
-//   index, top_p = TopK(p, k)                         (at::topk: the reference's choice, ties included)
+//   index, top_p = TopK(p, k)                         (topk_rows: at::topk's choice, ties included)
 //   gates = c * top_p / S  (renorm 1, 2) or c * top_p (renorm 0),  S = sum of top_p
 // and over the real tokens (mask), T of them (at least 1):
 //   count_e = real slots routed to e,  mass_e = sum_t p_{t,e}
@@ -17,7 +17,6 @@
 // Backward, per row (rows independent, parallel): dp = grad_probs + [real] (g_a M count / (G K T^2)) + the gates'
 // gradient scattered to the selected experts, then the softmax's Jacobian, plus [real] p (2 g_z lse / T).
 #include <ATen/ATen.h>
-#include <ATen/NumericUtils.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -238,7 +237,7 @@ at::Tensor softmax_topk_route_backward(const c10::optional<at::Tensor>& grad_pro
 }
 
 // 2. sigmoid_topk_route: SwitchHead's selectors (arXiv 2312.07987): per head h of H, s = sigmoid(z_h) over its E
-//    experts, the k largest chosen (at::topk: the reference's choice), numbered h * E + e, weighted by their s.
+//    experts, the k largest chosen (topk_rows: at::topk's choice), numbered h * E + e, weighted by their s.
 //    Backward: ds = grad_s + the gates' gradient scattered to the chosen experts, dz = s (1 - s) ds.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sigmoid_topk_route(const at::Tensor& logits, int64_t heads,
                                                                   int64_t top_k) {
