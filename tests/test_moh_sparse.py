@@ -171,7 +171,8 @@ def decode_in_steps(layer: MixtureOfHeadsAttention, x: torch.Tensor, preallocate
 
 
 def test_decoding_step_reads_only_the_selected_heads_of_the_cache(monkeypatch):
-    """The routed attention of a one-query step gets the selected heads' keys only: ``k[b, r]`` per slot."""
+    """The attention of a one-query step gets the active heads' keys only (the shared heads and the selected
+    routed ones): ``k[b, h]`` per slot."""
     layer = make(top_k=2).eval()
     seen = []
     real = moh_module.routed_heads_attention
@@ -186,7 +187,8 @@ def test_decoding_step_reads_only_the_selected_heads_of_the_cache(monkeypatch):
     x = torch.randn(2, 5, D, dtype=torch.double)
     cache = layer(x[:, :4], is_causal=True, use_cache=True).cache
     layer(x[:, 4:], is_causal=True, use_cache=True, cache=cache)
-    assert seen[-1] == (torch.Size([2, 2, layer.key_dim]), 1)  # 2 tokens x top_k 2 query rows, not 6 heads
+    # 2 tokens x (2 shared + top_k 2) query rows, not 8 heads
+    assert seen[-1] == (torch.Size([2, layer.num_shared_heads + 2, layer.key_dim]), 1)
 
 
 def test_checkpoints_load_into_either_impl():

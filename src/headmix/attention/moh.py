@@ -14,7 +14,7 @@ from ..routing.random import RandomRouter, check_random_router
 from ..routing.router import router_dtype
 from ..routing.task_gradient import check_router_learns, moh_router_without_task_gradient
 from .base import AttentionOutput, KVCache, attention_bias, query_offset, scaled_dot_product, zero_loss
-from .mha import QK_NORM_EPS, MultiHeadAttention, merge_heads, split_heads
+from .mha import QK_NORM_EPS, MultiHeadAttention, merge_heads
 from .moa import autocast_dtype
 from .moh_sparse import routed_heads_attention, routed_layout, slot_attention
 from .padding import check_flag, real_token_mask, zero_padded_queries
@@ -481,104 +481,106 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
     def _forward_sparse(self, query: Tensor, key: Tensor | None, value: Tensor | None, *,
                         key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, use_cache: bool,
                         cache: KVCache | None, query_padding_mask: Tensor | None) -> AttentionOutput:
-        """``impl="sparse"``: the shared heads as in multi-head attention, the routed heads only for the
-        tokens that selected them: ``y_t = sum_{i shared} g_i H^i W_O^i + sum_{i in TopK(t)} g_i H^i W_O^i``
-        (MoH eq. 3, summation form, with the unselected heads' zero terms skipped)."""
+        """``impl="sparse"``: each token's active heads only, ``y_t = sum_{i in A(t)} g_i H^i W_O^i`` over the shared
+        heads and the token's selected routed heads ``A(t)`` (MoH eq. 3, summation form, the unselected heads' zero
+        terms skipped). The active heads are the token's slots (:meth:`_slots`), the shared ones included: one
+        grouped query projection, one attention call and one grouped output projection with the weights ``g``
+        (:mod:`headmix.kernels`, ``expert_impl``), every head an expert whose rows are the tokens that use it."""
         batch, tgt, dim = query.shape
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
         compute = autocast_dtype(query) or query.dtype
-        dk, dv = self.key_dim, self.head_dim
-        # Under autocast each weight is cast whole, once per call, and sliced after (as autocast casts a dense
-        # layer's weights); casting each head block apart would cast parts of one parameter several times.
+        n, heads, dk, dv = batch * tgt, self.num_heads, self.key_dim, self.head_dim
+        # Under autocast each weight is cast whole, once per call (as autocast casts a dense layer's weights).
         w_q, b_q, w_o = (None if t is None else t.to(compute)
                          for t in (self.q_proj.weight, self.q_proj.bias, self.out_proj.weight))
-        # the shared heads' and the routed heads' blocks: W_q^i rows (R d_k, d_model), W_o^i columns (d_model, R d_v)
-        w_q_shared, w_q_rows = self._head_blocks(w_q, dk, 0)
-        b_q_shared, b_q_routed = (None, None) if b_q is None else self._head_blocks(b_q, dk, 0)
-        w_o_shared, w_o_cols = self._head_blocks(w_o, dv, 1)
-        # router="query_norm" reads every routed head's query: the routed projection is computed whole, once
-        routed_q = self.routed_queries(query.to(compute), w_q_rows, b_q_routed) if self.query_norm_routing else None
-        shared_w, routing, losses = self._weights(query, token_mask, past_len, routed_q)
-        bias, empty, causal = attention_bias(batch, self.num_heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
-                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
-                                             dtype=k.dtype, device=k.device)
-        dropout = self.dropout if self.training else 0.0
-        shared_ids, routed_ids = self.shared_head_ids, self.routed_head_ids
-        shared = len(shared_ids)
-        gates_all = self.output_gates(query)  # Gated Attention G1, (batch, time, heads, 1 or d_v), or None
-        y = None
-        if shared:
-            q_s = split_heads(F.linear(query, w_q_shared, b_q_shared), shared)
-            if self.q_norm is not None:
-                q_s = self.q_norm(q_s)
-            q_s = self._rotate_queries(q_s, key, cache, past_len)
-            k_s, v_s = _kv_of_heads(k, v, shared_ids, self.num_heads)
-            o_s = scaled_dot_product(q_s, k_s, v_s, _heads(bias, shared_ids), _heads(empty, shared_ids), dropout,
-                                     causal=causal)
-            if gates_all is not None:
-                o_s = o_s * gates_all[:, :, shared_ids].transpose(1, 2).to(o_s.dtype)
-            o_s = o_s * shared_w.to(o_s.dtype).view(batch, tgt, shared).transpose(1, 2).unsqueeze(-1)
-            # over (batch * time) rows: a 3-d input without bias costs F.linear an _unsafe_view
-            y = F.linear(merge_heads(o_s).flatten(0, 1), w_o_shared).view(batch, tgt, dim)
-        n, routed, index = batch * tgt, self.num_routed_heads, routing.expert_index
-        slots_per_token = index.shape[1]  # top_k, times the groups with route_per_group
-        # head i's W_q^i (d_k, d_model) and W_o^i (d_model, d_v), read in place by the grouped kernels as their
-        # transposes (no copy of the weights per call: the CPU kernels multiply by views, the GPU ones take strides)
-        w_q_routed = w_q_rows.view(routed, dk, dim)
-        w_o_routed = w_o_cols.reshape(dim, routed, dv).permute(1, 0, 2)
+        x = query.reshape(n, dim).to(compute)
         decoding = tgt == 1
-        info = None if decoding else expert_routing(index, routed, check_range=False)
-        if routed_q is not None:  # query_norm: the selected heads' queries (biases included) from the router's
-            q_r = routed_q.gather(1, index[..., None].expand(n, slots_per_token, dk))
-        elif decoding:
-            # One query per sequence: the routed projection is a matrix-vector product per token, which reads
-            # every routed head's weights whichever heads it keeps, so it runs as one GEMM and keeps the
-            # selected heads; the attention below reads only the selected heads' cache slices.
-            q_all = F.linear(query.reshape(n, dim).to(compute), w_q_rows.to(compute)).view(n, routed, dk)
-            q_r = q_all.gather(1, index[..., None].expand(n, slots_per_token, dk))
-        else:
-            # The routed heads as experts of the grouped kernels (MoA eq. 10 with E = routed heads).
-            q_r = expert_map(query.reshape(n, dim).to(compute), w_q_routed.transpose(1, 2).to(compute),
-                             info, impl=self.expert_impl)
-        if b_q is not None and routed_q is None:
-            q_r = q_r + b_q_routed.view(routed, dk).to(q_r.dtype)[index]
+        q_every = None
+        if decoding or self.query_norm_routing:
+            # A decoding step's projection is a matrix-vector product per token, which reads every head's weights
+            # whichever heads it keeps, and router="query_norm" reads every routed head's query: one GEMM of every
+            # head, the active heads kept (the attention below reads only their cache slices).
+            q_every = F.linear(x, w_q, b_q)
+        routed_q = (self._head_blocks(q_every, dk, 1)[1].reshape(n, self.num_routed_heads, dk)
+                    if self.query_norm_routing else None)
+        shared_w, routing, losses = self._weights(query, token_mask, past_len, routed_q)
+        slot_heads, slot_weights = self._slots(shared_w, routing)
+        slots_per_token = slot_heads.shape[1]
+        info = None if decoding else expert_routing(slot_heads, heads, check_range=False)
+        if q_every is not None:
+            q = q_every.view(n, heads, dk).gather(1, slot_heads[..., None].expand(n, slots_per_token, dk))
+        else:  # head i's W_q^i (d_k, d_model) read in place by the grouped kernels as its transpose (no copy)
+            q = expert_map(x, w_q.view(heads, dk, dim).transpose(1, 2), info, impl=self.expert_impl)
+            if b_q is not None:
+                q = q + b_q.view(heads, dk)[slot_heads]
         if self.q_norm is not None:
-            q_r = self.q_norm(q_r)
+            q = self.q_norm(q)
         if self.rotary is not None and key is None and not (cache is not None and cache.static):
             positions = (torch.arange(n, device=query.device) % tgt + past_len)[:, None].expand(n, slots_per_token)
-            q_r = self.rotary.rotate_at(q_r, positions)
-        k_r, v_r = _kv_of_heads(k, v, routed_ids, self.num_heads)
-        layout = routed_layout(self.slot_form, tgt, query)
-        if layout == "grouped_query":
-            # Each token's j-th slot of group g attends with K/V head g whichever head it selected: the slots are
-            # the query heads of grouped-query attention (moh_sparse, "grouped_query").
-            o_r = slot_attention(q_r.to(k.dtype).view(batch, tgt, slots_per_token, dk), k_r, v_r,
-                                 index.view(batch, tgt, slots_per_token), bias=_heads(bias, routed_ids),
-                                 empty_rows=_heads(empty, routed_ids), causal=causal, dropout=dropout)
-            o_r = o_r.reshape(n, slots_per_token, dv)
+            q = self.rotary.rotate_at(q, positions)
+        bias, empty, causal = attention_bias(batch, heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
+                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
+                                             dtype=k.dtype, device=k.device)
+        bias, empty = _four_dims(bias), _four_dims(empty)
+        dropout = self.dropout if self.training else 0.0
+        if routed_layout(self.slot_form, tgt, query) == "grouped_query":
+            # Each token's slots of K/V group g (its shared heads, then its selected ones) read K/V head g whichever
+            # heads they are: the slots are the query heads of grouped-query attention (moh_sparse, "grouped_query").
+            o = slot_attention(q.to(k.dtype).view(batch, tgt, slots_per_token, dk), k, v,
+                               slot_heads.view(batch, tgt, slots_per_token), bias=bias, empty_rows=empty,
+                               causal=causal, dropout=dropout).reshape(n, slots_per_token, dv)
+        elif decoding or shared_w is None:
+            o = routed_heads_attention(q.to(k.dtype), k, v, slot_heads, batch, tgt, bias=bias, empty_rows=empty,
+                                       causal=causal, dropout=dropout, routed_heads=heads)
         else:
-            o_r = routed_heads_attention(q_r.to(k.dtype), k_r, v_r, index, batch, tgt,
-                                         bias=_heads(bias, routed_ids), empty_rows=_heads(empty, routed_ids),
-                                         causal=causal, dropout=dropout, routed_heads=routed)
+            # Global routing over several K/V heads: the shared heads (every token's first S slots) in one plain
+            # attention call, the selected routed heads in the "heads" layout, which pads every head's rows to the
+            # largest head's count (a shared head's would be every token's).
+            s = self.num_shared_heads
+            q_slots = q.to(k.dtype).view(batch, tgt, slots_per_token, dk)
+            k_s, v_s = _kv_of_first_heads(k, s, heads), _kv_of_first_heads(v, s, heads)
+            o_s = scaled_dot_product(q_slots[:, :, :s].transpose(1, 2), k_s, v_s, _first_heads(bias, s),
+                                     _first_heads(empty, s), dropout, causal=causal)
+            o_r = routed_heads_attention(q_slots[:, :, s:].reshape(n, slots_per_token - s, dk), k, v,
+                                         slot_heads[:, s:], batch, tgt, bias=bias, empty_rows=empty, causal=causal,
+                                         dropout=dropout, routed_heads=heads)
+            o = torch.cat([o_s.transpose(1, 2).reshape(n, s, dv), o_r], dim=1)
+        gates_all = self.output_gates(query)  # Gated Attention G1, (batch, time, heads, 1 or d_v), or None
         if gates_all is not None:
-            routed_gates = gates_all.reshape(n, self.num_heads, -1)[:, routed_ids]
-            o_r = o_r * routed_gates.gather(1, index[..., None].expand(-1, -1, routed_gates.shape[-1])).to(o_r.dtype)
-        gates = routing.gates.to(compute)
+            gates_all = gates_all.reshape(n, heads, -1)
+            o = o * gates_all.gather(1, slot_heads[..., None].expand(-1, -1, gates_all.shape[-1])).to(o.dtype)
+        weights = slot_weights.to(compute)
         if decoding:
-            weighted = o_r.to(compute) * gates[..., None]
-            slots = weighted.new_zeros(n, routed, dv).scatter(1, index[..., None].expand(n, slots_per_token, dv), weighted)
-            y_r = F.linear(slots.view(n, routed * dv), w_o_cols.to(compute))
-        else:
-            y_r = expert_reduce(o_r.to(compute), w_o_routed.transpose(1, 2).to(compute), gates, info,
-                                impl=self.expert_impl)
-        y_r = y_r.view(batch, tgt, dim)
-        y = y_r if y is None else y + y_r.to(y.dtype)
+            weighted = o.to(compute) * weights[..., None]
+            every = weighted.new_zeros(n, heads, dv).scatter(1, slot_heads[..., None].expand(n, slots_per_token, dv),
+                                                             weighted)
+            y = F.linear(every.view(n, heads * dv), w_o)
+        else:  # head i's W_o^i (d_model, d_v) read in place as its transpose
+            y = expert_reduce(o.to(compute), w_o.view(dim, heads, dv).permute(1, 2, 0), weights, info,
+                              impl=self.expert_impl)
+        y = y.view(batch, tgt, dim)
         if self.out_proj.bias is not None:
             y = y + self.out_proj.bias.to(y.dtype)
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
         return self._output(y, new_cache, routing, losses)
+
+    def _slots(self, shared: Tensor | None, routing: Routing) -> tuple[Tensor, Tensor]:
+        """Each token's active heads as slots: ``(N, G (S + k))`` layer head numbers and their weights ``g``, group
+        by group the ``S`` shared heads then the ``k`` selected routed heads (so that a group's slots are
+        consecutive: the grouped-query layout reads K/V head ``g`` for them)."""
+        index, gates = routing.expert_index, routing.gates
+        if shared is None:
+            return index, gates
+        n, groups, s, top = index.shape[0], self.route_groups, self.num_shared_heads, self.top_k
+        # routed head r (numbered group by group) of group g is the layer's head r + S (g + 1): each group's S
+        # shared heads come first
+        offsets = torch.arange(s, s * (groups + 1), s, device=index.device)[:, None]
+        shared_heads = torch.arange(self.num_heads, device=index.device).view(groups, -1)[None, :, :s]
+        slot_heads = torch.cat([shared_heads.expand(n, groups, s), index.view(n, groups, top) + offsets], dim=2)
+        weights = torch.cat([shared.view(n, groups, s).to(gates.dtype), gates.view(n, groups, top)], dim=2)
+        return slot_heads.view(n, -1), weights.view(n, -1)
 
 
 def _scores(x: Tensor, gate: nn.Linear | None, width: int) -> Tensor:
@@ -589,21 +591,26 @@ def _scores(x: Tensor, gate: nn.Linear | None, width: int) -> Tensor:
     return F.linear(x, gate.weight.to(x.dtype))
 
 
-def _heads(mask: Tensor | None, heads: list[int]) -> Tensor | None:
-    """The query heads ``heads`` of a mask broadcastable to ``(batch, num_heads, T, X)`` (head dimension 1 or
-    all)."""
-    if mask is None:
-        return None
-    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (T, S) -> (1, 1, T, S)
-    if mask.shape[1] == 1:
-        return mask
-    if _consecutive(heads):
-        return mask[:, heads[0]:heads[0] + len(heads)]
-    return mask[:, heads]
+def _four_dims(mask: Tensor | None) -> Tensor | None:
+    """A mask broadcastable to ``(batch, heads, T, X)`` with its four dimensions: ``(T, X)`` is ``(1, 1, T, X)``."""
+    return None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
-def _consecutive(heads: list[int]) -> bool:
-    return heads == list(range(heads[0], heads[0] + len(heads)))
+def _first_heads(mask: Tensor | None, count: int) -> Tensor | None:
+    """The first ``count`` query heads of a mask ``(B, 1 or heads, T, X)``."""
+    return mask if mask is None or mask.shape[1] == 1 else mask[:, :count]
+
+
+def _kv_of_first_heads(t: Tensor, count: int, heads: int) -> Tensor:
+    """The keys or values ``(B, G', S, d)`` that query heads ``0 .. count-1`` of ``heads`` read from ``t``
+    ``(B, G, S, d)`` (query head ``h`` reads K/V head ``h // (heads / G)``), for grouped-query attention of those
+    heads: a slice where they fill whole groups, else each K/V head repeated for its query heads (one copy)."""
+    per = heads // t.shape[1]
+    if count % per == 0:
+        return t[:, :count // per]
+    used = -(-count // per)
+    batch, _, length, width = t.shape
+    return t[:, :used, None].expand(batch, used, per, length, width).reshape(batch, used * per, length, width)[:, :count]
 
 
 def _head_blocks(weight: Tensor, groups: int, shared: int, size: int, dim: int) -> tuple[Tensor | None, Tensor]:
@@ -622,18 +629,3 @@ def _head_blocks(weight: Tensor, groups: int, shared: int, size: int, dim: int) 
     if groups == 1:
         return shared_block, routed_block
     return shared_block.contiguous().flatten(dim, at), routed_block.contiguous().flatten(dim, at)
-
-
-def _kv_of_heads(k: Tensor, v: Tensor, heads: list[int], num_heads: int) -> tuple[Tensor, Tensor]:
-    """The K/V heads that the query heads ``heads`` read (query head ``h`` reads K/V head ``h // (num_heads /
-    kv_heads)``), laid out for grouped-query attention over ``heads``: the ``i``-th of ``m`` query heads reads
-    returned head ``i // (m / G')``. In place (a slice) when ``heads`` fill whole consecutive groups, or all sit in
-    one group; a copy when they split groups unevenly (global MoH whose shared heads end inside a group): each K/V
-    head repeated for its query heads, one concatenation (no index tensor built from the head numbers)."""
-    per = num_heads // k.shape[1]
-    ids = [h // per for h in heads]
-    first, count = ids[0], ids[-1] - ids[0] + 1
-    if len(heads) % count == 0 and ids == [first + i // (len(heads) // count) for i in range(len(heads))]:
-        return k[:, first:first + count], v[:, first:first + count]
-    runs = [(i, ids.count(i)) for i in sorted(set(ids))]
-    return tuple(torch.cat([t[:, i:i + 1].expand(-1, n, -1, -1) for i, n in runs], dim=1) for t in (k, v))
