@@ -303,6 +303,13 @@ at::Tensor sigmoid_topk_route_backward(const c10::optional<at::Tensor>& grad_s,
 // da_0 = c_s c sum_j dw_s,j softmax(z_s)_j, ds = c_s a_0 dw_s, then each softmax's Jacobian.
 constexpr int64_t kRenormalized = 0, kPaper = 1, kScaled = 2;
 
+// The routed gates' renormalisation and scale (softmax_topk_route's renorm and c) of a MoH weighting: renormalized:
+// live, k; scaled: none, M; paper: none, 1.
+std::tuple<int64_t, double> moh_routed_gates(int64_t weighting, int64_t top_k, int64_t per) {
+  if (weighting == kRenormalized) return {kLive, static_cast<double>(top_k)};
+  return {kNone, weighting == kScaled ? static_cast<double>(per) : 1.0};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
            at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 moh_route(const at::Tensor& logits, const c10::optional<at::Tensor>& token_mask, int64_t routed, int64_t groups,
@@ -312,8 +319,7 @@ moh_route(const at::Tensor& logits, const c10::optional<at::Tensor>& token_mask,
               "moh_route: logits (N, R + 2G + G S) expected");
   TORCH_CHECK(weighting >= kRenormalized && weighting <= kScaled, "moh_route: weighting 0, 1 or 2 expected");
   const int64_t n = logits.size(0), per = routed / groups, k = top_k, slots = shared + top_k, heads = shared + per;
-  const int64_t renorm = weighting == kRenormalized ? kLive : kNone;
-  const double scale = weighting == kRenormalized ? static_cast<double>(k) : weighting == kScaled ? per : 1.0;
+  const auto [renorm, scale] = moh_routed_gates(weighting, k, per);
   auto [probs, index, gates, total, la, lz, lse, scaled_counts, tokens] = softmax_topk_route(
       logits.narrow(1, 0, routed), token_mask, groups, k, renorm, scale, lb_weight, 0.0, per_token, false);
   const at::TensorOptions options = logits.options();
@@ -378,8 +384,7 @@ at::Tensor moh_route_backward(const c10::optional<at::Tensor>& grad_probs,
                               int64_t shared, int64_t weighting, double lb_weight) {
   const int64_t n = probs.size(0), routed = probs.size(1), per = routed / groups, k = index.size(2);
   const int64_t slots = shared + k, heads = shared + per, width = routed + (shared ? groups * (2 + shared) : 0);
-  const int64_t renorm = weighting == kRenormalized ? kLive : kNone;
-  const double scale = weighting == kRenormalized ? static_cast<double>(k) : weighting == kScaled ? per : 1.0;
+  const auto [renorm, scale] = moh_routed_gates(weighting, k, per);
   at::Tensor gsw, ghw, grad_gates;
   if (grad_slot_weights.has_value() && grad_slot_weights->defined()) gsw = grad_slot_weights->contiguous();
   if (grad_head_weights.has_value() && grad_head_weights->defined() && grad_head_weights->numel() > 0)
