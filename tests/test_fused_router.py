@@ -7,6 +7,8 @@ checks and compile; then MoA, GQE and MoH with the fused router against the same
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -309,3 +311,235 @@ def test_a_compiled_graph_with_an_unbacked_token_count_keeps_the_composed_router
     compiled = torch.compile(lambda t: layer.head_weights(t, None)[0], fullgraph=True, backend="eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), layer.head_weights(x, None)[0])
+
+
+# ------------------------------------------------------------------------------------ MoH's head weighting
+def composed_moh(logits, mask, routed_heads, groups, top_k, shared, weighting, lb_weight, per_token, dense):
+    """The reference: MoHHeadWeighting's composed head weighting (moh.py: _composed_weights, _weights,
+    _head_weights_and_losses, weighted_load_balance) in ATen operations on the same logits."""
+    n, per = logits.shape[0], routed_heads // groups
+    probs = logits[:, :routed_heads].reshape(n, groups, per).softmax(-1)
+    top_p, index = probs.topk(top_k, dim=-1)
+    if weighting == "renormalized":
+        routed = top_p / top_p.sum(-1, keepdim=True) * top_k
+    elif weighting == "scaled":
+        routed = top_p * per
+    else:
+        routed = top_p
+    shared_w = None
+    if shared:
+        a = logits[:, routed_heads:routed_heads + 2 * groups].reshape(n, groups, 2).softmax(-1)
+        s = logits[:, routed_heads + 2 * groups:].reshape(n, groups, shared).softmax(-1)
+        if weighting != "paper":
+            a, s = 2.0 * a, s * shared
+        routed = a[..., 1:] * routed
+        shared_w = a[..., :1] * s  # (N, G, S)
+    expert_index = (index + per * torch.arange(groups)[:, None]).view(n, groups * top_k)
+    total, la = weighted_load_balance(probs.view(n, -1), expert_index, mask, lb_weight,
+                                      "per_token" if per_token else "normalized", groups)
+    first = (shared + per) * torch.arange(groups)[:, None]  # each group's first head
+    shared_heads = (first + torch.arange(shared)).expand(n, groups, shared)
+    slot_heads = torch.cat([shared_heads, first + shared + index], dim=2).view(n, -1)
+    slot_weights = routed if shared_w is None else torch.cat([shared_w, routed], dim=2)
+    head_weights = logits.new_empty(0)
+    if dense:
+        g_routed = probs.new_zeros(n, groups, per).scatter(2, index, routed)
+        head_weights = g_routed if shared_w is None else torch.cat([shared_w, g_routed], dim=2)
+        head_weights = head_weights.reshape(n, -1)
+    return probs.view(n, -1), expert_index, slot_heads, slot_weights.reshape(n, -1), head_weights, total, la
+
+
+def fused_moh(logits, mask, routed_heads, groups, top_k, shared, weighting, lb_weight, per_token, dense):
+    return fused_router.moh_route(logits, mask, routed_heads=routed_heads, groups=groups, top_k=top_k, shared=shared,
+                                  weighting=weighting, load_balance_weight=lb_weight, per_token=per_token,
+                                  dense=dense)
+
+
+MOH_OUTPUTS = ("probs", "expert_index", "slot_heads", "slot_weights", "head_weights", "total", "L_a")
+
+
+def moh_outputs_and_grad(fn, logits, mask, cotangents, **options):
+    """Every output, and the gradient into the logits of the outputs paired with a cotangent (None: unused)."""
+    z = logits.detach().clone().requires_grad_()
+    outputs = fn(z, mask, **options)
+    terms = [(out * c).sum() for out, c in zip(outputs, cotangents) if c is not None]
+    grad = torch.autograd.grad(sum(terms), z)[0] if terms else None
+    return [o.detach() for o in outputs] + [grad]
+
+
+def moh_logits(n, routed_heads, groups, shared, dtype, gen, ties=False):
+    width = routed_heads + (groups * (2 + shared) if shared else 0)
+    if ties:  # a few values only: ties among each group's routed heads, torch.topk's choice decides
+        return torch.randint(0, 3, (n, width), generator=gen).to(dtype)
+    return torch.randn(n, width, generator=gen, dtype=torch.float64).mul(2).to(dtype)
+
+
+def moh_cotangents(outputs, gen):
+    """A random cotangent for every differentiable output (the indices get None)."""
+    return [None if o.dtype == torch.long else torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
+            for o in outputs]
+
+
+def check_moh(logits, mask, cotangents, dtype, **options):
+    got = moh_outputs_and_grad(fused_moh, logits, mask, cotangents, **options)
+    want = moh_outputs_and_grad(composed_moh, logits, mask, cotangents, **options)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for name, g, w in zip(MOH_OUTPUTS + ("grad",), got, want):
+        if g is None or g.dtype == torch.long:
+            assert (g is None and w is None) or torch.equal(g, w), name
+        else:
+            torch.testing.assert_close(g, w, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+MOH_SHAPES = {  # name: (tokens, groups, routed heads per group, top_k)
+    "one group": (7, 1, 6, 2),
+    "two groups": (33, 2, 4, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("weighting", ["renormalized", "paper", "scaled"])
+@pytest.mark.parametrize("shared", [0, 1, 2])
+@pytest.mark.parametrize("shape", MOH_SHAPES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_moh_route_equals_the_composed_head_weighting(masked, shape, shared, weighting, dtype):
+    """Every output of headmix::moh_route and the gradient into the logits from all the differentiable ones
+    (random cotangents) against MoH's composed head weighting, dense on and off; ties included (a few logit
+    values: torch.topk's choice)."""
+    n, groups, per, top_k = MOH_SHAPES[shape]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((masked, shape, shared, weighting)).encode()))
+    mask = torch.rand(n, generator=gen) > 0.3 if masked else None
+    for ties in (False, True):
+        logits = moh_logits(n, groups * per, groups, shared, dtype, gen, ties)
+        for dense in (True, False):
+            options = dict(routed_heads=groups * per, groups=groups, top_k=top_k, shared=shared,
+                           weighting=weighting, lb_weight=0.3, per_token=shape == "two groups", dense=dense)
+            outputs = composed_moh(logits, mask, **options)
+            check_moh(logits, mask, moh_cotangents(outputs, gen), dtype, **options)
+
+
+@pytest.mark.parametrize("used", ["slot_weights", "head_weights", "total", "L_a", "probs", "slot and head weights",
+                                  "none"])
+def test_moh_route_with_only_some_outputs_used(used):
+    """The other outputs' gradients are None (materialize_grads off): the gradient is that of the used ones."""
+    n, groups, per, top_k, shared = 9, 2, 3, 2, 2
+    gen = torch.Generator().manual_seed(len(used))
+    logits = moh_logits(n, groups * per, groups, shared, torch.float64, gen)
+    mask = torch.rand(n, generator=gen) > 0.3
+    options = dict(routed_heads=groups * per, groups=groups, top_k=top_k, shared=shared, weighting="renormalized",
+                   lb_weight=0.5, per_token=False, dense=True)
+    cotangents = moh_cotangents(composed_moh(logits, mask, **options), gen)
+    names = used.replace("slot and head", "slot_weights head_weights").split()
+    cotangents = [c if name in names else None for name, c in zip(MOH_OUTPUTS, cotangents)]
+    check_moh(logits, mask, cotangents, torch.float64, **options)
+    if used == "none":  # nothing differentiable used: no gradient, and backward never runs
+        out = fused_moh(logits.clone().requires_grad_(), mask, **options)
+        assert all(not o.requires_grad for o in (out[1], out[2]))
+
+
+def test_moh_route_opcheck():
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.tensor([True, True, False, True, True, False, True])
+    for routed, groups, top_k, shared, weighting, dense in ((6, 2, 2, 1, 0, True), (6, 1, 3, 0, 2, False),
+                                                            (8, 2, 1, 2, 1, False)):
+        logits = moh_logits(7, routed, groups, shared, torch.float64, gen).requires_grad_()
+        for m in (mask, None):
+            torch.library.opcheck(fused_router._moh_op, (logits, m, routed, groups, top_k, shared, weighting, 0.1,
+                                                         bool(shared % 2), dense))
+
+
+def test_moh_route_is_one_operation_under_compile():
+    """torch.compile(fullgraph=True) of a function calling moh_route: one frame, whose graph calls the one op."""
+    targets = []
+
+    def backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    counter = CompileCounter()
+
+    def route(z, mask):
+        probs, _, _, slot_weights, head_weights, total, la = fused_router.moh_route(
+            z, mask, routed_heads=6, groups=2, top_k=2, shared=1, weighting="renormalized", load_balance_weight=0.1,
+            per_token=False, dense=True)
+        return slot_weights.sum() + (head_weights ** 2).sum() + total + probs[:, 0].sum()
+
+    z = torch.randn(10, 12, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(10) > 0.3
+    want = torch.autograd.grad(route(z, mask), z)[0]
+    got = torch.autograd.grad(torch.compile(route, backend=counter, fullgraph=True)(z, mask), z)[0]
+    torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+    torch.compile(route, backend=backend, fullgraph=True)(z, mask)
+    routers = [t for t in targets if "headmix" in t or "softmax" in t or "topk" in t]
+    assert routers == ["headmix.moh_route.default"], targets
+
+
+MOH_BAD = {  # (argument changes, the argument the message names)
+    "width": (dict(shared=2), "logits must have R \\+ 2G \\+ G S = 14 columns"),
+    "width without shared": (dict(shared=0), "logits must have R \\+ 2G \\+ G S = 6 columns"),
+    "top_k": (dict(top_k=4), "top_k must be at most the 3 routed heads per group"),
+    "weighting": (dict(weighting="renormalised"), "weighting must be one of"),
+    "groups": (dict(groups=4), "routed_heads must be a multiple of groups=4"),
+    "mask": (dict(token_mask=torch.ones(5, dtype=torch.bool)), "token_mask must be a bool tensor \\(7,\\)"),
+    "int mask": (dict(token_mask=torch.ones(7, dtype=torch.long)), "token_mask must be a bool tensor"),
+    "dtype": (dict(logits=torch.randn(7, 12, dtype=torch.bfloat16)), "logits must be float32 or float64"),
+    "1-d logits": (dict(logits=torch.randn(12)), "logits must be a 2-d tensor"),
+    "shared": (dict(shared=-1), "shared must be an int >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", MOH_BAD)
+def test_moh_route_refuses_bad_arguments(case):
+    changes, message = MOH_BAD[case]
+    arguments = dict(logits=torch.randn(7, 12), token_mask=None, routed_heads=6, groups=2, top_k=2, shared=1,
+                     weighting="paper", load_balance_weight=0.1, per_token=False, dense=False)
+    arguments.update(changes)
+    with pytest.raises(ValueError, match=message) as error:
+        fused_router.moh_route(arguments.pop("logits"), arguments.pop("token_mask"), **arguments)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["moh global", "moh per group", "moh scaled", "moh paper, sparse",
+                                  "moh per group, shared, sparse"])
+def test_moh_route_equals_the_layers_composed_head_weights(name, monkeypatch):
+    """On one GEMM of the layer's three gates (routed | group | shared), moh_route's dense head weights, routing and
+    losses are MoHHeadWeighting's composed ones (HEADMIX_CPU_KERNEL=python), values and gradients into x."""
+    torch.manual_seed(0)
+    layer = LAYERS[name]().double().train()
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, -2:] = False
+    n, groups, shared = 14, layer.route_groups, layer.num_shared_heads
+    gates = [layer.routed_gate] + ([layer.group_gate, layer.shared_gate] if shared else [])
+    cotangent = torch.randn(n, layer.num_heads, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def fused_side(x):
+        logits = x.reshape(n, 24) @ torch.cat([gate.weight for gate in gates]).T
+        _, index, _, slot_weights, g, total, la = fused_router.moh_route(
+            logits, mask.reshape(n), routed_heads=layer.num_routed_heads, groups=groups, top_k=layer.top_k,
+            shared=shared, weighting=layer.head_weighting, load_balance_weight=layer.load_balance_weight,
+            per_token=layer.load_balance_fractions == "per_token", dense=True)
+        routed = slot_weights.view(n, groups, -1)[:, :, shared:].reshape(n, -1)
+        return g, index, routed, total, la
+
+    def composed_side(x):
+        monkeypatch.setenv(cpp_build.ENV_VAR, "python")
+        g, routing, _ = layer._head_weights_and_losses(x, mask, 0)
+        monkeypatch.delenv(cpp_build.ENV_VAR)
+        total, la = weighted_load_balance(routing.probs, routing.expert_index, routing.token_mask,
+                                          layer.load_balance_weight, layer.load_balance_fractions, groups)
+        return g.view(n, -1), routing.expert_index, routing.gates, total, la
+
+    results = []
+    for side in (fused_side, composed_side):
+        z = x.clone().requires_grad_()
+        g, index, routed, total, la = side(z)
+        (grad,) = torch.autograd.grad((g * cotangent).sum() + 3.0 * total + la, z)
+        results.append((g.detach(), index, routed.detach(), total.detach(), la.detach(), grad))
+    for got, want in zip(*results):
+        if got.dtype == torch.long:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)

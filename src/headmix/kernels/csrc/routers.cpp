@@ -16,6 +16,10 @@
 //   total = w_a L_a + w_z L_z
 // Backward, per row (rows independent, parallel): dp = grad_probs + [real] (g_a M count / (G K T^2)) + the gates'
 // gradient scattered to the selected experts, then the softmax's Jacobian, plus [real] p (2 g_z lse / T).
+//
+// 2. sigmoid_topk_route: SwitchHead's selectors (below).
+// 3. moh_route: MoH's whole head weighting (eq. 5-6: routed heads by 1., the shared/routed split and the shared
+//    heads' softmax) from the logits of one GEMM, forward and backward each one operation (below).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -285,6 +289,174 @@ at::Tensor sigmoid_topk_route_backward(const c10::optional<at::Tensor>& grad_s,
   return grad;
 }
 
+// 3. moh_route: MoH's head weights (Jin et al. 2024, eq. 5-6, per router group g of G; the composed form is
+//    headmix/attention/moh.py's) from one GEMM's logits z = [z_r (N, R) | z_a (N, G, 2) | z_s (N, G, S)],
+//    M = R / G routed heads per group, S shared heads per group (z_a and z_s absent when S = 0):
+//   p, index, gates = softmax_topk_route(z_r): gates = k top_p / sum top_p (renormalized, the sum differentiated),
+//                     M top_p (scaled) or top_p (paper); L_a and total = w_a L_a as there (no z-loss)
+//   a = c softmax(z_a_g), s = c_s softmax(z_s_g)        (c = 2, c_s = S; paper: c = c_s = 1)
+//   routed weights w_r = a_1 gates, shared weights w_s = a_0 s   (S = 0: w_r = gates)
+// Group g's heads are numbered g (S + M) + j: its S shared heads, then its routed heads; each token's slots per
+// group are its S shared heads then its k selected routed heads in top-k order.
+// Backward, per row: dw = grad_slot_weights + grad_head_weights read at the slots' heads; the routed part is
+// softmax_topk_route_backward with grad_gates = a_1 dw_r; da_1 = c sum_j dw_r,j gates_j,
+// da_0 = c_s c sum_j dw_s,j softmax(z_s)_j, ds = c_s a_0 dw_s, then each softmax's Jacobian.
+constexpr int64_t kRenormalized = 0, kPaper = 1, kScaled = 2;
+
+// The routed gates' renormalisation and scale (softmax_topk_route's renorm and c) of a MoH weighting: renormalized:
+// live, k; scaled: none, M; paper: none, 1.
+std::tuple<int64_t, double> moh_routed_gates(int64_t weighting, int64_t top_k, int64_t per) {
+  if (weighting == kRenormalized) return {kLive, static_cast<double>(top_k)};
+  return {kNone, weighting == kScaled ? static_cast<double>(per) : 1.0};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+moh_route(const at::Tensor& logits, const c10::optional<at::Tensor>& token_mask, int64_t routed, int64_t groups,
+          int64_t top_k, int64_t shared, int64_t weighting, double lb_weight, bool per_token, bool dense) {
+  TORCH_CHECK(logits.dim() == 2 && groups >= 1 && routed % groups == 0 && shared >= 0 &&
+                  logits.size(1) == routed + (shared ? groups * (2 + shared) : 0),
+              "moh_route: logits (N, R + 2G + G S) expected");
+  TORCH_CHECK(weighting >= kRenormalized && weighting <= kScaled, "moh_route: weighting 0, 1 or 2 expected");
+  const int64_t n = logits.size(0), per = routed / groups, k = top_k, slots = shared + top_k, heads = shared + per;
+  const auto [renorm, scale] = moh_routed_gates(weighting, k, per);
+  auto [probs, index, gates, total, la, lz, lse, scaled_counts, tokens] = softmax_topk_route(
+      logits.narrow(1, 0, routed), token_mask, groups, k, renorm, scale, lb_weight, 0.0, per_token, false);
+  const at::TensorOptions options = logits.options();
+  at::Tensor a = at::empty({0}, options), s = at::empty({0}, options);
+  if (shared) {
+    a = at::softmax(logits.narrow(1, routed, 2 * groups).reshape({n, groups, 2}), -1).contiguous();
+    s = at::softmax(logits.narrow(1, routed + 2 * groups, groups * shared).reshape({n, groups, shared}), -1)
+            .contiguous();
+  }
+  at::Tensor expert_index = at::empty({n, groups * k}, options.dtype(at::kLong));
+  at::Tensor slot_heads = at::empty({n, groups * slots}, options.dtype(at::kLong));
+  at::Tensor slot_weights = at::empty({n, groups * slots}, options);
+  at::Tensor head_weights = dense ? at::zeros({n, groups * heads}, options) : at::empty({0}, options);
+  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "moh_route", [&] {
+    const scalar_t c = weighting == kPaper ? scalar_t(1) : scalar_t(2);
+    const scalar_t c_s = weighting == kPaper ? scalar_t(1) : static_cast<scalar_t>(shared);
+    const scalar_t* a_all = shared ? a.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* s_all = shared ? s.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* gates_all = gates.data_ptr<scalar_t>();
+    const int64_t* idx_all = index.data_ptr<int64_t>();
+    int64_t* ei_all = expert_index.data_ptr<int64_t>();
+    int64_t* sh_all = slot_heads.data_ptr<int64_t>();
+    scalar_t* sw_all = slot_weights.data_ptr<scalar_t>();
+    scalar_t* hw_all = dense ? head_weights.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, n, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t r = t0 * groups; r < t1 * groups; ++r) {  // r = t G + g: token t's router group g
+        const int64_t g = r % groups, first = g * heads;
+        // the same products, in the same order and precision, as the composed form: (c a) (c_s s), (c a) gates
+        const scalar_t a_shared = shared ? c * a_all[r * 2] : scalar_t(0);
+        const scalar_t a_routed = shared ? c * a_all[r * 2 + 1] : scalar_t(1);
+        scalar_t* sw = sw_all + r * slots;
+        int64_t* sh = sh_all + r * slots;
+        scalar_t* hw = hw_all ? hw_all + r * heads : nullptr;
+        for (int64_t j = 0; j < shared; ++j) {
+          const scalar_t w = a_shared * (s_all[r * shared + j] * c_s);
+          sw[j] = w;
+          sh[j] = first + j;
+          if (hw) hw[j] = w;
+        }
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t local = idx_all[r * k + j];
+          const scalar_t w = shared ? a_routed * gates_all[r * k + j] : gates_all[r * k + j];
+          sw[shared + j] = w;
+          sh[shared + j] = first + shared + local;
+          ei_all[r * k + j] = g * per + local;
+          if (hw) hw[shared + local] = w;
+        }
+      }
+    });
+  });
+  return {probs, expert_index, slot_heads, slot_weights, head_weights, total, la, index, gates, a, s, scaled_counts,
+          tokens};
+}
+
+at::Tensor moh_route_backward(const c10::optional<at::Tensor>& grad_probs,
+                              const c10::optional<at::Tensor>& grad_slot_weights,
+                              const c10::optional<at::Tensor>& grad_head_weights,
+                              const c10::optional<at::Tensor>& grad_total, const c10::optional<at::Tensor>& grad_la,
+                              const at::Tensor& probs, const at::Tensor& index, const at::Tensor& gates,
+                              const at::Tensor& a, const at::Tensor& s, const c10::optional<at::Tensor>& token_mask,
+                              const at::Tensor& scaled_counts, const at::Tensor& tokens, int64_t groups,
+                              int64_t shared, int64_t weighting, double lb_weight) {
+  const int64_t n = probs.size(0), routed = probs.size(1), per = routed / groups, k = index.size(2);
+  const int64_t slots = shared + k, heads = shared + per, width = routed + (shared ? groups * (2 + shared) : 0);
+  const auto [renorm, scale] = moh_routed_gates(weighting, k, per);
+  at::Tensor gsw, ghw, grad_gates;
+  if (grad_slot_weights.has_value() && grad_slot_weights->defined()) gsw = grad_slot_weights->contiguous();
+  if (grad_head_weights.has_value() && grad_head_weights->defined() && grad_head_weights->numel() > 0)
+    ghw = grad_head_weights->contiguous();
+  at::Tensor grad = at::empty({n, width}, probs.options());
+  if (gsw.defined() || ghw.defined()) {
+    grad_gates = at::empty({n, groups, k}, probs.options());
+    AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "moh_route_backward", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const acc_t c = weighting == kPaper ? acc_t(1) : acc_t(2);
+      const acc_t c_s = weighting == kPaper ? acc_t(1) : static_cast<acc_t>(shared);
+      const scalar_t* gsw_all = gsw.defined() ? gsw.data_ptr<scalar_t>() : nullptr;
+      const scalar_t* ghw_all = ghw.defined() ? ghw.data_ptr<scalar_t>() : nullptr;
+      const scalar_t* a_all = shared ? a.data_ptr<scalar_t>() : nullptr;
+      const scalar_t* s_all = shared ? s.data_ptr<scalar_t>() : nullptr;
+      const scalar_t* gates_all = gates.data_ptr<scalar_t>();
+      const int64_t* idx_all = index.data_ptr<int64_t>();
+      scalar_t* gg_all = grad_gates.data_ptr<scalar_t>();
+      scalar_t* out = grad.data_ptr<scalar_t>();
+      at::parallel_for(0, n, 64, [&](int64_t t0, int64_t t1) {
+        std::vector<acc_t> dw_shared(shared);
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t g = 0; g < groups; ++g) {
+            const int64_t r = t * groups + g;
+            const scalar_t* dsw = gsw_all ? gsw_all + r * slots : nullptr;
+            const scalar_t* dhw = ghw_all ? ghw_all + r * heads : nullptr;
+            const int64_t* idx = idx_all + r * k;
+            const acc_t a_routed = shared ? c * static_cast<acc_t>(a_all[r * 2 + 1]) : acc_t(1);
+            acc_t da_routed = 0;
+            for (int64_t j = 0; j < k; ++j) {
+              acc_t dw = 0;
+              if (dsw) dw += static_cast<acc_t>(dsw[shared + j]);
+              if (dhw) dw += static_cast<acc_t>(dhw[shared + idx[j]]);
+              gg_all[r * k + j] = static_cast<scalar_t>(a_routed * dw);
+              da_routed += dw * static_cast<acc_t>(gates_all[r * k + j]);
+            }
+            if (!shared) continue;
+            const acc_t a0 = a_all[r * 2], a1 = a_all[r * 2 + 1];
+            const scalar_t* sg = s_all + r * shared;
+            acc_t da_shared = 0, s_dot = 0;
+            for (int64_t j = 0; j < shared; ++j) {
+              acc_t dw = 0;
+              if (dsw) dw += static_cast<acc_t>(dsw[j]);
+              if (dhw) dw += static_cast<acc_t>(dhw[j]);
+              dw_shared[j] = c * a0 * c_s * dw;  // the gradient of softmax(z_s)_j
+              da_shared += dw * c_s * static_cast<acc_t>(sg[j]);
+              s_dot += static_cast<acc_t>(sg[j]) * dw_shared[j];
+            }
+            da_shared *= c;
+            da_routed *= c;
+            const acc_t a_dot = a0 * da_shared + a1 * da_routed;
+            scalar_t* out_a = out + t * width + routed + 2 * g;
+            out_a[0] = static_cast<scalar_t>(a0 * (da_shared - a_dot));
+            out_a[1] = static_cast<scalar_t>(a1 * (da_routed - a_dot));
+            scalar_t* out_s = out + t * width + routed + 2 * groups + g * shared;
+            for (int64_t j = 0; j < shared; ++j)
+              out_s[j] = static_cast<scalar_t>(static_cast<acc_t>(sg[j]) * (dw_shared[j] - s_dot));
+          }
+        }
+      });
+    });
+  } else if (shared) {
+    grad.narrow(1, routed, width - routed).zero_();
+  }
+  const at::Tensor grad_routed = softmax_topk_route_backward(
+      grad_probs, grad_gates.defined() ? c10::optional<at::Tensor>(grad_gates) : c10::nullopt, grad_total, grad_la,
+      c10::nullopt, probs, index, token_mask, at::empty({0}, probs.options()), scaled_counts, tokens, groups, renorm,
+      scale, lb_weight, 0.0);
+  grad.narrow(1, 0, routed).copy_(grad_routed);
+  return grad;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(headmix_cpp, m) {
@@ -297,6 +469,13 @@ TORCH_LIBRARY_FRAGMENT(headmix_cpp, m) {
   m.def("sigmoid_topk_route(Tensor logits, int heads, int top_k) -> (Tensor, Tensor, Tensor)");
   m.def("sigmoid_topk_route_backward(Tensor? grad_s, Tensor? grad_gates, Tensor s, Tensor index) -> Tensor");
   m.def("topk_rows(Tensor values, int k) -> (Tensor, Tensor)");
+  m.def("moh_route(Tensor logits, Tensor? token_mask, int routed, int groups, int top_k, int shared, int weighting, "
+        "float lb_weight, bool per_token, bool dense) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("moh_route_backward(Tensor? grad_probs, Tensor? grad_slot_weights, Tensor? grad_head_weights, "
+        "Tensor? grad_total, Tensor? grad_la, Tensor probs, Tensor index, Tensor gates, Tensor group_gates, "
+        "Tensor shared_gates, Tensor? token_mask, Tensor scaled_counts, Tensor tokens, int groups, int shared, "
+        "int weighting, float lb_weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(headmix_cpp, CPU, m) {
@@ -305,4 +484,6 @@ TORCH_LIBRARY_IMPL(headmix_cpp, CPU, m) {
   m.impl("sigmoid_topk_route", &sigmoid_topk_route);
   m.impl("sigmoid_topk_route_backward", &sigmoid_topk_route_backward);
   m.impl("topk_rows", &topk_rows);
+  m.impl("moh_route", &moh_route);
+  m.impl("moh_route_backward", &moh_route_backward);
 }
