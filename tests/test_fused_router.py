@@ -237,7 +237,7 @@ def layer_outputs(layer, x, padding, fused_op_runs):
     x = x.clone().requires_grad_()
     with OpNames() as ops:
         out = layer(x, is_causal=True, key_padding_mask=padding, query_padding_mask=padding)
-    fused_ops = {"headmix.softmax_topk_route", "headmix.sigmoid_topk_route"} & ops.names
+    fused_ops = {"headmix.softmax_topk_route", "headmix.sigmoid_topk_route", "headmix.moh_route"} & ops.names
     assert bool(fused_ops) == fused_op_runs, sorted(ops.names)
     cotangent = torch.randn(out.output.shape, generator=torch.Generator().manual_seed(4), dtype=x.dtype)
     loss = (out.output * cotangent).sum() + 3.0 * out.aux_loss
@@ -315,8 +315,8 @@ def test_a_compiled_graph_with_an_unbacked_token_count_keeps_the_composed_router
 
 # ------------------------------------------------------------------------------------ MoH's head weighting
 def composed_moh(logits, mask, routed_heads, groups, top_k, shared, weighting, lb_weight, per_token, dense):
-    """The reference: MoHHeadWeighting's composed head weighting (moh.py: _composed_weights, _weights,
-    _head_weights_and_losses, weighted_load_balance) in ATen operations on the same logits."""
+    """The reference: MoHHeadWeighting's composed head weighting (moh.py: _composed_weights, route,
+    _head_route, weighted_load_balance) in ATen operations on the same logits."""
     n, per = logits.shape[0], routed_heads // groups
     probs = logits[:, :routed_heads].reshape(n, groups, per).softmax(-1)
     top_p, index = probs.topk(top_k, dim=-1)
@@ -526,7 +526,8 @@ def test_moh_route_equals_the_layers_composed_head_weights(name, monkeypatch):
 
     def composed_side(x):
         monkeypatch.setenv(cpp_build.ENV_VAR, "python")
-        g, routing, _ = layer._head_weights_and_losses(x, mask, 0)
+        route = layer.route(x, mask, 0, dense=True)
+        g, routing = route.head_weights, route.routing
         monkeypatch.delenv(cpp_build.ENV_VAR)
         total, la = weighted_load_balance(routing.probs, routing.expert_index, routing.token_mask,
                                           layer.load_balance_weight, layer.load_balance_fractions, groups)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
-from ..kernels.fused_router import fused_router_applies, softmax_topk_route
+from ..kernels.fused_router import fused_router_applies, moh_route
 from ..routing import Routing
 from ..routing.losses import check_fractions, weighted_load_balance
 from ..routing.random import RandomRouter, check_random_router
@@ -91,6 +93,24 @@ def choose_moh_impl(device: torch.device, top_k: int, routed: int, tgt: int, slo
     return "sparse" if needs_grad and wide and tgt >= GLOBAL_SPARSE_MIN_QUERIES else "dense"
 
 
+class HeadRoute(NamedTuple):
+    """What MoH's router gives one call (:meth:`MoHHeadWeighting.route`), ``N = batch * time`` tokens, ``G`` router
+    groups of ``S`` shared and ``M`` routed heads each, ``k`` selected per group."""
+
+    #: The routed heads' routing: ``expert_index`` ``(N, G k)`` numbers them from 0 group by group, ``gates``
+    #: are their weights ``g``.
+    routing: Routing
+    #: ``(N, G (S + k))``: each token's active heads as the layer numbers them, group by group the ``S`` shared
+    #: heads then the ``k`` selected routed heads (a group's slots are consecutive).
+    slot_heads: Tensor
+    #: ``(N, G (S + k))``: the active heads' weights ``g`` in the order of ``slot_heads``.
+    slot_weights: Tensor
+    #: ``(B, T, num_heads)``: every head's weight (0 for the unselected routed heads), where asked for.
+    head_weights: Tensor | None
+    #: The weighted load-balancing loss and its value where the fused router computed them, else None.
+    losses: tuple[Tensor, Tensor] | None
+
+
 class MoHHeadWeighting:
     """MoH's head weights ``g`` (eq. 5-6, the authors' form per ``head_weighting``, per K/V group with
     ``route_per_group``, the random control, or MoH-LLaMA3's query-norm rule) as one piece that any module laying
@@ -109,70 +129,86 @@ class MoHHeadWeighting:
                      routed_queries: Tensor | None = None) -> tuple[Tensor | None, Routing | None]:
         """Per-token head weights ``g`` ``(batch, time, num_heads)`` and the routing of the routed heads
         (``expert_index`` counts routed heads from 0, ``gates`` are the selected routed heads' ``g``), or
-        ``(None, None)`` when every head is shared. ``routed_queries``: see :meth:`_weights`."""
-        g, routing, _ = self._head_weights_and_losses(x, token_mask, offset, routed_queries)
-        return g, routing
-
-    def _head_weights_and_losses(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
-                                 routed_queries: Tensor | None = None
-                                 ) -> tuple[Tensor | None, Routing | None, tuple[Tensor, Tensor] | None]:
-        """:meth:`head_weights` and the weighted load-balancing loss with its unweighted value where the fused
-        router computed them (else None)."""
+        ``(None, None)`` when every head is shared. ``routed_queries``: see :meth:`route`."""
         if not self.num_routed_heads:
-            return None, None, None
-        shared, routing, losses = self._weights(x, token_mask, offset, routed_queries)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            g_routed = routing.probs.new_zeros(routing.probs.shape).scatter(1, routing.expert_index, routing.gates.to(
-                routing.probs.dtype))
-            if shared is None:
-                g = g_routed
-            else:  # each group's shared heads, then its routed heads (one group without route_per_group)
-                n, groups = g_routed.shape[0], self.route_groups
-                g = torch.cat([shared.view(n, groups, self.num_shared_heads),
-                               g_routed.view(n, groups, self.num_routed_per_group)], dim=2)
-        return g.to(x.dtype).view(*x.shape[:2], self.num_heads), routing, losses
+            return None, None
+        route = self.route(x, token_mask, offset, routed_queries, dense=True)
+        return route.head_weights, route.routing
 
-    def _weights(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
-                 routed_queries: Tensor | None = None
-                 ) -> tuple[Tensor | None, Routing, tuple[Tensor, Tensor] | None]:
-        """The shared heads' weights ``(N, num_shared_heads)`` (None without shared heads) and the routing,
-        whose ``gates`` ``(N, top_k)`` are the selected routed heads' weights (eq. 5-6, or the authors' code's
-        form, per ``head_weighting``); with ``route_per_group`` each group's (eq. 5-6 within the group), the
-        shared weights ``(N, G S)`` and the gates ``(N, G top_k)`` group by group. ``router="random"``: the routed
-        heads drawn at random (the tokens at positions ``offset ..``) and every score equal (zero logits).
-        ``router="query_norm"``: :meth:`_query_norm_weights` of ``routed_queries`` (the routed heads' queries
-        ``(N, R, key_dim)``, before rotary and QK-norm; projected here when not given). Third: the weighted
-        load-balancing loss and its value where the fused router (:mod:`headmix.kernels.fused_router`) computed
-        them with the routing, else None."""
-        if self.query_norm_routing:
-            return (*self._query_norm_weights(x, token_mask, routed_queries), None)
+    def route(self, x: Tensor, token_mask: Tensor | None, offset: int | Tensor = 0,
+              routed_queries: Tensor | None = None, dense: bool = False) -> HeadRoute:
+        """The router on ``x`` ``(B, T, d_model)`` (layer with routed heads): each token's active heads and
+        their weights (:class:`HeadRoute`; ``head_weights`` with ``dense``), the routing of the routed heads and,
+        where the fused router computed them, the losses. Eq. 5-6, or the authors' code's form, per
+        ``head_weighting``; with ``route_per_group`` per K/V group (eq. 5-6 within the group, the shared weights
+        and the ``[a_s, a_r]`` pair per group). ``router="random"``: the routed heads drawn at random (the tokens
+        at positions ``offset ..``) and every score equal (zero logits). ``router="query_norm"``:
+        :meth:`_query_norm_weights` of ``routed_queries`` (the routed heads' queries ``(N, R, key_dim)``, before
+        rotary and QK-norm; projected here when not given). On the CPU in eager mode the learned router is one
+        C++ operation forward and one backward (:func:`~headmix.kernels.fused_router.moh_route`) on one GEMM of
+        the three gates; elsewhere the same in ATen operations (:meth:`_composed_weights`)."""
         batch, time, dim = x.shape
-        flat32 = x.reshape(batch * time, dim).to(router_dtype(x))
-        n, route_groups, per = batch * time, self.route_groups, self.num_routed_per_group
-        shared = losses = None
+        n, groups, shared_heads = batch * time, self.route_groups, self.num_shared_heads
+        if self.query_norm_routing:
+            return self._head_route(x, dense, *self._query_norm_weights(x, token_mask, routed_queries), None)
+        flat32 = x.reshape(n, dim).to(router_dtype(x))
+        mask = None if token_mask is None else token_mask.reshape(n)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = _scores(flat32, self.routed_gate, self.num_routed_heads)
-            if self.random_router is None and fused_router_applies(x):  # one C++ operation, losses included
-                # renormalized: p / sum_selected p * k, the sum differentiated; scaled: p M; paper: p
-                renormalize, scale = {"renormalized": ("live", self.top_k), "scaled": ("none", per)}.get(
-                    self.head_weighting, ("none", 1))
-                probs, index, routed, aux, lb, _ = softmax_topk_route(
-                    logits, None if token_mask is None else token_mask.reshape(n), groups=route_groups,
-                    top_k=self.top_k, renormalize=renormalize, scale=scale,
-                    load_balance_weight=self.load_balance_weight, z_loss_weight=0.0,
-                    per_token=self.load_balance_fractions == "per_token", z_loss=False)
-                probs, losses = probs.view(n, route_groups, per), (aux, lb)
+            if self.random_router is None:
+                gates = [self.routed_gate.weight] + ([self.group_gate.weight, self.shared_gate.weight]
+                                                     if shared_heads else [])
+                weight = gates[0] if len(gates) == 1 else torch.cat(gates)  # one GEMM of the three gates
+                logits = F.linear(flat32, weight.to(flat32.dtype))
             else:
-                routed, probs, index = self._composed_weights(logits, n, batch, time, offset)
-            if self.num_shared_heads:
-                groups = _scores(flat32, self.group_gate, 2 * route_groups).view(n, route_groups, 2).softmax(-1)
-                shared = _scores(flat32, self.shared_gate, route_groups * self.num_shared_heads).view(
-                    n, route_groups, self.num_shared_heads).softmax(-1)
+                logits = flat32.new_zeros(n, self.num_routed_heads + (groups * (2 + shared_heads) if shared_heads else 0))
+            if self.random_router is None and fused_router_applies(x):  # one C++ operation, losses included
+                probs, index, slot_heads, slot_weights, g, aux, lb = moh_route(
+                    logits, mask, routed_heads=self.num_routed_heads, groups=groups, top_k=self.top_k,
+                    shared=shared_heads, weighting=self.head_weighting, load_balance_weight=self.load_balance_weight,
+                    per_token=self.load_balance_fractions == "per_token", dense=dense)
+                routed = slot_weights.view(n, groups, shared_heads + self.top_k)[..., shared_heads:].reshape(
+                    n, groups * self.top_k).to(x.dtype)
+                routing = Routing(logits[:, :self.num_routed_heads], probs, index, routed, mask, (batch, time))
+                return HeadRoute(routing, slot_heads, slot_weights,
+                                 g.to(x.dtype).view(batch, time, self.num_heads) if dense else None, (aux, lb))
+            routed_logits, shared = logits, None
+            if shared_heads:
+                routed_logits, group_logits, shared_logits = logits.split(
+                    [self.num_routed_heads, 2 * groups, groups * shared_heads], dim=1)
+            routed, probs, index = self._composed_weights(routed_logits, n, batch, time, offset)
+            if shared_heads:
+                group_w = group_logits.view(n, groups, 2).softmax(-1)
+                shared = shared_logits.view(n, groups, shared_heads).softmax(-1)
                 if self.head_weighting != "paper":
-                    groups, shared = 2.0 * groups, shared * self.num_shared_heads
-                routed = groups[..., 1:] * routed
-                shared = (groups[..., :1] * shared).view(n, route_groups * self.num_shared_heads)
-        return shared, self._routing(x, token_mask, logits, probs, index, routed), losses
+                    group_w, shared = 2.0 * group_w, shared * shared_heads
+                routed = group_w[..., 1:] * routed
+                shared = (group_w[..., :1] * shared).view(n, groups * shared_heads)
+        routing = self._routing(x, token_mask, routed_logits, probs, index, routed)
+        return self._head_route(x, dense, shared, routing, None)
+
+    def _head_route(self, x: Tensor, dense: bool, shared: Tensor | None, routing: Routing,
+                    losses: tuple[Tensor, Tensor] | None) -> HeadRoute:
+        """The :class:`HeadRoute` of the shared heads' weights ``(N, G S)`` (None without shared heads) and the
+        routing, in ATen operations."""
+        index, gates = routing.expert_index, routing.gates
+        n, groups, s, top = index.shape[0], self.route_groups, self.num_shared_heads, self.top_k
+        g = None
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            if dense:
+                g = routing.probs.new_zeros(routing.probs.shape).scatter(1, index, gates.to(routing.probs.dtype))
+                if shared is not None:  # each group's shared heads, then its routed heads
+                    g = torch.cat([shared.view(n, groups, s), g.view(n, groups, self.num_routed_per_group)], dim=2)
+                g = g.to(x.dtype).view(*x.shape[:2], self.num_heads)
+            if shared is None:
+                return HeadRoute(routing, index, gates, g, losses)
+            # routed head r (numbered group by group) of group g is the layer's head r + S (g + 1): each group's S
+            # shared heads come first
+            offsets = torch.arange(s, s * (groups + 1), s, device=index.device)[:, None]
+            shared_heads = torch.arange(self.num_heads, device=index.device).view(groups, -1)[None, :, :s]
+            slot_heads = torch.cat([shared_heads.expand(n, groups, s), index.view(n, groups, top) + offsets], dim=2)
+            weights = torch.cat([shared.view(n, groups, s).to(gates.dtype), gates.view(n, groups, top)], dim=2)
+        slots = groups * (s + top)
+        return HeadRoute(routing, slot_heads.view(n, slots), weights.view(n, slots), g, losses)
 
     def _composed_weights(self, logits: Tensor, n: int, batch: int, time: int,
                           offset: int | Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -453,16 +489,17 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             use_cache=use_cache, cache=cache, projected_queries=projected)
         o = scaled_dot_product(q, k, v, bias, empty, self.dropout if self.training else 0.0, causal=causal)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
-        g, routing, losses = self._head_weights_and_losses(query, token_mask, query_offset(cache), routed_q)
+        route = (self.route(query, token_mask, query_offset(cache), routed_q, dense=True)
+                 if self.num_routed_heads else None)
         o = self._gate_heads(o, query)
-        if g is not None:
-            o = o * g.transpose(1, 2).unsqueeze(-1)
+        if route is not None:
+            o = o * route.head_weights.transpose(1, 2).unsqueeze(-1)
         y = self.out_proj(merge_heads(o))
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
-        if g is None:
+        if route is None:
             return AttentionOutput(y, zero_loss(query), new_cache)
-        return self._output(y, new_cache, routing, losses)
+        return self._output(y, new_cache, route.routing, route.losses)
 
     def _output(self, y: Tensor, cache: KVCache | None, routing: Routing,
                 losses: tuple[Tensor, Tensor] | None = None) -> AttentionOutput:
@@ -504,8 +541,8 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             q_every = F.linear(x, w_q, b_q)
         routed_q = (self._head_blocks(q_every, dk, 1)[1].reshape(n, self.num_routed_heads, dk)
                     if self.query_norm_routing else None)
-        shared_w, routing, losses = self._weights(query, token_mask, past_len, routed_q)
-        slot_heads, slot_weights = self._slots(shared_w, routing)
+        route = self.route(query, token_mask, past_len, routed_q)
+        slot_heads, slot_weights = route.slot_heads, route.slot_weights
         slots_per_token = slot_heads.shape[1]
         info = None if decoding else expert_routing(slot_heads, heads, check_range=False)
         if q_every is not None:
@@ -530,7 +567,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             o = slot_attention(q.to(k.dtype).view(batch, tgt, slots_per_token, dk), k, v,
                                slot_heads.view(batch, tgt, slots_per_token), bias=bias, empty_rows=empty,
                                causal=causal, dropout=dropout).reshape(n, slots_per_token, dv)
-        elif decoding or shared_w is None:
+        elif decoding or not self.num_shared_heads:
             o = routed_heads_attention(q.to(k.dtype), k, v, slot_heads, batch, tgt, bias=bias, empty_rows=empty,
                                        causal=causal, dropout=dropout, routed_heads=heads)
         else:
@@ -564,31 +601,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             y = y + self.out_proj.bias.to(y.dtype)
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
-        return self._output(y, new_cache, routing, losses)
-
-    def _slots(self, shared: Tensor | None, routing: Routing) -> tuple[Tensor, Tensor]:
-        """Each token's active heads as slots: ``(N, G (S + k))`` layer head numbers and their weights ``g``, group
-        by group the ``S`` shared heads then the ``k`` selected routed heads (so that a group's slots are
-        consecutive: the grouped-query layout reads K/V head ``g`` for them)."""
-        index, gates = routing.expert_index, routing.gates
-        if shared is None:
-            return index, gates
-        n, groups, s, top = index.shape[0], self.route_groups, self.num_shared_heads, self.top_k
-        # routed head r (numbered group by group) of group g is the layer's head r + S (g + 1): each group's S
-        # shared heads come first
-        offsets = torch.arange(s, s * (groups + 1), s, device=index.device)[:, None]
-        shared_heads = torch.arange(self.num_heads, device=index.device).view(groups, -1)[None, :, :s]
-        slot_heads = torch.cat([shared_heads.expand(n, groups, s), index.view(n, groups, top) + offsets], dim=2)
-        weights = torch.cat([shared.view(n, groups, s).to(gates.dtype), gates.view(n, groups, top)], dim=2)
-        return slot_heads.view(n, -1), weights.view(n, -1)
-
-
-def _scores(x: Tensor, gate: nn.Linear | None, width: int) -> Tensor:
-    """The router logits ``x W`` of one of MoH's gates, or zeros ``(N, width)`` (equal scores) without it
-    (``router="random"``)."""
-    if gate is None:
-        return x.new_zeros(x.shape[0], width)
-    return F.linear(x, gate.weight.to(x.dtype))
+        return self._output(y, new_cache, route.routing, route.losses)
 
 
 def _four_dims(mask: Tensor | None) -> Tensor | None:
