@@ -335,6 +335,9 @@ def moh_layer(impl: str, dtype=torch.float64, **kw) -> MixtureOfHeadsAttention:
 MOH_CONFIGS = {
     "gqa_aligned": dict(kv_heads=2, num_shared_heads=4),  # shared heads fill group 0: K/V read in place
     "gqa_split": dict(kv_heads=2),  # shared head 0 splits group 0: the sparse path gathers K/V
+    # global sparse: the shared heads 0-2 read K/V heads 0, 0, 1 and the routed heads 3-7 K/V heads 1, 2, 2, 3, 3
+    # (each K/V head repeated for its query heads); the shared heads run apart, with their own QK-norm call
+    "gqa_split_two_groups": dict(kv_heads=4, num_shared_heads=3, qk_norm=True),
     "mqa_norm_gate": dict(kv_heads=1, qk_norm=True, output_gate="headwise", rotary=True),
     "elementwise": dict(kv_heads=4, output_gate="elementwise", rotary=True, num_shared_heads=0, top_k=3),
     "gqe": dict(kv_heads=2, route_per_group=True, num_shared_heads=1, top_k=2, rotary=True),

@@ -96,14 +96,14 @@ TARGET = 2.0
 BOUNDS: dict[tuple[str, str], float] = {
     ("gqe H on H/2, top 1", "2x16"): 63 / 24,
     ("gqe H/2 on H/8, top 2", "2x16"): 61 / 26,
-    ("moh global sparse, 2 shared + top 2", "2x16"): 107 / 24,
-    ("moh global sparse on 2 K/V, 3 shared + top 2", "2x16"): 103 / 24,
+    ("moh global sparse, 2 shared + top 2", "2x16"): 128 / 24,
+    ("moh global sparse on 2 K/V, 3 shared + top 2", "2x16"): 138 / 24,
     ("moa H/4 of H, 2 K/V", "2x16"): 50 / 24,
     ("switchhead 2H4E2K", "2x16"): 62 / 24,
     ("gqe H on H/2, top 1", "16x128"): 63 / 24,
     ("gqe H/2 on H/8, top 2", "16x128"): 61 / 26,
-    ("moh global sparse, 2 shared + top 2", "16x128"): 99 / 24,
-    ("moh global sparse on 2 K/V, 3 shared + top 2", "16x128"): 103 / 24,
+    ("moh global sparse, 2 shared + top 2", "16x128"): 120 / 24,
+    ("moh global sparse on 2 K/V, 3 shared + top 2", "16x128"): 130 / 24,
 }
 
 
@@ -180,7 +180,7 @@ def test_training_step_dispatches_at_most_twice_the_baseline(counts, name, size)
 #: tests/test_dispatch_counts.py does not count (it counts MoA's and SwitchHead's), at 2x16, with the ratio measured
 #: at this commit (the Triton kernels are one operation each; MoA 62/26 and 66/24, SwitchHead 60/24 here).
 TRITON_BOUNDS = {"moh per group, top 2 of 4": 67 / 24, "moh one K/V head, 2 shared + top 2": 93 / 26,
-                 "moh global sparse, 2 shared + top 2": 153 / 24}
+                 "moh global sparse, 2 shared + top 2": 174 / 24}
 
 
 @pytest.mark.parametrize("name", TRITON_BOUNDS)

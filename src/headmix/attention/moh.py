@@ -520,9 +520,11 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
                         cache: KVCache | None, query_padding_mask: Tensor | None) -> AttentionOutput:
         """``impl="sparse"``: each token's active heads only, ``y_t = sum_{i in A(t)} g_i H^i W_O^i`` over the shared
         heads and the token's selected routed heads ``A(t)`` (MoH eq. 3, summation form, the unselected heads' zero
-        terms skipped). The active heads are the token's slots (:meth:`_slots`), the shared ones included: one
+        terms skipped). The active heads are the token's slots (:class:`HeadRoute`), the shared ones included: one
         grouped query projection, one attention call and one grouped output projection with the weights ``g``
-        (:mod:`headmix.kernels`, ``expert_impl``), every head an expert whose rows are the tokens that use it."""
+        (:mod:`headmix.kernels`, ``expert_impl``), every head an expert whose rows are the tokens that use it. With
+        global routing over several K/V heads (not :attr:`slot_form`) the shared heads run apart
+        (:meth:`_shared_heads`) in training and prefill."""
         batch, tgt, dim = query.shape
         k, v, new_cache, past_len = self._keys_values(query, key, value, use_cache, cache)
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
@@ -543,50 +545,57 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
                     if self.query_norm_routing else None)
         route = self.route(query, token_mask, past_len, routed_q)
         slot_heads, slot_weights = route.slot_heads, route.slot_weights
-        slots_per_token = slot_heads.shape[1]
-        info = None if decoding else expert_routing(slot_heads, heads, check_range=False)
+        bias, empty, causal = attention_bias(batch, heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
+                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
+                                             dtype=k.dtype, device=k.device)
+        masks = (_four_dims(bias), _four_dims(empty), causal, self.dropout if self.training else 0.0)
+        gates_all = self.output_gates(query)  # Gated Attention G1, (batch, time, heads, 1 or d_v), or None
+        if gates_all is not None:
+            gates_all = gates_all.reshape(n, heads, -1)
+        y_shared = None
+        if not (self.slot_form or decoding) and self.num_shared_heads:
+            # Global routing over several K/V heads: the selected routed heads' attention is the "heads" layout,
+            # which pads each head's rows to the largest head's count (a shared head's would be every token's),
+            # so the shared heads run apart, as multi-head attention of whole GEMMs.
+            s = self.num_shared_heads
+            y_shared = self._shared_heads(x, q_every, (w_q, b_q, w_o), k, v, masks, slot_weights[:, :s], gates_all,
+                                          (batch, tgt), key, cache, past_len)
+            # the routed heads S .. H-1 are the experts, numbered from 0 (the routing's numbers)
+            first, slot_heads, slot_weights = s, route.routing.expert_index, slot_weights[:, s:]
+        else:
+            first = 0
+        experts, slots_per_token = heads - first, slot_heads.shape[1]
+        if first:  # the experts' rows of W_q, b_q and columns of W_O (no slice without shared heads apart: its
+            # backward would be a zero-filled copy)
+            w_q, b_q, w_o = w_q[first * dk:], None if b_q is None else b_q[first * dk:], w_o[:, first * dv:]
+        info = None if decoding else expert_routing(slot_heads, experts, check_range=False)
         if q_every is not None:
-            q = q_every.view(n, heads, dk).gather(1, slot_heads[..., None].expand(n, slots_per_token, dk))
+            q = q_every.view(n, heads, dk)[:, first:].gather(1, slot_heads[..., None].expand(n, slots_per_token, dk))
         else:  # head i's W_q^i (d_k, d_model) read in place by the grouped kernels as its transpose (no copy)
-            q = expert_map(x, w_q.view(heads, dk, dim).transpose(1, 2), info, impl=self.expert_impl)
+            q = expert_map(x, w_q.view(experts, dk, dim).transpose(1, 2), info, impl=self.expert_impl)
             if b_q is not None:
-                q = q + b_q.view(heads, dk)[slot_heads]
+                q = q + b_q.view(experts, dk)[slot_heads]
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.rotary is not None and key is None and not (cache is not None and cache.static):
             positions = (torch.arange(n, device=query.device) % tgt + past_len)[:, None].expand(n, slots_per_token)
             q = self.rotary.rotate_at(q, positions)
-        bias, empty, causal = attention_bias(batch, heads, tgt, k.shape[2], key_padding_mask=key_padding_mask,
-                                             attn_mask=attn_mask, is_causal=is_causal, past_len=past_len,
-                                             dtype=k.dtype, device=k.device)
-        bias, empty = _four_dims(bias), _four_dims(empty)
-        dropout = self.dropout if self.training else 0.0
+        bias, empty, causal, dropout = masks
         if routed_layout(self.slot_form, tgt, query) == "grouped_query":
             # Each token's slots of K/V group g (its shared heads, then its selected ones) read K/V head g whichever
             # heads they are: the slots are the query heads of grouped-query attention (moh_sparse, "grouped_query").
             o = slot_attention(q.to(k.dtype).view(batch, tgt, slots_per_token, dk), k, v,
                                slot_heads.view(batch, tgt, slots_per_token), bias=bias, empty_rows=empty,
                                causal=causal, dropout=dropout).reshape(n, slots_per_token, dv)
-        elif decoding or not self.num_shared_heads:
-            o = routed_heads_attention(q.to(k.dtype), k, v, slot_heads, batch, tgt, bias=bias, empty_rows=empty,
-                                       causal=causal, dropout=dropout, routed_heads=heads)
         else:
-            # Global routing over several K/V heads: the shared heads (every token's first S slots) in one plain
-            # attention call, the selected routed heads in the "heads" layout, which pads every head's rows to the
-            # largest head's count (a shared head's would be every token's).
-            s = self.num_shared_heads
-            q_slots = q.to(k.dtype).view(batch, tgt, slots_per_token, dk)
-            k_s, v_s = _kv_of_first_heads(k, s, heads), _kv_of_first_heads(v, s, heads)
-            o_s = scaled_dot_product(q_slots[:, :, :s].transpose(1, 2), k_s, v_s, _first_heads(bias, s),
-                                     _first_heads(empty, s), dropout, causal=causal)
-            o_r = routed_heads_attention(q_slots[:, :, s:].reshape(n, slots_per_token - s, dk), k, v,
-                                         slot_heads[:, s:], batch, tgt, bias=bias, empty_rows=empty, causal=causal,
-                                         dropout=dropout, routed_heads=heads)
-            o = torch.cat([o_s.transpose(1, 2).reshape(n, s, dv), o_r], dim=1)
-        gates_all = self.output_gates(query)  # Gated Attention G1, (batch, time, heads, 1 or d_v), or None
+            o = routed_heads_attention(q.to(k.dtype), _kv_of_heads(k, first, heads, heads),
+                                       _kv_of_heads(v, first, heads, heads),
+                                       slot_heads, batch, tgt, bias=_mask_heads(bias, first, heads),
+                                       empty_rows=_mask_heads(empty, first, heads), causal=causal, dropout=dropout,
+                                       routed_heads=experts)
         if gates_all is not None:
-            gates_all = gates_all.reshape(n, heads, -1)
-            o = o * gates_all.gather(1, slot_heads[..., None].expand(-1, -1, gates_all.shape[-1])).to(o.dtype)
+            o = o * gates_all[:, first:].gather(1, slot_heads[..., None].expand(-1, -1, gates_all.shape[-1])).to(
+                o.dtype)
         weights = slot_weights.to(compute)
         if decoding:
             weighted = o.to(compute) * weights[..., None]
@@ -594,14 +603,39 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
                                                              weighted)
             y = F.linear(every.view(n, heads * dv), w_o)
         else:  # head i's W_o^i (d_model, d_v) read in place as its transpose
-            y = expert_reduce(o.to(compute), w_o.view(dim, heads, dv).permute(1, 2, 0), weights, info,
-                              impl=self.expert_impl)
-        y = y.view(batch, tgt, dim)
+            y = expert_reduce(o.to(compute), w_o.view(dim, experts, dv).permute(1, 2, 0), weights,
+                              info, impl=self.expert_impl)
+        y = y.view(batch, tgt, dim) if y_shared is None else (y + y_shared).view(batch, tgt, dim)
         if self.out_proj.bias is not None:
             y = y + self.out_proj.bias.to(y.dtype)
         if self.zero_padded_queries:
             y = zero_padded_queries(y, token_mask)
         return self._output(y, new_cache, route.routing, route.losses)
+
+    def _shared_heads(self, x: Tensor, q_every: Tensor | None, weights: tuple[Tensor, Tensor | None, Tensor], k: Tensor,
+                      v: Tensor, masks: tuple, shared_weights: Tensor, gates: Tensor | None, sizes: tuple[int, int],
+                      key: Tensor | None, cache: KVCache | None, past_len: int | Tensor) -> Tensor:
+        """``sum_{i shared} g_i H^i W_O^i`` ``(N, d_model)`` of global routing's shared heads ``0 .. S-1`` (one group)
+        as multi-head attention: one GEMM of their queries (or their part of ``q_every``), one attention call, one
+        GEMM of their output projection. ``weights``: ``W_q``, ``b_q``, ``W_O`` cast already; ``masks``: the
+        layer's ``(bias, empty rows, causal, dropout)``; ``shared_weights`` ``(N, S)``: their ``g``; ``gates``: the
+        Gated Attention gates ``(N, heads, 1 or d_v)`` or None."""
+        (w_q, b_q, w_o), (bias, empty, causal, dropout) = weights, masks
+        (batch, tgt), s, dk, dv = sizes, self.num_shared_heads, self.key_dim, self.head_dim
+        n = batch * tgt
+        q_s = q_every[:, :s * dk] if q_every is not None else F.linear(x, w_q[:s * dk], None if b_q is None else
+                                                                        b_q[:s * dk])
+        q_s = q_s.view(batch, tgt, s, dk).transpose(1, 2)
+        if self.q_norm is not None:
+            q_s = self.q_norm(q_s)
+        q_s = self._rotate_queries(q_s, key, cache, past_len)
+        o = scaled_dot_product(q_s.to(k.dtype), _kv_of_heads(k, 0, s, self.num_heads),
+                               _kv_of_heads(v, 0, s, self.num_heads), _mask_heads(bias, 0, s),
+                               _mask_heads(empty, 0, s), dropout, causal=causal).transpose(1, 2).reshape(n, s, dv)
+        if gates is not None:
+            o = o * gates[:, :s].to(o.dtype)
+        o = o.to(x.dtype) * shared_weights.to(x.dtype)[..., None]
+        return F.linear(o.reshape(n, s * dv), w_o[:, :s * dv])
 
 
 def _four_dims(mask: Tensor | None) -> Tensor | None:
@@ -609,21 +643,23 @@ def _four_dims(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
-def _first_heads(mask: Tensor | None, count: int) -> Tensor | None:
-    """The first ``count`` query heads of a mask ``(B, 1 or heads, T, X)``."""
-    return mask if mask is None or mask.shape[1] == 1 else mask[:, :count]
+def _mask_heads(mask: Tensor | None, start: int, stop: int) -> Tensor | None:
+    """Query heads ``start .. stop-1`` of a mask ``(B, 1 or heads, T, X)``."""
+    return mask if mask is None or mask.shape[1] == 1 else mask[:, start:stop]
 
 
-def _kv_of_first_heads(t: Tensor, count: int, heads: int) -> Tensor:
-    """The keys or values ``(B, G', S, d)`` that query heads ``0 .. count-1`` of ``heads`` read from ``t``
-    ``(B, G, S, d)`` (query head ``h`` reads K/V head ``h // (heads / G)``), for grouped-query attention of those
-    heads: a slice where they fill whole groups, else each K/V head repeated for its query heads (one copy)."""
-    per = heads // t.shape[1]
-    if count % per == 0:
-        return t[:, :count // per]
-    used = -(-count // per)
-    batch, _, length, width = t.shape
-    return t[:, :used, None].expand(batch, used, per, length, width).reshape(batch, used * per, length, width)[:, :count]
+def _kv_of_heads(t: Tensor, start: int, stop: int, num_heads: int) -> Tensor:
+    """The keys or values that query heads ``start .. stop-1`` of ``num_heads`` read from ``t`` ``(B, G, S, d)``
+    (query head ``h`` reads K/V head ``h // (num_heads / G)``), laid out for grouped-query attention of those heads
+    (the ``i``-th reads returned head ``i // (count / G')``): a slice where they fill whole groups, else each K/V
+    head repeated for its query heads (one copy; no index tensor built from the head numbers)."""
+    per = num_heads // t.shape[1]
+    low, high = start // per, -(-stop // per)
+    if start % per == 0 and stop % per == 0:
+        return t[:, low:high]
+    batch, used, length, width = t.shape[0], high - low, t.shape[2], t.shape[3]
+    repeated = t[:, low:high, None].expand(batch, used, per, length, width).reshape(batch, used * per, length, width)
+    return repeated[:, start - low * per:stop - low * per]
 
 
 def _head_blocks(weight: Tensor, groups: int, shared: int, size: int, dim: int) -> tuple[Tensor | None, Tensor]:
