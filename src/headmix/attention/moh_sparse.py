@@ -10,9 +10,10 @@ A slot ``s = n k + j`` is token ``n = b T + t`` with its ``j``-th selected route
 (:data:`ROUTED_LAYOUTS`; :func:`routed_layout` picks one):
 
 - ``grouped_query`` (the slot form; MoH routed per K/V group and MoH with one K/V head): every token
-  selects exactly ``k`` routed heads in each of the ``G`` K/V groups, so its slot ``g k + j`` reads K/V head
-  ``g`` whichever head it selected. The slots are then the ``G k`` query heads of ordinary grouped-query
-  attention, ``(B, G k, T, d)`` against the ``G`` K/V heads (:func:`slot_attention`): one
+  selects exactly ``k`` routed heads in each of the ``G`` K/V groups, so its slot ``g C + j`` reads K/V head
+  ``g`` whichever head it selected. The slots (``C = S + k`` per group: the layer puts each group's ``S`` shared
+  heads first) are then the ``G C`` query heads of ordinary grouped-query
+  attention, ``(B, G C, T, d)`` against the ``G`` K/V heads (:func:`slot_attention`): one
   ``scaled_dot_product_attention`` call with the plain causal kernel (flash on CUDA), every row a real
   (token, selected head) pair, no sorting, no padding, shapes that depend on the sizes only (no host read,
   ``torch.compile(fullgraph=True)``), at ``k / (H/G - S)`` of the routed heads' dense attention. A per-head
