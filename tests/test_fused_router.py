@@ -210,6 +210,8 @@ LAYERS = {
     "gqe": lambda: GroupedQueryExpertsAttention(24, num_experts=6, kv_heads=2, top_k=2, head_dim=8),
     "gqe per token": lambda: GroupedQueryExpertsAttention(24, num_experts=12, kv_heads=4, top_k=2, head_dim=8,
                                                           load_balance_fractions="per_token"),
+    # one K/V group: the weighted slot's renormalisation is the fused router's own (renormalize="live")
+    "gqe one K/V head": lambda: GroupedQueryExpertsAttention(24, num_experts=4, kv_heads=1, top_k=2, head_dim=8),
     "moh global": lambda: MixtureOfHeadsAttention(24, 6, num_shared_heads=2, top_k=2),
     "moh per group": lambda: MixtureOfHeadsAttention(24, 8, 0, kv_heads=2, route_per_group=True, top_k=2,
                                                               load_balance_weight=0.05),

@@ -263,15 +263,20 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
         mask = None if token_mask is None else token_mask.reshape(n)
         losses = None  # (aux, load balance) where the fused router computed them with the routing
+        # With one K/V group the weighted-sum slot's renormalisation over the selected heads is the fused router's
+        # own (its gates, the sum differentiated), where the hard slots do not read top_p itself.
+        weights_from_router = groups == 1 and self.weighted_slot_renormalize and self.hard_slot_scale != "p"
         if self.random_router is None and fused_router_applies(query):  # one C++ operation (kernels/fused_router.py)
             logits = self.router_logits(query)
+            # top_p: the selected probabilities, or with weights_from_router their renormalisation w
             p, index, top_p, aux, lb, _ = softmax_topk_route(
-                logits, mask, groups=groups, top_k=k_sel, renormalize="none", scale=1.0,
-                load_balance_weight=self.load_balance_weight, z_loss_weight=0.0,
+                logits, mask, groups=groups, top_k=k_sel, renormalize="live" if weights_from_router else "none",
+                scale=1.0, load_balance_weight=self.load_balance_weight, z_loss_weight=0.0,
                 per_token=self.load_balance_fractions == "per_token", z_loss=False)
             logits, p, losses = logits.view(n, groups, -1), p.view(n, groups, -1), (aux, lb)
         else:
             logits, p, index, top_p = self.route(query, past_len)
+            weights_from_router = False
         # all the experts' queries in one GEMM, then each token's selected ones (faster on the CPU at the paper's
         # shapes than gathering per-token expert weights; counted as computed in models/counting.py)
         q_experts = self.q_proj(query)
@@ -287,7 +292,7 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         dropout = self.dropout if self.training else 0.0
         o = scaled_dot_product(q, k, v, bias, empty, dropout, causal=causal).transpose(1, 2)  # (B, T, G k, d_h)
         slots = [o * top_p.view(batch, tgt, groups * k_sel, 1).to(o.dtype) if self.hard_slot_scale == "p" else o]
-        w = self.slot_weights(top_p)
+        w = top_p if weights_from_router else self.slot_weights(top_p)
         if self.weighted_slot:
             slots.append((o * w.view(batch, tgt, groups * k_sel, 1).to(o.dtype)).sum(2, keepdim=True))
         if self.shared_head:
