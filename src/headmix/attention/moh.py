@@ -169,7 +169,7 @@ class MoHHeadWeighting:
                 routed = slot_weights.view(n, groups, shared_heads + self.top_k)[..., shared_heads:].reshape(
                     n, groups * self.top_k).to(x.dtype)
                 routing = Routing(logits[:, :self.num_routed_heads], probs, index, routed, mask, (batch, time))
-                return HeadRoute(routing, slot_heads, slot_weights,
+                return HeadRoute(routing, slot_heads, slot_weights.to(x.dtype),
                                  g.to(x.dtype).view(batch, time, self.num_heads) if dense else None, (aux, lb))
             routed_logits, shared = logits, None
             if shared_heads:
