@@ -33,6 +33,8 @@ def composed(logits, mask, groups, top_k, renormalize, scale, lb_weight, z_weigh
         gates = top_p / top_p.sum(-1, keepdim=True).detach() * scale
     elif renormalize == "live":
         gates = top_p / top_p.sum(-1, keepdim=True) * scale
+    elif renormalize == "live_total":  # over every router of the token
+        gates = top_p / top_p.sum((1, 2), keepdim=True) * scale
     else:
         gates = top_p * scale
     fractions = "per_token" if per_token else "normalized"
@@ -81,7 +83,7 @@ PER_TOKEN = {"moa one token", "per group"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("renormalize", ["detached", "live", "none"])
+@pytest.mark.parametrize("renormalize", ["detached", "live", "live_total", "none"])
 @pytest.mark.parametrize("masked", ["none", "some", "all padded"])
 @pytest.mark.parametrize("case", CASES)
 def test_fused_router_equals_the_composed_router(case, masked, renormalize, dtype):

@@ -332,3 +332,22 @@ def test_sparse_global_moh_in_several_causal_chunks_equals_dense(rows, monkeypat
 
     assert_same(*both(layer, call))
     assert spy.calls == 1
+
+
+@pytest.mark.parametrize("expert_impl", ["reference", "dense", "sorted", "gather", "bag", "grouped_cpp"])
+@pytest.mark.parametrize("form", ["one K/V head", "per group", "global on 2 K/V"])
+def test_sparse_with_shared_heads_equals_dense_on_every_cpu_expert_impl(form, expert_impl):
+    """The active heads (shared ones included in the slot form; the routed ones apart from the shared in global
+    routing) as the experts of each CPU grouped kernel: dense MoH's outputs, loss and gradients, with padding."""
+    kw = {"one K/V head": dict(kv_heads=1), "per group": dict(kv_heads=2, route_per_group=True, shared=1, top_k=2),
+          "global on 2 K/V": dict(kv_heads=2, shared=3)}[form]
+    layer = make(**{"shared": 2, "top_k": 2, **kw}, expert_impl=expert_impl, rotary=True)
+    x = torch.randn(2, 9, D, dtype=torch.double, generator=torch.Generator().manual_seed(3))
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[1, -3:] = True
+
+    def call(layer):
+        inp = x.clone().requires_grad_()
+        return layer(inp, is_causal=True, key_padding_mask=padding, query_padding_mask=padding), [inp]
+
+    assert_same(*both(layer, call))

@@ -263,14 +263,14 @@ class GroupedQueryExpertsAttention(AttentionLayer):
         token_mask = real_token_mask(query, key, key_padding_mask, query_padding_mask, cache)
         mask = None if token_mask is None else token_mask.reshape(n)
         losses = None  # (aux, load balance) where the fused router computed them with the routing
-        # With one K/V group the weighted-sum slot's renormalisation over the selected heads is the fused router's
-        # own (its gates, the sum differentiated), where the hard slots do not read top_p itself.
-        weights_from_router = groups == 1 and self.weighted_slot_renormalize and self.hard_slot_scale != "p"
+        # The weighted-sum slot's renormalisation over every selected head of every group is the fused router's own
+        # (its gates, the sum over the groups differentiated), where the hard slots do not read top_p itself.
+        weights_from_router = self.weighted_slot_renormalize and self.hard_slot_scale != "p"
         if self.random_router is None and fused_router_applies(query):  # one C++ operation (kernels/fused_router.py)
             logits = self.router_logits(query)
             # top_p: the selected probabilities, or with weights_from_router their renormalisation w
             p, index, top_p, aux, lb, _ = softmax_topk_route(
-                logits, mask, groups=groups, top_k=k_sel, renormalize="live" if weights_from_router else "none",
+                logits, mask, groups=groups, top_k=k_sel, renormalize="live_total" if weights_from_router else "none",
                 scale=1.0, load_balance_weight=self.load_balance_weight, z_loss_weight=0.0,
                 per_token=self.load_balance_fractions == "per_token", z_loss=False)
             logits, p, losses = logits.view(n, groups, -1), p.view(n, groups, -1), (aux, lb)

@@ -10,7 +10,8 @@ group), on the router logits ``z`` ``(N, G M)`` (the gate GEMM stays outside, an
   ties included);
 * eq. 9: the gates ``c top_p / S`` with ``S`` the selected probabilities' sum, held constant
   (``renormalize="detached"``, the paper) or differentiated (``"live"``), or ``c top_p`` (``"none"``); ``c`` is
-  ``scale`` (MoH's ``k`` or ``M``, 1 elsewhere);
+  ``scale`` (MoH's ``k`` or ``M``, 1 elsewhere); ``"live_total"``: ``S`` the sum over every router of the token,
+  differentiated (GQE's weighted-sum slot, ``p`` over the ``G k`` selected heads);
 * eq. 13-15 averaged over the routers: ``L_a = M / (G K T^2) sum_e c_e sum_t p_{t,e}`` over the ``T`` real tokens,
   ``c_e`` the real slots routed to expert ``e``, ``K = k`` (``1`` with per-token fractions);
 * eq. 16: ``L_z = (1/T) sum_t lse_t^2`` (``z_loss=True``, one router only);
@@ -53,7 +54,7 @@ __all__ = ["MOH_WEIGHTING_CODES", "RENORMALIZE_CODES", "fused_router_applies", "
            "softmax_topk_route"]
 
 #: ``renormalize`` as the kernel numbers it.
-RENORMALIZE_CODES = {"none": 0, "detached": 1, "live": 2}
+RENORMALIZE_CODES = {"none": 0, "detached": 1, "live": 2, "live_total": 3}
 
 
 @torch.library.custom_op("headmix::softmax_topk_route", mutates_args=(), device_types="cpu")

@@ -8,7 +8,8 @@
 // Forward, on logits z (N, G*M) of G routers of M experts each, per token t and router g:
 //   p = softmax(z_g)                                  (at::softmax: the reference's values bit for bit)
 //   index, top_p = TopK(p, k)                         (topk_rows: at::topk's choice, ties included)
-//   gates = c * top_p / S  (renorm 1, 2) or c * top_p (renorm 0),  S = sum of top_p
+//   gates = c * top_p / S  (renorm 1, 2) or c * top_p (renorm 0),  S = sum of top_p; renorm 3 (live, total):
+//           S = the sum of the token's top_p over all G routers (GQE's weighted slot, differentiated)
 // and over the real tokens (mask), T of them (at least 1):
 //   count_e = real slots routed to e,  mass_e = sum_t p_{t,e}
 //   L_a = M / (G K T^2) sum_e count_e mass_e          (K = k, or 1 for per-token fractions)
@@ -32,7 +33,7 @@
 
 namespace {
 
-constexpr int64_t kNone = 0, kDetached = 1, kLive = 2;
+constexpr int64_t kNone = 0, kDetached = 1, kLive = 2, kLiveTotal = 3;
 
 // The real-token mask as bools, or nullptr where every token is real; `keep` holds the converted tensor.
 const bool* real_tokens(const c10::optional<at::Tensor>& token_mask, at::Tensor& keep) {
@@ -137,9 +138,11 @@ softmax_topk_route(const at::Tensor& logits, const c10::optional<at::Tensor>& to
     at::parallel_for(0, n * groups, 256, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         acc_t denominator = 1;
-        if (renorm != kNone) {
+        if (renorm != kNone) {  // this router's selected probabilities, or (kLiveTotal) every router's of the token
+          const int64_t first = renorm == kLiveTotal ? (r / groups) * groups * k : r * k;
+          const int64_t count = renorm == kLiveTotal ? groups * k : k;
           acc_t sum = 0;
-          for (int64_t j = 0; j < k; ++j) sum += tp[r * k + j];
+          for (int64_t j = 0; j < count; ++j) sum += tp[first + j];
           denominator = sum;
         }
         for (int64_t j = 0; j < k; ++j)
@@ -207,6 +210,19 @@ at::Tensor softmax_topk_route_backward(const c10::optional<at::Tensor>& grad_pro
       std::vector<acc_t> dp(per);
       for (int64_t t = t0; t < t1; ++t) {
         const bool is_real = !real || real[t];
+        // kLiveTotal: the sums over every router of the token (else per router, below)
+        acc_t total_sum = 0, total_weighted = 0;
+        if (renorm == kLiveTotal && gg_all) {
+          for (int64_t gr = 0; gr < groups; ++gr) {
+            const scalar_t* p = p_all + t * experts + gr * per;
+            const int64_t* idx = idx_all + (t * groups + gr) * k;
+            const scalar_t* dg = gg_all + (t * groups + gr) * k;
+            for (int64_t j = 0; j < k; ++j) {
+              total_sum += p[idx[j]];
+              total_weighted += static_cast<acc_t>(dg[j]) * p[idx[j]];
+            }
+          }
+        }
         for (int64_t gr = 0; gr < groups; ++gr) {
           const int64_t base = t * experts + gr * per;
           const scalar_t* p = p_all + base;
@@ -223,8 +239,9 @@ at::Tensor softmax_topk_route_backward(const c10::optional<at::Tensor>& grad_pro
               sum += p[idx[j]];
               weighted += static_cast<acc_t>(dg[j]) * p[idx[j]];
             }
+            if (renorm == kLiveTotal) sum = total_sum, weighted = total_weighted;
             const acc_t inv = renorm == kNone ? acc_t(1) : acc_t(1) / sum;
-            const acc_t live = renorm == kLive ? weighted * inv * inv : acc_t(0);
+            const acc_t live = renorm == kLive || renorm == kLiveTotal ? weighted * inv * inv : acc_t(0);
             for (int64_t j = 0; j < k; ++j)
               dp[idx[j]] += static_cast<acc_t>(scale) * (static_cast<acc_t>(dg[j]) * inv - live);
           }
