@@ -351,3 +351,39 @@ def test_sparse_with_shared_heads_equals_dense_on_every_cpu_expert_impl(form, ex
         return layer(inp, is_causal=True, key_padding_mask=padding, query_padding_mask=padding), [inp]
 
     assert_same(*both(layer, call))
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_shared_heads_as_slots_run_on_grouped_cpp_where_auto_picks_sorted(monkeypatch, two_threads):
+    """With gradients on two threads ``auto`` picks ``sorted``, which copies the rows of an expert every token uses
+    (a shared head in the slot form): the slot form with shared heads runs on ``grouped_cpp`` instead; the layer
+    without shared heads, and a forward without gradients, keep ``auto``'s choice."""
+    from headmix.kernels import choose_impl
+
+    cpu = torch.device("cpu")
+    assert choose_impl(cpu, 320, 8, 4, True, torch.float64) == "sorted"
+    assert moh_module.shared_slots_impl(cpu, 320, 8, 4, torch.float64) == "grouped_cpp"
+    with torch.no_grad():
+        assert moh_module.shared_slots_impl(cpu, 320, 8, 4, torch.float64) == choose_impl(cpu, 320, 8, 4, False,
+                                                                                          torch.float64)
+    seen = []
+    real = moh_module.expert_map
+
+    def spy(x, weight, routing, impl="auto"):
+        seen.append(impl)
+        return real(x, weight, routing, impl=impl)
+
+    monkeypatch.setattr(moh_module, "expert_map", spy)
+    x = torch.randn(2, 40, D, dtype=torch.double, requires_grad=True)
+    for layer, want in ((make(shared=2, top_k=2, kv_heads=1), "grouped_cpp"),
+                        (make(shared=0, top_k=2, kv_heads=2, route_per_group=True), "auto")):
+        layer.impl = "sparse"
+        layer(x, is_causal=True)
+        assert seen[-1] == want

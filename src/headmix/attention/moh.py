@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels import IMPLS, expert_map, expert_reduce, expert_routing
+from ..kernels import IMPLS, choose_impl, expert_map, expert_reduce, expert_routing
 from ..kernels.fused_router import fused_router_applies, moh_route
 from ..routing import Routing
 from ..routing.losses import check_fractions, weighted_load_balance
@@ -565,6 +565,9 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         else:
             first = 0
         experts, slots_per_token = heads - first, slot_heads.shape[1]
+        expert_impl = self.expert_impl
+        if expert_impl == "auto" and first == 0 and self.num_shared_heads and not decoding:
+            expert_impl = shared_slots_impl(query.device, n * slots_per_token, experts, slots_per_token, compute)
         if first:  # the experts' rows of W_q, b_q and columns of W_O (no slice without shared heads apart: its
             # backward would be a zero-filled copy)
             w_q, b_q, w_o = w_q[first * dk:], None if b_q is None else b_q[first * dk:], w_o[:, first * dv:]
@@ -572,7 +575,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
         if q_every is not None:
             q = q_every.view(n, heads, dk)[:, first:].gather(1, slot_heads[..., None].expand(n, slots_per_token, dk))
         else:  # head i's W_q^i (d_k, d_model) read in place by the grouped kernels as its transpose (no copy)
-            q = expert_map(x, w_q.view(experts, dk, dim).transpose(1, 2), info, impl=self.expert_impl)
+            q = expert_map(x, w_q.view(experts, dk, dim).transpose(1, 2), info, impl=expert_impl)
             if b_q is not None:
                 q = q + b_q.view(experts, dk)[slot_heads]
         if self.q_norm is not None:
@@ -604,7 +607,7 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             y = F.linear(every.view(n, heads * dv), w_o)
         else:  # head i's W_o^i (d_model, d_v) read in place as its transpose
             y = expert_reduce(o.to(compute), w_o.view(dim, experts, dv).permute(1, 2, 0), weights,
-                              info, impl=self.expert_impl)
+                              info, impl=expert_impl)
         y = y.view(batch, tgt, dim) if y_shared is None else (y + y_shared).view(batch, tgt, dim)
         if self.out_proj.bias is not None:
             y = y + self.out_proj.bias.to(y.dtype)
@@ -636,6 +639,21 @@ class MixtureOfHeadsAttention(MoHHeadWeighting, MultiHeadAttention):
             o = o * gates[:, :s].to(o.dtype)
         o = o.to(x.dtype) * shared_weights.to(x.dtype)[..., None]
         return F.linear(o.reshape(n, s * dv), w_o[:, :s * dv])
+
+
+def shared_slots_impl(device: torch.device, num_slots: int, num_experts: int, top_k: int,
+                      dtype: torch.dtype) -> str:
+    """The grouped kernels' ``auto`` choice for sparse MoH whose shared heads are slots (the slot form): an expert
+    that every token uses holds all ``N`` rows, which ``sorted`` (:func:`~headmix.kernels.choose_impl`'s CPU
+    choice with gradients on several threads) gathers into a copy each call, where ``grouped_cpp`` reads them in
+    place; so ``grouped_cpp`` wherever ``auto`` would pick ``sorted`` with gradients. MoH with one K/V head (2
+    shared + top 2 of 6, d_model 128, batch 8 x 512; 4 shared + top 4 of 12, d_model 1024, T 1024), forward +
+    backward, two threads, interleaved in one process, idle 2-core Intel Xeon, 2026-12-08, the shared heads as
+    slots over the shared heads apart (whole GEMMs) with ``sorted``: 1.31x and 1.09x; with ``grouped_cpp``:
+    1.04x and 1.00x, and 1.09x and 1.02x over the apart layer on ``auto`` (docs/performance.md, "MoH on one
+    router operation")."""
+    choice = choose_impl(device, num_slots, num_experts, top_k, torch.is_grad_enabled(), dtype)
+    return "grouped_cpp" if choice == "sorted" and torch.is_grad_enabled() else choice
 
 
 def _four_dims(mask: Tensor | None) -> Tensor | None:
