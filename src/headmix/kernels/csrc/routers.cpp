@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -327,6 +328,12 @@ std::tuple<int64_t, double> moh_routed_gates(int64_t weighting, int64_t top_k, i
   return {kNone, weighting == kScaled ? static_cast<double>(per) : 1.0};
 }
 
+// The group gate's and the shared gate's scales (c, c_s) of a MoH weighting: 2 and S, or 1 and 1 for the paper's.
+std::pair<double, double> moh_gate_scales(int64_t weighting, int64_t shared) {
+  if (weighting == kPaper) return {1.0, 1.0};
+  return {2.0, static_cast<double>(shared)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
            at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 moh_route(const at::Tensor& logits, const c10::optional<at::Tensor>& token_mask, int64_t routed, int64_t groups,
@@ -350,9 +357,9 @@ moh_route(const at::Tensor& logits, const c10::optional<at::Tensor>& token_mask,
   at::Tensor slot_heads = at::empty({n, groups * slots}, options.dtype(at::kLong));
   at::Tensor slot_weights = at::empty({n, groups * slots}, options);
   at::Tensor head_weights = dense ? at::zeros({n, groups * heads}, options) : at::empty({0}, options);
+  const std::pair<double, double> scales = moh_gate_scales(weighting, shared);
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "moh_route", [&] {
-    const scalar_t c = weighting == kPaper ? scalar_t(1) : scalar_t(2);
-    const scalar_t c_s = weighting == kPaper ? scalar_t(1) : static_cast<scalar_t>(shared);
+    const scalar_t c = static_cast<scalar_t>(scales.first), c_s = static_cast<scalar_t>(scales.second);
     const scalar_t* a_all = shared ? a.data_ptr<scalar_t>() : nullptr;
     const scalar_t* s_all = shared ? s.data_ptr<scalar_t>() : nullptr;
     const scalar_t* gates_all = gates.data_ptr<scalar_t>();
@@ -409,10 +416,10 @@ at::Tensor moh_route_backward(const c10::optional<at::Tensor>& grad_probs,
   at::Tensor grad = at::empty({n, width}, probs.options());
   if (gsw.defined() || ghw.defined()) {
     grad_gates = at::empty({n, groups, k}, probs.options());
+    const std::pair<double, double> scales = moh_gate_scales(weighting, shared);
     AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "moh_route_backward", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      const acc_t c = weighting == kPaper ? acc_t(1) : acc_t(2);
-      const acc_t c_s = weighting == kPaper ? acc_t(1) : static_cast<acc_t>(shared);
+      const acc_t c = static_cast<acc_t>(scales.first), c_s = static_cast<acc_t>(scales.second);
       const scalar_t* gsw_all = gsw.defined() ? gsw.data_ptr<scalar_t>() : nullptr;
       const scalar_t* ghw_all = ghw.defined() ? ghw.data_ptr<scalar_t>() : nullptr;
       const scalar_t* a_all = shared ? a.data_ptr<scalar_t>() : nullptr;
